@@ -1,0 +1,229 @@
+"""RunConfig: the one configuration tree of a run, validated at construction and saved with the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An invalid setting. `field` names the setting; the message says why."""
+
+    def __init__(self, field_name: str, why: str):
+        super().__init__(f"{field_name}: {why}")
+        self.field = field_name
+        self.why = why
+
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULERS = ("none", "onecycle")
+SIZES = ("small", "medium", "large")
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale")
+
+
+def _positive(name: str, value: Any, kind: type = float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ConfigError(name, f"must be a {'whole number' if kind is int else 'number'}, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(name, f"must be > 0, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ScalerConfig:
+    """GradScaler settings; used only by modes that have a scaler (16-mixed)."""
+
+    init_scale: float = 2.0**16
+    """Scale the first step multiplies the loss by."""
+    growth_factor: float = 2.0
+    """Factor the scale grows by after `growth_interval` clean steps (> 1)."""
+    backoff_factor: float = 0.5
+    """Factor the scale shrinks by on a step with inf/NaN gradients (between 0 and 1)."""
+    growth_interval: int = 2000
+    """Clean steps in a row before the scale grows."""
+
+    def __post_init__(self) -> None:
+        _positive("scaler.init_scale", self.init_scale)
+        _positive("scaler.growth_factor", self.growth_factor)
+        if self.growth_factor <= 1:
+            raise ConfigError("scaler.growth_factor", f"must be > 1, got {self.growth_factor!r}")
+        _positive("scaler.backoff_factor", self.backoff_factor)
+        if self.backoff_factor >= 1:
+            raise ConfigError("scaler.backoff_factor", f"must be < 1, got {self.backoff_factor!r}")
+        _positive("scaler.growth_interval", self.growth_interval, int)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FaultSpec:
+    """A fault a demo run injects on purpose; it is recorded as an event when it fires.
+
+    Text form (CLI): ``kind:arg@step+duration``, e.g. ``loss_scale:1e6@50+10``,
+    ``grad_inf:fc1.weight@30``, ``grad_nan@30`` (first parameter), ``lr_scale:10@100+20``,
+    ``init_scale:1024``.
+    """
+
+    kind: str
+    """loss_scale | grad_inf | grad_nan | lr_scale | init_scale."""
+    step: int = 0
+    """First step (0-based) the fault acts on."""
+    duration: int = 1
+    """How many steps it acts for."""
+    factor: float = 1.0
+    """Multiplier for loss_scale / lr_scale; the scale itself for init_scale."""
+    param: str = ""
+    """Parameter name for grad_inf / grad_nan; empty means the model's first parameter."""
+    modes: tuple[str, ...] = ()
+    """Lanes it applies to, by mode; empty means every lane."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError("faults.kind", f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS)}")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ConfigError("faults.step", f"must be a whole number >= 0, got {self.step!r}")
+        _positive("faults.duration", self.duration, int)
+        if self.kind in ("loss_scale", "lr_scale", "init_scale"):
+            _positive("faults.factor", self.factor)
+
+    def active(self, step: int) -> bool:
+        """Whether the fault acts on `step`."""
+        return self.step <= step < self.step + self.duration
+
+    def describe(self) -> str:
+        """A one-line human description."""
+        span = f"at step {self.step}" if self.duration == 1 else f"for steps {self.step}-{self.step + self.duration - 1}"
+        what = {
+            "loss_scale": f"loss x {self.factor:g}",
+            "grad_inf": f"inf into the gradient of {self.param or 'the first parameter'}",
+            "grad_nan": f"NaN into the gradient of {self.param or 'the first parameter'}",
+            "lr_scale": f"LR x {self.factor:g}",
+            "init_scale": f"GradScaler starts at scale {self.factor:g}",
+        }[self.kind]
+        return what if self.kind == "init_scale" else f"{what} {span}"
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """Parse the CLI text form; raises ConfigError naming what is wrong."""
+        m = re.fullmatch(r"\s*(\w+)(?::([^@+]+))?(?:@(\d+))?(?:\+(\d+))?\s*", text)
+        if not m:
+            raise ConfigError("faults", f"cannot read {text!r}; expected kind:arg@step+duration, e.g. loss_scale:1e6@50+10")
+        kind, arg, step, duration = m.groups()
+        kwargs: dict[str, Any] = {"kind": kind, "step": int(step or 0), "duration": int(duration or 1)}
+        if kind in ("grad_inf", "grad_nan"):
+            kwargs["param"] = (arg or "").strip()
+        elif arg is not None:
+            try:
+                kwargs["factor"] = float(arg)
+            except ValueError:
+                raise ConfigError("faults.factor", f"{arg!r} is not a number") from None
+        return cls(**kwargs)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunConfig:
+    """One launch: one workload, one seed, one lane per precision mode."""
+
+    workload: str = "digits_mlp"
+    """Registered workload name (see amp_core.workloads.WORKLOADS)."""
+    modes: tuple[str, ...] = ("32-true", "bf16-mixed")
+    """Precision modes, one lane each (Lightning names: 32-true, tf32, 16-mixed, bf16-mixed, 16-true, bf16-true)."""
+    steps: int = 300
+    """Optimizer steps per lane."""
+    batch_size: int = 64
+    """Samples per step."""
+    lr: float = 1e-3
+    """Learning rate (the peak LR with OneCycleLR)."""
+    optimizer: str = "adam"
+    """adam | adamw | sgd."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon (torch's default 1e-8 rounds to 0 in fp16: 16-true with Adam wants about 1e-4)."""
+    scheduler: str = "none"
+    """none | onecycle (OneCycleLR over `steps`)."""
+    seed: int = 0
+    """Seeds the initial weights and the batch order, identical in every lane."""
+    size: str = "small"
+    """Workload size: small (seconds on a laptop CPU) | medium | large (the seed notes' full size)."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    data_dir: str = ""
+    """Folder with MNIST idx files for digits_mlp; empty uses scikit-learn's bundled 8x8 digits."""
+    grad_clip: float = 0.0
+    """Clip the unscaled gradient norm to this value; 0 means no clipping."""
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """GradScaler settings (16-mixed only)."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject on purpose (demos)."""
+    memory_every: int = 25
+    """Measure activation bytes (saved-tensor hooks) every N steps; other steps carry the last figure."""
+    gradstats_every: int = 50
+    """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
+    stop_on_divergence: bool = True
+    """Stop a lane whose loss goes non-finite (the other lanes go on)."""
+    name: str = ""
+    """Optional label shown in run pickers."""
+
+    def __post_init__(self) -> None:
+        from amp_core.precision import MODES, availability
+        from amp_core.workloads import WORKLOADS
+
+        if self.workload not in WORKLOADS:
+            raise ConfigError("workload", f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+        if isinstance(self.modes, str) or not self.modes:
+            raise ConfigError("modes", "choose at least one precision mode")
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
+        for mode in self.modes:
+            if mode not in MODES:
+                raise ConfigError("modes", f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        _positive("steps", self.steps, int)
+        _positive("batch_size", self.batch_size, int)
+        _positive("lr", self.lr)
+        _positive("eps", self.eps)
+        for name, value, allowed in (("optimizer", self.optimizer, OPTIMIZERS), ("scheduler", self.scheduler, SCHEDULERS),
+                                     ("size", self.size, SIZES), ("device", self.device, DEVICES)):
+            if value not in allowed:
+                raise ConfigError(name, f"unknown value {value!r}; choose from {', '.join(allowed)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError("seed", f"must be a whole number >= 0, got {self.seed!r}")
+        if not isinstance(self.grad_clip, (int, float)) or not math.isfinite(self.grad_clip) or self.grad_clip < 0:
+            raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
+        _positive("memory_every", self.memory_every, int)
+        if isinstance(self.gradstats_every, bool) or not isinstance(self.gradstats_every, int) or self.gradstats_every < 0:
+            raise ConfigError("gradstats_every", f"must be a whole number >= 0, got {self.gradstats_every!r}")
+        for mode in self.modes:
+            ok, reason = availability(mode, self.device)
+            if not ok:
+                raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+        WORKLOADS[self.workload].check_config(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (saved with every run)."""
+        out = dataclasses.asdict(self)
+        out["modes"] = list(self.modes)
+        out["faults"] = [dict(f, modes=list(f["modes"])) for f in out["faults"]]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Inverse of to_dict; unknown keys are refused with ConfigError."""
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(unknown[0], "unknown setting")
+        if "modes" in data:
+            data["modes"] = tuple(data["modes"])
+        if isinstance(data.get("scaler"), dict):
+            data["scaler"] = ScalerConfig(**data["scaler"])
+        if "faults" in data:
+            data["faults"] = tuple(
+                f if isinstance(f, FaultSpec) else FaultSpec(**dict(f, modes=tuple(f.get("modes", ()))))
+                for f in data["faults"]
+            )
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

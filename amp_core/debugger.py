@@ -1,0 +1,497 @@
+"""Overflow debugger data: scale timelines, skipped-step tables, gradient histograms against fp16/bf16 ranges, figures.
+
+Pure pandas/plotly plus torch.finfo facts (through amp_core.formats); it reads the records the runner wrote
+(step frames, event frames, GradStats) and never trains. The Overflow debugger page draws what this returns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from amp_core import formats, plots
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.gradstats import HIST_HI, HIST_LO, GradStats, combine
+from amp_core.precision import _SPECS, MODES
+from amp_core.workloads import WORKLOADS
+
+SCALED_MODES: tuple[str, ...] = tuple(mode for mode in MODES if _SPECS[mode][2])
+"""Modes whose lanes have a GradScaler (their steps can be skipped)."""
+BAND_FORMATS: tuple[str, ...] = ("fp16", "bf16")
+REGIONS: tuple[str, ...] = ("flush to zero", "subnormal", "normal", "overflow")
+REGION_COLORS: dict[str, str] = {
+    "flush to zero": "rgba(127, 127, 127, 0.45)",
+    "subnormal": "rgba(255, 187, 0, 0.55)",
+    "normal": "rgba(44, 160, 44, 0.35)",
+    "overflow": "rgba(214, 39, 40, 0.55)",
+}
+FAULT_FILL = "rgba(148, 103, 189, 0.15)"
+MAX_ANNOTATIONS = 12
+"""Scale-change annotations drawn at most (the largest groups); every change still has a hover marker."""
+TIMELINE_EVENT_KINDS = ("scale_growth", "scale_backoff")
+DEMO_GROWTH_INTERVAL = 50
+"""The demo's GradScaler growth interval: short, so the scale climbs back within a few hundred steps."""
+
+
+# ---- format ranges --------------------------------------------------------------------------------------
+
+def format_bands(lo: float = HIST_LO, hi: float = HIST_HI + 1) -> pd.DataFrame:
+    """fp16 and bf16 ranges as log2 bands clipped to [lo, hi): format, region, lo_log2, hi_log2, lo/hi value, rule.
+
+    The bands are the formats' nominal ranges (torch.finfo). Rounding moves the edges by half a unit: the rule
+    column says where values really turn into 0 or inf (the fractions tables come from real casts).
+    """
+    rows = []
+    for name in BAND_FORMATS:
+        info = formats.format_info(name)
+        sub, tiny, top = info.smallest_subnormal, info.smallest_normal, info.max
+        overflow_at = top + info.ulp_at_max / 2
+        edges = {
+            "flush to zero": (0.0, sub, f"|x| < {sub:.4g} (2^{math.log2(sub):g}) cannot be held: |x| <= {sub / 2:.4g} "
+                                        f"(2^{math.log2(sub / 2):g}) rounds to 0, larger ones round up to {sub:.4g}"),
+            "subnormal": (sub, tiny, f"{sub:.4g} <= |x| < {tiny:.4g} (2^{math.log2(sub):g} .. 2^{math.log2(tiny):g}):"
+                                     " held with fewer significant bits"),
+            "normal": (tiny, top, f"{tiny:.4g} <= |x| <= {top:.6g}: full {info.mantissa_bits}-bit precision"),
+            "overflow": (top, math.inf, f"|x| > {top:.6g}: |x| >= {overflow_at:.6g} rounds to inf, "
+                                        f"smaller ones round down to {top:.6g}"),
+        }
+        for region in REGIONS:
+            low, high, rule = edges[region]
+            lo_log2 = max(lo, math.log2(low)) if low > 0 else lo
+            hi_log2 = min(hi, math.log2(high))
+            if hi_log2 <= lo_log2:
+                continue
+            rows.append({"format": name, "region": region, "lo_log2": lo_log2, "hi_log2": hi_log2,
+                         "lo_value": low, "hi_value": high, "rule": rule})
+    return pd.DataFrame(rows, columns=["format", "region", "lo_log2", "hi_log2", "lo_value", "hi_value", "rule"])
+
+
+# ---- gradient histograms --------------------------------------------------------------------------------
+
+def stats_for(stats: list[GradStats], param: str | None = None) -> GradStats | None:
+    """One parameter's GradStats, or every parameter combined (param None or '(all)'); None if there are none."""
+    if not stats:
+        return None
+    if param in (None, "", "(all)"):
+        return combine(stats)
+    for s in stats:
+        if s.param == param:
+            return s
+    return None
+
+
+def scale_shift(scale: float) -> float:
+    """log2 of the scale: how far a scaled histogram sits to the right of the unscaled one."""
+    return math.log2(scale) if scale > 0 and math.isfinite(scale) else 0.0
+
+
+def histogram_frame(stats: GradStats, scaled: bool | None = None) -> pd.DataFrame:
+    """Non-empty log2 bins of |g|: series (unscaled | scaled), bin, x_lo, x_hi, count, share, clamped.
+
+    Bin e holds 2^e <= |g| < 2^(e+1) and spans [x_lo, x_hi) = [e, e+1) on the log2 axis; the scaled series
+    (|g| x scale, what the fp16 backward held) spans [e + log2(scale), e + 1 + log2(scale)). The end bins are
+    clamped: the first also holds everything smaller, the last everything larger. `share` is of all elements
+    (zeros, inf and NaN included), so the shares plus those of zero/inf/NaN add up to 1.
+    """
+    if scaled is None:
+        scaled = stats.scale != 1.0
+    total = stats.numel or 1
+    series = [("unscaled", 0.0)] + ([("scaled", scale_shift(stats.scale))] if scaled else [])
+    rows = []
+    for name, shift in series:
+        for index, count in enumerate(stats.hist):
+            if count:
+                exponent = HIST_LO + index
+                rows.append({"series": name, "bin": exponent, "x_lo": exponent + shift, "x_hi": exponent + 1 + shift,
+                             "count": int(count), "share": count / total,
+                             "clamped": exponent in (HIST_LO, HIST_HI)})
+    return pd.DataFrame(rows, columns=["series", "bin", "x_lo", "x_hi", "count", "share", "clamped"])
+
+
+def special_counts(stats: GradStats) -> dict[str, int]:
+    """Elements outside the histogram: exact zeros, inf, NaN, and the total."""
+    return {"elements": stats.numel, "finite non-zero": sum(stats.hist), "zero": stats.zeros, "inf": stats.inf,
+            "NaN": stats.nan}
+
+
+def fractions_frame(stats: GradStats) -> pd.DataFrame:
+    """Per format (fp16, bf16): share of the finite non-zero gradient that becomes 0, subnormal or inf.
+
+    Columns '<what> (unscaled)' and, for a scaled lane, '<what> (x scale)'. From real casts (gradstats).
+    """
+    labels = [("unscaled", "unscaled")] + ([("scaled", f"x {stats.scale:g}")] if stats.scale != 1.0 else [])
+    rows = []
+    for fmt in BAND_FORMATS:
+        row: dict[str, Any] = {"format": fmt}
+        for key, label in labels:
+            for what, title in (("zero", "becomes 0"), ("subnormal", "subnormal"), ("overflow", "overflows to inf")):
+                row[f"{title} ({label})"] = stats.fractions.get(f"{fmt}.{what}.{key}", 0.0)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _log2_ticks(lo: float, hi: float, max_ticks: int = 14) -> tuple[list[int], list[str]]:
+    lo, hi = math.floor(lo), math.ceil(hi)
+    step = max(1, math.ceil((hi - lo) / max_ticks))
+    # Multiples of the step, so 0 (|g| = 1) is always a tick when in range.
+    first = math.ceil(lo / step) * step
+    values = list(range(first, hi + 1, step))
+    return values, [f"2^{v}" for v in values]
+
+
+def histogram_range(hist: pd.DataFrame) -> tuple[float, float]:
+    """The x window to open on: the data plus the fp16 edges (2^-25 .. 2^16), with a margin."""
+    lo, hi = -26.0, 17.0
+    if not hist.empty:
+        lo, hi = min(lo, float(hist["x_lo"].min())), max(hi, float(hist["x_hi"].max()))
+    return lo - 2, hi + 2
+
+
+def gradient_histogram_figure(stats: GradStats, mode: str = "", title: str = "") -> go.Figure:
+    """Histogram of log2|g| (and |g| x scale for scaled lanes) over fp16 / bf16 range strips.
+
+    Row 1: bars per log2 bin (unscaled solid in the mode's colour, scaled hatched) on a log count axis, with
+    dotted lines at fp16's edges; rows 2-3: each format's flush-to-zero / subnormal / normal / overflow bands.
+    """
+    hist = histogram_frame(stats)
+    color = plots.mode_color(mode)
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.8, 0.1, 0.1], vertical_spacing=0.03)
+    for series, frame in hist.groupby("series", sort=False):
+        scaled = series == "scaled"
+        name = f"|g| x {stats.scale:g} (scaled)" if scaled else "|g| (unscaled)"
+        fig.add_trace(go.Bar(
+            x=(frame["x_lo"] + 0.5).tolist(), y=frame["count"].tolist(), width=[1.0] * len(frame), name=name,
+            marker={"color": color, "opacity": 0.45 if scaled else 0.9,
+                    "pattern": {"shape": "/" if scaled else ""}},
+            customdata=np.column_stack([frame["x_lo"], frame["x_hi"], frame["share"]]).tolist(),
+            hovertemplate=f"{name}<br>2^%{{customdata[0]:.4g}} <= |g| < 2^%{{customdata[1]:.4g}}"
+                          "<br>%{y} elements (%{customdata[2]:.2%})<extra></extra>",
+        ), row=1, col=1)
+    bands = format_bands()
+    shown: set[str] = set()
+    for row, fmt in enumerate(BAND_FORMATS, start=2):
+        for band in bands[bands["format"] == fmt].itertuples(index=False):
+            fig.add_trace(go.Bar(
+                y=[fmt], x=[band.hi_log2 - band.lo_log2], base=[band.lo_log2], orientation="h", name=band.region,
+                legendgroup=band.region, showlegend=band.region not in shown,
+                marker={"color": REGION_COLORS[band.region]}, customdata=[[band.rule]],
+                hovertemplate=f"{fmt} {band.region}: %{{customdata[0]}}<extra></extra>",
+            ), row=row, col=1)
+            shown.add(band.region)
+    fp16 = formats.format_info("fp16")
+    for edge, label in ((math.log2(fp16.smallest_subnormal), "fp16 smallest subnormal 2^-24"),
+                        (math.log2(fp16.smallest_normal), "fp16 smallest normal 2^-14"),
+                        (math.log2(fp16.max), "fp16 max 65504")):
+        fig.add_vline(x=edge, line={"dash": "dot", "color": "rgba(80, 80, 80, 0.7)", "width": 1}, row=1, col=1,
+                      annotation={"text": label, "textangle": -90, "font": {"size": 10}},
+                      annotation_position="top left")
+    lo, hi = histogram_range(hist)
+    ticks, labels = _log2_ticks(lo, hi)
+    fig.update_xaxes(range=[lo, hi], tickvals=ticks, ticktext=labels)
+    fig.update_xaxes(title="log2 |g|  (bin e holds 2^e <= |g| < 2^(e+1))", row=3, col=1)
+    fig.update_yaxes(type="log", title="elements", row=1, col=1)
+    fig.update_layout(barmode="overlay", height=560, title=title or None, bargap=0,
+                      margin={"l": 10, "r": 10, "t": 40 if title else 20, "b": 10},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.12})
+    return fig
+
+
+# ---- scale timeline and skipped steps -------------------------------------------------------------------
+
+def _lane_events(events: pd.DataFrame, lane: int, kinds: tuple[str, ...]) -> pd.DataFrame:
+    if events.empty:
+        return events.iloc[0:0]
+    lanes = pd.to_numeric(events["lane"], errors="coerce")
+    picked = events[(lanes == lane) & events["kind"].isin(kinds)].copy()
+    picked["step"] = pd.to_numeric(picked["step"], errors="coerce").astype("Int64")
+    return picked
+
+
+def uses_scaler(mode: str) -> bool:
+    return mode in SCALED_MODES
+
+
+def scale_timeline(steps: pd.DataFrame, lane: int) -> pd.DataFrame:
+    """One lane's scale per step: step, scale, log2_scale, skipped, loss (empty for a lane without a scaler)."""
+    frame = steps[steps["lane"] == lane].sort_values("step")
+    scale = pd.to_numeric(frame["scale"], errors="coerce")
+    frame = frame.assign(scale=scale)[scale.notna()]
+    return pd.DataFrame({"step": frame["step"].astype(int).to_numpy(), "scale": frame["scale"].to_numpy(dtype=float),
+                         "log2_scale": np.log2(frame["scale"].to_numpy(dtype=float)),
+                         "skipped": frame["skipped"].astype(bool).to_numpy(),
+                         "loss": pd.to_numeric(frame["loss"], errors="coerce").to_numpy(dtype=float)})
+
+
+def scale_changes(events: pd.DataFrame, lane: int) -> pd.DataFrame:
+    """The lane's scale_growth / scale_backoff events: step, kind (growth | backoff), scale_before, scale_after."""
+    picked = _lane_events(events, lane, TIMELINE_EVENT_KINDS)
+    return pd.DataFrame({
+        "step": picked["step"].astype(int).to_numpy() if len(picked) else np.array([], dtype=int),
+        "kind": [kind.removeprefix("scale_") for kind in picked["kind"]],
+        "scale_before": [float(d.get("scale_before", math.nan)) for d in picked["data"]],
+        "scale_after": [float(d.get("scale_after", math.nan)) for d in picked["data"]],
+    })
+
+
+def _params_text(params: list[dict]) -> str:
+    parts = []
+    for p in params:
+        counts = [f"{p[k]} {label}" for k, label in (("inf", "inf"), ("nan", "NaN")) if p.get(k)]
+        parts.append(f"{p['param']} ({', '.join(counts)})" if counts else p["param"])
+    return ", ".join(parts)
+
+
+def skipped_steps_table(events: pd.DataFrame, lane: int) -> pd.DataFrame:
+    """Steps of a lane whose gradients held inf/NaN: step, outcome, parameters, inf, nan, scale_before, scale_after.
+
+    Skipped steps (GradScaler caught them) and, for lanes without a scaler, steps the optimizer took anyway.
+    """
+    picked = _lane_events(events, lane, ("skipped_step", "nonfinite_grads")).sort_values("step", kind="stable")
+    rows = []
+    for kind, step, data in zip(picked["kind"], picked["step"], picked["data"], strict=True):
+        params = data.get("params") or []
+        before, after = data.get("scale_before"), data.get("scale_after")
+        outcome = (f"skipped; scale {before:g} -> {after:g}" if kind == "skipped_step" and before is not None
+                   else "skipped" if kind == "skipped_step" else "applied: no scaler to catch it")
+        rows.append({"step": int(step), "outcome": outcome, "parameters": _params_text(params),
+                     "inf": sum(int(p.get("inf", 0)) for p in params), "nan": sum(int(p.get("nan", 0)) for p in params),
+                     "scale_before": math.nan if before is None else float(before),
+                     "scale_after": math.nan if after is None else float(after)})
+    return pd.DataFrame(rows, columns=["step", "outcome", "parameters", "inf", "nan", "scale_before", "scale_after"])
+
+
+def lane_faults(config: dict[str, Any], mode: str) -> list[FaultSpec]:
+    """The run's faults that act on a lane of `mode` (config is RunConfig.to_dict()); ConfigError if one is bad.
+
+    Read fault by fault rather than through RunConfig.from_dict, so a stored run whose modes this machine cannot
+    run (a CUDA run viewed on a laptop) still shows its faults.
+    """
+    specs = [f if isinstance(f, FaultSpec) else FaultSpec(**dict(f, modes=tuple(f.get("modes", ()))))
+             for f in config.get("faults", [])]
+    return [f for f in specs if not f.modes or mode in f.modes]
+
+
+def fault_windows(config: dict[str, Any], mode: str) -> pd.DataFrame:
+    """Step windows of a lane's faults: kind, start, end (exclusive), description. init_scale has no window."""
+    rows = [{"kind": f.kind, "start": f.step, "end": f.step + f.duration, "description": f.describe()}
+            for f in lane_faults(config, mode) if f.kind != "init_scale"]
+    return pd.DataFrame(rows, columns=["kind", "start", "end", "description"])
+
+
+def _change_groups(changes: pd.DataFrame) -> list[dict]:
+    """Runs of same-kind scale changes on consecutive steps (ten backoffs in a row are one story)."""
+    groups: list[dict] = []
+    for row in changes.sort_values("step").itertuples(index=False):
+        last = groups[-1] if groups else None
+        if last and last["kind"] == row.kind and row.step == last["last_step"] + 1:
+            last.update(last_step=row.step, scale_after=row.scale_after, count=last["count"] + 1)
+        else:
+            groups.append({"kind": row.kind, "first_step": row.step, "last_step": row.step, "count": 1,
+                           "scale_before": row.scale_before, "scale_after": row.scale_after})
+    return groups
+
+
+def _pow2(value: float) -> str:
+    exponent = math.log2(value) if value > 0 else math.nan
+    return f"2^{exponent:g}" if math.isfinite(exponent) and exponent == round(exponent) else f"{value:g}"
+
+
+def scale_timeline_figure(steps: pd.DataFrame, events: pd.DataFrame, lane: int, mode: str,
+                          windows: pd.DataFrame | None = None, max_points: int = plots.MAX_POINTS) -> go.Figure:
+    """Row 1: the lane's GradScaler scale (log2 axis) with skipped steps, growth/backoff markers and annotations.
+    Row 2: loss of every lane of the run (log axis) with their skipped steps. Fault windows are shaded.
+    """
+    # Arrays go in as numpy, not lists: plotly checks a list element by element, which costs a long run's live
+    # redraw half a second; numpy arrays travel as binary.
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.6, 0.4], vertical_spacing=0.06,
+                        subplot_titles=(f"GradScaler scale, lane {lane} ({mode})", "loss, every lane"))
+    color = plots.mode_color(mode)
+    timeline = scale_timeline(steps, lane)
+    if timeline.empty:
+        fig.add_annotation(text=(f"{mode} has no GradScaler: nothing is scaled, no step is skipped"
+                                 if not uses_scaler(mode) else "no steps yet"),
+                           xref="x domain", yref="y domain", x=0.5, y=0.5, showarrow=False, row=1, col=1)
+    else:
+        shown = plots.decimate(timeline, "log2_scale", max_points, keep="skipped")
+        fig.add_trace(go.Scatter(
+            x=shown["step"].to_numpy(), y=shown["log2_scale"].to_numpy(), mode="lines", line_shape="hv",
+            line={"color": color, "width": 2}, name=f"scale ({mode})", customdata=shown["scale"].to_numpy(),
+            hovertemplate="step %{x}: scale %{customdata:g}<extra></extra>"), row=1, col=1)
+        skipped = timeline[timeline["skipped"]]
+        fig.add_trace(go.Scatter(
+            x=skipped["step"].to_numpy(), y=skipped["log2_scale"].to_numpy(), mode="markers", name="skipped step",
+            marker={"symbol": "x", "size": 9, "color": "#d62728"}, customdata=skipped["scale"].to_numpy(),
+            hovertemplate="step %{x} skipped (scale %{customdata:g})<extra></extra>"), row=1, col=1)
+        changes = scale_changes(events, lane)
+        markers = (("growth", "triangle-up", "#2ca02c"), ("backoff", "triangle-down", "#ff7f0e"))
+        for kind, symbol, marker_color in markers:
+            part = changes[changes["kind"] == kind]
+            fig.add_trace(go.Scatter(
+                x=part["step"].to_numpy(), y=np.log2(part["scale_after"].to_numpy(dtype=float)), mode="markers",
+                name=f"scale {kind}", marker={"symbol": symbol, "size": 9, "color": marker_color},
+                customdata=part[["scale_before", "scale_after"]].to_numpy(dtype=float),
+                hovertemplate=f"{kind} after step %{{x}}: %{{customdata[0]:g}} -> %{{customdata[1]:g}}<extra></extra>",
+            ), row=1, col=1)
+        groups = sorted(_change_groups(changes), key=lambda g: -g["count"])[:MAX_ANNOTATIONS]
+        for g in groups:
+            arrow = "↑" if g["kind"] == "growth" else "↓"
+            what = f"{g['count']} {g['kind']}s" if g["count"] > 1 else g["kind"]
+            fig.add_annotation(x=g["last_step"], y=math.log2(g["scale_after"]), row=1, col=1, showarrow=True,
+                               arrowhead=2, ax=0, ay=-28 if g["kind"] == "growth" else 28, font={"size": 10},
+                               text=f"{arrow} {what}: {_pow2(g['scale_before'])} → {_pow2(g['scale_after'])}")
+        lo, hi = float(timeline["log2_scale"].min()), float(timeline["log2_scale"].max())
+        ticks, labels = _log2_ticks(lo - 1, hi + 1, max_ticks=10)
+        fig.update_yaxes(tickvals=ticks, ticktext=labels, range=[lo - 1.5, hi + 1.5], title="scale", row=1, col=1)
+    for lane_index, frame in steps.sort_values("step").groupby("lane", sort=True):
+        lane_mode = str(frame["mode"].iloc[0])
+        loss = frame.assign(loss=pd.to_numeric(frame["loss"], errors="coerce"))
+        shown = plots.decimate(loss, "loss", max_points, keep="skipped")
+        fig.add_trace(go.Scatter(
+            x=shown["step"].to_numpy(), y=shown["loss"].to_numpy(), mode="lines",
+            name=f"loss lane {lane_index} ({lane_mode})", line={"color": plots.mode_color(lane_mode), "width": 1.5},
+            hovertemplate=f"{lane_mode} step %{{x}}: loss %{{y:.4g}}<extra></extra>"), row=2, col=1)
+        skipped = loss[loss["skipped"].astype(bool)]
+        if len(skipped):
+            fig.add_trace(go.Scatter(
+                x=skipped["step"].to_numpy(), y=skipped["loss"].to_numpy(), mode="markers", showlegend=False,
+                marker={"symbol": "x", "size": 7, "color": plots.mode_color(lane_mode)},
+                hovertemplate=f"{lane_mode} step %{{x}} skipped<extra></extra>"), row=2, col=1)
+    fig.update_yaxes(type="log", title="loss", row=2, col=1)
+    if windows is not None:
+        for window in windows.itertuples(index=False):
+            fig.add_vrect(x0=window.start - 0.5, x1=window.end - 0.5, fillcolor=FAULT_FILL, line_width=0,
+                          annotation={"text": window.description, "font": {"size": 10}},
+                          annotation_position="top left", row="all", col=1)
+    fig.update_xaxes(title="step", row=2, col=1)
+    fig.update_layout(height=560, margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04})
+    return fig
+
+
+# ---- what a run did -------------------------------------------------------------------------------------
+
+def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: list[dict]) -> pd.DataFrame:
+    """Per lane (lanes from RunManager.run_info): mode, status, steps, skipped steps, non-finite steps, scale."""
+    rows = []
+    for lane in lanes:
+        index = lane["lane"]
+        frame = steps[steps["lane"] == index]
+        scale = pd.to_numeric(frame["scale"], errors="coerce").dropna()
+        nonfinite = _lane_events(events, index, ("nonfinite_grads",))
+        rows.append({"lane": index, "mode": lane["mode"], "status": lane["status"], "steps": len(frame),
+                     "skipped steps": int(frame["skipped"].astype(bool).sum()),
+                     "steps with inf/NaN applied": len(nonfinite),
+                     "scale now": float(scale.iloc[-1]) if len(scale) else math.nan,
+                     "scale min": float(scale.min()) if len(scale) else math.nan,
+                     "scale max": float(scale.max()) if len(scale) else math.nan})
+    return pd.DataFrame(rows, columns=["lane", "mode", "status", "steps", "skipped steps",
+                                       "steps with inf/NaN applied", "scale now", "scale min", "scale max"])
+
+
+def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict[str, Any]:
+    """What a fault acting on steps [start, end) did to one lane.
+
+    skipped_steps: skipped steps from `start` until the scale is back (or the run's end); scale_before: the scale
+    of step start-1 (of `start` when it is 0); scale_min: the lowest scale from `start` on; first_clean_step: the
+    first step >= start that was not skipped; recovered_step: the first step >= end, not skipped, whose scale is
+    back at scale_before (None: not within the run, or no scaler); steps_to_recover: recovered_step - end;
+    outcome: the same in one sentence.
+    """
+    frame = steps[steps["lane"] == lane].sort_values("step")
+    step = frame["step"].astype(int)
+    scale = pd.to_numeric(frame["scale"], errors="coerce")
+    skipped = frame["skipped"].astype(bool)
+    after = step >= start
+    prior = scale[step == (start - 1 if start > 0 else start)]
+    scale_before = float(prior.iloc[0]) if len(prior) else math.nan
+    clean = step[after & ~skipped]
+    recovered = step[(step >= end) & ~skipped & (scale >= scale_before)]
+    recovered_step = int(recovered.iloc[0]) if len(recovered) and not math.isnan(scale_before) else None
+    last = recovered_step if recovered_step is not None else (int(step.max()) if len(step) else start)
+    skipped_count = int((skipped & after & (step <= last)).sum())
+    scale_min = float(scale[after].min()) if scale[after].notna().any() else math.nan
+    if math.isnan(scale_before):
+        outcome = (f"no GradScaler: {skipped_count} steps skipped; the optimizer took every step, "
+                   "spiked gradients included")
+    else:
+        outcome = f"{skipped_count} steps skipped, scale {_pow2(scale_before)} -> {_pow2(scale_min)} at the lowest; "
+        if recovered_step is None:
+            tail = scale[after].dropna()
+            now = f" (it is {_pow2(float(tail.iloc[-1]))} at the last step)" if len(tail) else ""
+            outcome += f"not back to {_pow2(scale_before)} within the run{now}"
+        else:
+            outcome += f"back to {_pow2(scale_before)} at step {recovered_step}, {recovered_step - end} steps after " \
+                       "the fault ended"
+    return {"lane": lane, "mode": str(frame["mode"].iloc[0]) if len(frame) else "",
+            "skipped_steps": skipped_count, "scale_before": scale_before, "scale_min": scale_min,
+            "first_clean_step": int(clean.iloc[0]) if len(clean) else None, "recovered_step": recovered_step,
+            "steps_to_recover": recovered_step - end if recovered_step is not None else None, "outcome": outcome}
+
+
+def fault_effects(steps: pd.DataFrame, config: dict[str, Any], lanes: list[dict]) -> pd.DataFrame:
+    """fault_recovery for every (fault with a step window, lane it acts on), with the fault's description."""
+    rows = []
+    for lane in lanes:
+        for window in fault_windows(config, lane["mode"]).itertuples(index=False):
+            rows.append({"fault": window.description,
+                         **fault_recovery(steps, lane["lane"], int(window.start), int(window.end))})
+    columns = ["fault", "lane", "mode", "skipped_steps", "scale_before", "scale_min", "first_clean_step",
+               "recovered_step", "steps_to_recover", "outcome"]
+    frame = pd.DataFrame(rows, columns=columns)
+    for column in ("first_clean_step", "recovered_step", "steps_to_recover"):
+        frame[column] = frame[column].astype("Int64")
+    return frame
+
+
+def stat_step_labels(stat_steps: list[int], steps: pd.DataFrame, lane: int) -> dict[int, str]:
+    """Labels for the sampled steps of a lane: 'step 50 · skipped' where the optimizer step was skipped."""
+    frame = steps[steps["lane"] == lane]
+    skipped = set(frame.loc[frame["skipped"].astype(bool), "step"].astype(int))
+    return {s: f"step {s} · skipped" if s in skipped else f"step {s}" for s in stat_steps}
+
+
+def default_lane(lanes: list[dict]) -> int:
+    """The first lane with a GradScaler (the one that can skip), else the first lane."""
+    for lane in lanes:
+        if uses_scaler(lane["mode"]):
+            return int(lane["lane"])
+    return int(lanes[0]["lane"]) if lanes else 0
+
+
+# ---- the demo launcher ----------------------------------------------------------------------------------
+
+def param_names(workload: str, size: str = "small") -> list[str]:
+    """The parameter names of a workload's model (built on the meta device: no weights are allocated)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    spec = WORKLOADS[workload]
+    data = spec.load_data(RunConfig(workload=workload, size=size, modes=("32-true",)))
+    with torch.device("meta"):
+        model = spec.build_model(size, data)
+    return [name for name, _ in model.named_parameters()]
+
+
+def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
+                factor: float = 1.0, param: str = "", steps: int = 300,
+                growth_interval: int = DEMO_GROWTH_INTERVAL, gradstats_every: int = 10) -> RunConfig:
+    """A RunConfig for a fault demo: one fault (acting on every lane) and a short GradScaler growth interval.
+
+    Raises ConfigError naming the field (e.g. a fault step beyond the run).
+    """
+    fault = FaultSpec(kind=kind, step=step, duration=duration, factor=factor, param=param)
+    if isinstance(steps, int) and kind != "init_scale" and step >= steps:
+        raise ConfigError("faults.step", f"step {step} is past the run's last step ({steps - 1}); "
+                                         "the fault would never fire")
+    if kind in ("grad_inf", "grad_nan") and param and workload in WORKLOADS:
+        names = param_names(workload)
+        if param not in names:
+            raise ConfigError("faults.param", f"{workload} has no parameter {param!r}; it has {', '.join(names)}")
+    return RunConfig(workload=workload, modes=tuple(modes), steps=steps, faults=(fault,),
+                     scaler=ScalerConfig(growth_interval=growth_interval), gradstats_every=gradstats_every,
+                     name=f"demo: {fault.describe()}")

@@ -1,0 +1,120 @@
+"""Gradient ranges against fp16/bf16: log2 histograms, underflow/overflow fractions, non-finite forensics.
+
+Fractions come from really casting the gradient (unscaled, and multiplied by the scale) to fp16 and bf16,
+so they are what those formats do, ties and rounding included, not a threshold model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+HIST_LO = -140
+"""Lowest log2 bin (below bf16's smallest subnormal, 2^-133); smaller magnitudes are counted in it."""
+HIST_HI = 20
+"""Highest log2 bin; larger magnitudes are counted in it."""
+FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class GradStats:
+    """One parameter's gradient on one step (after unscale_)."""
+
+    param: str
+    numel: int
+    zeros: int
+    """Elements exactly 0."""
+    inf: int
+    nan: int
+    hist: list[int]
+    """Counts of finite non-zero |g| by floor(log2|g|), bins HIST_LO..HIST_HI (clamped at both ends)."""
+    scale: float
+    """The scale the 'scaled' fractions multiply by (1 for unscaled modes)."""
+    fractions: dict[str, float] = field(default_factory=dict)
+    """Of the finite non-zero elements: '{fmt}.{zero|subnormal|overflow}.{unscaled|scaled}' -> fraction."""
+    lost_update_fraction: float | None = None
+    """Of the elements with a finite non-zero gradient: share whose parameter did not change this step."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.hist) + self.zeros + self.inf + self.nan
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def hist_edges() -> list[int]:
+    """The log2 exponent each histogram bin starts at."""
+    return list(range(HIST_LO, HIST_HI + 1))
+
+
+def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    count = values.numel()
+    if count == 0:
+        return out
+    for fmt, dtype in FORMATS.items():
+        smallest_normal = torch.finfo(dtype).tiny
+        for label, factor in (("unscaled", 1.0), ("scaled", scale)):
+            stored = (values.double() * factor).to(dtype).abs()
+            out[f"{fmt}.zero.{label}"] = int((stored == 0).sum()) / count
+            out[f"{fmt}.subnormal.{label}"] = int(((stored > 0) & (stored < smallest_normal)).sum()) / count
+            out[f"{fmt}.overflow.{label}"] = int(torch.isinf(stored).sum()) / count
+    return out
+
+
+def grad_stats(name: str, grad: torch.Tensor, scale: float = 1.0) -> GradStats:
+    """Statistics of one (unscaled) gradient tensor."""
+    g = grad.detach().reshape(-1)
+    inf = int(torch.isinf(g).sum())
+    nan = int(torch.isnan(g).sum())
+    finite = g[torch.isfinite(g)]
+    nonzero = finite[finite != 0]
+    # frexp gives |g| = m * 2**e with m in [0.5, 1): floor(log2|g|) = e - 1, exact for powers of two.
+    _, exponent = torch.frexp(nonzero.float().abs())
+    bins = (exponent.to(torch.int64) - 1).clamp(HIST_LO, HIST_HI) - HIST_LO
+    hist = torch.bincount(bins, minlength=HIST_HI - HIST_LO + 1).tolist()
+    return GradStats(param=name, numel=g.numel(), zeros=int(finite.numel() - nonzero.numel()), inf=inf, nan=nan,
+                     hist=hist, scale=float(scale), fractions=_fractions(nonzero, scale))
+
+
+def model_grad_stats(model: torch.nn.Module, scale: float = 1.0) -> list[GradStats]:
+    """GradStats for every parameter that has a gradient."""
+    return [grad_stats(name, p.grad, scale) for name, p in model.named_parameters() if p.grad is not None]
+
+
+def nonfinite_params(model: torch.nn.Module) -> list[dict]:
+    """Parameters whose gradient holds inf or NaN: name, inf count, NaN count."""
+    out = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        inf, nan = int(torch.isinf(p.grad).sum()), int(torch.isnan(p.grad).sum())
+        if inf or nan:
+            out.append({"param": name, "inf": inf, "nan": nan})
+    return out
+
+
+def lost_update_fraction(before: torch.Tensor, after: torch.Tensor, grad: torch.Tensor) -> float | None:
+    """Share of elements with a finite non-zero gradient whose value did not move (the update rounded away)."""
+    live = torch.isfinite(grad) & (grad != 0)
+    count = int(live.sum())
+    if count == 0:
+        return None
+    return int(((before == after) & live).sum()) / count
+
+
+def combine(stats: list[GradStats]) -> GradStats:
+    """Whole-model statistics: counts summed, fractions weighted by each parameter's non-zero count."""
+    nonzero = [sum(s.hist) for s in stats]
+    total_nonzero = sum(nonzero) or 1
+    keys = stats[0].fractions.keys() if stats else []
+    fractions = {k: sum(s.fractions.get(k, 0.0) * n for s, n in zip(stats, nonzero, strict=True)) / total_nonzero
+                 for k in keys}
+    lost = [(s.lost_update_fraction, n) for s, n in zip(stats, nonzero, strict=True) if s.lost_update_fraction is not None]
+    lost_fraction = sum(f * n for f, n in lost) / (sum(n for _, n in lost) or 1) if lost else None
+    return GradStats(param="(all)", numel=sum(s.numel for s in stats), zeros=sum(s.zeros for s in stats),
+                     inf=sum(s.inf for s in stats), nan=sum(s.nan for s in stats),
+                     hist=[sum(col) for col in zip(*(s.hist for s in stats), strict=True)] if stats else [],
+                     scale=stats[0].scale if stats else 1.0, fractions=fractions, lost_update_fraction=lost_fraction)

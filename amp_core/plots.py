@@ -1,0 +1,232 @@
+"""Plotly figure builders from DataFrames of step records (pure: pandas/numpy/plotly), decimated for long runs.
+
+Every builder takes the records of one run (any number of lanes, any order) and returns a `go.Figure` whose
+traces are named by mode and coloured by `mode_color`, so a mode looks the same in every chart and page.
+Figures are built from plain dicts: plotly's per-trace validation costs ~3 ms a trace, over the Train page's
+budget at 4 lanes x 5 charts (see bench/render.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+# One colour per mode, the same in every chart and page.
+MODE_COLORS: dict[str, str] = {
+    "32-true": "#1f77b4",
+    "tf32": "#17becf",
+    "16-mixed": "#d62728",
+    "bf16-mixed": "#2ca02c",
+    "16-true": "#ff7f0e",
+    "bf16-true": "#9467bd",
+}
+MAX_POINTS = 2000
+"""At most about this many points per trace (a browser stays smooth; spikes and skipped steps survive)."""
+MEMORY_PARTS: tuple[tuple[str, str], ...] = (
+    ("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optim_bytes", "optimizer state"),
+    ("activations_bytes", "activations"))
+CHART_HEIGHT = 320
+
+
+def mode_color(mode: str) -> str:
+    return MODE_COLORS.get(mode, "#7f7f7f")
+
+
+def decimate_indices(values: np.ndarray, max_points: int = MAX_POINTS, keep: np.ndarray | None = None) -> np.ndarray:
+    """Row positions to draw: per bucket the first, min and max, the last row, NaN/inf rows, and every `keep` row.
+
+    Spikes survive because each bucket keeps its extremes; skipped steps survive through `keep`.
+    """
+    n = len(values)
+    if n <= max_points:
+        return np.arange(n)
+    size = -(-n // max(1, max_points // 3))  # rows per bucket, rounded up
+    buckets = -(-n // size)
+    v = np.asarray(values, dtype=float)
+    finite = np.isfinite(v)
+    lo = np.full(buckets * size, np.inf)
+    hi = np.full(buckets * size, -np.inf)
+    lo[:n] = np.where(finite, v, np.inf)
+    hi[:n] = np.where(finite, v, -np.inf)
+    offsets = np.arange(buckets) * size
+    chosen = [offsets, offsets + lo.reshape(buckets, size).argmin(axis=1),
+              offsets + hi.reshape(buckets, size).argmax(axis=1), np.flatnonzero(~finite), np.array([n - 1])]
+    if keep is not None:
+        chosen.append(np.flatnonzero(keep))
+    return np.unique(np.concatenate(chosen))
+
+
+def decimate(frame: pd.DataFrame, column: str, max_points: int = MAX_POINTS, keep: str | None = None) -> pd.DataFrame:
+    """`frame` (one lane, ordered by step) cut to about `max_points` rows that keep spikes and `keep` rows."""
+    if len(frame) <= max_points:
+        return frame
+    mask = frame[keep].to_numpy(dtype=bool) if keep else None
+    return frame.iloc[decimate_indices(frame[column].to_numpy(dtype=float), max_points, mask)]
+
+
+def lanes(frame: pd.DataFrame) -> list[tuple[int, str, pd.DataFrame]]:
+    """(lane, mode, that lane's records ordered by step) for each lane, in lane order."""
+    if frame.empty:
+        return []
+    out = []
+    for lane, group in frame.groupby("lane", sort=True):
+        steps = group["step"].to_numpy()
+        if len(steps) > 1 and not (steps[1:] >= steps[:-1]).all():
+            group = group.sort_values("step")
+        out.append((int(lane), str(group["mode"].iloc[0]), group))
+    return out
+
+
+def smooth(values: np.ndarray, smoothing: float) -> np.ndarray:
+    """TensorBoard-style EMA (debiased), 0 = none, 0.99 = heavy; non-finite values are skipped, not spread."""
+    if smoothing <= 0:
+        return values
+    series = pd.Series(np.where(np.isfinite(values), values, np.nan))
+    return series.ewm(alpha=1.0 - smoothing, adjust=True, ignore_na=True).mean().to_numpy()
+
+
+def _line(mode: str, x: np.ndarray, y: np.ndarray, **extra) -> dict:
+    trace = {"type": "scatter", "mode": "lines", "name": mode, "legendgroup": mode, "x": x, "y": y,
+             "line": {"color": mode_color(mode), "width": 1.6}}
+    trace.update(extra)
+    return trace
+
+
+def _markers(mode: str, x: np.ndarray, y: np.ndarray, name: str, symbol: str = "x") -> dict:
+    return {"type": "scatter", "mode": "markers", "name": name, "legendgroup": mode, "x": x, "y": y,
+            "marker": {"color": mode_color(mode), "symbol": symbol, "size": 9, "line": {"width": 1}},
+            "hovertemplate": "step %{x}: skipped<extra>" + mode + "</extra>"}
+
+
+def _layout(title: str, y_title: str, **extra) -> dict:
+    layout = {"title": {"text": title}, "height": CHART_HEIGHT, "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
+              "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": y_title}},
+              "legend": {"orientation": "h", "y": -0.2}, "hovermode": "x unified"}
+    layout.update(extra)
+    return layout
+
+
+def _empty(title: str, why: str) -> go.Figure:
+    return go.Figure({"data": [], "layout": _layout(title, "", xaxis={"visible": False}, yaxis={"visible": False},
+                                                     annotations=[{"text": why, "showarrow": False, "xref": "paper",
+                                                                   "yref": "paper", "x": 0.5, "y": 0.5}])})
+
+
+def loss_figure(frame: pd.DataFrame, *, log_y: bool = False, smoothing: float = 0.0,
+                max_points: int = MAX_POINTS) -> go.Figure:
+    """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x."""
+    if frame.empty:
+        return _empty("Loss", "no steps yet")
+    data = []
+    for _, mode, group in lanes(frame):
+        steps = group["step"].to_numpy()
+        raw = group["loss"].to_numpy(dtype=float)
+        skipped = group["skipped"].to_numpy(dtype=bool)
+        shown = smooth(raw, smoothing)
+        if smoothing > 0:
+            idx = decimate_indices(raw, max_points, skipped)
+            data.append(_line(mode, steps[idx], raw[idx], opacity=0.25, showlegend=False, hoverinfo="skip"))
+        idx = decimate_indices(shown, max_points, skipped)
+        data.append(_line(mode, steps[idx], shown[idx]))
+        if skipped.any():
+            finite = shown[np.isfinite(shown)]
+            top = finite.max() if finite.size else 1.0
+            marks = np.where(np.isfinite(shown[skipped]), shown[skipped], top)  # a non-finite loss sits on top
+            data.append(_markers(mode, steps[skipped], marks, f"{mode} skipped"))
+    title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "")
+    return go.Figure({"data": data, "layout": _layout(title, "loss", yaxis={
+        "title": {"text": "loss"}, "type": "log" if log_y else "linear"})})
+
+
+def step_time_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+    """Measured ms per step per lane (min/max decimation keeps the slow outliers visible)."""
+    if frame.empty:
+        return _empty("Step time", "no steps yet")
+    data = []
+    for _, mode, group in lanes(frame):
+        ms = group["step_ms"].to_numpy(dtype=float)
+        idx = decimate_indices(ms, max_points)
+        data.append(_line(mode, group["step"].to_numpy()[idx], ms[idx]))
+    return go.Figure({"data": data, "layout": _layout("Step time", "ms / step", yaxis={
+        "title": {"text": "ms / step"}, "rangemode": "tozero"})})
+
+
+def lr_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+    """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
+    if frame.empty:
+        return _empty("Learning rate", "no steps yet")
+    data = []
+    for _, mode, group in lanes(frame):
+        lr = group["lr"].to_numpy(dtype=float)
+        idx = decimate_indices(lr, max_points)
+        data.append(_line(mode, group["step"].to_numpy()[idx], lr[idx], line={
+            "color": mode_color(mode), "width": 1.6, "shape": "hv"}))
+    yaxis = {"title": {"text": "LR"}, "rangemode": "tozero", "exponentformat": "e"}
+    top = np.nanmax(frame["lr"].to_numpy(dtype=float))
+    if np.isfinite(top) and top > 0:  # plotly would centre a constant LR on a -1..1 axis, where 1e-3 looks like 0
+        yaxis["range"] = [0, top * 1.15]
+    return go.Figure({"data": data, "layout": _layout("Learning rate", "LR", yaxis=yaxis)})
+
+
+def scale_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+    """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
+    has_scale = frame[frame["scale"].notna()] if not frame.empty else frame
+    if has_scale.empty:
+        return _empty("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
+    data, exponents = [], []
+    for _, mode, group in lanes(has_scale):
+        scale = group["scale"].to_numpy(dtype=float)
+        skipped = group["skipped"].to_numpy(dtype=bool)
+        steps = group["step"].to_numpy()
+        idx = decimate_indices(scale, max_points, skipped)
+        data.append(_line(mode, steps[idx], scale[idx], line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
+        if skipped.any():
+            data.append(_markers(mode, steps[skipped], scale[skipped], f"{mode} skipped"))
+        positive = scale[(scale > 0) & np.isfinite(scale)]
+        if positive.size:
+            exponents += [math.floor(math.log2(positive.min())), math.ceil(math.log2(positive.max()))]
+    low, high = (min(exponents), max(exponents)) if exponents else (0, 16)
+    every = max(1, -(-(high - low + 1) // 12))  # at most ~12 tick labels
+    ticks = list(range(low, high + 1, every))
+    yaxis = {"title": {"text": "scale (log2)"}, "type": "log", "tickvals": [2.0**k for k in ticks],
+             "ticktext": [f"2^{k}" for k in ticks]}
+    return go.Figure({"data": data, "layout": _layout("GradScaler scale", "scale", yaxis=yaxis)})
+
+
+def memory_unit(max_bytes: float) -> tuple[str, float]:
+    """('MiB', 2**20) for figures of a MiB or more, else ('KiB', 2**10)."""
+    return ("MiB", 2.0**20) if max_bytes >= 2**20 else ("KiB", 2.0**10)
+
+
+def memory_figure(frame: pd.DataFrame) -> go.Figure:
+    """Bytes each lane holds at its latest step, by part, one bar per mode; plus the CUDA peak where there is one."""
+    if frame.empty:
+        return _empty("Memory", "no steps yet")
+    latest = [(mode, group.iloc[-1]) for _, mode, group in lanes(frame)]
+    parts = [*MEMORY_PARTS, ("_held", "total held")]
+    has_cuda = any(pd.notna(row["cuda_peak_bytes"]) for _, row in latest)
+    if has_cuda:
+        parts.append(("cuda_peak_bytes", "CUDA peak (step)"))
+    values = {mode: [float(sum(row[c] for c, _ in MEMORY_PARTS)) if column == "_held" else
+                     float(row[column]) if pd.notna(row[column]) else float("nan") for column, _ in parts]
+              for mode, row in latest}
+    unit, divisor = memory_unit(np.nanmax([v for vals in values.values() for v in vals] + [0.0]))
+    labels = [label for _, label in parts]
+    data = [{"type": "bar", "name": mode, "legendgroup": mode, "x": labels,
+             "y": [v / divisor for v in vals], "marker": {"color": mode_color(mode)},
+             "customdata": vals, "hovertemplate": "%{x}: %{y:.3g} " + unit + " (%{customdata:,.0f} B)<extra>"
+             + mode + "</extra>"} for mode, vals in values.items()]
+    layout = _layout("Memory held (latest step)", unit, barmode="group", hovermode="closest",
+                     xaxis={"title": {"text": ""}})
+    return go.Figure({"data": data, "layout": layout})
+
+
+def train_figures(frame: pd.DataFrame, *, log_y: bool = False, smoothing: float = 0.0,
+                  max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
+    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr."""
+    return {"loss": loss_figure(frame, log_y=log_y, smoothing=smoothing, max_points=max_points),
+            "step_time": step_time_figure(frame, max_points), "memory": memory_figure(frame),
+            "scale": scale_figure(frame, max_points), "lr": lr_figure(frame, max_points)}

@@ -1,0 +1,157 @@
+"""Precision modes: the ONLY place that maps a mode name to behaviour (autocast, scaler, dtypes, TF32)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+# Lightning's vocabulary, in the order the UI lists them.
+MODES: tuple[str, ...] = ("32-true", "tf32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+MODE_HELP: dict[str, str] = {
+    "32-true": "fp32 weights and math (the baseline).",
+    "tf32": "fp32 weights; matmuls/convs on TF32 tensor cores (CUDA, compute capability >= 8.0).",
+    "16-mixed": "fp32 weights; autocast to fp16; GradScaler scales the loss and skips overflowed steps.",
+    "bf16-mixed": "fp32 weights; autocast to bf16; no scaler (bf16 has fp32's range).",
+    "16-true": "model, gradients and optimizer state all in fp16; no autocast, no scaler.",
+    "bf16-true": "model, gradients and optimizer state all in bf16; no autocast, no scaler.",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How one lane computes: the training step asks this object and never branches on dtype."""
+
+    mode: str
+    device: str
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    uses_scaler: bool
+    tf32: bool
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def math_context(self) -> contextlib.AbstractContextManager:
+        """Context for a whole step: sets the TF32 flags (process-global) for this lane only."""
+        if self.device_type != "cuda":
+            return contextlib.nullcontext()
+        return _tf32_flags(self.tf32)
+
+    def make_scaler(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                    backoff_factor: float = 0.5, growth_interval: int = 2000) -> torch.amp.GradScaler:
+        """A GradScaler that is a no-op (enabled=False) when the mode has none."""
+        return torch.amp.GradScaler(
+            self.device_type, init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=self.uses_scaler,
+        )
+
+    def prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move the module to the device and cast its parameters (true modes only change dtype)."""
+        return module.to(device=self.device, dtype=self.param_dtype)
+
+    def prepare_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Move a batch tensor to the device; floating inputs take the parameter dtype."""
+        if tensor.is_floating_point():
+            return tensor.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
+        return tensor.to(device=self.device, non_blocking=True)
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+    @property
+    def low_precision_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype this mode computes in, if any."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return self.param_dtype if self.param_dtype != torch.float32 else None
+
+
+@contextlib.contextmanager
+def _tf32_flags(enabled: bool):
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+_SPECS: dict[str, tuple[torch.dtype, torch.dtype | None, bool, bool]] = {
+    # mode: (param dtype, autocast dtype, GradScaler, TF32)
+    "32-true": (torch.float32, None, False, False),
+    "tf32": (torch.float32, None, False, True),
+    "16-mixed": (torch.float32, torch.float16, True, False),
+    "bf16-mixed": (torch.float32, torch.bfloat16, False, False),
+    "16-true": (torch.float16, None, False, False),
+    "bf16-true": (torch.bfloat16, None, False, False),
+}
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when there is a GPU, else 'cpu'."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def get_precision(mode: str, device: str = "cpu") -> Precision:
+    """Mode name -> Precision. Raises ValueError for an unknown or unavailable mode."""
+    device = resolve_device(device)
+    ok, reason = availability(mode, device)
+    if not ok:
+        raise ValueError(f"mode {mode!r} cannot run on {device}: {reason}")
+    param_dtype, autocast_dtype, scaler, tf32 = _SPECS[mode]
+    return Precision(mode=mode, device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
+                     uses_scaler=scaler, tf32=tf32)
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions for 16-bit float math (else oneDNN/ATen emulate it slowly)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if dtype == torch.bfloat16:
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
+
+
+def availability(mode: str, device: str = "cpu") -> tuple[bool, str]:
+    """(ok, reason): whether `mode` can run on `device`, and a note (why not, or a caveat)."""
+    if mode not in _SPECS:
+        return False, f"unknown mode; choose from {', '.join(MODES)}"
+    device = resolve_device(device)
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return False, "no CUDA device on this machine"
+        major, _ = torch.cuda.get_device_capability()
+        if mode == "tf32" and major < 8:
+            return False, f"TF32 needs compute capability >= 8.0 (this GPU: {major}.x)"
+        if "bf16" in mode and not torch.cuda.is_bf16_supported():
+            return False, "this GPU does not support bf16"
+        return True, "supported"
+    if kind != "cpu":
+        return False, f"device {device!r} is not supported (use cpu or cuda)"
+    if mode == "tf32":
+        return False, "TF32 is a CUDA tensor-core format (needs a GPU with compute capability >= 8.0)"
+    dtype = _SPECS[mode][1] or _SPECS[mode][0]
+    if dtype == torch.float32:
+        return True, "supported"
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    if cpu_has_native(dtype):
+        return True, f"supported (this CPU has native {name} instructions)"
+    return True, f"runs, but this CPU has no native {name} math: expect it to be slower than fp32"
+
+
+def default_modes(device: str = "cpu") -> list[str]:
+    """32-true plus the mixed mode that best suits the device (bf16 where native, else fp16)."""
+    device = resolve_device(device)
+    if device.startswith("cuda"):
+        return ["32-true", "bf16-mixed" if availability("bf16-mixed", device)[0] else "16-mixed"]
+    return ["32-true", "bf16-mixed" if cpu_has_native(torch.bfloat16) else "16-mixed"]

@@ -1,0 +1,74 @@
+"""A short measured cost probe: what each precision mode costs per step for a workload on this device.
+
+The Train page shows it before launch, because the brochure speedups do not hold everywhere: on a CPU without
+native fp16, 16-mixed autocast made a 1x1-conv CNN 62x slower than fp32. The probe runs the real training step
+(the runner's lane set-up and `train_step`) for a few steps per mode, under a time cap.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from amp_core.config import RunConfig
+from amp_core.precision import resolve_device
+from amp_core.runner import build_lane_state
+from amp_core.step import train_step
+from amp_core.workloads import WORKLOADS
+
+BASELINE_MODE = "32-true"
+SLOW_FACTOR = 1.5
+"""A mode taking this many times the baseline's time per step (or more) is flagged as far slower."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """One mode's measured cost on one workload, size, batch and device."""
+
+    mode: str
+    ms_per_step: float
+    """Median of the timed steps (each step's own measured wall time, device-synchronised on CUDA)."""
+    steps_timed: int
+    capped: bool
+    """The time cap cut the probe short (fewer steps than asked)."""
+
+
+def probe_mode(workload: str, size: str, batch_size: int, mode: str, device: str = "auto", *, steps: int = 5,
+               time_cap_s: float = 2.0, seed: int = 0) -> ProbeResult:
+    """Time `steps` training steps of `mode` after one untimed warm-up step, stopping early at `time_cap_s`.
+
+    If the warm-up alone uses up the cap, its own time is the figure (steps_timed 1, capped): slow enough to
+    warn about, and no more waiting. Raises ConfigError for settings a run would refuse.
+    """
+    config = RunConfig(workload=workload, size=size, batch_size=batch_size, modes=(mode,), device=device, seed=seed)
+    work = WORKLOADS[workload]
+    data = work.load_data(config)
+    torch.manual_seed(seed)
+    model = work.build_model(size, data)
+    state = build_lane_state(config, 0, mode, model, work, resolve_device(device))
+    generator = torch.Generator().manual_seed(seed)
+    started = time.perf_counter()
+    warmup = train_step(state, data.sample(generator, batch_size), 0)  # first-call dispatch and allocator costs
+    times = []
+    for step in range(1, steps + 1):
+        if time.perf_counter() - started >= time_cap_s:
+            break
+        times.append(train_step(state, data.sample(generator, batch_size), step).step_ms)
+    if not times:
+        return ProbeResult(mode, warmup.step_ms, 1, True)
+    return ProbeResult(mode, statistics.median(times), len(times), len(times) < steps)
+
+
+def relative_costs(results: list[ProbeResult], baseline: str = BASELINE_MODE) -> pd.DataFrame:
+    """mode, ms_per_step, time_vs_baseline (x the baseline's ms/step), far_slower, steps_timed, capped."""
+    frame = pd.DataFrame([{"mode": r.mode, "ms_per_step": r.ms_per_step, "steps_timed": r.steps_timed,
+                           "capped": r.capped} for r in results],
+                         columns=["mode", "ms_per_step", "steps_timed", "capped"])
+    base = frame.loc[frame["mode"] == baseline, "ms_per_step"]
+    frame["time_vs_baseline"] = frame["ms_per_step"] / base.iloc[0] if not base.empty else float("nan")
+    frame["far_slower"] = frame["time_vs_baseline"] >= SLOW_FACTOR
+    return frame[["mode", "ms_per_step", "time_vs_baseline", "far_slower", "steps_timed", "capped"]]

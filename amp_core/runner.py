@@ -1,0 +1,424 @@
+"""Run: one thread steps K precision lanes interleaved (A B C A B C ...); RunManager: the process's runs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from amp_core.config import ConfigError, RunConfig
+from amp_core.faults import FaultPlan, init_scale_override
+from amp_core.gradstats import GradStats
+from amp_core.metrics import Event, RecordBuffer, StepRecord, optimizer_state_tensors, tensor_bytes
+from amp_core.precision import Precision, get_precision, resolve_device
+from amp_core.step import LaneState, train_step
+from amp_core.store import RunStore, StoreError
+from amp_core.workloads import WORKLOADS, Data, Workload
+
+FLUSH_EVERY_S = 0.5
+"""The store gets what the thread gathered at least this often (a kill -9 loses less than a second)."""
+
+
+@dataclass(slots=True)
+class LaneSnapshot:
+    """A copy of a lane taken between two steps (for the op inspector): changing it changes nothing live."""
+
+    mode: str
+    step: int
+    model: torch.nn.Module
+    precision: Precision
+    workload: Workload
+    batch: tuple[torch.Tensor, torch.Tensor]
+
+
+class Lane:
+    """One precision mode inside a run: its training state and its status."""
+
+    def __init__(self, index: int, mode: str):
+        self.index = index
+        self.mode = mode
+        self.status = "pending"
+        """pending | running | finished | stopped | diverged | failed."""
+        self.error = ""
+        self.steps_done = 0
+        self.state: LaneState | None = None
+        self.static_bytes = (0, 0, 0)
+        self.activations_bytes = 0
+
+
+def build_optimizer(config: RunConfig, model: torch.nn.Module):
+    params = model.parameters()
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=config.lr, eps=config.eps)
+
+
+def divergence_hint(config: RunConfig, precision: Precision) -> str:
+    """Why a lane may have diverged, when the config makes it likely (shown with the divergence event)."""
+    dtype = precision.param_dtype
+    if config.optimizer != "sgd" and torch.tensor(config.eps, dtype=dtype).item() == 0:
+        return (f" — Adam's eps={config.eps:g} is 0 in {str(dtype).removeprefix('torch.')}, and its second moment "
+                "underflows there too: try eps=1e-4 or SGD for this mode")
+    return ""
+
+
+def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
+                     device: str) -> LaneState:
+    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
+    precision = get_precision(mode, device)
+    model = precision.prepare_module(copy.deepcopy(base_model))
+    optimizer = build_optimizer(config, model)
+    s = config.scaler
+    scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
+                                   s.backoff_factor, s.growth_interval)
+    state = LaneState(index=index, precision=precision, workload=workload, model=model, optimizer=optimizer,
+                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode))
+    if config.scheduler == "onecycle":
+        state.scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
+                                                              cycle_momentum=config.optimizer == "sgd")
+    return state
+
+
+class Run:
+    """A launch: one workload, one seed, one lane per mode, driven by one background thread."""
+
+    def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None):
+        self.config = config
+        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.store = store
+        self.device = resolve_device(config.device)
+        self.lanes = [Lane(i, mode) for i, mode in enumerate(config.modes)]
+        self.status = "pending"
+        """pending | running | paused | finished | stopped | failed."""
+        self.created_at = time.time()
+        self.records = RecordBuffer()
+        self._events: list[Event] = []
+        self._grad_stats: list[tuple[str, int, int, GradStats]] = []
+        self._flushed = (0, 0, 0)
+        self._stop = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._step_lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self.global_step = 0
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.store_error = ""
+        self.data: Data | None = None
+
+    # --- control -------------------------------------------------------------------------------------------
+    def start(self) -> Run:
+        if self._thread is not None:
+            raise RuntimeError("a run starts once")
+        if self.store is not None:
+            self.store.create_run(self.run_id, self.config.to_dict(), self.device, torch.__version__)
+        self.status = "running"
+        self._thread = threading.Thread(target=self._main, name=f"amp-run-{self.run_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def pause(self) -> None:
+        if self.status == "running":
+            self._resume.clear()
+            self.status = "paused"
+            self._event("paused", "paused by the user")
+
+    def resume(self) -> None:
+        if self.status == "paused":
+            self.status = "running"
+            self._event("resumed", "resumed by the user")
+            self._resume.set()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop after the lane step under way and join the thread."""
+        self._stop.set()
+        self._resume.set()
+        self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- reading (any thread) ------------------------------------------------------------------------------
+    def frame(self, since: int = 0) -> pd.DataFrame:
+        """Step records [since, now) as a DataFrame."""
+        return self.records.frame(since)
+
+    def events(self, since: int = 0) -> list[Event]:
+        return self._events[since:]
+
+    def progress(self) -> dict[int, float]:
+        return {lane.index: lane.steps_done / self.config.steps for lane in self.lanes}
+
+    def grad_stats(self) -> list[tuple[str, int, int, GradStats]]:
+        return list(self._grad_stats)
+
+    def snapshot_lane(self, index: int) -> LaneSnapshot:
+        """Copy lane `index` between two steps: its current weights, and the batch of the current step."""
+        lane = self.lanes[index]
+        with self._step_lock:
+            if lane.state is None or self._batch is None:
+                raise ValueError(f"lane {index} ({lane.mode}) has not started yet")
+            model = copy.deepcopy(lane.state.model)
+            batch = tuple(t.clone() for t in self._batch)
+            step = lane.steps_done
+        for p in model.parameters():
+            p.grad = None
+        return LaneSnapshot(lane.mode, step, model, lane.state.precision, lane.state.workload, batch)
+
+    # --- the thread ----------------------------------------------------------------------------------------
+    def _event(self, kind: str, message: str, lane: int | None = None, step: int | None = None, **data) -> None:
+        self._events.append(Event(self.run_id, kind, message, lane, step, data=data))
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+            self._loop()
+        except Exception as exc:  # the run failed as a whole (e.g. its data could not load)
+            self.status = "failed"
+            self._event("error", f"{type(exc).__name__}: {exc}", data_traceback=traceback.format_exc(limit=5))
+            for lane in self.lanes:
+                if lane.status in ("pending", "running"):
+                    lane.status, lane.error = "failed", str(exc)
+        finally:
+            for lane in self.lanes:
+                lane.state = None  # free the models; records stay
+            if self.status not in ("failed", "stopped"):
+                self.status = "finished"
+            self._event(self.status, f"run {self.status}")
+            self._flush(final=True)
+
+    def _setup(self) -> None:
+        config, workload = self.config, WORKLOADS[self.config.workload]
+        self.data = workload.load_data(config)
+        torch.manual_seed(config.seed)
+        base = workload.build_model(config.size, self.data)
+        for lane in self.lanes:
+            lane.state = build_lane_state(config, lane.index, lane.mode, base, workload, self.device)
+            lane.status = "running"
+            state = lane.state
+            params_bytes = tensor_bytes(state.model.parameters())
+            lane.static_bytes = (params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}")
+
+    def _loop(self) -> None:
+        config = self.config
+        last_flush = time.monotonic()
+        for step in range(config.steps):
+            self.global_step = step
+            # Every lane sees this same batch, in the same order.
+            self._batch = self.data.sample(self._generator, config.batch_size)
+            for lane in self.lanes:
+                if not self._resume.is_set():
+                    self._resume.wait()
+                if self._stop.is_set():
+                    break
+                if lane.status == "running":
+                    self._run_lane_step(lane, step)
+                if time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                    self._flush()
+                    last_flush = time.monotonic()
+            if self._stop.is_set() or not any(lane.status == "running" for lane in self.lanes):
+                break
+        stopped = self._stop.is_set()
+        for lane in self.lanes:
+            if lane.status == "running":
+                lane.status = "stopped" if stopped and lane.steps_done < config.steps else "finished"
+        if stopped:
+            self.status = "stopped"
+        elif all(lane.status == "failed" for lane in self.lanes):
+            self.status = "failed"
+
+    def _run_lane_step(self, lane: Lane, step: int) -> None:
+        config, state = self.config, lane.state
+        measure = step % config.memory_every == 0
+        stats = config.gradstats_every > 0 and step % config.gradstats_every == 0
+        try:
+            with self._step_lock:
+                result = train_step(state, self._batch, step, measure_activations=measure, collect_grad_stats=stats)
+        except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
+            lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
+            lane.state = None
+            self._event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
+            return
+        if step == 0:
+            params_bytes = lane.static_bytes[0]
+            grads_bytes = tensor_bytes(p.grad for p in state.params if p.grad is not None)
+            lane.static_bytes = (params_bytes, grads_bytes, tensor_bytes(optimizer_state_tensors(state.optimizer)))
+        if result.activations_bytes is not None:
+            lane.activations_bytes = result.activations_bytes
+        samples = state.workload.samples_in(self._batch)
+        self.records.append(StepRecord(
+            run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=time.time(),
+            loss=result.loss, step_ms=result.step_ms, samples_per_s=samples / (result.step_ms / 1e3),
+            lr=result.lr, scale=result.scale, skipped=result.skipped, grad_norm=result.grad_norm,
+            params_bytes=lane.static_bytes[0], grads_bytes=lane.static_bytes[1], optim_bytes=lane.static_bytes[2],
+            activations_bytes=lane.activations_bytes, cuda_peak_bytes=result.cuda_peak_bytes))
+        lane.steps_done = step + 1
+        self._note_step(lane, step, result)
+        if lane.steps_done >= config.steps:
+            lane.status = "finished"
+
+    def _note_step(self, lane: Lane, step: int, result) -> None:
+        """Events and sampled statistics for one lane step."""
+        for fired_step, fault in lane.state.faults.take_fired() if lane.state.faults else ():
+            self._event("fault", f"fault injected: {fault.describe()}", lane.index, fired_step, fault=fault.kind)
+        if result.grad_stats:
+            self._grad_stats.extend((self.run_id, lane.index, step, s) for s in result.grad_stats)
+        if result.skipped:
+            self._event("skipped_step", f"optimizer step skipped: inf/NaN gradients in "
+                        f"{', '.join(p['param'] for p in result.bad_params) or 'the gradients'}",
+                        lane.index, step, params=result.bad_params, scale_before=result.scale,
+                        scale_after=result.scale_after)
+        if result.scale is not None and result.scale_after != result.scale:
+            grew = result.scale_after > result.scale
+            if grew == result.skipped:
+                self._event("warning", "scale change disagrees with the skip flag", lane.index, step)
+            self._event("scale_growth" if grew else "scale_backoff",
+                        f"scale {result.scale:g} -> {result.scale_after:g}", lane.index, step,
+                        scale_before=result.scale, scale_after=result.scale_after)
+        elif result.skipped:
+            self._event("warning", "step skipped but the scale did not back off", lane.index, step)
+        if not result.skipped and not math.isfinite(result.grad_norm) and result.bad_params:
+            self._event("nonfinite_grads", "the optimizer stepped with inf/NaN gradients (no scaler to catch them)",
+                        lane.index, step, params=result.bad_params)
+        if not math.isfinite(result.loss):
+            self._event("nonfinite_loss", f"loss is {result.loss}", lane.index, step)
+            if self.config.stop_on_divergence:
+                hint = divergence_hint(self.config, lane.state.precision)
+                lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
+                lane.state = None
+                self._event("diverged", f"lane stopped: {lane.error}", lane.index, step)
+
+    def _flush(self, final: bool = False) -> None:
+        """Write what was gathered since the last flush in one transaction (never one per step)."""
+        if self.store is None or self.store_error:
+            return
+        steps_at, events_at, stats_at = len(self.records), len(self._events), len(self._grad_stats)
+        done_steps, done_events, done_stats = self._flushed
+        try:
+            self.store.write_batch(self.records.rows(done_steps, steps_at), self._events[done_events:events_at],
+                                   self._grad_stats[done_stats:stats_at])
+            self._flushed = (steps_at, events_at, stats_at)
+            if final:
+                for lane in self.lanes:
+                    self.store.set_lane_status(self.run_id, lane.index, lane.status, lane.error)
+                self.store.set_run_status(self.run_id, self.status, ended=True)
+        except StoreError as exc:  # training goes on in memory; the page shows why nothing is saved
+            self.store_error = str(exc)
+
+
+class RunLimitError(ConfigError):
+    pass
+
+
+class RunManager:
+    """The process's runs (thread-safe). Pages share one through st.cache_resource."""
+
+    def __init__(self, store: RunStore | None = None, max_running: int = 2, keep: int = 20, store_error: str = ""):
+        self.store = store
+        self.store_error = store_error
+        """Why there is no store (the file was damaged or foreign); runs then live in memory only."""
+        self.max_running = max_running
+        self.keep = keep
+        self._runs: dict[str, Run] = {}
+        self._lock = threading.Lock()
+
+    def launch(self, config: RunConfig) -> Run:
+        """Create and start a run; RunLimitError if `max_running` runs are already going."""
+        with self._lock:
+            running = [r for r in self._runs.values() if r.alive]
+            if len(running) >= self.max_running:
+                raise RunLimitError("runs", f"{len(running)} runs are already going (at most {self.max_running}); "
+                                            "stop one or wait for it to finish")
+            run = Run(config, self.store)
+            self._runs[run.run_id] = run
+            finished = [r for r in self._runs.values() if not r.alive and r is not run]
+            for old in finished[: max(0, len(self._runs) - self.keep)]:
+                del self._runs[old.run_id]
+        return run.start()
+
+    def get(self, run_id: str) -> Run | None:
+        with self._lock:
+            return self._runs.get(run_id)
+
+    def runs(self) -> list[Run]:
+        with self._lock:
+            return list(self._runs.values())
+
+    def stop_all(self, timeout: float = 30.0) -> None:
+        for run in self.runs():
+            run.stop(timeout)
+
+    # --- one view over live runs and the store ---------------------------------------------------------------
+    def list_runs(self) -> pd.DataFrame:
+        """Runs in the store and in memory, newest first: run_id, name, workload, modes, status, created_at."""
+        columns = ["run_id", "name", "workload", "modes", "status", "created_at"]
+        stored = self.store.runs()[columns] if self.store is not None else pd.DataFrame(columns=columns)
+        live = {r.run_id: r for r in self.runs()}
+        stored = stored[~stored["run_id"].isin(live)]
+        memory = pd.DataFrame([{"run_id": r.run_id, "name": r.config.name, "workload": r.config.workload,
+                                "modes": list(r.config.modes), "status": r.status, "created_at": r.created_at}
+                               for r in live.values()], columns=columns)
+        frames = [f for f in (memory, stored) if not f.empty]
+        if not frames:
+            return pd.DataFrame(columns=columns)
+        return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)
+
+    def steps(self, run_id: str) -> pd.DataFrame:
+        """A run's step records: from memory while the run is held here, else from the store."""
+        run = self.get(run_id)
+        if run is not None:
+            return run.frame()
+        return self.store.steps(run_id) if self.store is not None else RecordBuffer().frame()
+
+    def events(self, run_id: str) -> pd.DataFrame:
+        """A run's events as a DataFrame (run_id, lane, step, kind, message, t_wall_s, data)."""
+        run = self.get(run_id)
+        if run is not None:
+            return pd.DataFrame([dataclasses.asdict(e) for e in run.events()],
+                                columns=["run_id", "kind", "message", "lane", "step", "t_wall_s", "data"])
+        if self.store is not None:
+            return self.store.events(run_id)
+        return pd.DataFrame(columns=["run_id", "kind", "message", "lane", "step", "t_wall_s", "data"])
+
+    def run_info(self, run_id: str) -> dict | None:
+        """config (RunConfig dict), status, and lanes [{lane, mode, status, error, steps_done}] of a run."""
+        run = self.get(run_id)
+        if run is not None:
+            return {"run_id": run_id, "config": run.config.to_dict(), "status": run.status, "live": run.alive,
+                    "lanes": [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "error": lane.error,
+                               "steps_done": lane.steps_done} for lane in run.lanes]}
+        row = self.store.run(run_id) if self.store is not None else None
+        if row is None:
+            return None
+        counts = self.store.steps(run_id).groupby("lane").size().to_dict()
+        return {"run_id": run_id, "config": row["config"], "status": row["status"], "live": False,
+                "lanes": [{"lane": lane["lane"], "mode": lane["mode"], "status": lane["status"], "error": lane["error"],
+                           "steps_done": int(counts.get(lane["lane"], 0))} for lane in row["lanes"]]}
+
+    def grad_stats(self, run_id: str, lane: int, step: int | None = None) -> list[GradStats]:
+        """Gradient statistics of a lane (one step, or every sampled step)."""
+        run = self.get(run_id)
+        if run is not None:
+            return [s for rid, ln, st, s in run.grad_stats() if ln == lane and (step is None or st == step)]
+        return self.store.grad_stats(run_id, lane, step) if self.store is not None else []
+
+    def grad_stat_steps(self, run_id: str, lane: int) -> list[int]:
+        run = self.get(run_id)
+        if run is not None:
+            return sorted({st for _, ln, st, _ in run.grad_stats() if ln == lane})
+        return self.store.grad_stat_steps(run_id, lane) if self.store is not None else []

@@ -1,0 +1,53 @@
+"""AMP Lab: the Streamlit entry point — page router plus the shared frame (what this machine can do)."""
+
+from __future__ import annotations
+
+import platform
+
+import streamlit as st
+import torch
+
+from amp_core.precision import MODE_HELP, MODES, availability, resolve_device
+from pages.common import get_manager, store_banner
+
+st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
+
+
+@st.cache_data
+def device_facts() -> dict:
+    device = resolve_device("auto")
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        name = caps.get("cpu_name") or platform.processor() or platform.machine()
+        name = f"CPU: {name} ({torch.get_num_threads()} threads)"
+    modes = {mode: availability(mode, device) for mode in MODES}
+    return {"device": device, "name": name, "torch": torch.__version__, "modes": modes}
+
+
+def sidebar() -> None:
+    facts = device_facts()
+    with st.sidebar:
+        st.markdown(f"**Device** · {facts['name']}")
+        st.caption(f"torch {facts['torch']} · runs on `{facts['device']}`")
+        lines = []
+        for mode, (ok, reason) in facts["modes"].items():
+            mark = "✓" if ok else "✗"
+            lines.append(f"- {mark} `{mode}` — {reason if not ok or 'slower' in reason or 'native' in reason else 'ok'}")
+        st.markdown("**Precision modes here**\n" + "\n".join(lines), help="\n\n".join(
+            f"**{m}**: {MODE_HELP[m]}" for m in MODES))
+
+
+manager = get_manager()
+pages = [
+    st.Page("pages/train.py", title="Train", icon="🏋️", default=True),
+    st.Page("pages/compare.py", title="Compare", icon="📊"),
+    st.Page("pages/op_inspector.py", title="Op inspector", icon="🔬"),
+    st.Page("pages/overflow_debugger.py", title="Overflow debugger", icon="🧯"),
+    st.Page("pages/formats.py", title="Formats", icon="🔢"),
+]
+navigation = st.navigation(pages)
+sidebar()
+store_banner(manager)
+navigation.run()

@@ -1,0 +1,80 @@
+"""Cost of the op inspector: one traced forward + backward of digits_mlp against the same step untraced.
+
+The traced step is what the page and `trace_lane` pay: copy the model, record every op with its module and FLOPs,
+forward and backward. The untraced step is the forward + backward a training step runs (same mode, same batch).
+The two are timed alternately (so both see the same machine load) and each is summarised by its fastest run,
+the least noisy estimate of its cost on a shared machine; medians are printed too.
+Last line: trace_ratio=<fastest traced / fastest untraced>. Target: <= 10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/trace.py` from anywhere
+
+from amp_core.config import RunConfig
+from amp_core.optrace import trace_step
+from amp_core.precision import get_precision
+from amp_core.workloads import WORKLOADS
+
+WORKLOAD = "digits_mlp"
+
+
+def time_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Run each function `repeats` times, alternating between them; the times of each in milliseconds."""
+    for fn in fns.values():
+        fn()  # warm-up: first-call dispatch and allocator costs are not the steady state
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", default="bf16-mixed")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args()
+
+    config = RunConfig(workload=WORKLOAD, modes=(args.mode,), batch_size=args.batch_size, device="cpu")
+    workload = WORKLOADS[WORKLOAD]
+    precision = get_precision(args.mode, "cpu")
+    data = workload.load_data(config)
+    torch.manual_seed(config.seed)
+    model = precision.prepare_module(workload.build_model(config.size, data))
+    batch = data.sample(torch.Generator().manual_seed(config.seed), config.batch_size)
+    inputs, target = (precision.prepare_input(t) for t in batch)
+    scaler = precision.make_scaler()
+
+    def untraced() -> None:
+        model.zero_grad(set_to_none=True)
+        with precision.forward_context():
+            loss = workload.loss(model(inputs), target)
+        scaler.scale(loss).backward()
+
+    def traced() -> None:
+        trace_step(model, precision, workload.loss, batch)
+
+    torch.set_num_threads(1)  # both sides on one thread, so the ratio is not thread-scheduling noise
+    times = time_ms({"untraced": untraced, "traced": traced}, args.repeats)
+    ops = trace_step(model, precision, workload.loss, batch).summary().ops
+    print(f"workload={WORKLOAD} mode={args.mode} batch={args.batch_size} ops={ops} repeats={args.repeats}")
+    for name, values in times.items():
+        print(f"{name}_step_ms fastest={min(values):.3f} median={statistics.median(values):.3f}")
+    print(f"trace_ratio={min(times['traced']) / min(times['untraced']):.2f}")
+
+
+if __name__ == "__main__":
+    main()

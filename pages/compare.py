@@ -1,0 +1,169 @@
+"""Compare page: any lanes of any runs (live or stored) against a baseline lane — loss, time, memory, skips."""
+
+from functools import partial
+
+import streamlit as st
+
+from amp_core import compare
+from amp_core.store import StoreError
+from amp_core.summary import default_baseline, summarize
+from pages.common import get_manager, run_label
+
+LIVE_REFRESH_S = 2.0
+
+st.title("Compare runs")
+st.caption("Pick runs, then the lanes to lay side by side. Colour is the precision mode (as on every page); the "
+           "dash style tells runs apart. Live runs keep updating.")
+manager = get_manager()  # app.py shows the store banner when the store could not be opened
+
+try:
+    runs = manager.list_runs()
+except StoreError as error:
+    st.error(f"The run store could not be read: {error}")
+    st.stop()
+if runs.empty:
+    st.info("No runs yet. Launch one on the **Train** page (or `python -m amp_core run ...`), then come back "
+            "here to compare its lanes, or lanes of several runs.")
+    st.stop()
+
+run_ids = runs["run_id"].tolist()
+run_labels = {row["run_id"]: run_label(row) for _, row in runs.iterrows()}
+
+
+def lane_options(chosen_runs: list[str]):
+    try:
+        return compare.lane_table(manager, chosen_runs)
+    except StoreError as error:
+        st.error(f"The run store could not be read: {error}")
+        st.stop()
+
+
+def sync_lanes() -> None:
+    """Runs added to the choice bring all their lanes; runs taken away take theirs; other lanes stay as chosen."""
+    chosen = st.session_state["cmp_runs"]
+    try:
+        table = compare.lane_table(manager, chosen)
+    except StoreError:
+        return  # the page itself says why just after
+    known = st.session_state.get("cmp_known_runs", [])
+    kept = [key for key in st.session_state.get("cmp_lanes", []) if key in set(table["key"])]
+    added = table[~table["run_id"].isin(known)]["key"].tolist()
+    st.session_state["cmp_lanes"] = kept + [key for key in added if key not in kept]
+    st.session_state["cmp_known_runs"] = list(chosen)
+
+
+if "cmp_runs" not in st.session_state:
+    st.session_state["cmp_runs"] = run_ids[:1]  # the newest run: most often the one just launched
+# A run can leave the list (an in-memory run the manager let go); a stale choice must not break the widget.
+st.session_state["cmp_runs"] = [run_id for run_id in st.session_state["cmp_runs"] if run_id in run_labels]
+if "cmp_lanes" not in st.session_state:
+    sync_lanes()
+
+chosen_runs = st.multiselect("Runs", run_ids, format_func=run_labels.get, key="cmp_runs", on_change=sync_lanes,
+                             help="Live and stored runs, newest first. Adding a run adds all its lanes below.")
+table = lane_options(chosen_runs)
+lane_labels = dict(zip(table["key"], table["label"], strict=True))
+st.session_state["cmp_lanes"] = [key for key in st.session_state["cmp_lanes"] if key in lane_labels]
+chosen_lanes = st.multiselect("Lanes", table["key"].tolist(), format_func=lane_labels.get, key="cmp_lanes",
+                              help="Label: precision mode · the run's short id.")
+if not chosen_runs or not chosen_lanes:
+    st.info("Choose at least one run above, then the lanes to compare (a lane is one precision mode of a run). "
+            "No runs to choose from? Launch one on the **Train** page.")
+    st.stop()
+
+chosen_table = table[table["key"].isin(chosen_lanes)]
+# The baseline follows the default (first 32-true lane) as lanes come and go, until the user picks one.
+if not st.session_state.get("cmp_baseline_pinned") or st.session_state.get("cmp_baseline") not in chosen_lanes:
+    st.session_state["cmp_baseline"] = default_baseline(chosen_table)
+    st.session_state["cmp_baseline_pinned"] = False
+left, right = st.columns([3, 1])
+baseline = left.selectbox("Baseline lane", chosen_lanes, format_func=lane_labels.get, key="cmp_baseline",
+                          on_change=lambda: st.session_state.update(cmp_baseline_pinned=True),
+                          help="Speedup, memory ratio and loss Δ are measured against this lane "
+                               "(by default the first 32-true lane).")
+last_k = right.number_input("k (final-loss window)", min_value=1, max_value=1_000_000, value=20, step=1,
+                            key="cmp_k", help="Final loss = mean of the last k steps' losses (inf/NaN left out).")
+
+try:
+    live = compare.live_run_ids(manager, chosen_runs)
+except StoreError as error:
+    st.error(f"The run store could not be read: {error}")
+    st.stop()
+if live:
+    st.caption(f"🟢 {len(live)} of the chosen runs {'is' if len(live) == 1 else 'are'} still training: "
+               f"this part refreshes every {LIVE_REFRESH_S:g} s.")
+
+
+@st.fragment(run_every=LIVE_REFRESH_S if live else None)
+def comparison() -> None:
+    try:
+        frame = compare.gather_steps(manager, chosen_lanes)
+        ended = live and not compare.live_run_ids(manager, chosen_runs)
+    except StoreError as error:
+        st.error(f"The run store could not be read: {error}")
+        return
+    if ended:
+        st.rerun()  # the last live run just ended: redraw once without the timer
+    present = compare.frame_lane_keys(frame)
+    if not present:
+        st.info("The chosen lanes have no steps yet. A run just launched writes its first steps within a second "
+                "or two.")
+        return
+    missing = [lane_labels[key] for key in chosen_lanes if key not in present]
+    if missing:
+        st.warning(f"No steps recorded yet for: {', '.join(missing)}.")
+    base = baseline
+    if base not in present:
+        base = default_baseline(frame)
+        st.warning(f"The baseline lane {lane_labels[baseline]} has no steps yet; comparing against "
+                   f"{lane_labels.get(base, base)} for now.")
+
+    st.subheader("Summary")
+    summary = summarize(frame, base, int(last_k))
+    st.dataframe(compare.format_summary(summary, lane_labels, base), hide_index=True, key="cmp_summary")
+    st.caption(f"★ baseline. Speedup = baseline median ms/step ÷ the lane's (above 1× is faster). Peak memory: the "
+               f"CUDA allocator peak where there is one, else the bytes held (parameters + gradients + optimizer "
+               f"state + activations saved for backward). Final loss: mean of the last {int(last_k)} steps. "
+               "Diverged: the last recorded loss is inf/NaN.")
+    if frame["run_id"].nunique() > 1:
+        st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
+                   "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
+                   "run (which take turns step by step).")
+
+    st.subheader("Charts")
+    c1, c2, c3 = st.columns(3)
+    log_y = c1.toggle("Log loss axis", value=True, key="cmp_log_y")
+    log_ms = c1.toggle("Log step-time axis", value=True, key="cmp_log_ms",
+                       help="The first steps (warm-up) can take many times longer than the rest.")
+    time_axis = c2.radio("Time axis", list(compare.TIME_AXES), horizontal=True, key="cmp_time_axis",
+                         format_func={"compute": "Σ step time", "wall": "wall clock"}.get,
+                         help="Lanes of one run take turns (A B C A B C), so their wall clocks advance together; "
+                              "the sum of a lane's own step times is what that mode would take on its own.")
+    kind = c3.radio("Step-time chart", compare.DIST_KINDS, horizontal=True, key="cmp_dist_kind")
+    figures = {
+        "loss_vs_step": compare.loss_vs_step_figure(frame, lane_labels, log_y=log_y),
+        "loss_vs_time": compare.loss_vs_time_figure(frame, lane_labels, time_axis=time_axis, log_y=log_y),
+        "step_time": compare.step_time_figure(frame, lane_labels, kind=kind, log_y=log_ms),
+    }
+    for name, fig in figures.items():
+        st.plotly_chart(fig, key=f"cmp_chart_{name}")
+
+    st.subheader("Downloads")
+    st.caption(f"{len(frame):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "
+               "plotly.js inside (about 5 MB each; they open offline).")
+    downloads = [
+        ("Records · CSV", partial(compare.csv_bytes, frame), "amp_lab_records.csv", "text/csv", "csv"),
+        ("Records · Parquet", partial(compare.parquet_bytes, frame), "amp_lab_records.parquet",
+         "application/vnd.apache.parquet", "parquet"),
+        ("Summary · CSV", partial(compare.csv_bytes, summary), "amp_lab_summary.csv", "text/csv", "summary_csv"),
+        *((f"{fig.layout.title.text} · HTML", partial(compare.figure_html, fig), f"amp_lab_{name}.html",
+           "text/html", f"html_{name}") for name, fig in figures.items()),
+    ]
+    columns = [*st.columns(3), *st.columns(3)]
+    for column, (label, data, file_name, mime, key) in zip(columns, downloads, strict=True):
+        # Built only when clicked: three inlined plotly.js pages per refresh would be 15 MB sent for nothing.
+        column.download_button(label, data, file_name=file_name, mime=mime, key=f"cmp_download_{key}",
+                               on_click="ignore", width="stretch")
+
+
+comparison()

@@ -1,0 +1,92 @@
+"""Formats page: fp32 / tf32 / bf16 / fp16 / fp8 side by side, a typed value rounded into each, softmax stability."""
+
+import streamlit as st
+
+from amp_core import formats
+
+LABELS = (0.5, 0.5)
+
+st.title("Number formats")
+st.caption("Every figure on this page comes from `torch.finfo` or from storing values in real torch dtypes "
+           "on this machine; TF32 (no torch dtype) from its bit layout.")
+
+st.subheader("The formats side by side")
+st.dataframe(formats.display_frame(formats.format_table(), digits={"ln(max)": 6}), hide_index=True)
+st.caption("Smallest subnormal = smallest normal × eps (one unit in the last place of the lowest binade). "
+           "float8_e4m3fn (*fn* = finite) has no inf, only NaN, and torch's cast saturates to ±448 instead "
+           "(see 1000 or inf below).")
+chart_slot = st.container()
+
+st.subheader("Round this value")
+text = st.text_input("Value to store", value="65520", key="fmt_value",
+                     help="A number such as 65520, 1e-8, -3.5, inf, or arithmetic such as 1 + 2^-8.")
+value = None
+try:
+    value = formats.parse_number(text)
+except ValueError as error:
+    st.error(f"Cannot read the value: {error}")
+if value is not None:
+    rounding = formats.rounding_table(value)
+    st.dataframe(formats.display_frame(rounding, digits={"abs error": 4, "rel error": 4}), hide_index=True,
+                 key="fmt_rounding_table")
+    st.caption("Stored as torch does it: `torch.tensor(value, dtype=torch.float64).to(dtype)`. On CPU torch "
+               "converts float64 through float32, so a value can be rounded twice (1 + 2^-8 + 2^-30 becomes 1 "
+               "in bf16, not 1 + 2^-7). TF32 is emulated: the fp32 value rounded to nearest-even at 10 mantissa "
+               "bits on its bit pattern (tensor cores may convert differently). Errors are against the typed "
+               "value as a float64.")
+
+with chart_slot:
+    st.plotly_chart(formats.number_line_figure(value), key="fmt_number_line")
+    st.caption("Faint segment: subnormal range (fewer significant bits); thick segment: normal range; red tick: "
+               "max. The dashed line is |value| from *Round this value* below.")
+
+st.subheader("Why fp16 needs a GradScaler and bf16 does not")
+fp16, bf16, fp32 = (formats.format_info(name) for name in ("fp16", "bf16", "fp32"))
+small_gradient = 1e-8
+scale = 2.0**16
+unscaled = formats.round_value(small_gradient, "fp16")
+scaled = formats.round_value(small_gradient * scale, "fp16")
+st.markdown(
+    f"It is a question of **range**, not precision. fp16 has {fp16.exponent_bits} exponent bits: nothing above "
+    f"**{formats.format_number(fp16.max)}** (beyond it: inf) and nothing below **{fp16.smallest_subnormal:.3g}** "
+    f"(below it: 0). Small gradients fall under that floor: a gradient of {small_gradient:g} stored in fp16 "
+    f"becomes **{formats.format_number(unscaled.stored, 6)}**: {unscaled.status}. GradScaler multiplies the loss, "
+    f"and so every gradient, by a scale such as 2^16: the same gradient becomes {small_gradient * scale:.4g} and "
+    f"is stored as **{formats.format_number(scaled.stored, 6)}**, {scaled.status}; it is divided back in fp32 "
+    f"before the optimizer step. When the scaled gradients overflow past {formats.format_number(fp16.max)} to "
+    "inf, the scaler skips the step and halves the scale.\n\n"
+    f"bf16 keeps fp32's {bf16.exponent_bits} exponent bits: its max is {bf16.max:.4g} (fp32: {fp32.max:.4g}) and "
+    f"its smallest normal is {bf16.smallest_normal:.4g}, the same as fp32's. bf16 holds the magnitudes "
+    f"gradients have in fp32 (it gives up only fp32's deepest subnormals, below {bf16.smallest_subnormal:.3g}), "
+    f"more coarsely (eps {bf16.eps:g}; fp16: {fp16.eps:g}), so there is nothing for a scaler to rescue. "
+    "Try 1e-8 and 65520 above, and look at the bf16 and fp16 rows of the number line."
+)
+
+st.subheader("Numerical stability: softmax and cross-entropy in each dtype")
+st.markdown(
+    "From *EffectivePyTorch*: the naive softmax `exp(x) / sum(exp(x))` overflows once `exp` of a logit passes "
+    "the format's max, and `inf / inf` is NaN. Subtracting the max logit first changes nothing mathematically "
+    "but keeps every `exp` in [0, 1]. Likewise `-sum(labels * log(softmax(x)))` takes `log(0) = -inf` once a "
+    "probability underflows (even with the stable softmax, as in the source), while "
+    "`(x - max) - logsumexp(x - max)` never does. Each row below runs with the logits and labels (0.5, 0.5) "
+    "really held in that dtype, gradients by autograd. (CPU kernels may compute an op internally in fp32, but "
+    "every op's result is stored in the dtype.)"
+)
+st.markdown("**Logits [1000, 0]**")
+st.dataframe(formats.softmax_table([1000.0, 0.0], LABELS), hide_index=True, key="fmt_softmax_1000")
+
+logit_text = st.text_input("Your first logit (the second is 0)", value="12", key="fmt_logit",
+                           help="Try 11 and 12 (the fp16 limit is ln(65504) ≈ 11.09), 88 and 89 (fp32).")
+try:
+    logit = formats.parse_number(logit_text)
+except ValueError as error:
+    st.error(f"Cannot read the logit: {error}")
+else:
+    st.markdown(f"**Logits [{formats.format_number(logit, 6)}, 0]** (a logit is itself rounded when stored in "
+                "the dtype: see *logits (stored)*)")
+    st.dataframe(formats.softmax_table([logit, 0.0], LABELS), hide_index=True, key="fmt_softmax_user")
+
+st.markdown("**Largest safe logit for the naive softmax**: ln(max), and the largest logit held in the dtype "
+            "whose `exp` in that dtype is still finite (measured)")
+st.dataframe(formats.display_frame(formats.safe_logit_table(), digits={"max": 6}), hide_index=True,
+             key="fmt_safe_logits")

@@ -1,0 +1,155 @@
+"""Op inspector page: what autocast really did on this device, op by op, in one forward + backward."""
+
+import streamlit as st
+
+from amp_core import optrace
+from amp_core.config import SIZES, ConfigError, RunConfig
+from amp_core.precision import MODES, availability, resolve_device
+from amp_core.workloads import WORKLOADS
+from pages.common import get_manager
+
+DEVICE = resolve_device("auto")
+DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
+SOURCES = ("One mode", "Two modes side by side", "A live lane")
+SEED_DEMO = """x = torch.rand([32, 32])
+y = torch.rand([32, 32])            # then: y = y.half() (or bfloat16)
+with torch.autocast(device_type, dtype=...):
+    a = x + y
+    b = x @ y
+print(a.dtype, b.dtype)"""
+
+
+@st.cache_data(show_spinner="Tracing one forward + backward…", max_entries=32)
+def traced(workload: str, mode: str, size: str, device: str, batch_size: int) -> optrace.OpTrace:
+    return optrace.trace_workload(workload, mode, size=size, device=device, batch_size=batch_size)
+
+
+@st.cache_data(show_spinner=False)
+def demo_rows(device: str) -> list[dict[str, str]]:
+    return optrace.autocast_demo(device)
+
+
+def workload_traces() -> list[optrace.OpTrace]:
+    """Widgets for a workload trace in one or two modes; the traces, or [] after showing an error."""
+    runnable = [m for m in MODES if availability(m, DEVICE)[0]]
+    left, middle, right = st.columns(3)
+    names = list(WORKLOADS)
+    workload = left.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD), key="opi_workload",
+                              format_func=lambda name: WORKLOADS[name].title)
+    size = middle.selectbox("Size", SIZES, key="opi_size")
+    batch_size = right.number_input("Batch size", min_value=1, max_value=1024, value=optrace.DEFAULT_TRACE_BATCH,
+                                    key="opi_batch", help="Dtypes do not depend on it; shapes and FLOPs do.")
+    preferred = "bf16-mixed" if "bf16-mixed" in runnable else runnable[-1]
+    if st.session_state.opi_source == SOURCES[0]:
+        modes = [st.selectbox("Mode", runnable, index=runnable.index(preferred), key="opi_mode")]
+    else:
+        first, second = st.columns(2)
+        modes = [first.selectbox("Mode A", runnable, index=0, key="opi_mode_a"),
+                 second.selectbox("Mode B", runnable, index=runnable.index(preferred), key="opi_mode_b")]
+    refused = [f"{m} ({availability(m, DEVICE)[1]})" for m in MODES if m not in runnable]
+    if refused:
+        st.caption(f"Not offered on {DEVICE}: " + "; ".join(refused))
+    try:
+        return [traced(workload, mode, size, DEVICE, int(batch_size)) for mode in modes]
+    except (ConfigError, ValueError) as error:
+        st.error(f"Cannot trace: {error}")
+        return []
+    except RuntimeError as error:  # e.g. out of memory at a large size
+        st.error(f"The trace failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+        return []
+
+
+def lane_trace() -> list[optrace.OpTrace]:
+    """Widgets to trace a lane of a run; the trace made on the last click, or []."""
+    lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
+             for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}
+    if not lanes:
+        st.info("No live runs: launch one on the Train page, then trace any of its running lanes here "
+                "(a finished lane has freed its model).")
+        return []
+    choice = st.selectbox("Lane", list(lanes), key="opi_lane")
+    if st.button("Trace this lane now", key="opi_trace_lane",
+                 help="Copies the lane's current weights and traces one forward + backward of its latest batch. "
+                      "The lane's parameters, gradients, optimizer and scaler are not touched."):
+        run, index = lanes[choice]
+        try:
+            st.session_state.opi_lane_trace = optrace.trace_lane(run, index)
+        except (ConfigError, ValueError, LookupError, RuntimeError) as error:
+            st.error(f"Cannot trace this lane: {str(error).splitlines()[0]}")
+    trace = st.session_state.get("opi_lane_trace")
+    return [trace] if trace is not None else []
+
+
+def show_summary(trace: optrace.OpTrace) -> None:
+    summary = trace.summary()
+    st.markdown(f"**{trace.label}** on {trace.device}")
+    first, second = st.columns(2)
+    first.metric("Ops (forward + backward)", summary.ops, help=f"{summary.forward_ops} forward, "
+                 f"{summary.backward_ops} backward, views included")
+    second.metric("Casts", summary.casts, help="`_to_copy` ops that changed a dtype; "
+                  f"{optrace.format_bytes(summary.cast_bytes)} written")
+    first.metric("FLOPs in bf16 / fp16", f"{summary.low_precision_share:.0%}",
+                 help=f"{summary.flops:,} FLOPs in all (torch.utils.flop_counter: matmuls, convolutions, attention)")
+    second.metric("Widened to fp32", summary.widened,
+                  help="Ops that took a bf16/fp16 result and produced fp32")
+
+
+st.title("Op inspector")
+st.caption(f"Every row is an aten op that really ran on this machine ({DEVICE}) in one forward + backward, after "
+           "autocast rewrote it: the casts it inserted are ops too. No policy table is consulted.")
+
+source = st.radio("Trace", SOURCES, key="opi_source", horizontal=True)
+traces = lane_trace() if source == SOURCES[2] else workload_traces()
+
+if traces:
+    for column, trace in zip(st.columns(len(traces)), traces, strict=True):
+        with column:
+            show_summary(trace)
+    st.plotly_chart(optrace.flop_share_figure(traces), key="opi_flop_share")
+
+    size_by = st.radio("Box size", ("ops", "flops"), key="opi_size_by", horizontal=True,
+                       format_func=lambda s: {"ops": "op count", "flops": "FLOPs"}[s])
+    for index, (column, trace) in enumerate(zip(st.columns(len(traces)), traces, strict=True)):
+        column.plotly_chart(optrace.module_treemap(trace, size_by), key=f"opi_treemap_{index}")
+    st.caption("Each box is a module's own ops (children drawn inside it), coloured by the dtype most of its "
+               "FLOPs ran in, or most of its ops where it has no FLOPs (LayerNorm, ReLU). Grey: no float compute.")
+    if len(traces) == 2:
+        st.subheader("Module by module")
+        comparison = optrace.compare_modules(*traces)
+        st.dataframe(comparison, hide_index=True, key="opi_compare",
+                     column_config={c: st.column_config.NumberColumn(c, format="percent")
+                                    for c in comparison.columns if "share" in c})
+
+    st.subheader("Every op")
+    frames = [trace.to_frame() for trace in traces]
+    modules = list(dict.fromkeys(m for trace in traces for m in trace.modules))
+    dtypes = sorted({d for frame in frames for col in ("in_dtypes", "out_dtypes") for cell in frame[col]
+                     for d in cell.split(", ") if d})
+    phase_col, module_col, dtype_col, view_col = st.columns([2, 3, 2, 2])
+    phases = phase_col.multiselect("Phase", ["forward", "backward"], key="opi_phase")
+    chosen_modules = module_col.multiselect("Module (and its submodules)", modules, key="opi_module")
+    chosen_dtypes = dtype_col.multiselect("Dtype in or out", dtypes, key="opi_dtype")
+    hide_views = view_col.checkbox("Hide views/detach", value=True, key="opi_hide_views")
+    tabs = st.tabs([trace.label for trace in traces]) if len(traces) == 2 else [st.container()]
+    for index, (tab, trace, frame) in enumerate(zip(tabs, traces, frames, strict=True)):
+        with tab:
+            shown = optrace.filter_ops(frame, phases=phases, modules=chosen_modules, dtypes=chosen_dtypes,
+                                       hide_views=hide_views)
+            st.caption(f"{len(shown)} of {len(frame)} ops")
+            st.dataframe(shown, hide_index=True, key=f"opi_table_{index}")
+            st.download_button("Download the op table (CSV, all rows)", frame.to_csv(index=False),
+                               file_name=f"optrace_{trace.label.replace(' · ', '_').replace(' ', '_')}.csv",
+                               mime="text/csv", key=f"opi_csv_{index}")
+            with st.expander("Where a bf16/fp16 result was widened to fp32"):
+                st.dataframe(trace.widened_frame(), hide_index=True, key=f"opi_widened_{index}")
+            with st.expander("Per module"):
+                st.dataframe(trace.module_frame(), hide_index=True, key=f"opi_modules_{index}")
+
+st.subheader("The seed demo: `x + y` and `x @ y` under autocast, run here")
+st.markdown("From *EffectivePyTorch* (Mixed precision → Autocast): on a GPU the notes print `float32` for the "
+            "sum and `float16` for the product, for fp32 inputs and again with `y` in half precision. "
+            f"Here is what this machine ({DEVICE}) really returns:")
+st.code(SEED_DEMO, language="python")
+st.dataframe(demo_rows(DEVICE), hide_index=True, key="opi_demo")
+st.caption("Autocast casts the inputs of ops on its lower-precision list (matmul) and leaves the others alone: "
+           "`x + y` follows ordinary type promotion, and fp32 + fp16 is fp32.")

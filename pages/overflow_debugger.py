@@ -1,0 +1,196 @@
+"""Overflow debugger page: which parameters overflowed and when, the scale's story, and what silently underflows."""
+
+import streamlit as st
+
+from amp_core import debugger
+from amp_core.config import FAULT_KINDS, ConfigError
+from amp_core.precision import MODE_HELP, MODES, availability, resolve_device
+from amp_core.workloads import WORKLOADS
+from pages.common import STATUS_ICONS, get_manager, run_picker
+
+DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
+FAULT_HELP = {
+    "loss_scale": "loss x factor for a few steps (a loss spike): fp16's scaled gradients overflow",
+    "grad_inf": "inf into one element of a parameter's gradient",
+    "grad_nan": "NaN into one element of a parameter's gradient",
+    "lr_scale": "LR x factor for a few steps",
+    "init_scale": "GradScaler starts at scale = factor (e.g. 2^24: the first steps overflow)",
+}
+PERCENT = st.column_config.NumberColumn(format="%.4f%%")
+
+manager = get_manager()
+
+
+@st.cache_data(show_spinner=False)
+def parameter_names(workload: str) -> list[str]:
+    return debugger.param_names(workload)
+
+
+st.title("Overflow debugger")
+st.caption("Which parameters overflowed, and when; how the GradScaler's scale backs off and grows back; and what "
+           "GradScaler cannot see: gradients that silently underflow to zero.")
+
+# ---- fault injection ------------------------------------------------------------------------------------
+with st.expander("💉 Fault injection: launch a demo run", expanded=manager.list_runs().empty):
+    st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
+                "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
+                "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
+    top = st.columns(2)
+    workload = top[0].selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEMO_WORKLOADS[0]),
+                                format_func=lambda name: WORKLOADS[name].title, key="dbg_workload",
+                                help="digits_mlp: 300 steps take a few seconds on a laptop CPU, and its scale "
+                                     "never overflows on its own, so every skip is the fault's.")
+    kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_HELP[k]}", key="dbg_kind")
+    device = resolve_device("auto")
+    runnable = [mode for mode in MODES if availability(mode, device)[0]]
+    with st.form("dbg_fault_form"):
+        modes = st.multiselect("Modes (one lane each)", runnable,
+                               default=[m for m in ("16-mixed", "bf16-mixed") if m in runnable], key="dbg_modes",
+                               help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
+        row = st.columns(4)
+        if kind == "init_scale":
+            step, duration = 0, 1
+            row[0].caption("init_scale acts from the first step")
+        else:
+            step = row[0].number_input("At step", min_value=0, value=50, step=1, key="dbg_step")
+            duration = row[1].number_input("For steps", min_value=1, value=3, step=1, key="dbg_duration",
+                                           help="A 10-step spike halves the scale 10 times: with the growth "
+                                                "interval below it needs 10 x 50 steps to climb back.")
+        factor, param = 1.0, ""
+        if kind in ("loss_scale", "lr_scale", "init_scale"):
+            factor = row[2].number_input("Factor" if kind != "init_scale" else "Initial scale",
+                                         value=1e6 if kind == "loss_scale" else 2.0**24 if kind == "init_scale"
+                                         else 10.0, format="%g", key="dbg_factor")
+        else:
+            param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
+                                     help="The gradient that gets the inf/NaN (its first element).")
+        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=300, step=50, key="dbg_steps")
+        growth_interval = st.number_input(
+            "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
+            value=debugger.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
+            help="PyTorch's default is 2000: after a backoff the scale would take thousands of steps to "
+                 "climb back, longer than this demo runs. 50 makes the recovery visible.")
+        launched = st.form_submit_button("Launch demo run", type="primary")
+    if launched:
+        try:
+            config = debugger.demo_config(workload=workload, modes=tuple(modes), kind=kind, step=int(step),
+                                          duration=int(duration), factor=float(factor), param=param,
+                                          steps=int(steps), growth_interval=int(growth_interval))
+            run = manager.launch(config)
+        except ConfigError as error:
+            st.error(f"Cannot launch the demo: **{error.field}**: {error.why}")
+        else:
+            st.session_state["dbg_run"] = run.run_id  # the picker below opens on the new run
+            st.success(f"Launched {run.run_id}: {config.name}")
+
+# ---- run and lane ---------------------------------------------------------------------------------------
+run_id = run_picker(manager, key="dbg_run", label="Run (live or finished)")
+if run_id is None:
+    st.info("No runs yet: launch a demo above, or train one on the Train page.")
+    st.stop()
+info = manager.run_info(run_id)
+if info is None:
+    st.warning(f"Run {run_id} is no longer available (it left the store).")
+    st.stop()
+lanes = {lane["lane"]: lane for lane in info["lanes"]}
+lane_ids = list(lanes)
+lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane(info["lanes"])),
+                    format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {STATUS_ICONS.get(lanes[i]['status'], '')}"
+                                          f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
+mode = lanes[lane]["mode"]
+live_run = manager.get(run_id)
+live = live_run is not None and live_run.alive
+
+
+def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
+    """The part that moves while a run trains: lane overview, fault effects, scale timeline, skipped steps."""
+    info = manager.run_info(run_id)
+    steps, events = manager.steps(run_id), manager.events(run_id)
+    try:
+        windows = debugger.fault_windows(info["config"], mode)
+        effects = debugger.fault_effects(steps, info["config"], info["lanes"])
+    except ConfigError as error:
+        st.warning(f"This run's fault plan cannot be read ({error}); faults are not shown.")
+        windows = effects = None
+    overview = debugger.lane_overview(steps, events, info["lanes"])
+    st.dataframe(overview, hide_index=True, key="dbg_overview")
+    if effects is not None and not effects.empty:
+        st.markdown("**What the fault did**")
+        for row in effects.itertuples(index=False):
+            st.markdown(f"- lane {row.lane} `{row.mode}` · {row.fault}: {row.outcome}")
+    chart, note = st.columns([3, 1])
+    with chart:
+        st.plotly_chart(debugger.scale_timeline_figure(steps, events, lane, mode, windows), key="dbg_timeline")
+    with note:
+        st.markdown(
+            "**Why the LR scheduler waits too.** On a skipped step `scaler.step(optimizer)` does not call "
+            "`optimizer.step()`. A loop that calls `scheduler.step()` anyway moves the schedule past a step that "
+            "never happened; on the very first step (often skipped while the scaler finds its scale) PyTorch "
+            "warns *Detected call of `lr_scheduler.step()` before `optimizer.step()`*, the warning users meet "
+            "with OneCycleLR and GradScaler. AMP Lab steps the scheduler only when the optimizer stepped, so "
+            "the LR holds still across skipped steps. In your own loop: remember `scale = scaler.get_scale()` "
+            "before `scaler.update()` and call `scheduler.step()` only if the scale did not drop.")
+    table = debugger.skipped_steps_table(events, lane)
+    st.markdown(f"**Steps with inf/NaN gradients, lane {lane} ({mode})**: {len(table)}")
+    if table.empty:
+        st.caption("None so far." if debugger.uses_scaler(mode) else
+                   f"{mode} has no GradScaler: an inf/NaN gradient here would be applied, not skipped.")
+    else:
+        st.dataframe(table, hide_index=True, key="dbg_skipped")
+    run = manager.get(run_id)
+    if was_live and not (run is not None and run.alive):
+        st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
+
+
+if live:
+    progress = ", ".join(f"lane {i} {lane_info['steps_done']}/{info['config']['steps']}"
+                         for i, lane_info in lanes.items())
+    st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
+    st.fragment(run_every=1.0)(draw_run)(run_id, lane, mode, True)
+else:
+    draw_run(run_id, lane, mode, False)
+
+# ---- gradient histogram ---------------------------------------------------------------------------------
+st.subheader("Gradient magnitudes against fp16 and bf16")
+stat_steps = manager.grad_stat_steps(run_id, lane)
+if not stat_steps:
+    every = info["config"].get("gradstats_every", 0)
+    st.info(f"No gradient statistics for lane {lane} yet: they are sampled every {every} steps and on every "
+            "skipped step." if every else "This run was launched with gradient statistics off (gradstats_every 0).")
+    st.stop()
+labels = debugger.stat_step_labels(stat_steps, manager.steps(run_id), lane)
+pick = st.columns(2)
+chosen_step = pick[0].selectbox("Step", stat_steps, index=len(stat_steps) - 1, format_func=labels.get,
+                                key=f"dbg_stat_step_{run_id}_{lane}")
+step_stats = manager.grad_stats(run_id, lane, chosen_step)
+chosen_param = pick[1].selectbox("Parameter", ["(all)"] + [s.param for s in step_stats],
+                                 key=f"dbg_stat_param_{run_id}_{lane}")
+stats = debugger.stats_for(step_stats, chosen_param)
+if stats is None:
+    st.warning(f"No statistics for {chosen_param} at step {chosen_step}.")
+    st.stop()
+st.plotly_chart(debugger.gradient_histogram_figure(stats, mode, f"{chosen_param}, step {chosen_step} ({mode})"),
+                key="dbg_histogram")
+st.caption(
+    "Bars: the unscaled gradient (after `unscale_`) counted by floor(log2|g|); for a scaled lane the hatched bars "
+    "are the same values times the scale, where the fp16 backward held them. Strips: the formats' nominal ranges. "
+    "Strictly, rounding moves the edges by half a unit: fp16 turns |g| <= 2^-25 into 0 (values between 2^-25 "
+    "and 2^-24 round up to 2^-24) and |g| >= 65520 into inf; bf16 turns |g| <= 2^-134 into 0. bf16's overflow "
+    "starts near 2^128, far off this chart. The end bins are clamped (2^-140 holds everything smaller, 2^20 "
+    "everything larger).")
+counts = debugger.special_counts(stats)
+cards = st.columns(5)
+for column, (label, value) in zip(cards, counts.items(), strict=True):
+    column.metric(label, f"{value:,}")
+st.markdown("**Share of the finite non-zero gradient each format loses** (from real casts, not thresholds). "
+            "GradScaler sees only inf/NaN: a gradient that becomes 0 or loses bits as a subnormal trains "
+            "silently wrong. Scaling moves the whole histogram right, out of the underflow zone.")
+fractions = debugger.fractions_frame(stats)
+value_columns = [c for c in fractions.columns if c != "format"]
+fractions[value_columns] = fractions[value_columns] * 100
+st.dataframe(fractions, hide_index=True, column_config=dict.fromkeys(value_columns, PERCENT), key="dbg_fractions")
+if stats.lost_update_fraction is not None:
+    st.metric("Updates lost to rounding", f"{stats.lost_update_fraction:.2%}",
+              help="Of the elements with a finite non-zero gradient: the share whose weight did not change "
+                   "this step because the update was smaller than half the spacing of the weight's format "
+                   "(16-true and bf16-true with a small LR).")

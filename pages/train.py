@@ -1,0 +1,226 @@
+"""Train page: choose a workload and precision modes, see what each mode costs here, launch, watch the lanes live."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from amp_core import plots
+from amp_core.config import OPTIMIZERS, SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
+from amp_core.precision import MODE_HELP, MODES, availability, default_modes, resolve_device
+from amp_core.probe import BASELINE_MODE, SLOW_FACTOR, ProbeResult, probe_mode, relative_costs
+from amp_core.store import LIVE_STATUSES
+from amp_core.workloads import WORKLOADS
+from pages.common import get_manager, run_picker
+
+REFRESH_S = 1.0
+PROBE_STEPS = 5
+PROBE_CAP_S = 2.0
+DEFAULT_WORKLOAD = "digits_mlp"
+
+manager = get_manager()
+device = resolve_device("auto")
+available = [mode for mode in MODES if availability(mode, device)[0]]
+
+
+@st.cache_data(show_spinner=False, max_entries=128)
+def measured_cost(workload: str, size: str, batch_size: int, mode: str, on_device: str) -> ProbeResult:
+    """One mode's probe, cached per workload / size / batch / mode / device for the server's life."""
+    return probe_mode(workload, size, batch_size, mode, on_device, steps=PROBE_STEPS, time_cap_s=PROBE_CAP_S)
+
+
+st.title("Train")
+st.caption("Every lane starts from the same weights and sees the same batches; one thread steps them in turn "
+           "(A B C A B C …) so the machine's noise hits every lane alike.")
+
+# --- the form: widgets -> one RunConfig --------------------------------------------------------------------------
+with st.container(border=True):
+    c1, c2, c3 = st.columns([2, 1, 3])
+    workload = c1.selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEFAULT_WORKLOAD),
+                            format_func=lambda name: WORKLOADS[name].title, key="train_workload")
+    size = c2.selectbox("Size", SIZES, key="train_size", help="small runs in seconds on a laptop CPU")
+    modes = c3.multiselect("Precision modes (one lane each)", available,
+                           default=[m for m in default_modes(device) if m in available], key="train_modes",
+                           help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in available))
+    c1.caption(WORKLOADS[workload].description)
+    c1, c2, c3, c4, c5, c6 = st.columns(6)
+    steps = c1.number_input("Steps", value=300, step=50, key="train_steps")
+    batch_size = c2.number_input("Batch size", value=64, step=16, key="train_batch")
+    optimizer = c3.selectbox("Optimizer", OPTIMIZERS, key="train_optimizer")
+    lr = c4.number_input("Learning rate", value=1e-3, step=1e-4, format="%.2e", key="train_lr",
+                         help="The peak LR when OneCycleLR is on.")
+    seed = c5.number_input("Seed", value=0, step=1, key="train_seed",
+                           help="Seeds the initial weights and the batch order, the same in every lane.")
+    onecycle = c6.toggle("OneCycleLR", key="train_onecycle")
+    with st.expander("GradScaler settings (16-mixed only)"):
+        g1, g2, g3, g4 = st.columns(4)
+        init_scale = g1.number_input("Initial scale", value=2.0**16, format="%g", key="train_init_scale")
+        growth_factor = g2.number_input("Growth factor", value=2.0, key="train_growth")
+        backoff_factor = g3.number_input("Backoff factor", value=0.5, key="train_backoff")
+        growth_interval = g4.number_input("Growth interval (steps)", value=2000, step=100, key="train_interval")
+    with st.expander("More: gradient clipping, faults, name"):
+        m1, m2, m3 = st.columns([1, 3, 2])
+        grad_clip = m1.number_input("Clip grad norm (0 = off)", value=0.0, key="train_clip")
+        faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
+                                    help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
+                                         "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
+                                         "`init_scale:1024`.")
+        name = m3.text_input("Run name", key="train_name")
+
+config: RunConfig | None = None
+try:
+    config = RunConfig(
+        workload=workload, size=size, modes=tuple(modes), steps=int(steps), batch_size=int(batch_size),
+        optimizer=optimizer, lr=float(lr), scheduler="onecycle" if onecycle else "none", seed=int(seed),
+        grad_clip=float(grad_clip), name=name.strip(),
+        scaler=ScalerConfig(init_scale=float(init_scale), growth_factor=float(growth_factor),
+                            backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),
+        faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
+except ConfigError as error:
+    st.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+
+# --- what each mode costs here, measured before launch -----------------------------------------------------------
+if config is not None:
+    with st.container(border=True):
+        st.markdown(f"**What each mode costs here** · {WORKLOADS[workload].title}, {size}, batch {config.batch_size}")
+        probe_key = (workload, size, config.batch_size, device)
+        asked = st.session_state.setdefault("train_probed", set())
+        if size != "small" and probe_key not in asked:
+            st.caption("One step at this size can take a while in a slow mode, so the probe waits for you.")
+            if st.button("Measure the cost of each mode", key="train_probe_go"):
+                asked.add(probe_key)
+        if size == "small" or probe_key in asked:
+            probe_modes = [BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE]
+            try:
+                with st.spinner("Timing a few steps of each mode…"):
+                    costs = relative_costs([measured_cost(workload, size, config.batch_size, mode, device)
+                                            for mode in probe_modes])
+            except (RuntimeError, ValueError) as error:
+                st.warning(f"The cost probe failed: {type(error).__name__}: {error}")
+            else:
+                table = pd.DataFrame({
+                    "mode": costs["mode"],
+                    "ms / step": costs["ms_per_step"].map(lambda v: f"{v:.3g}"),
+                    f"time vs {BASELINE_MODE}": costs["time_vs_baseline"].map(format_ratio),
+                    "steps timed": costs["steps_timed"].astype(str) + costs["capped"].map({True: " (capped)",
+                                                                                          False: ""}),
+                })
+                st.dataframe(table, hide_index=True, key="train_probe_table")
+                for row in costs[costs["far_slower"]].itertuples():
+                    st.warning(f"**{row.mode}** takes {row.time_vs_baseline:.1f}× the time of {BASELINE_MODE} per "
+                               f"step here ({availability(row.mode, device)[1]}).")
+                busy = any(run.alive for run in manager.runs())
+                st.caption(f"Measured on this {device.upper()} now: {PROBE_STEPS} steps per mode after a warm-up, "
+                           f"at most {PROBE_CAP_S:g} s a mode, cached per workload, size, batch and mode. Above "
+                           f"{SLOW_FACTOR:g}× is flagged." + (" A run is going: it shares the cores and skews these "
+                                                             "figures." if busy else ""))
+
+if st.button("Launch", type="primary", disabled=config is None, key="train_launch") and config is not None:
+    try:
+        run = manager.launch(config)
+    except ConfigError as error:
+        st.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+    else:
+        st.session_state["train_run_id"] = run.run_id
+        st.session_state["train_run_pick"] = run.run_id
+        st.toast(f"Launched {config.workload} × {', '.join(config.modes)} ({run.run_id})", icon="🚀")
+
+# --- the run: picker, controls, live view ------------------------------------------------------------------------
+st.divider()
+run_id = run_picker(manager, key="train_run_pick", label="Run", default=st.session_state.get("train_run_id"))
+if run_id is None:
+    st.info("No runs yet: choose a workload and modes above and press Launch.")
+    st.stop()
+
+
+def is_live(info: dict | None) -> bool:
+    """Alive in this process, or still being written by another (the store says it is going)."""
+    return info is not None and (info["live"] or info["status"] in LIVE_STATUSES)
+
+
+followers: dict[str, RecordFollower] = st.session_state.setdefault("train_followers", {})
+live_at_start = is_live(manager.run_info(run_id))
+
+
+def controls() -> None:
+    """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state)."""
+    run = manager.get(run_id)
+    if run is None or not run.alive:
+        return
+    b1, b2, _ = st.columns([1, 1, 6])
+    if run.status == "paused":
+        b1.button("Resume", key="train_resume", icon="▶️", on_click=run.resume)
+    else:
+        b1.button("Pause", key="train_pause", icon="⏸️", on_click=run.pause)
+    b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
+
+
+def headline_cards(info: dict, frame: pd.DataFrame) -> None:
+    total = info["config"]["steps"]
+    heads = lane_headlines(frame).set_index("lane")
+    columns = st.columns(len(info["lanes"]))
+    for column, lane in zip(columns, info["lanes"], strict=True):
+        with column:
+            done = lane["steps_done"]
+            st.progress(min(1.0, done / total), text=f"**{lane['mode']}** · {lane['status']} · {done}/{total}")
+            if lane["lane"] not in heads.index:
+                continue
+            head = heads.loc[lane["lane"]]
+            base = head["baseline_mode"]
+            m1, m2, m3 = st.columns(3)
+            m1.metric("loss", f"{head['latest_loss']:.4g}")
+            m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
+                      help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
+            m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
+                      help="Peak bytes held (CUDA allocator peak where there is one) ÷ the baseline lane's.")
+            st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
+                       f"scale {format_scale(head['scale'])}")
+
+
+def lane_problems(info: dict) -> None:
+    for lane in info["lanes"]:
+        if lane["status"] == "failed":
+            st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}. "
+                     "The other lanes went on.")
+        elif lane["status"] == "diverged":
+            st.warning(f"Lane **{lane['mode']}** stopped: {lane['error']}.")
+        elif lane["status"] == "interrupted":
+            st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
+
+
+def charts(frame: pd.DataFrame) -> None:
+    o1, o2, _ = st.columns([1, 2, 3])
+    log_y = o1.toggle("log-y loss", key="train_log_y")
+    smoothing = o2.slider("loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
+    figures = plots.train_figures(frame, log_y=log_y, smoothing=smoothing)
+    left, right = st.columns(2)
+    left.plotly_chart(figures["loss"], key="train_chart_loss")
+    right.plotly_chart(figures["step_time"], key="train_chart_step_time")
+    left.plotly_chart(figures["scale"], key="train_chart_scale")
+    right.plotly_chart(figures["memory"], key="train_chart_memory")
+    left.plotly_chart(figures["lr"], key="train_chart_lr")
+
+
+@st.fragment(run_every=REFRESH_S if live_at_start else None)
+def live_view() -> None:
+    info = manager.run_info(run_id)
+    if info is None:
+        st.warning(f"Run {run_id} is no longer in the store.")
+        return
+    controls()
+    follower = followers.setdefault(run_id, RecordFollower(run_id))
+    frame = follower.update(manager)
+    info = manager.run_info(run_id)  # again: lanes may have moved on while the records were read
+    if info["status"] == "failed" and all(lane["status"] == "failed" for lane in info["lanes"]):
+        st.error(f"The run failed: {info['lanes'][0]['error']}")
+    lane_problems(info)
+    headline_cards(info, frame)
+    charts(frame)
+    with st.expander("Run configuration"):
+        st.json(info["config"], expanded=False)
+    if live_at_start and not is_live(info):
+        st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
+
+
+live_view()

@@ -1,0 +1,42 @@
+"""Shared test set-up: a fresh store per test, the repo importable, Streamlit's shared manager reset."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def fresh_store(tmp_path, monkeypatch):
+    """Every test gets its own store file, and no RunManager survives from an earlier test."""
+    path = tmp_path / "runs.sqlite3"
+    monkeypatch.setenv("AMP_LAB_STORE", str(path))
+    yield path
+    _reset_streamlit_manager()
+
+
+def _reset_streamlit_manager() -> None:
+    if "pages.common" not in sys.modules:
+        return
+    common = sys.modules["pages.common"]
+    try:
+        manager = common.get_manager()
+        manager.stop_all()
+    finally:
+        common.get_manager.clear()
+
+
+@pytest.fixture
+def no_leaked_threads():
+    """Fails the test if it leaves run threads behind."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.name.startswith("amp-run-")]
+    assert not leaked, f"threads outlived their runs: {leaked}"

@@ -1,0 +1,265 @@
+"""amp_core.compare with real CPU runs in a real SQLite store: gather, label, time, chart and export lanes."""
+
+import io
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from amp_core import compare
+from amp_core.config import RunConfig
+from amp_core.metrics import STEP_FIELDS
+from amp_core.plots import mode_color
+from amp_core.runner import Run, RunManager
+from amp_core.store import RunStore
+from amp_core.summary import summarize
+
+
+def tiny(modes, steps, **changes) -> RunConfig:
+    return RunConfig(workload="mlp_regression", modes=modes, steps=steps, batch_size=16, **changes)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Run A: 32-true + 16-mixed (12 steps; fp16 skips its first steps while the scale backs off);
+    run B: 16-mixed alone (8 steps). Both finished, both in the store and in the launching manager."""
+    store = RunStore(tmp_path_factory.mktemp("compare") / "runs.sqlite3")
+    manager = RunManager(store)
+    run_a = manager.launch(tiny(("32-true", "16-mixed"), 12))
+    run_a.join()
+    run_b = manager.launch(tiny(("16-mixed",), 8, seed=1))
+    run_b.join()
+    assert run_a.status == run_b.status == "finished"
+    return manager, run_a.run_id, run_b.run_id
+
+
+def keys_of(run_a, run_b):
+    return [f"{run_a}/0", f"{run_a}/1", f"{run_b}/0"]
+
+
+def test_short_run_id_and_lane_keys():
+    assert compare.short_run_id("20250101-120000-a1b2c3") == "a1b2c3"
+    assert compare.split_lane_key("20250101-120000-a1b2c3/2") == ("20250101-120000-a1b2c3", 2)
+
+
+@pytest.mark.parametrize("key", ["no-lane", "run/", "/3", "run/x", "run/-1"])
+def test_refuses_a_malformed_lane_key(key):
+    with pytest.raises(ValueError, match="a lane key is 'run_id/lane'"):
+        compare.split_lane_key(key)
+
+
+def test_lane_table_labels_every_lane_and_skips_unknown_runs(two_runs):
+    manager, run_a, run_b = two_runs
+    table = compare.lane_table(manager, [run_a, "no-such-run", run_b, run_a])
+    short_a, short_b = compare.short_run_id(run_a), compare.short_run_id(run_b)
+    assert table["key"].tolist() == keys_of(run_a, run_b)
+    assert table["label"].tolist() == [f"32-true · {short_a}", f"16-mixed · {short_a}", f"16-mixed · {short_b}"]
+    assert table["mode"].tolist() == ["32-true", "16-mixed", "16-mixed"] and table["lane"].tolist() == [0, 1, 0]
+    assert not table["live"].any() and set(table["status"]) == {"finished"}
+    from_store = compare.lane_table(RunManager(manager.store), [run_a, run_b])
+    pd.testing.assert_frame_equal(from_store, table)
+
+
+def test_lane_labels_stay_distinct_when_run_ids_end_alike(tmp_path):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    for run_id in ("x-abc", "y-abc"):
+        Run(tiny(("32-true",), 2), manager.store, run_id=run_id).start().join()
+    table = compare.lane_table(manager, ["x-abc", "y-abc"])
+    assert table["label"].tolist() == ["32-true · x-abc/0", "32-true · y-abc/0"]
+
+
+def test_gather_reads_the_same_records_from_memory_and_from_the_store(two_runs):
+    manager, run_a, run_b = two_runs
+    keys = [f"{run_b}/0", f"{run_a}/1"]
+    from_memory = compare.gather_steps(manager, keys)
+    from_store = compare.gather_steps(RunManager(manager.store), keys)
+    pd.testing.assert_frame_equal(from_memory, from_store)
+    assert list(from_memory.columns) == list(STEP_FIELDS)
+    assert compare.frame_lane_keys(from_memory) == keys  # lanes in the order asked for
+    for _, lane in from_memory.groupby(["run_id", "lane"]):
+        assert lane["step"].tolist() == list(range(len(lane)))
+    assert len(from_memory) == 8 + 12
+    assert from_memory["scale"].notna().all()  # both lanes are 16-mixed
+    assert from_memory["cuda_peak_bytes"].isna().all() and str(from_memory["params_bytes"].dtype) == "Int64"
+
+
+def test_gather_nothing_gives_an_empty_frame_summarize_accepts(two_runs):
+    manager, _, _ = two_runs
+    frame = compare.gather_steps(manager, [])
+    assert frame.empty and list(frame.columns) == list(STEP_FIELDS)
+    assert summarize(frame).empty
+    assert compare.frame_lane_keys(frame) == []
+
+
+def test_live_run_ids_lists_only_runs_still_training(tmp_path, no_leaked_threads):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    done = manager.launch(tiny(("32-true",), 2))
+    done.join()
+    going = manager.launch(tiny(("32-true",), 100_000))
+    try:
+        assert compare.live_run_ids(manager, [done.run_id, going.run_id, "no-such-run"]) == [going.run_id]
+    finally:
+        going.stop()
+    assert compare.live_run_ids(manager, [going.run_id]) == []
+
+
+def test_a_run_another_process_is_writing_counts_as_live(tmp_path, no_leaked_threads):
+    """The CLI writes to the same store from its own process: the page's manager only sees the store."""
+    path = tmp_path / "runs.sqlite3"
+    page_manager = RunManager(RunStore(path))
+    elsewhere = Run(tiny(("32-true",), 100_000), RunStore(path)).start()
+    try:
+        assert compare.live_run_ids(page_manager, [elsewhere.run_id]) == [elsewhere.run_id]
+    finally:
+        elsewhere.stop()
+    assert compare.live_run_ids(page_manager, [elsewhere.run_id]) == []
+    assert compare.gather_steps(page_manager, [f"{elsewhere.run_id}/0"])["step"].tolist() == list(
+        range(len(elsewhere.frame())))
+
+
+def test_time_columns_per_lane(two_runs):
+    manager, run_a, run_b = two_runs
+    frame = compare.gather_steps(manager, keys_of(run_a, run_b))
+    timed = compare.add_time_columns(frame.sample(frac=1.0, random_state=0))  # order must not matter
+    assert compare.frame_lane_keys(timed) == compare.frame_lane_keys(frame.sample(frac=1.0, random_state=0))
+    for _, lane in timed.groupby(["run_id", "lane"]):
+        np.testing.assert_allclose(lane["compute_s"], lane["step_ms"].cumsum() / 1e3)
+        assert lane["elapsed_s"].iloc[0] == pytest.approx(lane["step_ms"].iloc[0] / 1e3, abs=1e-5)  # unix-time rounding
+        assert (np.diff(lane["elapsed_s"]) > 0).all()
+        # Lanes of one run take turns, so a lane's wall clock runs ahead of its own step time.
+        assert lane["elapsed_s"].iloc[-1] >= lane["compute_s"].iloc[-1] - 1e-6
+
+
+def line_traces(fig) -> list:
+    return [t for t in fig.data if t.mode == "lines"]
+
+
+def test_loss_vs_step_colours_by_mode_and_dashes_by_run(two_runs):
+    manager, run_a, run_b = two_runs
+    keys = keys_of(run_a, run_b)
+    frame = compare.gather_steps(manager, keys)
+    labels = dict(zip(keys, ["A fp32", "A fp16", "B fp16"], strict=True))
+    fig = compare.loss_vs_step_figure(frame, labels, log_y=True)
+    lines = line_traces(fig)
+    assert [t.name for t in lines] == ["A fp32", "A fp16", "B fp16"]
+    assert [t.line.color for t in lines] == [mode_color("32-true"), mode_color("16-mixed"), mode_color("16-mixed")]
+    assert [t.line.dash for t in lines] == ["solid", "solid", "dash"]
+    assert fig.layout.yaxis.type == "log"
+    fp16_a = frame[(frame["run_id"] == run_a) & (frame["lane"] == 1)]
+    assert list(lines[1].y) == fp16_a["loss"].tolist()
+    skipped_steps = fp16_a.loc[fp16_a["skipped"], "step"].tolist()
+    assert skipped_steps, "16-mixed starts at scale 65536 and must skip some steps on this workload"
+    markers = [t for t in fig.data if t.mode == "markers" and t.legendgroup == keys[1]]
+    assert len(markers) == 1 and list(markers[0].customdata) == skipped_steps
+
+
+@pytest.mark.parametrize("time_axis", ["compute", "wall"])
+def test_loss_vs_time_uses_the_chosen_clock(two_runs, time_axis):
+    manager, run_a, run_b = two_runs
+    frame = compare.gather_steps(manager, keys_of(run_a, run_b))
+    fig = compare.loss_vs_time_figure(frame, time_axis=time_axis, log_y=False)
+    timed = compare.add_time_columns(frame)
+    column = {"compute": "compute_s", "wall": "elapsed_s"}[time_axis]
+    expected = [lane[column].to_numpy() for _, lane in timed.groupby(["run_id", "lane"], sort=False)]
+    drawn = [np.asarray(t.x) for t in line_traces(fig)]
+    assert len(drawn) == len(expected) == 3
+    for x, want in zip(drawn, expected, strict=True):
+        np.testing.assert_allclose(x, want)
+    assert fig.layout.xaxis.title.text == compare.TIME_AXES[time_axis]
+
+
+def test_refuses_an_unknown_time_axis_or_distribution_kind(two_runs):
+    manager, run_a, _ = two_runs
+    frame = compare.gather_steps(manager, [f"{run_a}/0"])
+    with pytest.raises(ValueError, match="time_axis must be one of compute, wall"):
+        compare.loss_vs_time_figure(frame, time_axis="cpu")
+    with pytest.raises(ValueError, match="kind must be one of box, violin"):
+        compare.step_time_figure(frame, kind="histogram")
+
+
+def long_lane(n: int, mode: str = "32-true", run_id: str = "long") -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    loss = 1.0 / np.arange(1, n + 1) + rng.normal(0, 1e-4, n)
+    skipped = np.zeros(n, dtype=bool)
+    if n > 12_345:
+        loss[12_345] = 50.0  # a spike decimation must keep
+        skipped[7_777] = True
+    return pd.DataFrame({"run_id": run_id, "lane": 0, "mode": mode, "step": np.arange(n), "loss": loss,
+                         "step_ms": rng.gamma(4.0, 2.0, n), "skipped": skipped, "t_wall_s": np.arange(n) * 0.01})
+
+
+def test_a_20k_step_lane_is_decimated_but_keeps_spikes_and_skips():
+    fig = compare.loss_vs_step_figure(long_lane(20_000))
+    (line,) = line_traces(fig)
+    assert len(line.x) <= 2_100
+    assert 12_345 in line.x and max(line.y) == 50.0
+    assert 7_777 in line.x
+    (markers,) = [t for t in fig.data if t.mode == "markers"]
+    assert list(markers.x) == [7_777]
+
+
+@pytest.mark.parametrize("kind", compare.DIST_KINDS)
+def test_step_time_distribution_of_a_long_lane_keeps_min_max_and_median(kind):
+    frame = pd.concat([long_lane(20_000), long_lane(300, "bf16-mixed", "short")], ignore_index=True)
+    fig = compare.step_time_figure(frame, {"long/0": "long lane"}, kind=kind, log_y=kind == "violin")
+    assert fig.layout.yaxis.type == ("log" if kind == "violin" else "linear")
+    long_trace, short_trace = fig.data
+    assert long_trace.type == kind and long_trace.name == "long lane" and short_trace.name == "short/0"
+    assert long_trace.marker.color == mode_color("32-true") and short_trace.marker.color == mode_color("bf16-mixed")
+    full = frame.loc[frame["run_id"] == "long", "step_ms"].to_numpy()
+    drawn = np.asarray(long_trace.y)
+    assert len(drawn) == compare.DIST_POINTS
+    assert (drawn.min(), drawn.max()) == (full.min(), full.max())
+    assert np.median(drawn) == pytest.approx(np.median(full))
+    assert np.quantile(drawn, 0.9) == pytest.approx(np.quantile(full, 0.9), rel=1e-3)
+    assert sorted(short_trace.y) == sorted(frame.loc[frame["run_id"] == "short", "step_ms"])  # short lanes: as is
+
+
+def test_distribution_sample_drops_non_finite_values():
+    assert compare.distribution_sample(np.array([3.0, np.nan, 1.0, np.inf])).tolist() == [3.0, 1.0]
+
+
+def test_format_summary_reads_like_the_issue_asks(two_runs):
+    manager, run_a, run_b = two_runs
+    keys = keys_of(run_a, run_b)
+    frame = compare.gather_steps(manager, keys)
+    summary = summarize(frame, keys[0], last_k=4)
+    table = compare.format_summary(summary, {keys[0]: "fp32 A"}, keys[0])
+    assert table["lane"].tolist() == ["★ fp32 A", keys[1], keys[2]]
+    assert table["speedup"].iloc[0] == "1.00×" and table["memory ratio"].iloc[0] == "1.00×"
+    assert table["speedup"].iloc[1] == f"{summary['speedup'].iloc[1]:.2f}×"
+    assert table["peak memory"].iloc[1] == f"{summary['peak_mib'].iloc[1]:.3g} MiB"
+    assert table["loss Δ"].iloc[0] == "+0" and table["loss Δ"].iloc[2].startswith(("+", "-"))
+    assert table["skipped steps"].tolist() == summary["skipped_steps"].tolist()
+    assert table["diverged"].tolist() == ["no", "no", "no"]
+
+
+def test_format_summary_shows_a_dash_for_missing_figures():
+    summary = pd.DataFrame([{"run_id": "r", "lane": 0, "mode": "16-true", "steps": 3, "median_ms": 2.0,
+                             "speedup": 1.0, "peak_bytes": 0.0, "peak_mib": 0.0, "mem_ratio": float("nan"),
+                             "final_loss": float("nan"), "loss_delta": float("nan"), "skipped_steps": 0,
+                             "diverged": True}])
+    row = compare.format_summary(summary).iloc[0]
+    assert (row["memory ratio"], row["final loss"], row["loss Δ"], row["diverged"]) == ("—", "—", "—", "💥 yes")
+
+
+def test_csv_and_parquet_downloads_round_trip(two_runs):
+    manager, run_a, run_b = two_runs
+    frame = compare.gather_steps(manager, keys_of(run_a, run_b))
+    from_parquet = pd.read_parquet(io.BytesIO(compare.parquet_bytes(frame)))
+    pd.testing.assert_frame_equal(from_parquet, frame, check_dtype=False)
+    from_csv = pd.read_csv(io.BytesIO(compare.csv_bytes(frame)))
+    assert list(from_csv.columns) == list(STEP_FIELDS) and len(from_csv) == len(frame)
+    np.testing.assert_allclose(from_csv["loss"], frame["loss"])
+    assert from_csv["run_id"].tolist() == frame["run_id"].tolist()
+
+
+def test_chart_html_is_standalone(two_runs):
+    manager, run_a, _ = two_runs
+    fig = compare.loss_vs_step_figure(compare.gather_steps(manager, [f"{run_a}/0"]))
+    html = compare.figure_html(fig).decode()
+    assert html.lstrip().lower().startswith("<!doctype html>") and "Loss vs step" in html
+    assert not re.search(r"<script[^>]*\bsrc=", html)  # nothing fetched: plotly.js is inlined
+    assert "plotly.js v" in html
+    assert len(html) > 1_000_000

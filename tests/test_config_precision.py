@@ -1,0 +1,109 @@
+"""RunConfig validation and the precision modes, on this CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.precision import MODES, availability, default_modes, get_precision
+
+CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"workload": "resnet9000"}, "workload"),
+    ({"modes": ()}, "modes"),
+    ({"modes": ("32-true", "32-true")}, "modes"),
+    ({"modes": ("fp8",)}, "modes"),
+    ({"steps": 0}, "steps"),
+    ({"steps": 2.5}, "steps"),
+    ({"batch_size": -1}, "batch_size"),
+    ({"lr": 0.0}, "lr"),
+    ({"lr": float("nan")}, "lr"),
+    ({"eps": 0.0}, "eps"),
+    ({"optimizer": "lamb"}, "optimizer"),
+    ({"scheduler": "cosine"}, "scheduler"),
+    ({"size": "huge"}, "size"),
+    ({"device": "tpu"}, "device"),
+    ({"seed": -3}, "seed"),
+    ({"grad_clip": -1.0}, "grad_clip"),
+    ({"memory_every": 0}, "memory_every"),
+    ({"gradstats_every": -1}, "gradstats_every"),
+    ({"data_dir": "/nonexistent/mnist"}, "data_dir"),
+    ({"workload": "mlp_regression", "data_dir": "/tmp"}, "data_dir"),
+])
+def test_every_invalid_field_is_refused_with_its_name(changes, field):
+    with pytest.raises(ConfigError, match=f"^{field}: ") as info:
+        RunConfig(**changes)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"init_scale": 0.0}, "scaler.init_scale"),
+    ({"growth_factor": 1.0}, "scaler.growth_factor"),
+    ({"backoff_factor": 1.5}, "scaler.backoff_factor"),
+    ({"growth_interval": 0}, "scaler.growth_interval"),
+])
+def test_scaler_settings_are_checked(changes, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        ScalerConfig(**changes)
+
+
+def test_tf32_is_refused_on_cpu_with_the_reason():
+    ok, reason = availability("tf32", "cpu")
+    assert not ok and "compute capability" in reason
+    with pytest.raises(ConfigError, match="modes: tf32 cannot run on this device: TF32"):
+        RunConfig(modes=("32-true", "tf32"), device="cpu")
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        get_precision("tf32", "cpu")
+
+
+def test_cuda_modes_are_refused_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert availability("32-true", "cuda") == (False, "no CUDA device on this machine")
+
+
+def test_config_round_trips_through_a_dict():
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=7, scheduler="onecycle",
+                       scaler=ScalerConfig(init_scale=1024.0, growth_interval=10),
+                       faults=(FaultSpec.parse("loss_scale:1e6@3+2"), FaultSpec(kind="grad_inf", step=4, modes=("16-mixed",))))
+    assert RunConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="^colour: unknown setting"):
+        RunConfig.from_dict({**config.to_dict(), "colour": "red"})
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("loss_scale:1e6@50+10", FaultSpec(kind="loss_scale", factor=1e6, step=50, duration=10)),
+    ("grad_inf:fc1.weight@30", FaultSpec(kind="grad_inf", param="fc1.weight", step=30)),
+    ("grad_nan@7", FaultSpec(kind="grad_nan", step=7)),
+    ("lr_scale:10@100+20", FaultSpec(kind="lr_scale", factor=10.0, step=100, duration=20)),
+    ("init_scale:1024", FaultSpec(kind="init_scale", factor=1024.0)),
+])
+def test_fault_text_form(text, expected):
+    assert FaultSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize(("text", "match"), [("explode@3", "faults.kind"), ("loss_scale:abc@3", "faults.factor"),
+                                             ("loss_scale:2@x", "faults: cannot read")])
+def test_bad_fault_text_names_the_problem(text, match):
+    with pytest.raises(ConfigError, match=match):
+        FaultSpec.parse(text)
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_each_mode_computes_in_its_dtype(mode):
+    precision = get_precision(mode, "cpu")
+    layer = precision.prepare_module(torch.nn.Linear(4, 4))
+    assert layer.weight.dtype == precision.param_dtype
+    with precision.forward_context():
+        out = layer(precision.prepare_input(torch.randn(2, 4)))
+    assert out.dtype == (precision.autocast_dtype or precision.param_dtype)
+    scaler = precision.make_scaler()
+    assert scaler.is_enabled() == (mode == "16-mixed")
+
+
+def test_default_modes_pair_fp32_with_a_mixed_mode():
+    modes = default_modes("cpu")
+    assert modes[0] == "32-true" and modes[1] in ("bf16-mixed", "16-mixed")

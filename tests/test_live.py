@@ -1,0 +1,79 @@
+"""The live view's readers: headline figures per lane, and a follower that reads only new records."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from step_records import records
+
+from amp_core.config import RunConfig
+from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
+from amp_core.metrics import STEP_FIELDS
+from amp_core.runner import RunManager
+from amp_core.store import RunStore
+
+
+def test_headlines_against_the_32_true_lane():
+    frame = records(40, modes=("bf16-mixed", "32-true", "16-mixed"), skipped_at=(5, 9))
+    frame.loc[frame["mode"] == "bf16-mixed", "step_ms"] = 4.0
+    frame.loc[frame["mode"] == "32-true", "step_ms"] = 6.0
+    heads = lane_headlines(frame).set_index("mode")
+    assert (heads["baseline_mode"] == "32-true").all()
+    assert heads.loc["bf16-mixed", "speedup"] == pytest.approx(1.5)
+    assert heads.loc["32-true", "speedup"] == pytest.approx(1.0)
+    held = {"bf16-mixed": 4000 + 4000 + 8000 + 3900, "32-true": 8000 + 4000 + 8000 + 3900}
+    assert heads.loc["bf16-mixed", "mem_ratio"] == pytest.approx(held["bf16-mixed"] / held["32-true"])
+    assert heads.loc["16-mixed", "skipped_steps"] == 2
+    assert heads.loc["16-mixed", "scale"] == 2.0**14
+    assert math.isnan(heads.loc["32-true", "scale"])
+    last = frame[(frame["mode"] == "bf16-mixed")].iloc[-1]["loss"]
+    assert heads.loc["bf16-mixed", "latest_loss"] == last
+
+
+def test_headlines_fall_back_to_the_first_lane():
+    heads = lane_headlines(records(5, modes=("bf16-mixed", "16-mixed")))
+    assert (heads["baseline_mode"] == "bf16-mixed").all()
+    assert lane_headlines(records(0)).empty
+
+
+@pytest.mark.parametrize(("value", "text"), [(65536.0, "2^16"), (0.5, "2^-1"), (3.0, "3"), (float("nan"), "no scaler"),
+                                             (None, "no scaler")])
+def test_format_scale(value, text):
+    assert format_scale(value) == text
+
+
+def test_format_ratio():
+    assert format_ratio(1.2345) == "1.23×" and format_ratio(float("nan")) == "–"
+
+
+def test_follower_reads_a_live_run_incrementally(fresh_store, no_leaked_threads):
+    manager = RunManager(RunStore(fresh_store))
+    run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=40, device="cpu"))
+    follower = RecordFollower(run.run_id)
+    sizes = []
+    while run.alive:
+        sizes.append(len(follower.update(manager)))
+    run.join()
+    frame = follower.update(manager)
+    assert sizes == sorted(sizes)
+    assert len(frame) == 80
+    pd.testing.assert_frame_equal(frame, run.frame())
+
+
+def test_follower_reads_a_stored_run_by_step_without_duplicates(fresh_store):
+    store = RunStore(fresh_store)
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), device="cpu")
+    store.create_run("r", config.to_dict(), "cpu", "x")
+    rows = records(10, modes=("32-true", "bf16-mixed"))
+    as_tuples = list(rows[list(STEP_FIELDS)].itertuples(index=False, name=None))
+    store.write_batch(as_tuples[:7])  # steps 0-2 both lanes, step 3 lane 0 only
+    manager = RunManager(store)
+    follower = RecordFollower("r")
+    assert len(follower.update(manager)) == 7
+    store.write_batch(as_tuples[7:])
+    frame = follower.update(manager)
+    assert len(frame) == 20
+    assert not frame.duplicated(["lane", "step"]).any()
+    assert len(follower.update(manager)) == 20

@@ -1,0 +1,183 @@
+"""The Compare page under AppTest, on a real store and real CPU runs: zero, one and three lanes, live runs."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from amp_core.config import RunConfig
+from amp_core.plots import mode_color
+from amp_core.runner import Run
+from amp_core.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = str(ROOT / "pages" / "compare.py")
+DOWNLOADS = ["Records · CSV", "Records · Parquet", "Summary · CSV", "Loss vs step · HTML", "Loss vs time · HTML",
+             "Step time per lane · HTML"]
+
+
+def tiny(modes, steps=10, **changes) -> RunConfig:
+    return RunConfig(workload="mlp_regression", modes=modes, steps=steps, batch_size=16, **changes)
+
+
+def stored_run(store_path: Path, modes) -> str:
+    """A finished run written to the test's store by a thread of its own (not the page's manager)."""
+    run = Run(tiny(modes), RunStore(store_path)).start()
+    run.join()
+    assert run.status == "finished"
+    return run.run_id
+
+
+def page() -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=60).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def summary_table(at: AppTest):
+    (table,) = [df.value for df in at.dataframe if "speedup" in df.value.columns]
+    return table
+
+
+def downloads(at: AppTest) -> list[str]:
+    return [element.proto.label for element in at.get("download_button")]
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+
+
+def test_empty_store_explains_what_to_do():
+    at = page()
+    assert not at.error
+    assert any("No runs yet" in info.value and "Train" in info.value for info in at.info)
+    assert not at.get("plotly_chart") and not at.get("download_button")
+
+
+def test_one_lane(fresh_store):
+    run_id = stored_run(fresh_store, ("32-true", "bf16-mixed"))
+    at = page()
+    assert at.multiselect(key="cmp_runs").value == [run_id]  # the newest run comes preselected
+    assert at.multiselect(key="cmp_lanes").value == [f"{run_id}/0", f"{run_id}/1"]
+    at.multiselect(key="cmp_lanes").set_value([f"{run_id}/1"]).run()
+    assert not at.exception and not at.error and not at.warning
+    table = summary_table(at)
+    assert table["mode"].tolist() == ["bf16-mixed"] and table["steps"].tolist() == [10]
+    assert table["speedup"].tolist() == ["1.00×"] and table["lane"].iloc[0].startswith("★ bf16-mixed · ")
+    assert at.selectbox(key="cmp_baseline").value == f"{run_id}/1"
+    assert len(charts(at)) == 3
+    assert downloads(at) == DOWNLOADS
+    assert not any("different runs" in caption.value for caption in at.caption)
+
+
+def test_three_lanes_of_two_runs(fresh_store):
+    first = stored_run(fresh_store, ("bf16-mixed", "32-true"))
+    second = stored_run(fresh_store, ("16-mixed",))
+    at = page()
+    at.multiselect(key="cmp_runs").set_value([second, first]).run()
+    assert not at.exception and not at.error
+    assert at.multiselect(key="cmp_lanes").value == [f"{second}/0", f"{first}/0", f"{first}/1"]
+    assert at.selectbox(key="cmp_baseline").value == f"{first}/1"  # the 32-true lane, though not first
+    table = summary_table(at)
+    assert table["mode"].tolist() == ["16-mixed", "bf16-mixed", "32-true"]
+    assert table["lane"].iloc[2].startswith("★ 32-true") and table["speedup"].iloc[2] == "1.00×"
+    assert all(cell.endswith("×") for cell in table["speedup"]) and all(table["peak memory"].str.endswith(" MiB"))
+
+    loss_vs_step, loss_vs_time, step_time = charts(at)
+    lines = [t for t in loss_vs_step["data"] if t["mode"] == "lines"]
+    assert [t["line"]["color"] for t in lines] == [mode_color(m) for m in ("16-mixed", "bf16-mixed", "32-true")]
+    assert [t["line"]["dash"] for t in lines] == ["solid", "dash", "dash"]
+    assert loss_vs_step["layout"]["yaxis"]["type"] == "log"
+    assert len([t for t in loss_vs_time["data"] if t["mode"] == "lines"]) == 3
+    assert [t["type"] for t in step_time["data"]] == ["box"] * 3
+    assert step_time["layout"]["yaxis"]["type"] == "log"
+    assert downloads(at) == DOWNLOADS
+    assert any("different runs" in caption.value for caption in at.caption)
+
+    at.toggle(key="cmp_log_y").set_value(False).run()
+    at.radio(key="cmp_dist_kind").set_value("violin").run()
+    at.radio(key="cmp_time_axis").set_value("wall").run()
+    at.toggle(key="cmp_log_ms").set_value(False).run()
+    assert not at.exception
+    loss_vs_step, loss_vs_time, step_time = charts(at)
+    assert loss_vs_step["layout"]["yaxis"]["type"] == "linear"
+    assert step_time["layout"]["yaxis"]["type"] == "linear"
+    assert [t["type"] for t in step_time["data"]] == ["violin"] * 3
+    assert "wall clock" in loss_vs_time["layout"]["xaxis"]["title"]["text"]
+
+    at.number_input(key="cmp_k").set_value(3).run()
+    assert not at.exception and "mean of the last 3 steps" in " ".join(c.value for c in at.caption)
+
+
+def test_a_chosen_baseline_stays_and_removing_a_run_removes_its_lanes(fresh_store):
+    first = stored_run(fresh_store, ("32-true", "bf16-mixed"))
+    second = stored_run(fresh_store, ("16-mixed",))
+    at = page()
+    at.multiselect(key="cmp_runs").set_value([second, first]).run()
+    at.selectbox(key="cmp_baseline").set_value(f"{second}/0").run()
+    assert summary_table(at)["lane"].iloc[0].startswith("★ 16-mixed")
+    at.multiselect(key="cmp_lanes").set_value([f"{second}/0", f"{first}/0"]).run()
+    assert at.selectbox(key="cmp_baseline").value == f"{second}/0"  # the user's choice survives
+    at.multiselect(key="cmp_runs").set_value([first]).run()
+    assert not at.exception
+    assert at.multiselect(key="cmp_lanes").value == [f"{first}/0"]  # the lane left out stays out
+    assert at.selectbox(key="cmp_baseline").value == f"{first}/0"  # its lane left: back to the default
+
+
+def test_zero_lanes_chosen_says_what_to_do(fresh_store):
+    run_id = stored_run(fresh_store, ("32-true",))
+    at = page()
+    at.multiselect(key="cmp_lanes").set_value([]).run()
+    assert not at.exception and not at.error
+    assert any("Choose at least one run" in info.value for info in at.info)
+    assert not at.get("plotly_chart")
+    at.multiselect(key="cmp_runs").set_value([]).run()
+    assert not at.exception and at.multiselect(key="cmp_lanes").value == []
+    at.multiselect(key="cmp_runs").set_value([run_id]).run()
+    assert at.multiselect(key="cmp_lanes").value == [f"{run_id}/0"]
+
+
+def test_a_live_run_can_be_picked_and_refreshes(no_leaked_threads):
+    from pages.common import get_manager
+
+    manager = get_manager()
+    run = manager.launch(tiny(("32-true", "16-mixed"), steps=100_000))
+    try:
+        deadline = time.monotonic() + 30
+        while len(run.frame()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        at = page()
+        assert at.multiselect(key="cmp_runs").value == [run.run_id]
+        assert any("still training" in caption.value for caption in at.caption)
+        steps_before = summary_table(at)["steps"].tolist()
+        assert min(steps_before) >= 2
+        time.sleep(0.5)
+        at.run()
+        assert not at.exception
+        steps_after = summary_table(at)["steps"].tolist()
+        assert all(after > before for before, after in zip(steps_before, steps_after, strict=True))
+    finally:
+        run.stop()
+    at.run()  # finished now: the page redraws without the live timer
+    assert not at.exception and not any("still training" in caption.value for caption in at.caption)
+    assert summary_table(at)["steps"].tolist() == run.frame().groupby("lane").size().tolist()
+
+
+@pytest.mark.parametrize("runs", [0, 1])
+def test_reachable_from_the_app(fresh_store, runs):
+    if runs:
+        stored_run(fresh_store, ("32-true", "bf16-mixed"))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+    at.switch_page("pages/compare.py").run()
+    assert not at.exception
+    assert at.title[0].value == "Compare runs"
+    assert len(at.get("plotly_chart")) == 3 * runs
+
+
+def test_a_damaged_store_leaves_the_page_working_in_memory(fresh_store):
+    """app.py shows the store banner; the page itself must just go on with the in-memory runs."""
+    fresh_store.write_bytes(b"this is not a database" * 10)
+    at = page()
+    assert not at.error and any("No runs yet" in info.value for info in at.info)

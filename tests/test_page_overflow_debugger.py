@@ -1,0 +1,207 @@
+"""The Overflow debugger page under AppTest: empty store, a finished run from the store, launching the demo,
+refused input, a live run, and the page inside app.py's navigation."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from amp_core import debugger
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.runner import Run
+from amp_core.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = str(ROOT / "pages" / "overflow_debugger.py")
+LAUNCH = "FormSubmitter:dbg_fault_form-Launch demo run"
+
+
+def _page() -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=60).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _manager():
+    return sys.modules["pages.common"].get_manager()
+
+
+TABLES = {"dbg_overview": "skipped steps", "dbg_skipped": "outcome", "dbg_fractions": "format"}
+
+
+def _frames(at: AppTest) -> dict[str, object]:
+    """The page's tables by key (AppTest does not expose a dataframe's key: each has a column only it has)."""
+    found = {}
+    for key, column in TABLES.items():
+        matches = [df.value for df in at.dataframe if column in df.value.columns]
+        assert len(matches) <= 1, key
+        if matches:
+            found[key] = matches[0]
+    return found
+
+
+def _chart(at: AppTest, key: str) -> dict:
+    charts = [c for c in at.get("plotly_chart") if json.loads(c.proto.spec) and key in c.proto.id]
+    assert len(charts) == 1, [c.proto.id for c in at.get("plotly_chart")]
+    return json.loads(charts[0].proto.spec)
+
+
+@pytest.fixture
+def stored_run(fresh_store) -> str:
+    """A finished 16-mixed + bf16-mixed run with a loss spike, written to the test's store."""
+    config = RunConfig(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), steps=60, gradstats_every=10,
+                       scaler=ScalerConfig(growth_interval=10),
+                       faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
+    run = Run(config, RunStore(fresh_store)).start()
+    run.join(120)
+    assert run.status == "finished"
+    return run.run_id
+
+
+def test_renders_with_no_run():
+    at = _page()
+    assert not at.error
+    assert at.title[0].value == "Overflow debugger"
+    assert any("No runs yet" in info.value for info in at.info)
+    assert at.expander[0].proto.expanded  # nothing to debug yet: the fault panel is open
+    assert at.selectbox(key="dbg_workload").value == "digits_mlp"
+    assert at.multiselect(key="dbg_modes").value == ["16-mixed", "bf16-mixed"]
+    assert at.number_input(key="dbg_growth").value == debugger.DEMO_GROWTH_INTERVAL
+    assert any("default is 2000" in (n.help or "") for n in at.number_input)
+    assert not at.get("plotly_chart")
+
+
+def test_finished_run_from_the_store(stored_run):
+    at = _page()
+    assert not at.error
+    assert at.selectbox(key="dbg_run").value == stored_run
+    assert at.selectbox(key=f"dbg_lane_{stored_run}").value == 0  # the 16-mixed lane opens first
+    frames = _frames(at)
+    overview = frames["dbg_overview"].set_index("mode")
+    assert overview.loc["16-mixed", "skipped steps"] == 2 and overview.loc["bf16-mixed", "skipped steps"] == 0
+    skipped = frames["dbg_skipped"]
+    assert skipped["step"].tolist() == [20, 21]
+    assert all(text.startswith("fc1.weight") for text in skipped["parameters"])
+    assert any("What the fault did" in md.value for md in at.markdown)
+    assert any("2 steps skipped" in md.value and "16-mixed" in md.value for md in at.markdown)
+    assert any("Detected call of `lr_scheduler.step()` before `optimizer.step()`" in md.value for md in at.markdown)
+    timeline = _chart(at, "dbg_timeline")
+    names = {t.get("name") for t in timeline["data"]}
+    assert {"scale (16-mixed)", "skipped step", "scale backoff"} <= names
+    histogram = _chart(at, "dbg_histogram")
+    assert {t["name"] for t in histogram["data"] if t.get("orientation") == "h"} >= {"overflow", "subnormal"}
+    assert any(t["name"].endswith("(scaled)") for t in histogram["data"])  # 16-mixed: the scaled view too
+    fractions = frames["dbg_fractions"].set_index("format")
+    assert list(fractions.index) == ["fp16", "bf16"]
+    assert fractions.loc["fp16", "subnormal (unscaled)"] > 0  # digits_mlp's small gradients: fp16 subnormals
+    assert at.selectbox(key=f"dbg_stat_step_{stored_run}_0").value == 50
+
+
+def test_skipped_step_and_bf16_lane(stored_run):
+    at = _page()
+    step_box = at.selectbox(key=f"dbg_stat_step_{stored_run}_0")
+    assert "step 20 · skipped" in step_box.options and "step 10" in step_box.options
+    step_box.set_value(20).run()
+    assert not at.exception and not at.error
+    assert any(m.label == "NaN" and m.value != "0" for m in at.metric)  # the spike's overflow, unscaled
+    at.selectbox(key=f"dbg_lane_{stored_run}").set_value(1).run()
+    assert not at.exception and not at.error
+    timeline = _chart(at, "dbg_timeline")
+    assert any("has no GradScaler" in a["text"] for a in timeline["layout"]["annotations"])
+    assert "dbg_skipped" not in _frames(at)
+    assert any("bf16-mixed has no GradScaler" in c.value for c in at.caption)
+    histogram = _chart(at, "dbg_histogram")
+    assert not any(t["name"].endswith("(scaled)") for t in histogram["data"])
+    at.selectbox(key=f"dbg_stat_param_{stored_run}_1").set_value("fc2.bias").run()
+    assert not at.exception
+    assert any(m.label == "elements" and m.value == "10" for m in at.metric)
+
+
+def test_launching_the_demo_creates_a_two_lane_run(no_leaked_threads):
+    at = _page()
+    at.number_input(key="dbg_steps").set_value(120)
+    at.button(key=LAUNCH).click().run()
+    assert not at.exception and not at.error
+    runs = _manager().list_runs()
+    assert len(runs) == 1 and runs.loc[0, "modes"] == ["16-mixed", "bf16-mixed"]
+    run = _manager().get(runs.loc[0, "run_id"])
+    assert run.config.faults == (FaultSpec(kind="loss_scale", step=50, duration=3, factor=1e6),)
+    assert run.config.scaler.growth_interval == debugger.DEMO_GROWTH_INTERVAL
+    assert at.selectbox(key="dbg_run").value == run.run_id
+    assert any("Launched" in s.value for s in at.success)
+    run.join(120)
+    at.run()
+    assert not at.exception and not at.error
+    overview = _frames(at)["dbg_overview"].set_index("mode")
+    assert overview.loc["16-mixed", "skipped steps"] == 3
+    assert overview.loc["bf16-mixed", "skipped steps"] == 0
+
+
+def test_grad_inf_demo_names_the_chosen_parameter(no_leaked_threads):
+    at = _page()
+    at.selectbox(key="dbg_workload").set_value("mlp_regression").run()
+    at.selectbox(key="dbg_kind").set_value("grad_inf").run()
+    assert at.selectbox(key="dbg_param").options == ["layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias"]
+    at.selectbox(key="dbg_param").set_value("layer2.weight")
+    at.number_input(key="dbg_step").set_value(30)
+    at.number_input(key="dbg_steps").set_value(40)
+    at.multiselect(key="dbg_modes").set_value(["16-mixed"])
+    at.button(key=LAUNCH).click().run()
+    assert not at.exception and not at.error
+    run = _manager().get(at.selectbox(key="dbg_run").value)
+    run.join(60)
+    at.run()
+    skipped = _frames(at)["dbg_skipped"]
+    assert skipped.set_index("step").loc[30, "parameters"] == "layer2.weight (1 inf)"
+
+
+@pytest.mark.parametrize(("widget", "value", "field"), [
+    ("dbg_factor", 0.0, "faults.factor"),
+    ("dbg_step", 500, "faults.step"),
+])
+def test_bad_demo_input_names_the_field(widget, value, field):
+    at = _page()
+    at.number_input(key=widget).set_value(value)
+    at.button(key=LAUNCH).click().run()
+    assert not at.exception
+    assert any(f"**{field}**" in error.value for error in at.error), [e.value for e in at.error]
+    assert _manager().list_runs().empty
+
+
+def test_no_modes_is_refused():
+    at = _page()
+    at.multiselect(key="dbg_modes").set_value([])
+    at.button(key=LAUNCH).click().run()
+    assert not at.exception
+    assert any("**modes**" in error.value for error in at.error)
+
+
+def test_run_limit_is_an_error_and_a_live_run_redraws(no_leaked_threads):
+    at = _page()
+    at.number_input(key="dbg_steps").set_value(100_000)
+    for _ in range(3):
+        at.button(key=LAUNCH).click().run()
+        assert not at.exception
+    assert any("**runs**" in error.value and "already going" in error.value for error in at.error)
+    assert len(_manager().list_runs()) == 2
+    assert any("live: redrawn every second" in c.value for c in at.caption)
+    at.run()  # the run_every fragment draws again
+    assert not at.exception
+    assert "dbg_overview" in _frames(at)
+    _manager().stop_all()
+    at.run()
+    assert not at.exception and not at.error
+    assert not any("live: redrawn" in c.value for c in at.caption)
+
+
+def test_inside_the_app(stored_run):
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60).run()
+    assert not at.exception
+    at.switch_page("pages/overflow_debugger.py").run()
+    assert not at.exception and not at.error
+    assert at.title[0].value == "Overflow debugger"
+    assert at.selectbox(key="dbg_run").value == stored_run

@@ -1,0 +1,251 @@
+"""The runner, on real torch: every workload x mode trains, lanes are fair, skips are exact, threads end."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.precision import MODES, availability
+from amp_core.runner import Run, RunLimitError, RunManager, build_lane_state
+from amp_core.step import train_step
+from amp_core.store import RunStore
+from amp_core.workloads import WORKLOADS
+
+CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
+
+
+class RecordingRun(Run):
+    """A real Run that also keeps each lane's initial weights and every batch it fed (test instrumentation)."""
+
+    def _setup(self):
+        super()._setup()
+        self.initial = [copy.deepcopy(lane.state.model.state_dict()) for lane in self.lanes]
+        self.fed = []
+
+    def _run_lane_step(self, lane, step):
+        self.fed.append((lane.index, step, [t.clone() for t in self._batch]))
+        super()._run_lane_step(lane, step)
+
+
+def finished(config: RunConfig, store: RunStore | None = None) -> Run:
+    run = Run(config, store).start()
+    run.join(120)
+    assert not run.alive
+    return run
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_every_workload_runs_five_steps_in_every_mode(workload, mode):
+    # SGD: fp16 cannot hold Adam's default eps (see test_sixteen_true_adam_divergence_says_why).
+    run = finished(RunConfig(workload=workload, modes=(mode,), steps=5, batch_size=8, optimizer="sgd", lr=1e-3))
+    lane = run.lanes[0]
+    assert (lane.status, lane.error) == ("finished", "")
+    frame = run.frame()
+    assert frame["step"].tolist() == [0, 1, 2, 3, 4]
+    assert np.isfinite(frame["loss"]).all() and (frame["step_ms"] > 0).all()
+    assert (frame["params_bytes"] > 0).all() and (frame["activations_bytes"] > 0).all()
+    assert frame["scale"].notna().all() == (mode == "16-mixed")
+
+
+@pytest.mark.parametrize("mode", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("workload", ["mlp_regression", "digits_mlp"])
+def test_loss_falls_over_200_steps(workload, mode):
+    frame = finished(RunConfig(workload=workload, modes=(mode,), steps=200, lr=1e-2 if workload == "mlp_regression"
+                               else 1e-3)).frame()
+    first, last = frame["loss"].iloc[:10].mean(), frame["loss"].iloc[-10:].mean()
+    assert last < 0.5 * first, (first, last)
+
+
+def test_lanes_start_identical_and_see_identical_batches():
+    run = RecordingRun(RunConfig(workload="digits_mlp", modes=("32-true", "bf16-mixed", "16-mixed", "bf16-true"),
+                                 steps=6, batch_size=16)).start()
+    run.join(60)
+    fp32 = run.initial[0]
+    for lane, state in zip(run.lanes, run.initial, strict=True):
+        dtype = next(iter(state.values())).dtype
+        for name, tensor in state.items():
+            assert torch.equal(tensor, fp32[name].to(dtype)), (lane.mode, name)
+    by_step = {}
+    for lane, step, batch in run.fed:
+        by_step.setdefault(step, []).append((lane, batch))
+    assert sorted(by_step) == list(range(6))
+    for step, fed in by_step.items():
+        assert [lane for lane, _ in fed] == [0, 1, 2, 3], "lanes are interleaved A B C D each step"
+        for _, batch in fed[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(batch, fed[0][1], strict=True))
+    assert not torch.equal(by_step[0][0][1][0], by_step[1][0][1][0]), "batches differ from step to step"
+
+
+def test_fp32_lane_is_bit_identical_to_a_plain_loop():
+    seed, steps, batch_size, lr = 3, 30, 32, 1e-3
+    run = finished(RunConfig(workload="digits_mlp", modes=("32-true",), steps=steps, batch_size=batch_size, lr=lr,
+                             seed=seed))
+    # The seed notes' loop, written out by hand.
+    workload = WORKLOADS["digits_mlp"]
+    data = workload.load_data(RunConfig(workload="digits_mlp", seed=seed))
+    torch.manual_seed(seed)
+    model = workload.build_model("small", data)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = data.sample(generator, batch_size)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert run.frame()["loss"].tolist() == losses
+
+
+def test_inf_gradient_at_step_n_is_skipped_scale_halves_and_the_scheduler_waits():
+    n = 7
+    config = RunConfig(workload="mlp_regression", modes=("16-mixed", "32-true"), steps=12, scheduler="onecycle",
+                       scaler=ScalerConfig(init_scale=256.0),  # 2**16 overflows this MSE at first (real backoffs)
+                       faults=(FaultSpec(kind="grad_inf", step=n, modes=("16-mixed",)),), stop_on_divergence=False)
+    run = finished(config)
+    frame = run.frame()
+    fp16 = frame[frame["mode"] == "16-mixed"].set_index("step")
+    assert fp16.index[fp16["skipped"]].tolist() == [n]
+    assert fp16.loc[n + 1, "scale"] == fp16.loc[n, "scale"] / 2
+    # OneCycleLR did not advance on the skipped step: step n+1 uses the LR step n would have used.
+    assert fp16.loc[n + 1, "lr"] == fp16.loc[n, "lr"]
+    assert fp16.loc[n, "lr"] != fp16.loc[n - 1, "lr"]
+    kinds = [(e.kind, e.step) for e in run.events() if e.lane == 0]
+    assert ("skipped_step", n) in kinds and ("scale_backoff", n) in kinds and ("fault", n) in kinds
+
+
+def test_a_skipped_step_leaves_the_parameters_unchanged():
+    config = RunConfig(workload="mlp_regression", modes=("16-mixed",), faults=(FaultSpec(kind="grad_inf", step=1),),
+                       scaler=ScalerConfig(init_scale=256.0))
+    workload = WORKLOADS["mlp_regression"]
+    data = workload.load_data(config)
+    lane = build_lane_state(config, 0, "16-mixed", workload.build_model("small", data), workload, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    assert not train_step(lane, data.sample(generator, 64), 0).skipped
+    before = copy.deepcopy(lane.model.state_dict())
+    optimizer_before = copy.deepcopy(lane.optimizer.state_dict()["state"])
+    result = train_step(lane, data.sample(generator, 64), 1)
+    assert result.skipped and result.scale_after == result.scale / 2
+    assert result.bad_params == [{"param": "layer1.weight", "inf": 1, "nan": 0}]
+    for name, tensor in lane.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    for index, state in lane.optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], optimizer_before[index]["exp_avg"])
+
+
+def test_pause_resume_stop():
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000)).start()
+    _wait(lambda: len(run.records) > 10)
+    run.pause()
+    time.sleep(0.3)  # let the step under way end
+    paused_at = len(run.records)
+    time.sleep(0.5)
+    assert len(run.records) == paused_at and run.status == "paused" and run.alive
+    run.resume()
+    _wait(lambda: len(run.records) > paused_at + 10)
+    started = time.monotonic()
+    run.stop()
+    assert time.monotonic() - started < 5 and not run.alive
+    assert run.status == "stopped" and {lane.status for lane in run.lanes} == {"stopped"}
+    assert [e.kind for e in run.events()][-4:] == ["paused", "resumed", "stopped"][-3:] or "stopped" in \
+        [e.kind for e in run.events()]
+
+
+def test_fifty_start_stop_cycles_leave_no_threads(no_leaked_threads):
+    before = threading.active_count()
+    for _ in range(50):
+        run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
+        run.stop()
+    assert threading.active_count() == before
+
+
+def test_a_failing_lane_does_not_stop_the_others():
+    # fp16 weights and an LR spike: the 16-true lane diverges, the fp32 lane goes on to the end.
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "16-true"), steps=40, optimizer="sgd", lr=1e-3,
+                       faults=(FaultSpec(kind="grad_nan", step=5, modes=("16-true",)),))
+    run = finished(config)
+    fp32, fp16 = run.lanes
+    assert fp32.status == "finished" and fp32.steps_done == 40
+    assert fp16.status == "diverged" and "loss became nan at step 6" in fp16.error
+    assert run.status == "finished"
+    assert [e.kind for e in run.events() if e.lane == 1][-2:] == ["nonfinite_loss", "diverged"]
+
+
+def test_sixteen_true_adam_divergence_says_why():
+    run = finished(RunConfig(workload="digits_mlp", modes=("16-true",), steps=10))
+    assert run.lanes[0].status == "diverged"
+    assert "eps=1e-08 is 0 in float16" in run.lanes[0].error
+
+
+def test_manager_limits_concurrent_runs_and_lists_them():
+    manager = RunManager(RunStore(), max_running=1)
+    run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000))
+    with pytest.raises(RunLimitError, match="runs: 1 runs are already going"):
+        manager.launch(RunConfig(workload="mlp_regression", modes=("32-true",), steps=10))
+    manager.stop_all()
+    assert not run.alive
+    listed = manager.list_runs()
+    assert listed["run_id"].tolist() == [run.run_id] and listed["status"].iloc[0] == "stopped"
+    assert manager.run_info(run.run_id)["lanes"][0]["mode"] == "32-true"
+
+
+def test_snapshot_of_a_lane_is_a_copy():
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
+    _wait(lambda: len(run.records) > 3)
+    snap = run.snapshot_lane(0)
+    with torch.no_grad():
+        for p in snap.model.parameters():
+            p.add_(1.0)
+    run.pause()
+    time.sleep(0.2)
+    live = dict(run.lanes[0].state.model.named_parameters())
+    assert all(not torch.equal(p, live[name]) for name, p in snap.model.named_parameters())
+    run.stop()
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_digits_mlp_reads_mnist_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    _write_idx(tmp_path / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (50, 28, 28)))
+    _write_idx(tmp_path / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, 50))
+    run = finished(RunConfig(workload="digits_mlp", modes=("32-true",), steps=3, batch_size=8, data_dir=str(tmp_path)))
+    assert run.lanes[0].status == "finished"
+    assert "MNIST idx: 50 images of 28x28" in run.data.description
+    assert run.frame()["params_bytes"].iloc[0] == (784 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+def test_a_damaged_idx_file_fails_the_run_with_a_message(tmp_path):
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x02ab")
+    run = finished(RunConfig(workload="digits_mlp", modes=("32-true",), steps=3, data_dir=str(tmp_path)))
+    assert run.status == "failed"
+    assert any(e.kind == "error" and "train-images-idx3-ubyte" in e.message for e in run.events())
+
+
+def test_scaler_settings_reach_the_scaler():
+    run = finished(RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=6,
+                             scaler=ScalerConfig(init_scale=8.0, growth_interval=2)))
+    assert run.frame()["scale"].tolist() == [8.0, 8.0, 16.0, 16.0, 32.0, 32.0]
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

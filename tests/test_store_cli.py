@@ -1,0 +1,164 @@
+"""The SQLite store (real files) and the CLI (real subprocesses): round trip, damage, kill -9, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from amp_core.__main__ import main
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.metrics import STEP_FIELDS
+from amp_core.runner import Run
+from amp_core.store import RunStore, StoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_round_trips_through_the_store(fresh_store):
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=30, gradstats_every=10,
+                       scaler=ScalerConfig(init_scale=256.0),
+                       faults=(FaultSpec(kind="grad_inf", step=12, modes=("16-mixed",)),), name="round trip")
+    run = Run(config, RunStore()).start()
+    run.join(60)
+    reopened = RunStore(fresh_store)  # as after a restart
+    info = reopened.run(run.run_id)
+    assert info["status"] == "finished" and info["name"] == "round trip"
+    assert RunConfig.from_dict(info["config"]) == config
+    assert [lane["status"] for lane in info["lanes"]] == ["finished", "finished"]
+    stored = reopened.steps(run.run_id)
+    memory = run.frame().sort_values(["step", "lane"], ignore_index=True)
+    pd.testing.assert_frame_equal(stored[list(STEP_FIELDS)], memory, check_dtype=False)
+    events = reopened.events(run.run_id)
+    assert {"started", "fault", "skipped_step", "scale_backoff", "finished"} <= set(events["kind"])
+    assert reopened.grad_stat_steps(run.run_id, 1) == [0, 10, 12, 20]
+    stats = reopened.grad_stats(run.run_id, 1, 12)
+    assert {s.param for s in stats} == {"layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias"}
+    assert next(s for s in stats if s.param == "layer1.weight").inf == 1
+
+
+def test_writes_are_batched_not_one_transaction_per_step(fresh_store):
+    store = RunStore()
+    calls = []
+    original = store.write_batch
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[0]) if args else 0)
+        return original(*args, **kwargs)
+
+    store.write_batch = counting
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=2000), store).start()
+    run.join(120)
+    assert sum(calls) == 2000
+    assert len(calls) < 2000 / 20, f"{len(calls)} transactions for 2000 steps"
+
+
+@pytest.mark.parametrize("content", [b"this is not a database at all" * 10, b"SQLite format 3\x00" + b"\xff" * 200])
+def test_a_damaged_store_is_refused_and_left_untouched(tmp_path, content):
+    path = tmp_path / "damaged.sqlite3"
+    path.write_bytes(content)
+    with pytest.raises(StoreError, match="left it untouched|damaged"):
+        RunStore(path)
+    assert path.read_bytes() == content
+
+
+def test_another_programs_database_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "foreign.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER, total REAL)")
+        conn.execute("INSERT INTO invoices VALUES (1, 9.5)")
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="belongs to another program \\(tables: invoices\\)"):
+        RunStore(path)
+    assert path.read_bytes() == before
+
+
+def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
+    cmd = [sys.executable, "-m", "amp_core", "--store", str(fresh_store), "run", "--workload", "mlp_regression",
+           "--modes", "32-true,bf16-mixed", "--steps", "1000000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the run never wrote steps"
+            time.sleep(0.3)
+            if fresh_store.exists():
+                with sqlite3.connect(fresh_store) as conn:
+                    if conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] > 500:
+                        break
+        time.sleep(1.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.time()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    store = RunStore(fresh_store)
+    runs = store.runs()
+    assert runs["status"].tolist() == ["interrupted"]
+    steps = store.steps(runs["run_id"][0])
+    assert len(steps) > 500
+    # Flushed at least every 0.5 s: at most about a second of records is lost.
+    assert killed_at - steps["t_wall_s"].max() < 1.5
+    assert set(store.events(runs["run_id"][0])["kind"]) >= {"started", "interrupted"}
+
+
+def test_cli_run_prints_a_table_and_writes_the_store(fresh_store, capsys):
+    code = main(["run", "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed", "--steps", "20"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "ms/step" in out and "speedup" in out and "peak MiB" in out and "final loss" in out and "skipped" in out
+    assert out.splitlines()[2].startswith("32-true ") and out.splitlines()[3].startswith("bf16-mixed ")
+    run_id = out.split()[1].rstrip(":")
+    assert len(RunStore().steps(run_id)) == 40
+    assert main(["list"]) == 0 and run_id in capsys.readouterr().out
+
+
+def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
+    assert main(["run", "--workload", "mlp_regression", "--modes", "32-true", "--steps", "5"]) == 0
+    run_id = capsys.readouterr().out.split()[1].rstrip(":")
+    assert main(["export", run_id, "--format", "csv", "--out", str(tmp_path / "r.csv")]) == 0
+    assert main(["export", run_id, "--format", "parquet", "--out", str(tmp_path / "r.parquet")]) == 0
+    csv, parquet = pd.read_csv(tmp_path / "r.csv"), pd.read_parquet(tmp_path / "r.parquet")
+    assert len(csv) == len(parquet) == 5 and list(csv.columns) == list(STEP_FIELDS)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "--lr", "0"], "error: lr: must be > 0, got 0.0"),
+    (["run", "--steps", "-5"], "error: steps: must be > 0, got -5"),
+    (["run", "--modes", "32-true,fp7"], "error: modes: unknown mode 'fp7'"),
+    (["run", "--workload", "gpt5"], "error: workload: unknown workload 'gpt5'"),
+    (["run", "--fault", "meteor@3"], "error: faults.kind: unknown fault 'meteor'"),
+    (["run", "--steps", "ten"], "error: argument --steps: invalid int value: 'ten'"),
+    (["export", "nope", "--out", "x.csv"], "error: run_id: no run 'nope'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own errors leave through SystemExit
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_input_in_a_real_process_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "amp_core", "run", "--lr", "-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: lr: must be > 0, got -1.0\n"
+
+
+def test_cli_refuses_a_damaged_store(tmp_path, capsys):
+    bad = tmp_path / "bad.sqlite3"
+    bad.write_bytes(b"garbage" * 100)
+    assert main(["--store", str(bad), "list"]) == 2
+    assert "not a SQLite database" in capsys.readouterr().err
