@@ -26,28 +26,33 @@ def device_facts() -> dict:
     return {"device": device, "name": name, "torch": torch.__version__, "modes": modes}
 
 
-def sidebar() -> None:
+def sidebar(pages: list) -> None:
     facts = device_facts()
     with st.sidebar:
+        # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
+        for page in pages:
+            st.page_link(page)
+        st.divider()
         st.markdown(f"**Device** · {facts['name']}")
         st.caption(f"torch {facts['torch']} · runs on `{facts['device']}`")
         lines = []
         for mode, (ok, reason) in facts["modes"].items():
             mark = "✓" if ok else "✗"
-            lines.append(f"- {mark} `{mode}` — {reason if not ok or 'slower' in reason or 'native' in reason else 'ok'}")
+            note = reason if not ok or "slower" in reason or "native" in reason else "ok"
+            lines.append(f"- {mark} `{mode}` — {note}")
         st.markdown("**Precision modes here**\n" + "\n".join(lines), help="\n\n".join(
             f"**{m}**: {MODE_HELP[m]}" for m in MODES))
 
 
 manager = get_manager()
 pages = [
-    st.Page("pages/train.py", title="Train", icon="🏋️", default=True),
-    st.Page("pages/compare.py", title="Compare", icon="📊"),
-    st.Page("pages/op_inspector.py", title="Op inspector", icon="🔬"),
-    st.Page("pages/overflow_debugger.py", title="Overflow debugger", icon="🧯"),
-    st.Page("pages/formats.py", title="Formats", icon="🔢"),
+    st.Page("pages/train.py", title="Train", icon=":material/model_training:", default=True),
+    st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("pages/op_inspector.py", title="Op inspector", icon=":material/biotech:"),
+    st.Page("pages/overflow_debugger.py", title="Overflow debugger", icon=":material/local_fire_department:"),
+    st.Page("pages/formats.py", title="Formats", icon=":material/pin:"),
 ]
-navigation = st.navigation(pages)
-sidebar()
+navigation = st.navigation(pages, position="hidden")
+sidebar(pages)
 store_banner(manager)
 navigation.run()

@@ -32,6 +32,11 @@ def _positive(name: str, value: Any, kind: type = float) -> None:
         raise ConfigError(name, f"must be > 0, got {value!r}")
 
 
+def _whole(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(name, f"must be a whole number >= 0, got {value!r}")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ScalerConfig:
     """GradScaler settings; used only by modes that have a scaler (16-mixed)."""
@@ -81,8 +86,7 @@ class FaultSpec:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ConfigError("faults.kind", f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS)}")
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ConfigError("faults.step", f"must be a whole number >= 0, got {self.step!r}")
+        _whole("faults.step", self.step)
         _positive("faults.duration", self.duration, int)
         if self.kind in ("loss_scale", "lr_scale", "init_scale"):
             _positive("faults.factor", self.factor)
@@ -93,7 +97,8 @@ class FaultSpec:
 
     def describe(self) -> str:
         """A one-line human description."""
-        span = f"at step {self.step}" if self.duration == 1 else f"for steps {self.step}-{self.step + self.duration - 1}"
+        last = self.step + self.duration - 1
+        span = f"at step {self.step}" if self.duration == 1 else f"for steps {self.step}-{last}"
         what = {
             "loss_scale": f"loss x {self.factor:g}",
             "grad_inf": f"inf into the gradient of {self.param or 'the first parameter'}",
@@ -108,7 +113,8 @@ class FaultSpec:
         """Parse the CLI text form; raises ConfigError naming what is wrong."""
         m = re.fullmatch(r"\s*(\w+)(?::([^@+]+))?(?:@(\d+))?(?:\+(\d+))?\s*", text)
         if not m:
-            raise ConfigError("faults", f"cannot read {text!r}; expected kind:arg@step+duration, e.g. loss_scale:1e6@50+10")
+            raise ConfigError("faults", f"cannot read {text!r}; expected kind:arg@step+duration, "
+                                        "e.g. loss_scale:1e6@50+10")
         kind, arg, step, duration = m.groups()
         kwargs: dict[str, Any] = {"kind": kind, "step": int(step or 0), "duration": int(duration or 1)}
         if kind in ("grad_inf", "grad_nan"):
@@ -181,17 +187,16 @@ class RunConfig:
         _positive("batch_size", self.batch_size, int)
         _positive("lr", self.lr)
         _positive("eps", self.eps)
-        for name, value, allowed in (("optimizer", self.optimizer, OPTIMIZERS), ("scheduler", self.scheduler, SCHEDULERS),
-                                     ("size", self.size, SIZES), ("device", self.device, DEVICES)):
+        choices = (("optimizer", self.optimizer, OPTIMIZERS), ("scheduler", self.scheduler, SCHEDULERS),
+                   ("size", self.size, SIZES), ("device", self.device, DEVICES))
+        for name, value, allowed in choices:
             if value not in allowed:
                 raise ConfigError(name, f"unknown value {value!r}; choose from {', '.join(allowed)}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError("seed", f"must be a whole number >= 0, got {self.seed!r}")
+        _whole("seed", self.seed)
         if not isinstance(self.grad_clip, (int, float)) or not math.isfinite(self.grad_clip) or self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
         _positive("memory_every", self.memory_every, int)
-        if isinstance(self.gradstats_every, bool) or not isinstance(self.gradstats_every, int) or self.gradstats_every < 0:
-            raise ConfigError("gradstats_every", f"must be a whole number >= 0, got {self.gradstats_every!r}")
+        _whole("gradstats_every", self.gradstats_every)
         for mode in self.modes:
             ok, reason = availability(mode, self.device)
             if not ok:

@@ -18,10 +18,10 @@ from plotly.subplots import make_subplots
 from amp_core import formats, plots
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.gradstats import HIST_HI, HIST_LO, GradStats, combine
-from amp_core.precision import _SPECS, MODES
+from amp_core.precision import MODES, uses_scaler
 from amp_core.workloads import WORKLOADS
 
-SCALED_MODES: tuple[str, ...] = tuple(mode for mode in MODES if _SPECS[mode][2])
+SCALED_MODES: tuple[str, ...] = tuple(mode for mode in MODES if uses_scaler(mode))
 """Modes whose lanes have a GradScaler (their steps can be skipped)."""
 BAND_FORMATS: tuple[str, ...] = ("fp16", "bf16")
 REGIONS: tuple[str, ...] = ("flush to zero", "subnormal", "normal", "overflow")

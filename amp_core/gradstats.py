@@ -112,7 +112,8 @@ def combine(stats: list[GradStats]) -> GradStats:
     keys = stats[0].fractions.keys() if stats else []
     fractions = {k: sum(s.fractions.get(k, 0.0) * n for s, n in zip(stats, nonzero, strict=True)) / total_nonzero
                  for k in keys}
-    lost = [(s.lost_update_fraction, n) for s, n in zip(stats, nonzero, strict=True) if s.lost_update_fraction is not None]
+    lost = [(s.lost_update_fraction, n) for s, n in zip(stats, nonzero, strict=True)
+            if s.lost_update_fraction is not None]
     lost_fraction = sum(f * n for f, n in lost) / (sum(n for _, n in lost) or 1) if lost else None
     return GradStats(param="(all)", numel=sum(s.numel for s in stats), zeros=sum(s.zeros for s in stats),
                      inf=sum(s.inf for s in stats), nan=sum(s.nan for s in stats),

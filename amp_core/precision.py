@@ -95,6 +95,11 @@ _SPECS: dict[str, tuple[torch.dtype, torch.dtype | None, bool, bool]] = {
 }
 
 
+def uses_scaler(mode: str) -> bool:
+    """Whether the mode trains with a GradScaler (skips steps whose gradients overflowed)."""
+    return _SPECS[mode][2]
+
+
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when there is a GPU, else 'cpu'."""
     if device == "auto":

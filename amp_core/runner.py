@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from amp_core.config import ConfigError, RunConfig
-from amp_core.faults import FaultPlan, init_scale_override
+from amp_core.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.gradstats import GradStats
 from amp_core.metrics import Event, RecordBuffer, StepRecord, optimizer_state_tensors, tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
@@ -205,6 +205,9 @@ class Run:
         self.data = workload.load_data(config)
         torch.manual_seed(config.seed)
         base = workload.build_model(config.size, self.data)
+        for fault in config.faults:
+            if fault.kind in ("grad_inf", "grad_nan"):
+                param_by_name(base, fault.param)  # an unknown name fails the run now, not at the fault's step
         for lane in self.lanes:
             lane.state = build_lane_state(config, lane.index, lane.mode, base, workload, self.device)
             lane.status = "running"

@@ -63,6 +63,13 @@ class StepResult:
     grad_stats: list[gradstats.GradStats] = field(default_factory=list)
 
 
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients: the same figure as clip_grad_norm_, without its per-call grouping cost (~30 us)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor | float:
     # GradScaler keeps its per-optimizer inf flags only when enabled; read before update() clears them.
     if not scaler.is_enabled():
@@ -99,7 +106,7 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         if faults:
             faults.corrupt_grads(step, lane.model)
         lane.scaler.unscale_(lane.optimizer)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in lane.params if p.grad is not None])
+        grad_norm = total_norm([p.grad for p in lane.params if p.grad is not None])
         if lane.grad_clip:
             # Clipping by a non-finite norm multiplies every gradient by NaN (inf/inf or 0*inf), which would hide
             # the parameter that really overflowed; such a step is skipped (or diverges) anyway, so leave them.

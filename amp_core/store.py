@@ -163,8 +163,10 @@ class RunStore:
             live = conn.execute(f"SELECT run_id, host, pid FROM runs WHERE status IN {LIVE_STATUSES}").fetchall()
             dead = [run_id for run_id, run_host, pid in live if run_host == host and not psutil.pid_exists(pid)]
             for run_id in dead:
-                conn.execute("UPDATE runs SET status = 'interrupted', ended_at = ? WHERE run_id = ?", (time.time(), run_id))
-                conn.execute("UPDATE lanes SET status = 'interrupted' WHERE run_id = ? AND status = 'running'", (run_id,))
+                conn.execute("UPDATE runs SET status = 'interrupted', ended_at = ? WHERE run_id = ?",
+                             (time.time(), run_id))
+                conn.execute("UPDATE lanes SET status = 'interrupted' WHERE run_id = ? AND status = 'running'",
+                             (run_id,))
                 conn.execute("INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) "
                              "VALUES (?, NULL, NULL, 'interrupted', ?, ?, '{}')",
                              (run_id, "the process running this run ended without finishing it", time.time()))

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from amp_core.config import RunConfig  # noqa: E402
-from amp_core.runner import Run  # noqa: E402
-from amp_core.store import RunStore  # noqa: E402
-from amp_core.workloads import WORKLOADS  # noqa: E402
+from amp_core.config import RunConfig
+from amp_core.runner import Run
+from amp_core.store import RunStore
+from amp_core.workloads import WORKLOADS
 
 WARMUP = 50
 AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

@@ -12,7 +12,7 @@ from amp_core.precision import MODE_HELP, MODES, availability, default_modes, re
 from amp_core.probe import BASELINE_MODE, SLOW_FACTOR, ProbeResult, probe_mode, relative_costs
 from amp_core.store import LIVE_STATUSES
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager, run_picker
+from pages.common import STATUS_ICONS, get_manager, run_picker
 
 REFRESH_S = 1.0
 PROBE_STEPS = 5
@@ -146,7 +146,7 @@ live_at_start = is_live(manager.run_info(run_id))
 def controls() -> None:
     """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state)."""
     run = manager.get(run_id)
-    if run is None or not run.alive:
+    if run is None or not run.alive or run.status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if run.status == "paused":
@@ -208,6 +208,8 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
+    # The picker's label can lag behind in the browser; this line is redrawn with the live view.
+    st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls()
     follower = followers.setdefault(run_id, RecordFollower(run_id))
     frame = follower.update(manager)

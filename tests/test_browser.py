@@ -84,7 +84,7 @@ LOSS_HAS_POINTS = """(modes) => {
 
 
 def test_launch_two_modes_and_watch_the_loss_chart(server):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     modes = default_modes("cpu")
     assert len(modes) == 2
@@ -105,9 +105,9 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
             page.wait_for_function(LOSS_HAS_POINTS, arg=modes, timeout=120_000, polling=500)
             page.get_by_text("60/60").first.wait_for(timeout=120_000)
             # The run's end triggers one full rerun: the picker then says finished and the app goes idle.
-            page.locator("[data-testid='stSelectbox']").filter(has_text="· finished").wait_for(timeout=60_000)
+            page.get_by_text("Run status: finished").wait_for(timeout=60_000)
             page.locator("[data-testid='stStatusWidget']").wait_for(state="hidden", timeout=60_000)
-            assert page.get_by_role("button", name="Pause").count() == 0
+            expect(page.get_by_role("button", name="Pause")).to_have_count(0)
             assert page.locator("[data-testid='stException']").count() == 0
             SCREENSHOT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)

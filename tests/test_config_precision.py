@@ -68,9 +68,10 @@ def test_cuda_modes_are_refused_without_a_gpu():
 def test_config_round_trips_through_a_dict():
     config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=7, scheduler="onecycle",
                        scaler=ScalerConfig(init_scale=1024.0, growth_interval=10),
-                       faults=(FaultSpec.parse("loss_scale:1e6@3+2"), FaultSpec(kind="grad_inf", step=4, modes=("16-mixed",))))
+                       faults=(FaultSpec.parse("loss_scale:1e6@3+2"),
+                               FaultSpec(kind="grad_inf", step=4, modes=("16-mixed",))))
     assert RunConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ConfigError, match="^colour: unknown setting"):
+    with pytest.raises(ConfigError, match=r"^colour: unknown setting"):
         RunConfig.from_dict({**config.to_dict(), "colour": "red"})
 
 

@@ -79,7 +79,7 @@ def test_lanes_start_identical_and_see_identical_batches():
     for lane, step, batch in run.fed:
         by_step.setdefault(step, []).append((lane, batch))
     assert sorted(by_step) == list(range(6))
-    for step, fed in by_step.items():
+    for fed in by_step.values():
         assert [lane for lane, _ in fed] == [0, 1, 2, 3], "lanes are interleaved A B C D each step"
         for _, batch in fed[1:]:
             assert all(torch.equal(a, b) for a, b in zip(batch, fed[0][1], strict=True))
@@ -158,8 +158,8 @@ def test_pause_resume_stop():
     run.stop()
     assert time.monotonic() - started < 5 and not run.alive
     assert run.status == "stopped" and {lane.status for lane in run.lanes} == {"stopped"}
-    assert [e.kind for e in run.events()][-4:] == ["paused", "resumed", "stopped"][-3:] or "stopped" in \
-        [e.kind for e in run.events()]
+    control = [e.kind for e in run.events() if e.kind in ("paused", "resumed", "stopped", "finished")]
+    assert control == ["paused", "resumed", "stopped"]
 
 
 def test_fifty_start_stop_cycles_leave_no_threads(no_leaked_threads):

@@ -64,7 +64,7 @@ def test_writes_are_batched_not_one_transaction_per_step(fresh_store):
 def test_a_damaged_store_is_refused_and_left_untouched(tmp_path, content):
     path = tmp_path / "damaged.sqlite3"
     path.write_bytes(content)
-    with pytest.raises(StoreError, match="left it untouched|damaged"):
+    with pytest.raises(StoreError, match=r"left it untouched|damaged"):
         RunStore(path)
     assert path.read_bytes() == content
 

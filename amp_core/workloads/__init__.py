@@ -6,6 +6,8 @@ from amp_core.workloads.digits_mlp import DigitsMLP
 from amp_core.workloads.mlp_regression import MLPRegression
 from amp_core.workloads.tiny_transformer import TinyTransformer
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLPRegression(), DigitsMLP(), CheckerboardCNN(), TinyTransformer())}
+WORKLOADS: dict[str, Workload] = {
+    w.name: w for w in (MLPRegression(), DigitsMLP(), CheckerboardCNN(), TinyTransformer())
+}
 
 __all__ = ["WORKLOADS", "Data", "Workload"]

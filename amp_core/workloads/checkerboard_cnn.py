@@ -47,8 +47,8 @@ class CropData(Data):
         crop = min(self.crop, height, width)
         ys = torch.randint(height - crop + 1, (batch_size,), generator=generator).tolist()
         xs = torch.randint(width - crop + 1, (batch_size,), generator=generator).tolist()
-        inputs = torch.stack([self.inputs[0, :, y:y + crop, x:x + crop] for y, x in zip(ys, xs)])
-        targets = torch.stack([self.targets[0, :, y:y + crop, x:x + crop] for y, x in zip(ys, xs)])
+        inputs = torch.stack([self.inputs[0, :, y:y + crop, x:x + crop] for y, x in zip(ys, xs, strict=True)])
+        targets = torch.stack([self.targets[0, :, y:y + crop, x:x + crop] for y, x in zip(ys, xs, strict=True)])
         return inputs, targets
 
 

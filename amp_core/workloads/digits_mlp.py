@@ -64,7 +64,8 @@ def _load(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ValueError(f"MNIST files in {data_dir} disagree: images {images.shape}, labels {labels.shape}")
         x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
-        return x, torch.from_numpy(labels.astype(np.int64)), f"MNIST idx: {len(x)} images of {images.shape[1]}x{images.shape[2]}"
+        description = f"MNIST idx: {len(x)} images of {images.shape[1]}x{images.shape[2]}"
+        return x, torch.from_numpy(labels.astype(np.int64)), description
     from sklearn.datasets import load_digits
 
     digits = load_digits()
