@@ -8,7 +8,9 @@ import numpy as np
 import pandas as pd
 
 from amp_core.metrics import empty_steps_frame
-from amp_core.summary import summarize
+from amp_core.plots import MEMORY_PARTS, LaneSeries
+
+BASELINE_MODE = "32-true"
 
 
 class RecordFollower:
@@ -43,20 +45,31 @@ class RecordFollower:
         return self.frame
 
 
-def lane_headlines(frame: pd.DataFrame) -> pd.DataFrame:
+def lane_headlines(series: list[LaneSeries]) -> pd.DataFrame:
     """Per lane: latest loss, median ms/step, speedup and memory ratio vs the 32-true lane (else the first lane),
-    skipped steps, current GradScaler scale (NaN for modes without one), and the baseline's mode."""
+    skipped steps, current GradScaler scale (NaN for modes without one), and the baseline's mode.
+
+    The same definitions as `summary.summarize` (peak = CUDA allocator peak where there is one, else the bytes
+    held), computed on lanes already split for the charts: a redraw of 80k records stays within its budget.
+    """
     columns = ["lane", "mode", "steps", "latest_loss", "median_ms", "speedup", "mem_ratio", "skipped_steps",
                "scale", "baseline_mode"]
-    if frame.empty:
+    if not series:
         return pd.DataFrame(columns=columns)
-    summary = summarize(frame).sort_values("lane", ignore_index=True)
-    base_mode = "32-true" if (summary["mode"] == "32-true").any() else summary["mode"].iloc[0]
-    last = frame.sort_values(["lane", "step"]).groupby("lane").tail(1).set_index("lane")
-    summary["latest_loss"] = summary["lane"].map(last["loss"]).astype(float)
-    summary["scale"] = summary["lane"].map(pd.to_numeric(last["scale"], errors="coerce")).astype(float)
-    summary["baseline_mode"] = base_mode
-    return summary[columns]
+    rows = []
+    for lane in series:
+        held = sum(lane[column] for column, _ in MEMORY_PARTS)
+        peak = np.where(np.isnan(lane["cuda_peak_bytes"]), held, lane["cuda_peak_bytes"])
+        rows.append({"lane": lane.lane, "mode": lane.mode, "steps": len(lane["step"]),
+                     "latest_loss": float(lane["loss"][-1]), "median_ms": float(np.median(lane["step_ms"])),
+                     "peak": float(peak.max()), "skipped_steps": int(lane["skipped"].sum()),
+                     "scale": float(lane["scale"][-1])})
+    out = pd.DataFrame(rows)
+    base = next((row for row in rows if row["mode"] == BASELINE_MODE), rows[0])
+    out["speedup"] = base["median_ms"] / out["median_ms"]
+    out["mem_ratio"] = out["peak"] / base["peak"] if base["peak"] else float("nan")
+    out["baseline_mode"] = base["mode"]
+    return out[columns]
 
 
 def format_ratio(value: float) -> str:

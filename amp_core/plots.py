@@ -9,6 +9,7 @@ budget at 4 lanes x 5 charts (see bench/render.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -67,17 +68,41 @@ def decimate(frame: pd.DataFrame, column: str, max_points: int = MAX_POINTS, kee
     return frame.iloc[decimate_indices(frame[column].to_numpy(dtype=float), max_points, mask)]
 
 
-def lanes(frame: pd.DataFrame) -> list[tuple[int, str, pd.DataFrame]]:
-    """(lane, mode, that lane's records ordered by step) for each lane, in lane order."""
+@dataclass(frozen=True, slots=True)
+class LaneSeries:
+    """One lane's records as numpy columns, ordered by step."""
+
+    lane: int
+    mode: str
+    columns: dict[str, np.ndarray]
+
+    def __getitem__(self, column: str) -> np.ndarray:
+        return self.columns[column]
+
+
+CHART_COLUMNS = ("step", "loss", "step_ms", "lr", "scale", "skipped", *(c for c, _ in MEMORY_PARTS), "cuda_peak_bytes")
+
+
+def lanes(frame: pd.DataFrame) -> list[LaneSeries]:
+    """Split a run's records into lanes once (numpy, no groupby): every chart of a redraw reuses the split."""
     if frame.empty:
         return []
+    arrays = {column: frame[column].to_numpy(dtype=float, na_value=np.nan)
+              for column in CHART_COLUMNS if column != "skipped"}
+    arrays["skipped"] = frame["skipped"].to_numpy(dtype=bool)
+    lane_of_row = frame["lane"].to_numpy()
     out = []
-    for lane, group in frame.groupby("lane", sort=True):
-        steps = group["step"].to_numpy()
-        if len(steps) > 1 and not (steps[1:] >= steps[:-1]).all():
-            group = group.sort_values("step")
-        out.append((int(lane), str(group["mode"].iloc[0]), group))
+    for lane in np.unique(lane_of_row):
+        rows = np.flatnonzero(lane_of_row == lane)
+        steps = arrays["step"][rows]
+        if len(rows) > 1 and (np.diff(steps) < 0).any():
+            rows = rows[np.argsort(steps, kind="stable")]
+        out.append(LaneSeries(int(lane), str(frame["mode"].iat[rows[0]]), {c: a[rows] for c, a in arrays.items()}))
     return out
+
+
+def _split(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
+    return lanes(records) if isinstance(records, pd.DataFrame) else records
 
 
 def smooth(values: np.ndarray, smoothing: float) -> np.ndarray:
@@ -115,16 +140,15 @@ def _empty(title: str, why: str) -> go.Figure:
                                                                    "yref": "paper", "x": 0.5, "y": 0.5}])})
 
 
-def loss_figure(frame: pd.DataFrame, *, log_y: bool = False, smoothing: float = 0.0,
+def loss_figure(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
                 max_points: int = MAX_POINTS) -> go.Figure:
     """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x."""
-    if frame.empty:
+    series = _split(records)
+    if not series:
         return _empty("Loss", "no steps yet")
     data = []
-    for _, mode, group in lanes(frame):
-        steps = group["step"].to_numpy()
-        raw = group["loss"].to_numpy(dtype=float)
-        skipped = group["skipped"].to_numpy(dtype=bool)
+    for lane in series:
+        mode, steps, raw, skipped = lane.mode, lane["step"], lane["loss"], lane["skipped"]
         shown = smooth(raw, smoothing)
         if smoothing > 0:
             idx = decimate_indices(raw, max_points, skipped)
@@ -141,46 +165,44 @@ def loss_figure(frame: pd.DataFrame, *, log_y: bool = False, smoothing: float = 
         "title": {"text": "loss"}, "type": "log" if log_y else "linear"})})
 
 
-def step_time_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """Measured ms per step per lane (min/max decimation keeps the slow outliers visible)."""
-    if frame.empty:
+    series = _split(records)
+    if not series:
         return _empty("Step time", "no steps yet")
     data = []
-    for _, mode, group in lanes(frame):
-        ms = group["step_ms"].to_numpy(dtype=float)
-        idx = decimate_indices(ms, max_points)
-        data.append(_line(mode, group["step"].to_numpy()[idx], ms[idx]))
+    for lane in series:
+        idx = decimate_indices(lane["step_ms"], max_points)
+        data.append(_line(lane.mode, lane["step"][idx], lane["step_ms"][idx]))
     return go.Figure({"data": data, "layout": _layout("Step time", "ms / step", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
 
-def lr_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
-    if frame.empty:
+    series = _split(records)
+    if not series:
         return _empty("Learning rate", "no steps yet")
     data = []
-    for _, mode, group in lanes(frame):
-        lr = group["lr"].to_numpy(dtype=float)
-        idx = decimate_indices(lr, max_points)
-        data.append(_line(mode, group["step"].to_numpy()[idx], lr[idx], line={
-            "color": mode_color(mode), "width": 1.6, "shape": "hv"}))
+    for lane in series:
+        idx = decimate_indices(lane["lr"], max_points)
+        data.append(_line(lane.mode, lane["step"][idx], lane["lr"][idx], line={
+            "color": mode_color(lane.mode), "width": 1.6, "shape": "hv"}))
     yaxis = {"title": {"text": "LR"}, "rangemode": "tozero", "exponentformat": "e"}
-    top = np.nanmax(frame["lr"].to_numpy(dtype=float))
+    top = max(float(np.nanmax(lane["lr"])) for lane in series)
     if np.isfinite(top) and top > 0:  # plotly would centre a constant LR on a -1..1 axis, where 1e-3 looks like 0
         yaxis["range"] = [0, top * 1.15]
     return go.Figure({"data": data, "layout": _layout("Learning rate", "LR", yaxis=yaxis)})
 
 
-def scale_figure(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
-    has_scale = frame[frame["scale"].notna()] if not frame.empty else frame
-    if has_scale.empty:
+    scaled = [lane for lane in _split(records) if not np.isnan(lane["scale"]).all()]
+    if not scaled:
         return _empty("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
     data, exponents = [], []
-    for _, mode, group in lanes(has_scale):
-        scale = group["scale"].to_numpy(dtype=float)
-        skipped = group["skipped"].to_numpy(dtype=bool)
-        steps = group["step"].to_numpy()
+    for lane in scaled:
+        mode, scale, skipped, steps = lane.mode, lane["scale"], lane["skipped"], lane["step"]
         idx = decimate_indices(scale, max_points, skipped)
         data.append(_line(mode, steps[idx], scale[idx], line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
         if skipped.any():
@@ -201,11 +223,12 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
     return ("MiB", 2.0**20) if max_bytes >= 2**20 else ("KiB", 2.0**10)
 
 
-def memory_figure(frame: pd.DataFrame) -> go.Figure:
+def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     """Bytes each lane holds at its latest step, by part, one bar per mode; plus the CUDA peak where there is one."""
-    if frame.empty:
+    series = _split(records)
+    if not series:
         return _empty("Memory", "no steps yet")
-    latest = [(mode, group.iloc[-1]) for _, mode, group in lanes(frame)]
+    latest = [(lane.mode, {column: values[-1] for column, values in lane.columns.items()}) for lane in series]
     parts = [*MEMORY_PARTS, ("_held", "total held")]
     has_cuda = any(pd.notna(row["cuda_peak_bytes"]) for _, row in latest)
     if has_cuda:
@@ -224,9 +247,10 @@ def memory_figure(frame: pd.DataFrame) -> go.Figure:
     return go.Figure({"data": data, "layout": layout})
 
 
-def train_figures(frame: pd.DataFrame, *, log_y: bool = False, smoothing: float = 0.0,
+def train_figures(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
                   max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
-    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr."""
-    return {"loss": loss_figure(frame, log_y=log_y, smoothing=smoothing, max_points=max_points),
-            "step_time": step_time_figure(frame, max_points), "memory": memory_figure(frame),
-            "scale": scale_figure(frame, max_points), "lr": lr_figure(frame, max_points)}
+    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once)."""
+    series = _split(records)
+    return {"loss": loss_figure(series, log_y=log_y, smoothing=smoothing, max_points=max_points),
+            "step_time": step_time_figure(series, max_points), "memory": memory_figure(series),
+            "scale": scale_figure(series, max_points), "lr": lr_figure(series, max_points)}

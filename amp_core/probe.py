@@ -8,6 +8,7 @@ native fp16, 16-mixed autocast made a 1x1-conv CNN 62x slower than fp32. The pro
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -72,3 +73,59 @@ def relative_costs(results: list[ProbeResult], baseline: str = BASELINE_MODE) ->
     frame["time_vs_baseline"] = frame["ms_per_step"] / base.iloc[0] if not base.empty else float("nan")
     frame["far_slower"] = frame["time_vs_baseline"] >= SLOW_FACTOR
     return frame[["mode", "ms_per_step", "time_vs_baseline", "far_slower", "steps_timed", "capped"]]
+
+
+ProbeKey = tuple[str, str, int, str, str]
+"""(workload, size, batch_size, mode, device): what a probe's figure depends on."""
+
+
+class ProbeBoard:
+    """Probes measured on a worker thread, one at a time, and remembered for the life of the process.
+
+    A page asks with `get` and never waits: the first ask queues the probe and answers None (pending); later asks
+    answer the ProbeResult, or the error text if the probe raised. The worker ends when the queue is empty.
+    """
+
+    def __init__(self, steps: int = 5, time_cap_s: float = 2.0):
+        self.steps = steps
+        self.time_cap_s = time_cap_s
+        self._results: dict[ProbeKey, ProbeResult | str] = {}
+        self._queue: list[ProbeKey] = []
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+
+    def get(self, key: ProbeKey) -> ProbeResult | str | None:
+        with self._lock:
+            if key in self._results:
+                return self._results[key]
+            if key not in self._queue:
+                self._queue.append(key)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="amp-probe", daemon=True)
+                self._worker.start()
+        return None
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the queue is done (for scripts and tests); False if `timeout_s` ran out first."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout_s)
+        return not (worker is not None and worker.is_alive())
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._worker = None
+                    return
+                key = self._queue[0]
+            workload, size, batch_size, mode, device = key
+            try:
+                outcome: ProbeResult | str = probe_mode(workload, size, batch_size, mode, device, steps=self.steps,
+                                                        time_cap_s=self.time_cap_s)
+            except Exception as exc:  # an unrunnable probe is shown as text; it must not kill the worker
+                outcome = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._results[key] = outcome
+                self._queue.remove(key)

@@ -9,7 +9,7 @@ from amp_core import plots
 from amp_core.config import OPTIMIZERS, SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
 from amp_core.precision import MODE_HELP, MODES, availability, default_modes, resolve_device
-from amp_core.probe import BASELINE_MODE, SLOW_FACTOR, ProbeResult, probe_mode, relative_costs
+from amp_core.probe import BASELINE_MODE, SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
 from amp_core.store import LIVE_STATUSES
 from amp_core.workloads import WORKLOADS
 from pages.common import STATUS_ICONS, get_manager, run_picker
@@ -24,10 +24,10 @@ device = resolve_device("auto")
 available = [mode for mode in MODES if availability(mode, device)[0]]
 
 
-@st.cache_data(show_spinner=False, max_entries=128)
-def measured_cost(workload: str, size: str, batch_size: int, mode: str, on_device: str) -> ProbeResult:
-    """One mode's probe, cached per workload / size / batch / mode / device for the server's life."""
-    return probe_mode(workload, size, batch_size, mode, on_device, steps=PROBE_STEPS, time_cap_s=PROBE_CAP_S)
+@st.cache_resource
+def probe_board() -> ProbeBoard:
+    """The server's cost probes (measured off the page's thread, remembered for the server's life)."""
+    return ProbeBoard(steps=PROBE_STEPS, time_cap_s=PROBE_CAP_S)
 
 
 st.title("Train")
@@ -81,40 +81,57 @@ except ConfigError as error:
     st.error(f"**{error.field}** — {error.why}. Nothing was launched.")
 
 # --- what each mode costs here, measured before launch -----------------------------------------------------------
+def cost_table(costs: pd.DataFrame) -> None:
+    table = pd.DataFrame({
+        "mode": costs["mode"],
+        "ms / step": costs["ms_per_step"].map(lambda v: f"{v:.3g}"),
+        f"time vs {BASELINE_MODE}": costs["time_vs_baseline"].map(format_ratio),
+        "steps timed": costs["steps_timed"].astype(str) + costs["capped"].map({True: " (capped)", False: ""}),
+    })
+    st.dataframe(table, hide_index=True, key="train_probe_table")
+    for row in costs[costs["far_slower"]].itertuples():
+        st.warning(f"**{row.mode}** takes {row.time_vs_baseline:.1f}× the time of {BASELINE_MODE} per step here "
+                   f"({availability(row.mode, device)[1]}).")
+    st.caption(f"Measured on this {device.upper()}: {PROBE_STEPS} steps per mode after a warm-up, at most "
+               f"{PROBE_CAP_S:g} s a mode, remembered per workload, size, batch and mode. Above {SLOW_FACTOR:g}× "
+               "is flagged. A run going at the same time shares the cores and skews these figures.")
+
+
+def probe_outcomes(config: RunConfig) -> dict[str, ProbeResult | str | None]:
+    """Each mode's probe (32-true first, as the yardstick): a result, an error text, or None while measuring."""
+    modes = [BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE]
+    board = probe_board()
+    return {mode: board.get((config.workload, config.size, config.batch_size, mode, device)) for mode in modes}
+
+
 if config is not None:
-    with st.container(border=True):
-        st.markdown(f"**What each mode costs here** · {WORKLOADS[workload].title}, {size}, batch {config.batch_size}")
-        probe_key = (workload, size, config.batch_size, device)
-        asked = st.session_state.setdefault("train_probed", set())
-        if size != "small" and probe_key not in asked:
-            st.caption("One step at this size can take a while in a slow mode, so the probe waits for you.")
-            if st.button("Measure the cost of each mode", key="train_probe_go"):
-                asked.add(probe_key)
-        if size == "small" or probe_key in asked:
-            probe_modes = [BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE]
-            try:
-                with st.spinner("Timing a few steps of each mode…"):
-                    costs = relative_costs([measured_cost(workload, size, config.batch_size, mode, device)
-                                            for mode in probe_modes])
-            except (RuntimeError, ValueError) as error:
-                st.warning(f"The cost probe failed: {type(error).__name__}: {error}")
+    probe_key = (config.workload, config.size, config.batch_size, device)
+    asked = st.session_state.setdefault("train_probed", set())
+    measuring = (config.size == "small" or probe_key in asked) and None in probe_outcomes(config).values()
+
+    @st.fragment(run_every=0.5 if measuring else None)
+    def cost_panel() -> None:
+        with st.container(border=True):
+            st.markdown(f"**What each mode costs here** · {WORKLOADS[config.workload].title}, {config.size}, "
+                        f"batch {config.batch_size}")
+            if config.size != "small" and probe_key not in asked:
+                st.caption("One step at this size can take a while in a slow mode, so the probe waits for you.")
+                if st.button("Measure the cost of each mode", key="train_probe_go"):
+                    asked.add(probe_key)
+                    st.rerun()
+                return
+            outcomes = probe_outcomes(config)
+            failed = {mode: text for mode, text in outcomes.items() if isinstance(text, str)}
+            for mode, text in failed.items():
+                st.warning(f"The cost probe of {mode} failed: {text}")
+            if None in outcomes.values():
+                st.caption("Timing a few steps of each mode…")
             else:
-                table = pd.DataFrame({
-                    "mode": costs["mode"],
-                    "ms / step": costs["ms_per_step"].map(lambda v: f"{v:.3g}"),
-                    f"time vs {BASELINE_MODE}": costs["time_vs_baseline"].map(format_ratio),
-                    "steps timed": costs["steps_timed"].astype(str) + costs["capped"].map({True: " (capped)",
-                                                                                          False: ""}),
-                })
-                st.dataframe(table, hide_index=True, key="train_probe_table")
-                for row in costs[costs["far_slower"]].itertuples():
-                    st.warning(f"**{row.mode}** takes {row.time_vs_baseline:.1f}× the time of {BASELINE_MODE} per "
-                               f"step here ({availability(row.mode, device)[1]}).")
-                busy = any(run.alive for run in manager.runs())
-                st.caption(f"Measured on this {device.upper()} now: {PROBE_STEPS} steps per mode after a warm-up, "
-                           f"at most {PROBE_CAP_S:g} s a mode, cached per workload, size, batch and mode. Above "
-                           f"{SLOW_FACTOR:g}× is flagged." + (" A run is going: it shares the cores and skews these "
-                                                             "figures." if busy else ""))
+                cost_table(relative_costs([r for r in outcomes.values() if isinstance(r, ProbeResult)]))
+                if measuring:
+                    st.rerun()  # all measured: one full rerun turns the timer off
+
+    cost_panel()
 
 if st.button("Launch", type="primary", disabled=config is None, key="train_launch") and config is not None:
     try:
@@ -156,9 +173,9 @@ def controls() -> None:
     b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
 
 
-def headline_cards(info: dict, frame: pd.DataFrame) -> None:
+def headline_cards(info: dict, series: list[plots.LaneSeries]) -> None:
     total = info["config"]["steps"]
-    heads = lane_headlines(frame).set_index("lane")
+    heads = lane_headlines(series).set_index("lane")
     columns = st.columns(len(info["lanes"]))
     for column, lane in zip(columns, info["lanes"], strict=True):
         with column:
@@ -179,21 +196,27 @@ def headline_cards(info: dict, frame: pd.DataFrame) -> None:
 
 
 def lane_problems(info: dict) -> None:
-    for lane in info["lanes"]:
+    """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early."""
+    lanes = info["lanes"]
+    if lanes and all(lane["status"] == "failed" for lane in lanes) and len({lane["error"] for lane in lanes}) == 1:
+        st.error(f"The run failed: {lanes[0]['error'] or 'see the run events'}")
+        return
+    for lane in lanes:
         if lane["status"] == "failed":
-            st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}. "
-                     "The other lanes went on.")
+            others = any(other["status"] != "failed" for other in lanes)
+            st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}."
+                     + (" The other lanes went on." if others else ""))
         elif lane["status"] == "diverged":
             st.warning(f"Lane **{lane['mode']}** stopped: {lane['error']}.")
         elif lane["status"] == "interrupted":
             st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
 
 
-def charts(frame: pd.DataFrame) -> None:
+def charts(series: list[plots.LaneSeries]) -> None:
     o1, o2, _ = st.columns([1, 2, 3])
     log_y = o1.toggle("log-y loss", key="train_log_y")
     smoothing = o2.slider("loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
-    figures = plots.train_figures(frame, log_y=log_y, smoothing=smoothing)
+    figures = plots.train_figures(series, log_y=log_y, smoothing=smoothing)
     left, right = st.columns(2)
     left.plotly_chart(figures["loss"], key="train_chart_loss")
     right.plotly_chart(figures["step_time"], key="train_chart_step_time")
@@ -212,13 +235,11 @@ def live_view() -> None:
     st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls()
     follower = followers.setdefault(run_id, RecordFollower(run_id))
-    frame = follower.update(manager)
+    series = plots.lanes(follower.update(manager))  # split once: the headlines and every chart share it
     info = manager.run_info(run_id)  # again: lanes may have moved on while the records were read
-    if info["status"] == "failed" and all(lane["status"] == "failed" for lane in info["lanes"]):
-        st.error(f"The run failed: {info['lanes'][0]['error']}")
     lane_problems(info)
-    headline_cards(info, frame)
-    charts(frame)
+    headline_cards(info, series)
+    charts(series)
     with st.expander("Run configuration"):
         st.json(info["config"], expanded=False)
     if live_at_start and not is_live(info):

@@ -22,6 +22,7 @@ from amp_core.precision import default_modes
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT = ROOT / "artifacts" / "train_page.png"
+STEPS = 60
 
 pytestmark = [
     pytest.mark.browser,
@@ -73,14 +74,28 @@ def server(tmp_path):
 
 
 # Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData.
-LOSS_HAS_POINTS = """(modes) => {
+LOSS_POINTS = """() => {
     for (const div of document.querySelectorAll('.js-plotly-plot')) {
         const title = div.layout && div.layout.title && div.layout.title.text;
         if (!title || !title.includes('Loss') || !div._fullData) continue;
-        return modes.every(mode => div._fullData.some(t => t.name === mode && t._length > 0));
+        return Object.fromEntries(div._fullData.map(t => [t.name, t._length || 0]));
     }
-    return false;
+    return {};
 }"""
+# Streamlit marks elements of the previous script run as stale until the new run replaces or drops them.
+SETTLED = "() => document.querySelectorAll('[data-stale=\"true\"]').length === 0"
+
+
+def loss_points(page, modes: list[str], at_least: int) -> bool:
+    points = page.evaluate(LOSS_POINTS)
+    return all(points.get(mode, 0) >= at_least for mode in modes)
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
 
 
 def test_launch_two_modes_and_watch_the_loss_chart(server):
@@ -96,18 +111,17 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
             launch = page.get_by_role("button", name="Launch")
             launch.wait_for(timeout=90_000)
             steps = page.get_by_label("Steps", exact=True)
-            steps.fill("60")
+            steps.fill(str(STEPS))
             steps.press("Enter")
             page.wait_for_timeout(500)
             for mode in modes:  # the default selection: 32-true and this machine's best mixed mode
                 page.get_by_text(mode, exact=True).first.wait_for()
             launch.click()
-            page.wait_for_function(LOSS_HAS_POINTS, arg=modes, timeout=120_000, polling=500)
-            page.get_by_text("60/60").first.wait_for(timeout=120_000)
-            # The run's end triggers one full rerun: the picker then says finished and the app goes idle.
-            page.get_by_text("Run status: finished").wait_for(timeout=60_000)
-            page.locator("[data-testid='stStatusWidget']").wait_for(state="hidden", timeout=60_000)
+            wait_until(lambda: loss_points(page, modes, 1), 120, "the loss chart to show both modes")
+            page.get_by_text("Run status: finished").wait_for(timeout=120_000)
+            wait_until(lambda: loss_points(page, modes, STEPS), 60, f"{STEPS} loss points per mode")
             expect(page.get_by_role("button", name="Pause")).to_have_count(0)
+            page.wait_for_function(SETTLED, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0
             SCREENSHOT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)

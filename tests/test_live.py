@@ -11,15 +11,17 @@ from step_records import records
 from amp_core.config import RunConfig
 from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
 from amp_core.metrics import STEP_FIELDS
+from amp_core.plots import lanes
 from amp_core.runner import RunManager
 from amp_core.store import RunStore
+from amp_core.summary import summarize
 
 
 def test_headlines_against_the_32_true_lane():
     frame = records(40, modes=("bf16-mixed", "32-true", "16-mixed"), skipped_at=(5, 9))
     frame.loc[frame["mode"] == "bf16-mixed", "step_ms"] = 4.0
     frame.loc[frame["mode"] == "32-true", "step_ms"] = 6.0
-    heads = lane_headlines(frame).set_index("mode")
+    heads = lane_headlines(lanes(frame)).set_index("mode")
     assert (heads["baseline_mode"] == "32-true").all()
     assert heads.loc["bf16-mixed", "speedup"] == pytest.approx(1.5)
     assert heads.loc["32-true", "speedup"] == pytest.approx(1.0)
@@ -33,9 +35,19 @@ def test_headlines_against_the_32_true_lane():
 
 
 def test_headlines_fall_back_to_the_first_lane():
-    heads = lane_headlines(records(5, modes=("bf16-mixed", "16-mixed")))
+    heads = lane_headlines(lanes(records(5, modes=("bf16-mixed", "16-mixed"))))
     assert (heads["baseline_mode"] == "bf16-mixed").all()
-    assert lane_headlines(records(0)).empty
+    assert lane_headlines([]).empty
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_headlines_agree_with_the_compare_summary(cuda):
+    frame = records(60, modes=("bf16-mixed", "32-true", "16-mixed"), skipped_at=(7,), cuda=cuda)
+    frame.loc[frame["mode"] == "16-mixed", "cuda_peak_bytes"] = 5 * 2**20 if cuda else None
+    heads = lane_headlines(lanes(frame)).set_index("mode")
+    summary = summarize(frame).set_index("mode")
+    for column in ("median_ms", "speedup", "mem_ratio", "skipped_steps", "steps"):
+        assert heads[column].to_dict() == pytest.approx(summary[column].to_dict()), column
 
 
 @pytest.mark.parametrize(("value", "text"), [(65536.0, "2^16"), (0.5, "2^-1"), (3.0, "3"), (float("nan"), "no scaler"),

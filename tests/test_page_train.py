@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 from figure_json import points_by_trace, spec
 from streamlit.testing.v1 import AppTest
 
+from amp_core import runner
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.precision import default_modes
 from amp_core.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +45,25 @@ def launch(at: AppTest, modes: list[str], steps: int = 12) -> AppTest:
     return at.button(key="train_launch").click().run()
 
 
+def rerun_until(at: AppTest, done, timeout_s: float = 120.0) -> AppTest:
+    """Rerun the page until `done(at)`: AppTest does not fire a fragment's timer by itself."""
+    deadline = time.monotonic() + timeout_s
+    while not done(at):
+        assert time.monotonic() < deadline, "the page never got there"
+        time.sleep(0.2)
+        at.run()
+        assert not at.exception
+    return at
+
+
 def test_fresh_store_renders_the_form_and_the_cost_probe(app):
     assert not app.error
-    assert app.multiselect(key="train_modes").value == ["32-true", "bf16-mixed"]
+    assert app.multiselect(key="train_modes").value == default_modes("cpu")
     assert any("No runs yet" in info.value for info in app.info)
+    assert app.button(key="train_launch")  # the form is usable while the probe measures
+    rerun_until(app, lambda at: len(at.dataframe) == 1)
     (probe,) = [df.value for df in app.dataframe]
-    assert probe["mode"].tolist() == ["32-true", "bf16-mixed"]
+    assert probe["mode"].tolist() == default_modes("cpu")
     assert probe["time vs 32-true"].iloc[0] == "1.00×"
     assert manager().list_runs().empty
 
@@ -108,17 +124,36 @@ def test_pause_resume_stop_act_on_the_run(app):
     assert not [b for b in app.button if b.key in ("train_pause", "train_stop")]
 
 
-def test_a_failed_lane_shows_its_message_and_the_others_go_on(app):
-    bad = FaultSpec(kind="grad_inf", param="no_such_param", step=3, modes=("bf16-mixed",))
+def test_a_failed_lane_shows_its_message_and_the_others_go_on(app, monkeypatch):
+    real_step = runner.train_step
+
+    def step_that_fails_lane_1(state, batch, step, **kwargs):  # stands in for e.g. an out-of-memory in one lane
+        if state.index == 1 and step == 3:
+            raise RuntimeError("out of memory (simulated)")
+        return real_step(state, batch, step, **kwargs)
+
+    monkeypatch.setattr(runner, "train_step", step_that_fails_lane_1)
+    run = manager().launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=10,
+                                     device="cpu"))
+    run.join(60)
+    app.run()
+    assert not app.exception
+    (error,) = [e.value for e in app.error]
+    assert "bf16-mixed" in error and "out of memory (simulated)" in error and "other lanes went on" in error
+    assert "Traceback" not in error
+    assert [lane.status for lane in run.lanes] == ["finished", "failed"]
+    assert points_by_trace(charts(app)["train_chart_loss"]) == {"32-true": 10, "bf16-mixed": 3}
+
+
+def test_a_failed_run_says_why_once(app):
+    bad = FaultSpec(kind="grad_inf", param="no_such_param", step=3)
     run = manager().launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=10,
                                      device="cpu", faults=(bad,)))
     run.join(60)
     app.run()
     assert not app.exception
     (error,) = [e.value for e in app.error]
-    assert "bf16-mixed" in error and "no parameter 'no_such_param'" in error and "Traceback" not in error
-    assert [lane.status for lane in run.lanes] == ["finished", "failed"]
-    assert points_by_trace(charts(app)["train_chart_loss"]) == {"32-true": 10, "bf16-mixed": 3}
+    assert error.startswith("The run failed:") and "no parameter 'no_such_param'" in error
 
 
 def test_run_picker_lists_runs_from_before_a_restart(fresh_store):
@@ -133,3 +168,9 @@ def test_run_picker_lists_runs_from_before_a_restart(fresh_store):
     assert picker.value == "old-run"
     assert "interrupted" in picker.format_func(picker.value)
     assert sum("interrupted" in warning.value for warning in at.warning) == 2
+
+
+def test_a_large_size_waits_for_the_user_before_probing(app):
+    app.selectbox(key="train_size").set_value("large").run()
+    assert not app.exception and not app.dataframe
+    assert app.button(key="train_probe_go")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, availability
-from amp_core.probe import ProbeResult, probe_mode, relative_costs
+from amp_core.probe import ProbeBoard, ProbeResult, probe_mode, relative_costs
 
 CPU_MODES = [mode for mode in MODES if availability(mode, "cpu")[0]]
 
@@ -39,3 +41,16 @@ def test_relative_costs_against_32_true():
     assert costs["far_slower"].to_dict() == {"bf16-mixed": False, "32-true": False, "16-mixed": True}
     without = relative_costs([ProbeResult("bf16-mixed", 2.0, 5, False)])
     assert without["time_vs_baseline"].isna().all() and not without["far_slower"].any()
+
+
+def test_board_measures_off_the_callers_thread_and_remembers():
+    board = ProbeBoard(steps=2, time_cap_s=10)
+    good = ("mlp_regression", "small", 16, "32-true", "cpu")
+    bad = ("mlp_regression", "small", 16, "tf32", "cpu")
+    assert board.get(good) is None and board.get(bad) is None  # queued, nobody waits
+    assert board.wait(120)
+    result = board.get(good)
+    assert isinstance(result, ProbeResult) and result.steps_timed == 2
+    assert board.get(good) is result
+    assert "ConfigError" in board.get(bad) and "tf32 cannot run" in board.get(bad)
+    assert not [t for t in threading.enumerate() if t.name == "amp-probe"]
