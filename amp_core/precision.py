@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class Precision:
 
     @property
     def device_type(self) -> str:
-        return torch.device(self.device).type
+        return _device_type(self.device)
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
@@ -71,6 +72,11 @@ class Precision:
         if self.autocast_dtype is not None:
             return self.autocast_dtype
         return self.param_dtype if self.param_dtype != torch.float32 else None
+
+
+@functools.lru_cache(maxsize=16)
+def _device_type(device: str) -> str:
+    return torch.device(device).type  # parsing a device string costs microseconds, on every step
 
 
 @contextlib.contextmanager

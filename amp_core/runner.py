@@ -23,6 +23,8 @@ from amp_core.step import LaneState, train_step
 from amp_core.store import RunStore, StoreError
 from amp_core.workloads import WORKLOADS, Data, Workload
 
+PROCESS_THREADS = torch.get_num_threads()
+"""Intra-op threads the process started with; each run thread starts from (and returns to) this."""
 FLUSH_EVERY_S = 0.5
 """The store gets what the thread gathered at least this often (a kill -9 loses less than a second)."""
 
@@ -193,6 +195,7 @@ class Run:
                 if lane.status in ("pending", "running"):
                     lane.status, lane.error = "failed", str(exc)
         finally:
+            torch.set_num_threads(PROCESS_THREADS)
             for lane in self.lanes:
                 lane.state = None  # free the models; records stay
             if self.status not in ("failed", "stopped"):
@@ -215,7 +218,46 @@ class Run:
             params_bytes = tensor_bytes(state.model.parameters())
             lane.static_bytes = (params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}")
+        threads = self._choose_threads()
+        self._event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
+                    intra_op_threads=torch.get_num_threads())
+
+    def _choose_threads(self) -> str:
+        """Intra-op threads for this thread, measured: 1 when that is faster for this model.
+
+        On a machine with few cores, an OpenMP team started from a second thread (this one) wakes its workers
+        through the kernel for every parallel op (libgomp throttles spinning once it manages more threads than
+        there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
+        only quick steps are measured, on a copy of the first lane, with batches the run never sees.
+        """
+        default = PROCESS_THREADS
+        torch.set_num_threads(default)
+        if default <= 1 or self.device != "cpu":
+            return f"{default} intra-op thread(s)"
+        state = self.lanes[0].state
+        model = copy.deepcopy(state.model)
+        batch = self.data.sample(torch.Generator().manual_seed(self.config.seed + 1), self.config.batch_size)
+        inputs, targets = (state.precision.prepare_input(t) for t in batch)
+
+        def forward_backward_s() -> float:
+            best = math.inf
+            for _ in range(4):
+                start = time.perf_counter()
+                with state.precision.forward_context():
+                    loss = state.workload.loss(model(inputs), targets)
+                loss.backward()
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        multi = forward_backward_s()
+        if multi > 0.05:
+            return f"{default} intra-op threads"
+        torch.set_num_threads(1)  # restored to PROCESS_THREADS when the thread ends
+        single = forward_backward_s()
+        if single >= multi:
+            torch.set_num_threads(default)
+            return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
+        return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
     def _loop(self) -> None:
         config = self.config

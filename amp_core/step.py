@@ -70,6 +70,14 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """Scalars to Python floats: one stacked transfer (one sync) on an accelerator, plain .item() on the CPU,
+    where there is nothing to wait for and stacking would cost more than it saves."""
+    if tensors[0].device.type == "cpu":
+        return [t.item() for t in tensors]
+    return torch.stack([t.float() for t in tensors]).tolist()
+
+
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor | float:
     # GradScaler keeps its per-optimizer inf flags only when enabled; read before update() clears them.
     if not scaler.is_enabled():
@@ -125,11 +133,12 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         if lr_factor != 1.0:
             for group in lane.optimizer.param_groups:
                 group["lr"] /= lr_factor
-        # One device->host transfer for the three figures: a sync point, and the only one in the step.
-        loss_value, norm_value, inf_value = torch.stack(
-            [loss.detach().float(), grad_norm.detach().float().to(loss.device),
-             torch.as_tensor(found_inf, dtype=torch.float32, device=loss.device)]).tolist()
-        skipped = inf_value > 0
+        # The figures come to the host here: the step's only sync point.
+        figures = [loss.detach(), grad_norm.detach().to(loss.device)]
+        if isinstance(found_inf, torch.Tensor):
+            figures.append(found_inf.to(loss.device))
+        loss_value, norm_value, *inf_value = to_host(figures)
+        skipped = bool(inf_value) and inf_value[0] > 0
         if not skipped:
             # The scheduler follows the optimizer: stepping it on a skipped step would shift the schedule.
             lane.scheduler.step()
