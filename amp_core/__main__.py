@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument("--optimizer", default="adam")
+    run.add_argument("--eps", type=float, default=1e-8, help="Adam/AdamW epsilon (16-true wants about 1e-4)")
     run.add_argument("--scheduler", default="none", help="none | onecycle")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--size", default="small", help="small | medium | large")
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         workload=args.workload, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, scheduler=args.scheduler,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, eps=args.eps, optimizer=args.optimizer,
+        scheduler=args.scheduler,
         seed=args.seed, size=args.size, device=args.device, data_dir=args.data_dir, grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
         faults=tuple(FaultSpec.parse(text) for text in args.fault))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import math
@@ -9,6 +10,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import pandas as pd
@@ -370,10 +372,21 @@ class RunLimitError(ConfigError):
     pass
 
 
+_MANAGERS: weakref.WeakSet[RunManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_runs_at_exit() -> None:
+    """A server stopping (Ctrl-C) stops its runs cleanly: their last records are flushed and marked stopped."""
+    for manager in list(_MANAGERS):
+        manager.stop_all(timeout=5.0)
+
+
 class RunManager:
     """The process's runs (thread-safe). Pages share one through st.cache_resource."""
 
     def __init__(self, store: RunStore | None = None, max_running: int = 2, keep: int = 20, store_error: str = ""):
+        _MANAGERS.add(self)
         self.store = store
         self.store_error = store_error
         """Why there is no store (the file was damaged or foreign); runs then live in memory only."""
@@ -450,7 +463,7 @@ class RunManager:
         row = self.store.run(run_id) if self.store is not None else None
         if row is None:
             return None
-        counts = self.store.steps(run_id).groupby("lane").size().to_dict()
+        counts = self.store.lane_step_counts(run_id)
         return {"run_id": run_id, "config": row["config"], "status": row["status"], "live": False,
                 "lanes": [{"lane": lane["lane"], "mode": lane["mode"], "status": lane["status"], "error": lane["error"],
                            "steps_done": int(counts.get(lane["lane"], 0))} for lane in row["lanes"]]}

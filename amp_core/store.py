@@ -203,6 +203,12 @@ class RunStore:
         frame["skipped"] = frame["skipped"].astype(bool)
         return frame
 
+    def lane_step_counts(self, run_id: str) -> dict[int, int]:
+        """Step records written per lane (counted by SQLite, not by reading them)."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT lane, COUNT(*) FROM steps WHERE run_id = ? GROUP BY lane", (run_id,))
+            return dict(rows.fetchall())
+
     def events(self, run_id: str) -> pd.DataFrame:
         with self._read() as conn:
             frame = pd.read_sql_query("SELECT * FROM events WHERE run_id = ? ORDER BY id", conn, params=(run_id,))

@@ -59,8 +59,10 @@ with st.container(border=True):
         growth_factor = g2.number_input("Growth factor", value=2.0, key="train_growth")
         backoff_factor = g3.number_input("Backoff factor", value=0.5, key="train_backoff")
         growth_interval = g4.number_input("Growth interval (steps)", value=2000, step=100, key="train_interval")
-    with st.expander("More: gradient clipping, faults, name"):
-        m1, m2, m3 = st.columns([1, 3, 2])
+    with st.expander("More: Adam eps, gradient clipping, faults, name"):
+        m0, m1, m2, m3 = st.columns([1, 1, 3, 2])
+        eps = m0.number_input("Adam/AdamW eps", value=1e-8, format="%.1e", key="train_eps",
+                              help="torch's default 1e-8 is 0 in fp16: a 16-true lane with Adam needs about 1e-4.")
         grad_clip = m1.number_input("Clip grad norm (0 = off)", value=0.0, key="train_clip")
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
                                     help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
@@ -72,7 +74,7 @@ config: RunConfig | None = None
 try:
     config = RunConfig(
         workload=workload, size=size, modes=tuple(modes), steps=int(steps), batch_size=int(batch_size),
-        optimizer=optimizer, lr=float(lr), scheduler="onecycle" if onecycle else "none", seed=int(seed),
+        optimizer=optimizer, lr=float(lr), eps=float(eps), scheduler="onecycle" if onecycle else "none", seed=int(seed),
         grad_clip=float(grad_clip), name=name.strip(),
         scaler=ScalerConfig(init_scale=float(init_scale), growth_factor=float(growth_factor),
                             backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -67,6 +68,7 @@ def test_follower_reads_a_live_run_incrementally(fresh_store, no_leaked_threads)
     sizes = []
     while run.alive:
         sizes.append(len(follower.update(manager)))
+        time.sleep(0.02)  # a page polls; a busy loop here would starve the run thread of the GIL
     run.join()
     frame = follower.update(manager)
     assert sizes == sorted(sizes)
