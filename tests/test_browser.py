@@ -73,6 +73,9 @@ def server(tmp_path):
             proc.wait()
 
 
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]  # this machine's network is closed: no phoning home
+
 # Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData.
 LOSS_POINTS = """() => {
     for (const div of document.querySelectorAll('.js-plotly-plot')) {
@@ -104,7 +107,7 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
     modes = default_modes("cpu")
     assert len(modes) == 2
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 2600})
             page.goto(server)
