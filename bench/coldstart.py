@@ -7,52 +7,28 @@ endpoint every 20 ms, and stops the server. Median of the rounds. Last line: col
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/coldstart.py` from anywhere
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests import streamlit_server
 
 
 def one_start(timeout_s: float) -> float:
-    port = free_port()
+    port = streamlit_server.free_port()
     with tempfile.TemporaryDirectory() as folder:
-        env = dict(os.environ, AMP_LAB_STORE=str(Path(folder) / "runs.sqlite3"))
         started = time.perf_counter()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = streamlit_server.start(port, Path(folder) / "runs.sqlite3", output=subprocess.DEVNULL)
         try:
-            while time.perf_counter() - started < timeout_s:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"streamlit exited with {proc.returncode} before it was healthy")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
-                        if response.status == 200:
-                            return time.perf_counter() - started
-                except OSError:
-                    time.sleep(0.02)
-            raise TimeoutError(f"not healthy within {timeout_s} s")
+            streamlit_server.wait_healthy(port, proc, timeout_s, poll_s=0.02)
+            return time.perf_counter() - started
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            streamlit_server.stop(proc)
 
 
 def main() -> None:
