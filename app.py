@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import platform
-
 import streamlit as st
-import torch
 
-from amp_core.precision import MODE_HELP, MODES, availability, resolve_device
+from amp_core.precision import MODE_HELP, MODES, availability, device_name, resolve_device, torch_version
 from pages.common import get_manager, store_banner
 
 st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
@@ -16,14 +13,8 @@ st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
 @st.cache_data
 def device_facts() -> dict:
     device = resolve_device("auto")
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-    else:
-        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-        name = caps.get("cpu_name") or platform.processor() or platform.machine()
-        name = f"CPU: {name} ({torch.get_num_threads()} threads)"
-    modes = {mode: availability(mode, device) for mode in MODES}
-    return {"device": device, "name": name, "torch": torch.__version__, "modes": modes}
+    return {"device": device, "name": device_name(device), "torch": torch_version(),
+            "modes": {mode: availability(mode, device) for mode in MODES}}
 
 
 def sidebar(pages: list) -> None:

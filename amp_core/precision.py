@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,20 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
+
+
+def torch_version() -> str:
+    return torch.__version__
+
+
+def device_name(device: str = "auto") -> str:
+    """What the device is, for people: the GPU's name, or the CPU model and its intra-op threads."""
+    device = resolve_device(device)
+    if _device_type(device) == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    name = caps.get("cpu_name") or platform.processor() or platform.machine()
+    return f"CPU: {name} ({torch.get_num_threads()} threads)"
 
 
 def availability(mode: str, device: str = "cpu") -> tuple[bool, str]:

@@ -17,7 +17,7 @@ import torch
 
 from amp_core.config import RunConfig
 from amp_core.precision import resolve_device
-from amp_core.runner import build_lane_state
+from amp_core.runner import PROCESS_THREADS, build_lane_state, choose_threads
 from amp_core.step import train_step
 from amp_core.workloads import WORKLOADS
 
@@ -52,13 +52,18 @@ def probe_mode(workload: str, size: str, batch_size: int, mode: str, device: str
     model = work.build_model(size, data)
     state = build_lane_state(config, 0, mode, model, work, resolve_device(device))
     generator = torch.Generator().manual_seed(seed)
-    started = time.perf_counter()
-    warmup = train_step(state, data.sample(generator, batch_size), 0)  # first-call dispatch and allocator costs
-    times = []
-    for step in range(1, steps + 1):
-        if time.perf_counter() - started >= time_cap_s:
-            break
-        times.append(train_step(state, data.sample(generator, batch_size), step).step_ms)
+    try:
+        # The same thread choice a run makes, or the probe would time conditions no run trains under.
+        choose_threads(state, data.sample(torch.Generator().manual_seed(seed + 1), batch_size))
+        started = time.perf_counter()
+        warmup = train_step(state, data.sample(generator, batch_size), 0)  # first-call dispatch, allocator costs
+        times = []
+        for step in range(1, steps + 1):
+            if time.perf_counter() - started >= time_cap_s:
+                break
+            times.append(train_step(state, data.sample(generator, batch_size), step).step_ms)
+    finally:
+        torch.set_num_threads(PROCESS_THREADS)
     if not times:
         return ProbeResult(mode, warmup.step_ms, 1, True)
     return ProbeResult(mode, statistics.median(times), len(times), len(times) < steps)

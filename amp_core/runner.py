@@ -92,6 +92,43 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
     return state
 
 
+def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """Set the calling thread's intra-op threads, measured: 1 when that is faster for this model. Says what it chose.
+
+    On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
+    workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
+    than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
+    only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
+    The caller restores PROCESS_THREADS when its thread ends.
+    """
+    default = PROCESS_THREADS
+    torch.set_num_threads(default)
+    if default <= 1 or state.precision.device_type != "cpu":
+        return f"{default} intra-op thread(s)"
+    model = copy.deepcopy(state.model)
+    inputs, targets = (state.precision.prepare_input(t) for t in batch)
+
+    def forward_backward_s() -> float:
+        best = math.inf
+        for _ in range(4):
+            start = time.perf_counter()
+            with state.precision.forward_context():
+                loss = state.workload.loss(model(inputs), targets)
+            loss.backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    multi = forward_backward_s()
+    if multi > 0.05:
+        return f"{default} intra-op threads"
+    torch.set_num_threads(1)
+    single = forward_backward_s()
+    if single >= multi:
+        torch.set_num_threads(default)
+        return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
+    return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
+
+
 class Run:
     """A launch: one workload, one seed, one lane per mode, driven by one background thread."""
 
@@ -220,46 +257,11 @@ class Run:
             params_bytes = tensor_bytes(state.model.parameters())
             lane.static_bytes = (params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
         self._generator = torch.Generator().manual_seed(config.seed)
-        threads = self._choose_threads()
+        first = self.lanes[0].state
+        threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
+                                                         config.batch_size))
         self._event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
                     intra_op_threads=torch.get_num_threads())
-
-    def _choose_threads(self) -> str:
-        """Intra-op threads for this thread, measured: 1 when that is faster for this model.
-
-        On a machine with few cores, an OpenMP team started from a second thread (this one) wakes its workers
-        through the kernel for every parallel op (libgomp throttles spinning once it manages more threads than
-        there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
-        only quick steps are measured, on a copy of the first lane, with batches the run never sees.
-        """
-        default = PROCESS_THREADS
-        torch.set_num_threads(default)
-        if default <= 1 or self.device != "cpu":
-            return f"{default} intra-op thread(s)"
-        state = self.lanes[0].state
-        model = copy.deepcopy(state.model)
-        batch = self.data.sample(torch.Generator().manual_seed(self.config.seed + 1), self.config.batch_size)
-        inputs, targets = (state.precision.prepare_input(t) for t in batch)
-
-        def forward_backward_s() -> float:
-            best = math.inf
-            for _ in range(4):
-                start = time.perf_counter()
-                with state.precision.forward_context():
-                    loss = state.workload.loss(model(inputs), targets)
-                loss.backward()
-                best = min(best, time.perf_counter() - start)
-            return best
-
-        multi = forward_backward_s()
-        if multi > 0.05:
-            return f"{default} intra-op threads"
-        torch.set_num_threads(1)  # restored to PROCESS_THREADS when the thread ends
-        single = forward_backward_s()
-        if single >= multi:
-            torch.set_num_threads(default)
-            return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
-        return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
     def _loop(self) -> None:
         config = self.config
