@@ -111,6 +111,8 @@ if config is not None:
     asked = st.session_state.setdefault("train_probed", set())
     measuring = (config.size == "small" or probe_key in asked) and None in probe_outcomes(config).values()
 
+    # The timer stays until the next full rerun (any widget, Launch). A st.rerun() from this fragment once the
+    # probes were done left the Launch button hidden (display: none) in a server's first browser session.
     @st.fragment(run_every=0.5 if measuring else None)
     def cost_panel() -> None:
         with st.container(border=True):
@@ -130,8 +132,6 @@ if config is not None:
                 st.caption("Timing a few steps of each mode…")
             else:
                 cost_table(relative_costs([r for r in outcomes.values() if isinstance(r, ProbeResult)]))
-                if measuring:
-                    st.rerun()  # all measured: one full rerun turns the timer off
 
     cost_panel()
 
