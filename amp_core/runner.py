@@ -17,12 +17,13 @@ import pandas as pd
 import torch
 
 from amp_core.config import ConfigError, RunConfig
-from amp_core.faults import FaultPlan, init_scale_override, param_by_name
-from amp_core.gradstats import GradStats
-from amp_core.metrics import Event, RecordBuffer, StepRecord, optimizer_state_tensors, tensor_bytes
+from amp_core.measure import optimizer_state_tensors, tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
+from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
+from amp_core.probes.gradstats import GradStats
+from amp_core.records import Event, RecordBuffer, StepRecord
+from amp_core.records.store import RunStore, StoreError
 from amp_core.step import LaneState, train_step
-from amp_core.store import RunStore, StoreError
 from amp_core.workloads import WORKLOADS, Data, Workload
 
 PROCESS_THREADS = torch.get_num_threads()

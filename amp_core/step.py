@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core import gradstats
-from amp_core.faults import FaultPlan
-from amp_core.metrics import SavedTensorsProbe, cuda_peak_bytes, cuda_peak_reset
+from amp_core.measure import SavedTensorsProbe, cuda_peak_bytes, cuda_peak_reset
 from amp_core.precision import Precision
+from amp_core.probes import gradstats
+from amp_core.probes.faults import FaultPlan
 from amp_core.workloads import Workload
 
 

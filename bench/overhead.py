@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from amp_core.config import RunConfig
+from amp_core.records.store import RunStore
 from amp_core.runner import PROCESS_THREADS, Run
-from amp_core.store import RunStore
 from amp_core.workloads import WORKLOADS
 
 WARMUP = 50

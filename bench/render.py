@@ -26,12 +26,12 @@ from plotly.tools import return_figure_from_figure_or_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/render.py` from anywhere
 
-from amp_core import plots
 from amp_core.config import RunConfig
-from amp_core.live import RecordFollower, lane_headlines
-from amp_core.metrics import STEP_FIELDS
+from amp_core.records import STEP_FIELDS
+from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
-from amp_core.store import RunStore
+from amp_core.views import plots
+from amp_core.views.live import RecordFollower, lane_headlines
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 

@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/trace.py` from anywhere
 
 from amp_core.config import RunConfig
-from amp_core.optrace import trace_step
 from amp_core.precision import get_precision
+from amp_core.probes.optrace import trace_step
 from amp_core.workloads import WORKLOADS
 
 WORKLOAD = "digits_mlp"

@@ -7,8 +7,8 @@ import time
 import pandas as pd
 import streamlit as st
 
+from amp_core.records.store import RunStore, StoreError
 from amp_core.runner import RunManager
-from amp_core.store import RunStore, StoreError
 
 STATUS_ICONS = {"running": "🟢", "paused": "⏸️", "pending": "⏳", "finished": "✅", "stopped": "⏹️",
                 "failed": "❌", "interrupted": "⚠️", "diverged": "💥"}

@@ -4,9 +4,9 @@ from functools import partial
 
 import streamlit as st
 
-from amp_core import compare
-from amp_core.store import StoreError
-from amp_core.summary import default_baseline, summarize
+from amp_core.records.store import StoreError
+from amp_core.views import compare
+from amp_core.views.summary import default_baseline, summarize
 from pages.common import get_manager, run_label
 
 LIVE_REFRESH_S = 2.0

@@ -2,7 +2,8 @@
 
 import streamlit as st
 
-from amp_core import formats
+from amp_core.probes import formats
+from amp_core.views import formats as format_views
 
 LABELS = (0.5, 0.5)
 
@@ -36,7 +37,7 @@ if value is not None:
                "value as a float64.")
 
 with chart_slot:
-    st.plotly_chart(formats.number_line_figure(value), key="fmt_number_line")
+    st.plotly_chart(format_views.number_line_figure(value), key="fmt_number_line")
     st.caption("Faint segment: subnormal range (fewer significant bits); thick segment: normal range; red tick: "
                "max. The dashed line is |value| from *Round this value* below.")
 

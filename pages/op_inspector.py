@@ -2,9 +2,10 @@
 
 import streamlit as st
 
-from amp_core import optrace
 from amp_core.config import SIZES, ConfigError, RunConfig
 from amp_core.precision import MODES, availability, resolve_device
+from amp_core.probes import optrace
+from amp_core.views import optrace as trace_views
 from amp_core.workloads import WORKLOADS
 from pages.common import get_manager
 
@@ -105,12 +106,12 @@ if traces:
     for column, trace in zip(st.columns(len(traces)), traces, strict=True):
         with column:
             show_summary(trace)
-    st.plotly_chart(optrace.flop_share_figure(traces), key="opi_flop_share")
+    st.plotly_chart(trace_views.flop_share_figure(traces), key="opi_flop_share")
 
     size_by = st.radio("Box size", ("ops", "flops"), key="opi_size_by", horizontal=True,
                        format_func=lambda s: {"ops": "op count", "flops": "FLOPs"}[s])
     for index, (column, trace) in enumerate(zip(st.columns(len(traces)), traces, strict=True)):
-        column.plotly_chart(optrace.module_treemap(trace, size_by), key=f"opi_treemap_{index}")
+        column.plotly_chart(trace_views.module_treemap(trace, size_by), key=f"opi_treemap_{index}")
     st.caption("Each box is a module's own ops (children drawn inside it), coloured by the dtype most of its "
                "FLOPs ran in, or most of its ops where it has no FLOPs (LayerNorm, ReLU). Grey: no float compute.")
     if len(traces) == 2:

@@ -2,9 +2,9 @@
 
 import streamlit as st
 
-from amp_core import debugger
 from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, MODES, availability, resolve_device
+from amp_core.views import debugger
 from amp_core.workloads import WORKLOADS
 from pages.common import STATUS_ICONS, get_manager, run_picker
 

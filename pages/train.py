@@ -5,12 +5,12 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from amp_core import plots
 from amp_core.config import OPTIMIZERS, SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
 from amp_core.precision import MODE_HELP, MODES, availability, default_modes, resolve_device
-from amp_core.probe import BASELINE_MODE, SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
-from amp_core.store import LIVE_STATUSES
+from amp_core.probes.cost import BASELINE_MODE, SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
+from amp_core.records.store import LIVE_STATUSES
+from amp_core.views import plots
+from amp_core.views.live import RecordFollower, format_ratio, format_scale, lane_headlines
 from amp_core.workloads import WORKLOADS
 from pages.common import STATUS_ICONS, get_manager, run_picker
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from amp_core.metrics import STEP_FIELDS
+from amp_core.records import STEP_FIELDS
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 

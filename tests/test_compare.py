@@ -7,13 +7,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from amp_core import compare
 from amp_core.config import RunConfig
-from amp_core.metrics import STEP_FIELDS
-from amp_core.plots import mode_color
+from amp_core.records import STEP_FIELDS
+from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager
-from amp_core.store import RunStore
-from amp_core.summary import summarize
+from amp_core.views import compare
+from amp_core.views.plots import mode_color
+from amp_core.views.summary import summarize
 
 
 def tiny(modes, steps, **changes) -> RunConfig:

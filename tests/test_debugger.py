@@ -13,11 +13,12 @@ import pandas as pd
 import pytest
 import torch
 
-from amp_core import debugger, gradstats
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.probes import gradstats
+from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
-from amp_core.store import RunStore
+from amp_core.views import debugger
 from amp_core.workloads import WORKLOADS
 
 # ---- helpers --------------------------------------------------------------------------------------------

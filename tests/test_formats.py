@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from amp_core import formats
+from amp_core.probes import formats
+from amp_core.views import formats as format_views
 
 TORCH_FORMATS = [name for name in formats.FORMAT_NAMES if name != "tf32"]
 SIXTEEN_AND_EIGHT_BIT = [name for name in TORCH_FORMATS if torch.finfo(formats.FORMATS[name]).bits <= 16]
@@ -182,7 +183,7 @@ def test_format_number_keeps_nan_and_inf_visible():
 
 
 def test_number_line_figure_uses_the_facts():
-    fig = formats.number_line_figure(1e-8)
+    fig = format_views.number_line_figure(1e-8)
     assert fig.layout.xaxis.type == "log"
     by_name = {}
     for trace in fig.data:
@@ -193,7 +194,7 @@ def test_number_line_figure_uses_the_facts():
         assert tuple(by_name["normal range"][index].x) == (info.smallest_normal, info.max)
         assert tuple(by_name["max"][index].x) == (info.max,)
     assert tuple(by_name["|value| = 1e-08"][0].x) == (1e-8, 1e-8)
-    assert not any(trace.name.startswith("|value|") for trace in formats.number_line_figure(math.inf).data)
+    assert not any(trace.name.startswith("|value|") for trace in format_views.number_line_figure(math.inf).data)
 
 
 def test_seed_examples_in_fp32():

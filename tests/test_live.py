@@ -10,12 +10,12 @@ import pytest
 from step_records import records
 
 from amp_core.config import RunConfig
-from amp_core.live import RecordFollower, format_ratio, format_scale, lane_headlines
-from amp_core.metrics import STEP_FIELDS
-from amp_core.plots import lanes
+from amp_core.records import STEP_FIELDS
+from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
-from amp_core.store import RunStore
-from amp_core.summary import summarize
+from amp_core.views.live import RecordFollower, format_ratio, format_scale, lane_headlines
+from amp_core.views.plots import lanes
+from amp_core.views.summary import summarize
 
 
 def test_headlines_against_the_32_true_lane():

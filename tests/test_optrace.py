@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from amp_core import optrace
 from amp_core.config import RunConfig
 from amp_core.precision import get_precision
+from amp_core.probes import optrace
 from amp_core.runner import Run
+from amp_core.views import optrace as trace_views
 from amp_core.workloads import WORKLOADS
 
 LOW = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -278,14 +279,14 @@ def test_submodule_filter_takes_children():
 
 def test_treemap_colours_each_module_by_its_dtype():
     trace = optrace.trace_workload("digits_mlp", "bf16-mixed")
-    figure = optrace.module_treemap(trace)
+    figure = trace_views.module_treemap(trace)
     treemap = figure.data[0]
     colour = dict(zip(treemap.ids, treemap.marker.colors, strict=True))
-    assert colour["fc1"] == optrace.DTYPE_COLOURS["bf16"]
-    assert colour[optrace.LOSS] == optrace.DTYPE_COLOURS["fp32"]
+    assert colour["fc1"] == trace_views.DTYPE_COLOURS["bf16"]
+    assert colour[optrace.LOSS] == trace_views.DTYPE_COLOURS["fp32"]
     assert dict(zip(treemap.ids, treemap.parents, strict=True))["fc1"] == optrace.ROOT
     with pytest.raises(ValueError, match="size_by"):
-        optrace.module_treemap(trace, "bytes")
+        trace_views.module_treemap(trace, "bytes")
 
 
 def test_compare_modules_side_by_side():
@@ -293,7 +294,7 @@ def test_compare_modules_side_by_side():
                                     optrace.trace_workload("digits_mlp", "bf16-mixed"))
     row = table.set_index("module").loc["fc1"]
     assert (row["forward_dtype [32-true]"], row["forward_dtype [bf16-mixed]"]) == ("fp32", "bf16")
-    assert len(optrace.flop_share_figure([]).data) == 3
+    assert len(trace_views.flop_share_figure([]).data) == 3
 
 
 def test_trace_workload_refuses_bad_input():

@@ -8,9 +8,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import RunConfig
-from amp_core.plots import mode_color
+from amp_core.records.store import RunStore
 from amp_core.runner import Run
-from amp_core.store import RunStore
+from amp_core.views.plots import mode_color
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "compare.py")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from amp_core import formats
+from amp_core.probes import formats
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "formats.py")
 

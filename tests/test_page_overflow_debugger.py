@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from amp_core import debugger
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.records.store import RunStore
 from amp_core.runner import Run
-from amp_core.store import RunStore
+from amp_core.views import debugger
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "overflow_debugger.py")

@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core import runner
 from amp_core.config import FaultSpec, RunConfig
 from amp_core.precision import default_modes
-from amp_core.store import RunStore
+from amp_core.records.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "train.py")

@@ -9,7 +9,7 @@ import pytest
 from figure_json import points_by_trace, spec, values
 from step_records import MODES, records
 
-from amp_core import plots
+from amp_core.views import plots
 
 
 def trace(figure, name: str) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, availability
-from amp_core.probe import ProbeBoard, ProbeResult, probe_mode, relative_costs
+from amp_core.probes.cost import ProbeBoard, ProbeResult, probe_mode, relative_costs
 
 CPU_MODES = [mode for mode in MODES if availability(mode, "cpu")[0]]
 

@@ -15,9 +15,9 @@ from torch.nn import functional as F
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability
+from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunLimitError, RunManager, build_lane_state
 from amp_core.step import train_step
-from amp_core.store import RunStore
 from amp_core.workloads import WORKLOADS
 
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]

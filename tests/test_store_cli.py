@@ -13,11 +13,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from amp_core.__main__ import main
+from amp_core.cli import main
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
-from amp_core.metrics import STEP_FIELDS
+from amp_core.records import STEP_FIELDS
+from amp_core.records.store import RunStore, StoreError
 from amp_core.runner import Run
-from amp_core.store import RunStore, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 

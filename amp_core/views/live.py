@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from amp_core.metrics import empty_steps_frame
-from amp_core.plots import MEMORY_PARTS, LaneSeries
+from amp_core.records import empty_steps_frame
+from amp_core.views.plots import MEMORY_PARTS, LaneSeries
 
 BASELINE_MODE = "32-true"
 

@@ -14,8 +14,8 @@ from typing import Any
 import pandas as pd
 import psutil
 
-from amp_core.gradstats import GradStats
-from amp_core.metrics import STEP_FIELDS, Event
+from amp_core.probes.gradstats import GradStats
+from amp_core.records import STEP_FIELDS, Event
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
 SCHEMA_VERSION = 1

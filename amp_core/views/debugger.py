@@ -15,10 +15,11 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from amp_core import formats, plots
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.gradstats import HIST_HI, HIST_LO, GradStats, combine
 from amp_core.precision import MODES, uses_scaler
+from amp_core.probes import formats
+from amp_core.probes.gradstats import HIST_HI, HIST_LO, GradStats, combine
+from amp_core.views import plots
 from amp_core.workloads import WORKLOADS
 
 SCALED_MODES: tuple[str, ...] = tuple(mode for mode in MODES if uses_scaler(mode))

@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.metrics import STEP_FIELDS
-from amp_core.plots import MAX_POINTS, decimate, mode_color
-from amp_core.store import LIVE_STATUSES
-from amp_core.summary import lane_key
+from amp_core.records import STEP_FIELDS
+from amp_core.records.store import LIVE_STATUSES
+from amp_core.views.plots import MAX_POINTS, decimate, mode_color
+from amp_core.views.summary import lane_key
 
 if TYPE_CHECKING:
     from amp_core.runner import RunManager

@@ -1,0 +1,1 @@
+"""Views: pandas + plotly over records (figures, tables, summaries, live followers). No training, no Streamlit."""
