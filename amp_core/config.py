@@ -171,11 +171,12 @@ class RunConfig:
     """Optional label shown in run pickers."""
 
     def __post_init__(self) -> None:
-        from amp_core.precision import MODES, availability
-        from amp_core.workloads import WORKLOADS
+        """Pure checks of the values themselves. What depends on this process (is the workload registered, can
+        this device run each mode, does the data folder exist) is asked at launch: `amp_core.runner.check_launch`."""
+        from amp_core.precision import MODES
 
-        if self.workload not in WORKLOADS:
-            raise ConfigError("workload", f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
+        if not isinstance(self.workload, str) or not self.workload.strip():
+            raise ConfigError("workload", f"name a workload, got {self.workload!r}")
         if isinstance(self.modes, str) or not self.modes:
             raise ConfigError("modes", "choose at least one precision mode")
         if len(set(self.modes)) != len(self.modes):
@@ -197,11 +198,6 @@ class RunConfig:
             raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
         _positive("memory_every", self.memory_every, int)
         _whole("gradstats_every", self.gradstats_every)
-        for mode in self.modes:
-            ok, reason = availability(mode, self.device)
-            if not ok:
-                raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
-        WORKLOADS[self.workload].check_config(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (saved with every run)."""
@@ -229,6 +225,17 @@ class RunConfig:
             )
         return cls(**data)
 
-    def replace(self, **changes: Any) -> RunConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+
+def check_launch(config: RunConfig) -> None:
+    """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
+    hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
+    from amp_core.precision import availability
+    from amp_core.workloads import WORKLOADS
+
+    if config.workload not in WORKLOADS:
+        raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
+    for mode in config.modes:
+        ok, reason = availability(mode, config.device)
+        if not ok:
+            raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+    WORKLOADS[config.workload].check_config(config)

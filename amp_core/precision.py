@@ -12,6 +12,9 @@ import torch
 # Lightning's vocabulary, in the order the UI lists them.
 MODES: tuple[str, ...] = ("32-true", "tf32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
+BASELINE_MODE = "32-true"
+"""The lane every other lane is compared with (speedup, memory ratio, loss delta) when a run has one."""
+
 MODE_HELP: dict[str, str] = {
     "32-true": "fp32 weights and math (the baseline).",
     "tf32": "fp32 weights; matmuls/convs on TF32 tensor cores (CUDA, compute capability >= 8.0).",
@@ -67,12 +70,6 @@ class Precision:
     def device_type(self) -> str:
         return _device_type(self.device)
 
-    @property
-    def low_precision_dtype(self) -> torch.dtype | None:
-        """The 16-bit dtype this mode computes in, if any."""
-        if self.autocast_dtype is not None:
-            return self.autocast_dtype
-        return self.param_dtype if self.param_dtype != torch.float32 else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -173,6 +170,11 @@ def availability(mode: str, device: str = "cpu") -> tuple[bool, str]:
     if cpu_has_native(dtype):
         return True, f"supported (this CPU has native {name} instructions)"
     return True, f"runs, but this CPU has no native {name} math: expect it to be slower than fp32"
+
+
+def runnable_modes(device: str = "auto") -> list[str]:
+    """The modes `device` can run, in the order the UI lists them."""
+    return [mode for mode in MODES if availability(mode, device)[0]]
 
 
 def default_modes(device: str = "cpu") -> list[str]:

@@ -16,20 +16,19 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.measure import optimizer_state_tensors, tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
 from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
-from amp_core.records import Event, RecordBuffer, StepRecord
-from amp_core.records.store import RunStore, StoreError
-from amp_core.step import LaneState, train_step
+from amp_core.records import Event, StepRecord, empty_steps_frame
+from amp_core.records.sink import RecordSink
+from amp_core.records.store import RunStore
+from amp_core.step import LaneState, record_step_events, train_step
 from amp_core.workloads import WORKLOADS, Data, Workload
 
 PROCESS_THREADS = torch.get_num_threads()
 """Intra-op threads the process started with; each run thread starts from (and returns to) this."""
-FLUSH_EVERY_S = 0.5
-"""The store gets what the thread gathered at least this often (a kill -9 loses less than a second)."""
 
 
 @dataclass(slots=True)
@@ -44,6 +43,15 @@ class LaneSnapshot:
     batch: tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(slots=True)
+class HeldBytes:
+    """What a lane holds between steps (measured, not modelled): parameters, gradients, optimizer state."""
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optim_bytes: int = 0
+
+
 class Lane:
     """One precision mode inside a run: its training state and its status."""
 
@@ -55,8 +63,9 @@ class Lane:
         self.error = ""
         self.steps_done = 0
         self.state: LaneState | None = None
-        self.static_bytes = (0, 0, 0)
+        self.held = HeldBytes()
         self.activations_bytes = 0
+        """Bytes saved for backward at the last measured step (carried between measurements)."""
 
 
 def build_optimizer(config: RunConfig, model: torch.nn.Module):
@@ -131,37 +140,35 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -
 
 
 class Run:
-    """A launch: one workload, one seed, one lane per mode, driven by one background thread."""
+    """A launch: one workload, one seed, one lane per mode, driven by one background thread.
+
+    Run owns control (start, pause, resume, stop) and the loop; what the loop produces goes through its RecordSink.
+    """
 
     def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None):
         self.config = config
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self.store = store
+        self.sink = RecordSink(self.run_id, store)
         self.device = resolve_device(config.device)
         self.lanes = [Lane(i, mode) for i, mode in enumerate(config.modes)]
         self.status = "pending"
         """pending | running | paused | finished | stopped | failed."""
         self.created_at = time.time()
-        self.records = RecordBuffer()
-        self._events: list[Event] = []
-        self._grad_stats: list[tuple[str, int, int, GradStats]] = []
-        self._flushed = (0, 0, 0)
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
         self._step_lock = threading.RLock()
         self._thread: threading.Thread | None = None
-        self.global_step = 0
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.store_error = ""
         self.data: Data | None = None
 
     # --- control -------------------------------------------------------------------------------------------
     def start(self) -> Run:
+        """Check the config against this process and device (ConfigError), register the run, start the thread."""
         if self._thread is not None:
             raise RuntimeError("a run starts once")
-        if self.store is not None:
-            self.store.create_run(self.run_id, self.config.to_dict(), self.device, torch.__version__)
+        check_launch(self.config)
+        self.sink.open(self.config.to_dict(), self.device, torch.__version__)
         self.status = "running"
         self._thread = threading.Thread(target=self._main, name=f"amp-run-{self.run_id}", daemon=True)
         self._thread.start()
@@ -171,12 +178,12 @@ class Run:
         if self.status == "running":
             self._resume.clear()
             self.status = "paused"
-            self._event("paused", "paused by the user")
+            self.sink.event("paused", "paused by the user")
 
     def resume(self) -> None:
         if self.status == "paused":
             self.status = "running"
-            self._event("resumed", "resumed by the user")
+            self.sink.event("resumed", "resumed by the user")
             self._resume.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -193,19 +200,20 @@ class Run:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def store_error(self) -> str:
+        return self.sink.store_error
+
     # --- reading (any thread) ------------------------------------------------------------------------------
     def frame(self, since: int = 0) -> pd.DataFrame:
         """Step records [since, now) as a DataFrame."""
-        return self.records.frame(since)
+        return self.sink.records.frame(since)
 
     def events(self, since: int = 0) -> list[Event]:
-        return self._events[since:]
-
-    def progress(self) -> dict[int, float]:
-        return {lane.index: lane.steps_done / self.config.steps for lane in self.lanes}
+        return self.sink.events[since:]
 
     def grad_stats(self) -> list[tuple[str, int, int, GradStats]]:
-        return list(self._grad_stats)
+        return list(self.sink.grad_stats)
 
     def snapshot_lane(self, index: int) -> LaneSnapshot:
         """Copy lane `index` between two steps: its current weights, and the batch of the current step."""
@@ -221,16 +229,13 @@ class Run:
         return LaneSnapshot(lane.mode, step, model, lane.state.precision, lane.state.workload, batch)
 
     # --- the thread ----------------------------------------------------------------------------------------
-    def _event(self, kind: str, message: str, lane: int | None = None, step: int | None = None, **data) -> None:
-        self._events.append(Event(self.run_id, kind, message, lane, step, data=data))
-
     def _main(self) -> None:
         try:
             self._setup()
             self._loop()
         except Exception as exc:  # the run failed as a whole (e.g. its data could not load)
             self.status = "failed"
-            self._event("error", f"{type(exc).__name__}: {exc}", data_traceback=traceback.format_exc(limit=5))
+            self.sink.event("error", f"{type(exc).__name__}: {exc}", data_traceback=traceback.format_exc(limit=5))
             for lane in self.lanes:
                 if lane.status in ("pending", "running"):
                     lane.status, lane.error = "failed", str(exc)
@@ -240,8 +245,8 @@ class Run:
                 lane.state = None  # free the models; records stay
             if self.status not in ("failed", "stopped"):
                 self.status = "finished"
-            self._event(self.status, f"run {self.status}")
-            self._flush(final=True)
+            self.sink.event(self.status, f"run {self.status}")
+            self.sink.close(self.status, [(lane.index, lane.status, lane.error) for lane in self.lanes])
 
     def _setup(self) -> None:
         config, workload = self.config, WORKLOADS[self.config.workload]
@@ -254,21 +259,18 @@ class Run:
         for lane in self.lanes:
             lane.state = build_lane_state(config, lane.index, lane.mode, base, workload, self.device)
             lane.status = "running"
-            state = lane.state
-            params_bytes = tensor_bytes(state.model.parameters())
-            lane.static_bytes = (params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
+            params_bytes = tensor_bytes(lane.state.model.parameters())
+            lane.held = HeldBytes(params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
         self._generator = torch.Generator().manual_seed(config.seed)
         first = self.lanes[0].state
         threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
                                                          config.batch_size))
-        self._event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
-                    intra_op_threads=torch.get_num_threads())
+        self.sink.event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
+                        intra_op_threads=torch.get_num_threads())
 
     def _loop(self) -> None:
         config = self.config
-        last_flush = time.monotonic()
         for step in range(config.steps):
-            self.global_step = step
             # Every lane sees this same batch, in the same order.
             self._batch = self.data.sample(self._generator, config.batch_size)
             for lane in self.lanes:
@@ -278,9 +280,7 @@ class Run:
                     break
                 if lane.status == "running":
                     self._run_lane_step(lane, step)
-                if time.monotonic() - last_flush >= FLUSH_EVERY_S:
-                    self._flush()
-                    last_flush = time.monotonic()
+                self.sink.flush_if_due()
             if self._stop.is_set() or not any(lane.status == "running" for lane in self.lanes):
                 break
         stopped = self._stop.is_set()
@@ -302,73 +302,30 @@ class Run:
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
             lane.state = None
-            self._event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
+            self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
             return
         if step == 0:
-            params_bytes = lane.static_bytes[0]
-            grads_bytes = tensor_bytes(p.grad for p in state.params if p.grad is not None)
-            lane.static_bytes = (params_bytes, grads_bytes, tensor_bytes(optimizer_state_tensors(state.optimizer)))
+            lane.held.grads_bytes = tensor_bytes(p.grad for p in state.params if p.grad is not None)
+            lane.held.optim_bytes = tensor_bytes(optimizer_state_tensors(state.optimizer))
         if result.activations_bytes is not None:
             lane.activations_bytes = result.activations_bytes
         samples = state.workload.samples_in(self._batch)
-        self.records.append(StepRecord(
+        held = lane.held
+        self.sink.step(StepRecord(
             run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=time.time(),
             loss=result.loss, step_ms=result.step_ms, samples_per_s=samples / (result.step_ms / 1e3),
             lr=result.lr, scale=result.scale, skipped=result.skipped, grad_norm=result.grad_norm,
-            params_bytes=lane.static_bytes[0], grads_bytes=lane.static_bytes[1], optim_bytes=lane.static_bytes[2],
+            params_bytes=held.params_bytes, grads_bytes=held.grads_bytes, optim_bytes=held.optim_bytes,
             activations_bytes=lane.activations_bytes, cuda_peak_bytes=result.cuda_peak_bytes))
         lane.steps_done = step + 1
-        self._note_step(lane, step, result)
-        if lane.steps_done >= config.steps:
+        record_step_events(self.sink, lane.index, step, result, state.faults)
+        if not math.isfinite(result.loss) and config.stop_on_divergence:
+            hint = divergence_hint(config, state.precision)
+            lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
+            lane.state = None
+            self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step)
+        elif lane.steps_done >= config.steps:
             lane.status = "finished"
-
-    def _note_step(self, lane: Lane, step: int, result) -> None:
-        """Events and sampled statistics for one lane step."""
-        for fired_step, fault in lane.state.faults.take_fired() if lane.state.faults else ():
-            self._event("fault", f"fault injected: {fault.describe()}", lane.index, fired_step, fault=fault.kind)
-        if result.grad_stats:
-            self._grad_stats.extend((self.run_id, lane.index, step, s) for s in result.grad_stats)
-        if result.skipped:
-            self._event("skipped_step", f"optimizer step skipped: inf/NaN gradients in "
-                        f"{', '.join(p['param'] for p in result.bad_params) or 'the gradients'}",
-                        lane.index, step, params=result.bad_params, scale_before=result.scale,
-                        scale_after=result.scale_after)
-        if result.scale is not None and result.scale_after != result.scale:
-            grew = result.scale_after > result.scale
-            if grew == result.skipped:
-                self._event("warning", "scale change disagrees with the skip flag", lane.index, step)
-            self._event("scale_growth" if grew else "scale_backoff",
-                        f"scale {result.scale:g} -> {result.scale_after:g}", lane.index, step,
-                        scale_before=result.scale, scale_after=result.scale_after)
-        elif result.skipped:
-            self._event("warning", "step skipped but the scale did not back off", lane.index, step)
-        if not result.skipped and not math.isfinite(result.grad_norm) and result.bad_params:
-            self._event("nonfinite_grads", "the optimizer stepped with inf/NaN gradients (no scaler to catch them)",
-                        lane.index, step, params=result.bad_params)
-        if not math.isfinite(result.loss):
-            self._event("nonfinite_loss", f"loss is {result.loss}", lane.index, step)
-            if self.config.stop_on_divergence:
-                hint = divergence_hint(self.config, lane.state.precision)
-                lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
-                lane.state = None
-                self._event("diverged", f"lane stopped: {lane.error}", lane.index, step)
-
-    def _flush(self, final: bool = False) -> None:
-        """Write what was gathered since the last flush in one transaction (never one per step)."""
-        if self.store is None or self.store_error:
-            return
-        steps_at, events_at, stats_at = len(self.records), len(self._events), len(self._grad_stats)
-        done_steps, done_events, done_stats = self._flushed
-        try:
-            self.store.write_batch(self.records.rows(done_steps, steps_at), self._events[done_events:events_at],
-                                   self._grad_stats[done_stats:stats_at])
-            self._flushed = (steps_at, events_at, stats_at)
-            if final:
-                for lane in self.lanes:
-                    self.store.set_lane_status(self.run_id, lane.index, lane.status, lane.error)
-                self.store.set_run_status(self.run_id, self.status, ended=True)
-        except StoreError as exc:  # training goes on in memory; the page shows why nothing is saved
-            self.store_error = str(exc)
 
 
 class RunLimitError(ConfigError):
@@ -401,6 +358,7 @@ class RunManager:
     def launch(self, config: RunConfig) -> Run:
         """Create and start a run; RunLimitError if `max_running` runs are already going."""
         with self._lock:
+            check_launch(config)
             running = [r for r in self._runs.values() if r.alive]
             if len(running) >= self.max_running:
                 raise RunLimitError("runs", f"{len(running)} runs are already going (at most {self.max_running}); "
@@ -444,7 +402,7 @@ class RunManager:
         run = self.get(run_id)
         if run is not None:
             return run.frame()
-        return self.store.steps(run_id) if self.store is not None else RecordBuffer().frame()
+        return self.store.steps(run_id) if self.store is not None else empty_steps_frame()
 
     def events(self, run_id: str) -> pd.DataFrame:
         """A run's events as a DataFrame (run_id, lane, step, kind, message, t_wall_s, data)."""

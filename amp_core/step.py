@@ -13,6 +13,7 @@ from amp_core.measure import SavedTensorsProbe, cuda_peak_bytes, cuda_peak_reset
 from amp_core.precision import Precision
 from amp_core.probes import gradstats
 from amp_core.probes.faults import FaultPlan
+from amp_core.records.sink import RecordSink
 from amp_core.workloads import Workload
 
 
@@ -159,3 +160,29 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
                 stats.lost_update_fraction = gradstats.lost_update_fraction(before[stats.param], param.detach(),
                                                                             param.grad)
     return result
+
+
+def record_step_events(sink: RecordSink, lane: int, step: int, result: StepResult, faults: FaultPlan) -> None:
+    """What one lane step leaves beside its StepRecord: faults that fired, sampled gradient statistics, a skipped step
+    with the parameters that overflowed, scale growth or backoff, inf/NaN gradients applied, a non-finite loss."""
+    for fired_step, fault in faults.take_fired() if faults else ():
+        sink.event("fault", f"fault injected: {fault.describe()}", lane, fired_step, fault=fault.kind)
+    if result.grad_stats:
+        sink.add_grad_stats(lane, step, result.grad_stats)
+    if result.skipped:
+        sink.event("skipped_step", f"optimizer step skipped: inf/NaN gradients in "
+                   f"{', '.join(p['param'] for p in result.bad_params) or 'the gradients'}",
+                   lane, step, params=result.bad_params, scale_before=result.scale, scale_after=result.scale_after)
+    if result.scale is not None and result.scale_after != result.scale:
+        grew = result.scale_after > result.scale
+        if grew == result.skipped:
+            sink.event("warning", "scale change disagrees with the skip flag", lane, step)
+        sink.event("scale_growth" if grew else "scale_backoff", f"scale {result.scale:g} -> {result.scale_after:g}",
+                   lane, step, scale_before=result.scale, scale_after=result.scale_after)
+    elif result.skipped:
+        sink.event("warning", "step skipped but the scale did not back off", lane, step)
+    if not result.skipped and not math.isfinite(result.grad_norm) and result.bad_params:
+        sink.event("nonfinite_grads", "the optimizer stepped with inf/NaN gradients (no scaler to catch them)",
+                   lane, step, params=result.bad_params)
+    if not math.isfinite(result.loss):
+        sink.event("nonfinite_loss", f"loss is {result.loss}", lane, step)

@@ -31,7 +31,8 @@ from amp_core.records import STEP_FIELDS
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views import plots
-from amp_core.views.live import RecordFollower, lane_headlines
+from amp_core.views.live import RecordFollower
+from amp_core.views.summary import lanes, summarize
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -60,8 +61,8 @@ def redraw(manager: RunManager, follower: RecordFollower) -> tuple[float, float,
     t0 = time.perf_counter()
     frame = follower.update(manager)
     t1 = time.perf_counter()
-    series = plots.lanes(frame)
-    lane_headlines(series)
+    series = lanes(frame)
+    summarize(series)
     figures = plots.train_figures(series, smoothing=0.6)
     t2 = time.perf_counter()
     # What st.plotly_chart does with a figure on the server.

@@ -143,7 +143,7 @@ def comparison() -> None:
     figures = {
         "loss_vs_step": compare.loss_vs_step_figure(frame, lane_labels, log_y=log_y),
         "loss_vs_time": compare.loss_vs_time_figure(frame, lane_labels, time_axis=time_axis, log_y=log_y),
-        "step_time": compare.step_time_figure(frame, lane_labels, kind=kind, log_y=log_ms),
+        "step_time": compare.step_time_spread_figure(frame, lane_labels, kind=kind, log_y=log_ms),
     }
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")

@@ -3,7 +3,7 @@
 import streamlit as st
 
 from amp_core.config import SIZES, ConfigError, RunConfig
-from amp_core.precision import MODES, availability, resolve_device
+from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
 from amp_core.views import optrace as trace_views
 from amp_core.workloads import WORKLOADS
@@ -32,7 +32,7 @@ def demo_rows(device: str) -> list[dict[str, str]]:
 
 def workload_traces() -> list[optrace.OpTrace]:
     """Widgets for a workload trace in one or two modes; the traces, or [] after showing an error."""
-    runnable = [m for m in MODES if availability(m, DEVICE)[0]]
+    runnable = runnable_modes(DEVICE)
     left, middle, right = st.columns(3)
     names = list(WORKLOADS)
     workload = left.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD), key="opi_workload",

@@ -3,9 +3,10 @@
 import streamlit as st
 
 from amp_core.config import FAULT_KINDS, ConfigError
-from amp_core.precision import MODE_HELP, MODES, availability, resolve_device
+from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
+from amp_core.probes import faults
 from amp_core.views import debugger
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import WORKLOADS, param_names
 from pages.common import STATUS_ICONS, get_manager, run_picker
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
@@ -23,7 +24,7 @@ manager = get_manager()
 
 @st.cache_data(show_spinner=False)
 def parameter_names(workload: str) -> list[str]:
-    return debugger.param_names(workload)
+    return param_names(workload)
 
 
 st.title("Overflow debugger")
@@ -42,7 +43,7 @@ with st.expander("💉 Fault injection: launch a demo run", expanded=manager.lis
                                      "never overflows on its own, so every skip is the fault's.")
     kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_HELP[k]}", key="dbg_kind")
     device = resolve_device("auto")
-    runnable = [mode for mode in MODES if availability(mode, device)[0]]
+    runnable = runnable_modes(device)
     with st.form("dbg_fault_form"):
         modes = st.multiselect("Modes (one lane each)", runnable,
                                default=[m for m in ("16-mixed", "bf16-mixed") if m in runnable], key="dbg_modes",
@@ -67,13 +68,13 @@ with st.expander("💉 Fault injection: launch a demo run", expanded=manager.lis
         steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=300, step=50, key="dbg_steps")
         growth_interval = st.number_input(
             "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
-            value=debugger.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
+            value=faults.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
             help="PyTorch's default is 2000: after a backoff the scale would take thousands of steps to "
                  "climb back, longer than this demo runs. 50 makes the recovery visible.")
         launched = st.form_submit_button("Launch demo run", type="primary")
     if launched:
         try:
-            config = debugger.demo_config(workload=workload, modes=tuple(modes), kind=kind, step=int(step),
+            config = faults.demo_config(workload=workload, modes=tuple(modes), kind=kind, step=int(step),
                                           duration=int(duration), factor=float(factor), param=param,
                                           steps=int(steps), growth_interval=int(growth_interval))
             run = manager.launch(config)
@@ -133,7 +134,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
     table = debugger.skipped_steps_table(events, lane)
     st.markdown(f"**Steps with inf/NaN gradients, lane {lane} ({mode})**: {len(table)}")
     if table.empty:
-        st.caption("None so far." if debugger.uses_scaler(mode) else
+        st.caption("None so far." if uses_scaler(mode) else
                    f"{mode} has no GradScaler: an inf/NaN gradient here would be applied, not skipped.")
     else:
         st.dataframe(table, hide_index=True, key="dbg_skipped")

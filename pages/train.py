@@ -6,11 +6,12 @@ import pandas as pd
 import streamlit as st
 
 from amp_core.config import OPTIMIZERS, SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import MODE_HELP, MODES, availability, default_modes, resolve_device
-from amp_core.probes.cost import BASELINE_MODE, SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
+from amp_core.precision import BASELINE_MODE, MODE_HELP, availability, default_modes, resolve_device, runnable_modes
+from amp_core.probes.cost import SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
 from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import plots
-from amp_core.views.live import RecordFollower, format_ratio, format_scale, lane_headlines
+from amp_core.views.live import RecordFollower, format_ratio, format_scale
+from amp_core.views.summary import LaneSeries, lanes, summarize
 from amp_core.workloads import WORKLOADS
 from pages.common import STATUS_ICONS, get_manager, run_picker
 
@@ -21,7 +22,7 @@ DEFAULT_WORKLOAD = "digits_mlp"
 
 manager = get_manager()
 device = resolve_device("auto")
-available = [mode for mode in MODES if availability(mode, device)[0]]
+available = runnable_modes(device)
 
 
 @st.cache_resource
@@ -175,9 +176,10 @@ def controls() -> None:
     b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
 
 
-def headline_cards(info: dict, series: list[plots.LaneSeries]) -> None:
+def headline_cards(info: dict, series: list[LaneSeries]) -> None:
     total = info["config"]["steps"]
-    heads = lane_headlines(series).set_index("lane")
+    heads = summarize(series).set_index("lane")
+    base = heads.loc[heads["is_baseline"], "mode"].iloc[0] if not heads.empty else BASELINE_MODE
     columns = st.columns(len(info["lanes"]))
     for column, lane in zip(columns, info["lanes"], strict=True):
         with column:
@@ -186,7 +188,6 @@ def headline_cards(info: dict, series: list[plots.LaneSeries]) -> None:
             if lane["lane"] not in heads.index:
                 continue
             head = heads.loc[lane["lane"]]
-            base = head["baseline_mode"]
             m1, m2, m3 = st.columns(3)
             m1.metric("loss", f"{head['latest_loss']:.4g}")
             m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
@@ -214,7 +215,7 @@ def lane_problems(info: dict) -> None:
             st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
 
 
-def charts(series: list[plots.LaneSeries]) -> None:
+def charts(series: list[LaneSeries]) -> None:
     o1, o2, _ = st.columns([1, 2, 3])
     log_y = o1.toggle("log-y loss", key="train_log_y")
     smoothing = o2.slider("loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
@@ -237,7 +238,7 @@ def live_view() -> None:
     st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls()
     follower = followers.setdefault(run_id, RecordFollower(run_id))
-    series = plots.lanes(follower.update(manager))  # split once: the headlines and every chart share it
+    series = lanes(follower.update(manager))  # split once: the headlines and every chart share it
     info = manager.run_info(run_id)  # again: lanes may have moved on while the records were read
     lane_problems(info)
     headline_cards(info, series)

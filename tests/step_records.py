@@ -12,7 +12,7 @@ from amp_core.records import STEP_FIELDS
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
-def records(n_steps: int, modes=MODES, skipped_at=(), spike_at=None, cuda=False) -> pd.DataFrame:
+def records(n_steps: int, modes=MODES, skipped_at=(), spike_at=None, cuda=False, run_id: str = "r") -> pd.DataFrame:
     """Hand-made step records, lanes interleaved as the runner writes them; 16-mixed has a scale."""
     rows = []
     rng = np.random.default_rng(0)
@@ -23,7 +23,7 @@ def records(n_steps: int, modes=MODES, skipped_at=(), spike_at=None, cuda=False)
             if spike_at is not None and step == spike_at and lane == 0:
                 loss = 50.0
             rows.append({
-                "run_id": "r", "lane": lane, "mode": mode, "step": step, "t_wall_s": 1e9 + step,
+                "run_id": run_id, "lane": lane, "mode": mode, "step": step, "t_wall_s": 1e9 + step,
                 "loss": loss, "step_ms": 1.0 + lane + (100.0 if step == n_steps // 3 else 0.0),
                 "samples_per_s": 1000.0, "lr": 1e-3, "scale": 2.0 ** (16 - sum(s <= step for s in skipped_at))
                 if scaled else None, "skipped": scaled and step in skipped_at, "grad_norm": 1.0,

@@ -175,7 +175,7 @@ def test_refuses_an_unknown_time_axis_or_distribution_kind(two_runs):
     with pytest.raises(ValueError, match="time_axis must be one of compute, wall"):
         compare.loss_vs_time_figure(frame, time_axis="cpu")
     with pytest.raises(ValueError, match="kind must be one of box, violin"):
-        compare.step_time_figure(frame, kind="histogram")
+        compare.step_time_spread_figure(frame, kind="histogram")
 
 
 def long_lane(n: int, mode: str = "32-true", run_id: str = "long") -> pd.DataFrame:
@@ -202,7 +202,7 @@ def test_a_20k_step_lane_is_decimated_but_keeps_spikes_and_skips():
 @pytest.mark.parametrize("kind", compare.DIST_KINDS)
 def test_step_time_distribution_of_a_long_lane_keeps_min_max_and_median(kind):
     frame = pd.concat([long_lane(20_000), long_lane(300, "bf16-mixed", "short")], ignore_index=True)
-    fig = compare.step_time_figure(frame, {"long/0": "long lane"}, kind=kind, log_y=kind == "violin")
+    fig = compare.step_time_spread_figure(frame, {"long/0": "long lane"}, kind=kind, log_y=kind == "violin")
     assert fig.layout.yaxis.type == ("log" if kind == "violin" else "linear")
     long_trace, short_trace = fig.data
     assert long_trace.type == kind and long_trace.name == "long lane" and short_trace.name == "short/0"

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
 from amp_core.precision import MODES, availability, default_modes, get_precision
+from amp_core.runner import RunManager
 
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
 
 
 @pytest.mark.parametrize(("changes", "field"), [
-    ({"workload": "resnet9000"}, "workload"),
+    ({"workload": ""}, "workload"),
     ({"modes": ()}, "modes"),
     ({"modes": ("32-true", "32-true")}, "modes"),
     ({"modes": ("fp8",)}, "modes"),
@@ -30,13 +31,28 @@ CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
     ({"grad_clip": -1.0}, "grad_clip"),
     ({"memory_every": 0}, "memory_every"),
     ({"gradstats_every": -1}, "gradstats_every"),
-    ({"data_dir": "/nonexistent/mnist"}, "data_dir"),
-    ({"workload": "mlp_regression", "data_dir": "/tmp"}, "data_dir"),
 ])
 def test_every_invalid_field_is_refused_with_its_name(changes, field):
     with pytest.raises(ConfigError, match=f"^{field}: ") as info:
         RunConfig(**changes)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"workload": "resnet9000"}, "workload"),
+    ({"data_dir": "/nonexistent/mnist"}, "data_dir"),
+    ({"workload": "mlp_regression", "data_dir": "/tmp"}, "data_dir"),
+    ({"modes": ("32-true", "tf32"), "device": "cpu"}, "modes"),
+])
+def test_what_depends_on_this_process_is_refused_at_launch(changes, field):
+    config = RunConfig(**changes)  # construction is pure: it asks neither the registry, the disk nor the device
+    with pytest.raises(ConfigError, match=f"^{field}: ") as info:
+        check_launch(config)
+    assert info.value.field == field
+    manager = RunManager(None)
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        manager.launch(config)
+    assert manager.runs() == [], "a refused launch leaves no run behind"
 
 
 @pytest.mark.parametrize(("changes", "field"), [
@@ -54,7 +70,7 @@ def test_tf32_is_refused_on_cpu_with_the_reason():
     ok, reason = availability("tf32", "cpu")
     assert not ok and "compute capability" in reason
     with pytest.raises(ConfigError, match="modes: tf32 cannot run on this device: TF32"):
-        RunConfig(modes=("32-true", "tf32"), device="cpu")
+        check_launch(RunConfig(modes=("32-true", "tf32"), device="cpu"))
     with pytest.raises(ValueError, match="cannot run on cpu"):
         get_precision("tf32", "cpu")
 

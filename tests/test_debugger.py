@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.probes import gradstats
+from amp_core.probes import faults, gradstats
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
 from amp_core.views import debugger
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import WORKLOADS, param_names
 
 # ---- helpers --------------------------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ def test_fp16_true_loses_updates_with_a_tiny_lr(capsys):
 
 @pytest.fixture(scope="module")
 def demo_run():
-    config = debugger.demo_config(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), kind="loss_scale",
+    config = faults.demo_config(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), kind="loss_scale",
                                   step=30, duration=2, factor=1e6, steps=90, growth_interval=20)
     run = Run(config).start()
     run.join(120)
@@ -334,11 +334,11 @@ def test_param_names_match_the_real_model(workload):
     config = RunConfig(workload=workload, modes=("32-true",))
     spec = WORKLOADS[workload]
     real = [name for name, _ in spec.build_model("small", spec.load_data(config)).named_parameters()]
-    assert debugger.param_names(workload) == real
+    assert param_names(workload) == real
 
 
 def test_demo_config_builds_the_fault_and_scaler():
-    config = debugger.demo_config(workload="mlp_regression", modes=("16-mixed", "bf16-mixed"), kind="grad_inf",
+    config = faults.demo_config(workload="mlp_regression", modes=("16-mixed", "bf16-mixed"), kind="grad_inf",
                                   step=5, param="layer2.weight", steps=40, growth_interval=25)
     assert config.faults == (FaultSpec(kind="grad_inf", step=5, param="layer2.weight"),)
     assert config.scaler.growth_interval == 25 and config.steps == 40
@@ -357,13 +357,13 @@ def test_demo_config_refuses_bad_input(changes, field, match):
     kwargs = {"workload": "digits_mlp", "modes": ("16-mixed",), "kind": "loss_scale", "step": 50, "duration": 3,
               "factor": 1e6, "steps": 300} | changes
     with pytest.raises(ConfigError, match=match) as error:
-        debugger.demo_config(**kwargs)
+        faults.demo_config(**kwargs)
     assert error.value.field == field
 
 
 def test_param_names_refuses_unknown_workload():
     with pytest.raises(ValueError, match="unknown workload 'nope'"):
-        debugger.param_names("nope")
+        param_names("nope")
 
 
 def test_stored_run_reads_back_the_same(tmp_path):

@@ -1,22 +1,94 @@
-"""The layers hold: amp_core imports no Streamlit, so it serves scripts, the CLI and tests alike."""
+"""The layers hold (DESIGN.md): the engine imports no plotly and no views, and nothing in amp_core imports Streamlit.
+
+The import graph is read from the source (every `import`, module-level or inside a function) and walked
+transitively through amp_core's own modules; a second check imports the engine for real in a fresh interpreter.
+"""
 
 from __future__ import annotations
 
-import pkgutil
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
-import amp_core
-
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "amp_core"
+FRONT_ENDS = {"amp_core.cli", "amp_core.__main__"}
+"""The CLI is a front end like the pages: it may print what views compute (summaries, workshop checks)."""
 
 
-def test_amp_core_never_imports_streamlit():
-    modules = sorted(f"amp_core.{m.name}" for m in pkgutil.walk_packages(amp_core.__path__) if m.name != "__main__")
-    assert "amp_core.runner" in modules and "amp_core.workloads" in modules
-    code = (f"import importlib, sys\nfor name in {modules!r}: importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'streamlit'))")
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def direct_imports(path: Path) -> set[str]:
+    """Every module named by an import statement in the file (absolute names; relative ones resolved)."""
+    names = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(path): direct_imports(path) for path in PACKAGE.rglob("*.py")}
+
+
+def reached(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every name reachable from `start` -> the amp_core module that imports it (for the failure message)."""
+    seen: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        for name in graph.get(module, ()):
+            if name not in seen:
+                seen[name] = module
+                if name in graph:
+                    todo.append(name)
+    return seen
+
+
+def is_under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_graph_sees_every_module_and_its_lazy_imports():
+    graph = import_graph()
+    assert {"amp_core.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
+    assert "amp_core.workloads" in graph["amp_core.config"], "a function-level import is part of the graph"
+
+
+def test_engine_imports_no_plotly_streamlit_or_views():
+    graph = import_graph()
+    engine = [m for m in graph if not is_under(m, "amp_core.views") and m not in FRONT_ENDS]
+    problems = []
+    for module in engine:
+        for name, via in reached(graph, module).items():
+            if any(is_under(name, bad) for bad in ("plotly", "streamlit", "amp_core.views")):
+                problems.append(f"{module} reaches {name} (imported by {via})")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_amp_core_module_imports_streamlit():
+    graph = import_graph()
+    problems = [f"{module} reaches {name} (imported by {via})" for module in graph
+                for name, via in reached(graph, module).items() if is_under(name, "streamlit")]
+    assert not problems, "\n".join(problems)
+
+
+def test_importing_the_engine_loads_no_plotly_or_streamlit():
+    graph = import_graph()
+    engine = sorted(m for m in graph if not is_under(m, "amp_core.views") and m not in FRONT_ENDS)
+    code = (f"import importlib, sys\nfor name in {engine!r}: importlib.import_module(name)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'plotly', 'streamlit'}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

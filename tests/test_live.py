@@ -13,17 +13,16 @@ from amp_core.config import RunConfig
 from amp_core.records import STEP_FIELDS
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
-from amp_core.views.live import RecordFollower, format_ratio, format_scale, lane_headlines
-from amp_core.views.plots import lanes
-from amp_core.views.summary import summarize
+from amp_core.views.live import RecordFollower, format_ratio, format_scale
+from amp_core.views.summary import lanes, summarize
 
 
 def test_headlines_against_the_32_true_lane():
     frame = records(40, modes=("bf16-mixed", "32-true", "16-mixed"), skipped_at=(5, 9))
     frame.loc[frame["mode"] == "bf16-mixed", "step_ms"] = 4.0
     frame.loc[frame["mode"] == "32-true", "step_ms"] = 6.0
-    heads = lane_headlines(lanes(frame)).set_index("mode")
-    assert (heads["baseline_mode"] == "32-true").all()
+    heads = summarize(lanes(frame)).set_index("mode")
+    assert heads["is_baseline"].to_dict() == {"bf16-mixed": False, "32-true": True, "16-mixed": False}
     assert heads.loc["bf16-mixed", "speedup"] == pytest.approx(1.5)
     assert heads.loc["32-true", "speedup"] == pytest.approx(1.0)
     held = {"bf16-mixed": 4000 + 4000 + 8000 + 3900, "32-true": 8000 + 4000 + 8000 + 3900}
@@ -36,19 +35,18 @@ def test_headlines_against_the_32_true_lane():
 
 
 def test_headlines_fall_back_to_the_first_lane():
-    heads = lane_headlines(lanes(records(5, modes=("bf16-mixed", "16-mixed"))))
-    assert (heads["baseline_mode"] == "bf16-mixed").all()
-    assert lane_headlines([]).empty
+    heads = summarize(lanes(records(5, modes=("bf16-mixed", "16-mixed"))))
+    assert heads["is_baseline"].tolist() == [True, False]
+    assert summarize([]).empty
 
 
-@pytest.mark.parametrize("cuda", [False, True])
-def test_headlines_agree_with_the_compare_summary(cuda):
-    frame = records(60, modes=("bf16-mixed", "32-true", "16-mixed"), skipped_at=(7,), cuda=cuda)
-    frame.loc[frame["mode"] == "16-mixed", "cuda_peak_bytes"] = 5 * 2**20 if cuda else None
-    heads = lane_headlines(lanes(frame)).set_index("mode")
-    summary = summarize(frame).set_index("mode")
-    for column in ("median_ms", "speedup", "mem_ratio", "skipped_steps", "steps"):
-        assert heads[column].to_dict() == pytest.approx(summary[column].to_dict()), column
+def test_lanes_keep_runs_apart_in_order_of_first_appearance():
+    first = records(3, modes=("bf16-mixed", "32-true"), run_id="r1")
+    second = records(3, modes=("32-true",), run_id="r0")
+    split = lanes(pd.concat([first, second], ignore_index=True).iloc[::-1])
+    assert [(s.run_id, s.lane, s.mode) for s in split] == [("r0", 0, "32-true"), ("r1", 1, "32-true"),
+                                                          ("r1", 0, "bf16-mixed")]
+    assert all(s["step"].tolist() == [0.0, 1.0, 2.0] for s in split)
 
 
 @pytest.mark.parametrize(("value", "text"), [(65536.0, "2^16"), (0.5, "2^-1"), (3.0, "3"), (float("nan"), "no scaler"),

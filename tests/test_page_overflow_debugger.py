@@ -11,9 +11,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.probes import faults
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
-from amp_core.views import debugger
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "overflow_debugger.py")
@@ -70,7 +70,7 @@ def test_renders_with_no_run():
     assert at.expander[0].proto.expanded  # nothing to debug yet: the fault panel is open
     assert at.selectbox(key="dbg_workload").value == "digits_mlp"
     assert at.multiselect(key="dbg_modes").value == ["16-mixed", "bf16-mixed"]
-    assert at.number_input(key="dbg_growth").value == debugger.DEMO_GROWTH_INTERVAL
+    assert at.number_input(key="dbg_growth").value == faults.DEMO_GROWTH_INTERVAL
     assert any("default is 2000" in (n.help or "") for n in at.number_input)
     assert not at.get("plotly_chart")
 
@@ -130,7 +130,7 @@ def test_launching_the_demo_creates_a_two_lane_run(no_leaked_threads):
     assert len(runs) == 1 and runs.loc[0, "modes"] == ["16-mixed", "bf16-mixed"]
     run = _manager().get(runs.loc[0, "run_id"])
     assert run.config.faults == (FaultSpec(kind="loss_scale", step=50, duration=3, factor=1e6),)
-    assert run.config.scaler.growth_interval == debugger.DEMO_GROWTH_INTERVAL
+    assert run.config.scaler.growth_interval == faults.DEMO_GROWTH_INTERVAL
     assert at.selectbox(key="dbg_run").value == run.run_id
     assert any("Launched" in s.value for s in at.success)
     run.join(120)

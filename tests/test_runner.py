@@ -158,14 +158,14 @@ def test_a_skipped_step_leaves_the_parameters_unchanged():
 
 def test_pause_resume_stop():
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000)).start()
-    _wait(lambda: len(run.records) > 10)
+    _wait(lambda: len(run.sink.records) > 10)
     run.pause()
     time.sleep(0.3)  # let the step under way end
-    paused_at = len(run.records)
+    paused_at = len(run.sink.records)
     time.sleep(0.5)
-    assert len(run.records) == paused_at and run.status == "paused" and run.alive
+    assert len(run.sink.records) == paused_at and run.status == "paused" and run.alive
     run.resume()
-    _wait(lambda: len(run.records) > paused_at + 10)
+    _wait(lambda: len(run.sink.records) > paused_at + 10)
     started = time.monotonic()
     run.stop()
     assert time.monotonic() - started < 5 and not run.alive
@@ -214,7 +214,7 @@ def test_manager_limits_concurrent_runs_and_lists_them():
 
 def test_snapshot_of_a_lane_is_a_copy():
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
-    _wait(lambda: len(run.records) > 3)
+    _wait(lambda: len(run.sink.records) > 3)
     snap = run.snapshot_lane(0)
     with torch.no_grad():
         for p in snap.model.parameters():

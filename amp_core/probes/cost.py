@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from amp_core.config import RunConfig
-from amp_core.precision import resolve_device
+from amp_core.config import RunConfig, check_launch
+from amp_core.precision import BASELINE_MODE, resolve_device
 from amp_core.runner import PROCESS_THREADS, build_lane_state, choose_threads
 from amp_core.step import train_step
 from amp_core.workloads import WORKLOADS
 
-BASELINE_MODE = "32-true"
 SLOW_FACTOR = 1.5
 """A mode taking this many times the baseline's time per step (or more) is flagged as far slower."""
 
@@ -46,6 +45,7 @@ def probe_mode(workload: str, size: str, batch_size: int, mode: str, device: str
     warn about, and no more waiting. Raises ConfigError for settings a run would refuse.
     """
     config = RunConfig(workload=workload, size=size, batch_size=batch_size, modes=(mode,), device=device, seed=seed)
+    check_launch(config)
     work = WORKLOADS[workload]
     data = work.load_data(config)
     torch.manual_seed(seed)

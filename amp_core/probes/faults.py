@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.config import FaultSpec
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
 
 
 @dataclass(slots=True)
@@ -72,3 +72,31 @@ def init_scale_override(faults: tuple[FaultSpec, ...], mode: str) -> float | Non
         if fault.kind == "init_scale" and (not fault.modes or mode in fault.modes):
             return fault.factor
     return None
+
+
+DEMO_GROWTH_INTERVAL = 50
+"""The demo's GradScaler growth interval: short, so the scale climbs back within a few hundred steps."""
+
+
+def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
+                factor: float = 1.0, param: str = "", steps: int = 300,
+                growth_interval: int = DEMO_GROWTH_INTERVAL, gradstats_every: int = 10) -> RunConfig:
+    """A RunConfig for a fault demo: one fault (acting on every lane) and a short GradScaler growth interval.
+
+    Raises ConfigError naming the field (e.g. a fault step beyond the run).
+    """
+    fault = FaultSpec(kind=kind, step=step, duration=duration, factor=factor, param=param)
+    if isinstance(steps, int) and kind != "init_scale" and step >= steps:
+        raise ConfigError("faults.step", f"step {step} is past the run's last step ({steps - 1}); "
+                                         "the fault would never fire")
+    from amp_core.workloads import WORKLOADS, param_names
+
+    if kind in ("grad_inf", "grad_nan") and param and workload in WORKLOADS:
+        names = param_names(workload)
+        if param not in names:
+            raise ConfigError("faults.param", f"{workload} has no parameter {param!r}; it has {', '.join(names)}")
+    config = RunConfig(workload=workload, modes=tuple(modes), steps=steps, faults=(fault,),
+                       scaler=ScalerConfig(growth_interval=growth_interval), gradstats_every=gradstats_every,
+                       name=f"demo: {fault.describe()}")
+    check_launch(config)
+    return config

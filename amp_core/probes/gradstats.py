@@ -44,11 +44,6 @@ class GradStats:
         return asdict(self)
 
 
-def hist_edges() -> list[int]:
-    """The log2 exponent each histogram bin starts at."""
-    return list(range(HIST_LO, HIST_HI + 1))
-
-
 def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:
     out: dict[str, float] = {}
     count = values.numel()

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.precision import Precision, get_precision
 from amp_core.workloads import WORKLOADS
 
@@ -415,6 +415,7 @@ def trace_workload(workload: str, mode: str, size: str = "small", device: str = 
                    batch_size: int = DEFAULT_TRACE_BATCH) -> OpTrace:
     """Trace one step of a freshly built workload in one mode. ConfigError for a bad name, size or mode."""
     config = RunConfig(workload=workload, modes=(mode,), size=size, device=device, seed=seed, batch_size=batch_size)
+    check_launch(config)
     spec = WORKLOADS[workload]
     precision = get_precision(mode, config.device)
     data = spec.load_data(config)

@@ -66,7 +66,7 @@ class RunStore:
             conn.executescript(SCHEMA)
             conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        self.interrupted = self.mark_interrupted()
+        self.mark_interrupted()
 
     def _check_file(self) -> None:
         if not self.path.exists() or self.path.stat().st_size == 0:

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from amp_core.records import STEP_FIELDS
 from amp_core.records.store import LIVE_STATUSES
-from amp_core.views.plots import MAX_POINTS, decimate, mode_color
+from amp_core.views.plots import MAX_POINTS, chart_layout, decimate, line_trace, marker_trace, mode_color
 from amp_core.views.summary import lane_key
 
 if TYPE_CHECKING:
@@ -149,26 +149,26 @@ def _lane_groups(frame: pd.DataFrame, labels: dict[str, str]):
 
 def _loss_figure(frame: pd.DataFrame, labels: dict[str, str], x: str, x_title: str, title: str, log_y: bool,
                  max_points: int) -> go.Figure:
-    fig = go.Figure()
+    data = []
     dashes = run_dashes(frame) if not frame.empty else {}
     for key, label, mode, run_id, group in _lane_groups(frame, labels):
         drawn = decimate(group, "loss", max_points, keep="skipped")
-        color = mode_color(mode)
         at_x = "" if x == "step" else f"<br>{x_title}: %{{x:.4g}}"
-        fig.add_trace(go.Scatter(
-            x=drawn[x], y=drawn["loss"], name=label, mode="lines", legendgroup=key,
-            line={"color": color, "dash": dashes[run_id], "width": 2}, customdata=drawn["step"],
+        data.append(line_trace(
+            mode, drawn[x].to_numpy(), drawn["loss"].to_numpy(), name=label, legendgroup=key,
+            line={"color": mode_color(mode), "dash": dashes[run_id], "width": 2}, customdata=drawn["step"].to_numpy(),
             hovertemplate=f"{label}<br>step %{{customdata}}{at_x}<br>loss %{{y:.5g}}<extra></extra>"))
         skipped = drawn[drawn["skipped"]]
         if not skipped.empty:
-            fig.add_trace(go.Scatter(
-                x=skipped[x], y=skipped["loss"], name=f"{label}: skipped steps", mode="markers", legendgroup=key,
-                showlegend=False, marker={"color": color, "symbol": "x", "size": 8}, customdata=skipped["step"],
+            data.append(marker_trace(
+                mode, skipped[x].to_numpy(), skipped["loss"].to_numpy(), f"{label}: skipped steps", legendgroup=key,
+                showlegend=False, customdata=skipped["step"].to_numpy(),
                 hovertemplate=f"{label}<br>step %{{customdata}} skipped<br>loss %{{y:.5g}}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="loss", hovermode="closest",
-                      legend_title_text="lane (colour: mode, dash: run)", margin={"t": 50, "b": 40})
-    fig.update_yaxes(type="log" if log_y else "linear")
-    return fig
+    layout = chart_layout(title, "loss", xaxis={"title": {"text": x_title}},
+                          yaxis={"title": {"text": "loss"}, "type": "log" if log_y else "linear"},
+                          hovermode="closest", legend={"title": {"text": "lane (colour: mode, dash: run)"}},
+                          margin={"t": 50, "b": 40}, height=None)
+    return go.Figure({"data": data, "layout": layout})
 
 
 def loss_vs_step_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, log_y: bool = False,
@@ -200,26 +200,26 @@ def distribution_sample(values: np.ndarray, max_points: int = DIST_POINTS) -> np
     return np.quantile(values, np.linspace(0.0, 1.0, max_points))
 
 
-def step_time_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, kind: str = "box",
-                     log_y: bool = False, max_points: int = DIST_POINTS) -> go.Figure:
-    """Distribution of step time (ms) per lane as a box or violin, coloured by mode (mean marked); long lanes are
-    drawn from `distribution_sample`. `log_y` keeps a slow first step (warm-up) from flattening the boxes."""
+def step_time_spread_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, kind: str = "box",
+                            log_y: bool = False, max_points: int = DIST_POINTS) -> go.Figure:
+    """Spread of step time (ms) per lane as a box or violin, coloured by mode (mean marked); long lanes are drawn
+    from `distribution_sample`. `log_y` keeps a slow first step (warm-up) from flattening the boxes."""
     if kind not in DIST_KINDS:
         raise ValueError(f"kind must be one of {', '.join(DIST_KINDS)}, got {kind!r}")
-    fig = go.Figure()
+    data = []
     for key, label, mode, _, group in _lane_groups(frame, labels or {}):
         values = distribution_sample(group["step_ms"].to_numpy(dtype=float), max_points)
-        common = {"y": values, "name": label, "legendgroup": key, "marker": {"color": mode_color(mode)},
-                  "line": {"color": mode_color(mode)}, "hoverinfo": "y+name"}
+        trace = {"type": kind, "y": values, "name": label, "legendgroup": key, "marker": {"color": mode_color(mode)},
+                 "line": {"color": mode_color(mode)}, "hoverinfo": "y+name", "quartilemethod": "linear"}
         if kind == "box":
-            fig.add_trace(go.Box(**common, boxpoints="outliers", quartilemethod="linear", boxmean=True))
+            trace.update(boxpoints="outliers", boxmean=True)
         else:
-            fig.add_trace(go.Violin(**common, points=False, box={"visible": True}, meanline={"visible": True},
-                                    quartilemethod="linear", spanmode="hard"))
-    fig.update_layout(title="Step time per lane", yaxis_title="ms per step", showlegend=False,
-                      margin={"t": 50, "b": 40})
-    fig.update_yaxes(type="log" if log_y else "linear")
-    return fig
+            trace.update(points=False, box={"visible": True}, meanline={"visible": True}, spanmode="hard")
+        data.append(trace)
+    layout = {"title": {"text": "Step time per lane"}, "yaxis": {"title": {"text": "ms per step"},
+                                                                 "type": "log" if log_y else "linear"},
+              "showlegend": False, "margin": {"t": 50, "b": 40}}
+    return go.Figure({"data": data, "layout": layout})
 
 
 # --- tables and downloads -----------------------------------------------------------------------------------------

@@ -12,18 +12,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-import torch
 from plotly.subplots import make_subplots
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import MODES, uses_scaler
+from amp_core.config import FaultSpec
+from amp_core.precision import uses_scaler
 from amp_core.probes import formats
 from amp_core.probes.gradstats import HIST_HI, HIST_LO, GradStats, combine
 from amp_core.views import plots
-from amp_core.workloads import WORKLOADS
 
-SCALED_MODES: tuple[str, ...] = tuple(mode for mode in MODES if uses_scaler(mode))
-"""Modes whose lanes have a GradScaler (their steps can be skipped)."""
 BAND_FORMATS: tuple[str, ...] = ("fp16", "bf16")
 REGIONS: tuple[str, ...] = ("flush to zero", "subnormal", "normal", "overflow")
 REGION_COLORS: dict[str, str] = {
@@ -36,8 +32,6 @@ FAULT_FILL = "rgba(148, 103, 189, 0.15)"
 MAX_ANNOTATIONS = 12
 """Scale-change annotations drawn at most (the largest groups); every change still has a hover marker."""
 TIMELINE_EVENT_KINDS = ("scale_growth", "scale_backoff")
-DEMO_GROWTH_INTERVAL = 50
-"""The demo's GradScaler growth interval: short, so the scale climbs back within a few hundred steps."""
 
 
 # ---- format ranges --------------------------------------------------------------------------------------
@@ -212,10 +206,6 @@ def _lane_events(events: pd.DataFrame, lane: int, kinds: tuple[str, ...]) -> pd.
     picked = events[(lanes == lane) & events["kind"].isin(kinds)].copy()
     picked["step"] = pd.to_numeric(picked["step"], errors="coerce").astype("Int64")
     return picked
-
-
-def uses_scaler(mode: str) -> bool:
-    return mode in SCALED_MODES
 
 
 def scale_timeline(steps: pd.DataFrame, lane: int) -> pd.DataFrame:
@@ -463,36 +453,3 @@ def default_lane(lanes: list[dict]) -> int:
         if uses_scaler(lane["mode"]):
             return int(lane["lane"])
     return int(lanes[0]["lane"]) if lanes else 0
-
-
-# ---- the demo launcher ----------------------------------------------------------------------------------
-
-def param_names(workload: str, size: str = "small") -> list[str]:
-    """The parameter names of a workload's model (built on the meta device: no weights are allocated)."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
-    spec = WORKLOADS[workload]
-    data = spec.load_data(RunConfig(workload=workload, size=size, modes=("32-true",)))
-    with torch.device("meta"):
-        model = spec.build_model(size, data)
-    return [name for name, _ in model.named_parameters()]
-
-
-def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
-                factor: float = 1.0, param: str = "", steps: int = 300,
-                growth_interval: int = DEMO_GROWTH_INTERVAL, gradstats_every: int = 10) -> RunConfig:
-    """A RunConfig for a fault demo: one fault (acting on every lane) and a short GradScaler growth interval.
-
-    Raises ConfigError naming the field (e.g. a fault step beyond the run).
-    """
-    fault = FaultSpec(kind=kind, step=step, duration=duration, factor=factor, param=param)
-    if isinstance(steps, int) and kind != "init_scale" and step >= steps:
-        raise ConfigError("faults.step", f"step {step} is past the run's last step ({steps - 1}); "
-                                         "the fault would never fire")
-    if kind in ("grad_inf", "grad_nan") and param and workload in WORKLOADS:
-        names = param_names(workload)
-        if param not in names:
-            raise ConfigError("faults.param", f"{workload} has no parameter {param!r}; it has {', '.join(names)}")
-    return RunConfig(workload=workload, modes=tuple(modes), steps=steps, faults=(fault,),
-                     scaler=ScalerConfig(growth_interval=growth_interval), gradstats_every=gradstats_every,
-                     name=f"demo: {fault.describe()}")

@@ -1,4 +1,4 @@
-"""What the Train page's live view reads: a run's new step records only, and headline figures per lane."""
+"""What the Train page's live view reads: a run's new step records only; how its headline figures read."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import numpy as np
 import pandas as pd
 
 from amp_core.records import empty_steps_frame
-from amp_core.views.plots import MEMORY_PARTS, LaneSeries
-
-BASELINE_MODE = "32-true"
 
 
 class RecordFollower:
@@ -43,33 +40,6 @@ class RecordFollower:
             kept = self.frame[self.frame["step"] < last] if last >= 0 else self.frame
             self.frame = new if kept.empty else pd.concat([kept, new], ignore_index=True)
         return self.frame
-
-
-def lane_headlines(series: list[LaneSeries]) -> pd.DataFrame:
-    """Per lane: latest loss, median ms/step, speedup and memory ratio vs the 32-true lane (else the first lane),
-    skipped steps, current GradScaler scale (NaN for modes without one), and the baseline's mode.
-
-    The same definitions as `summary.summarize` (peak = CUDA allocator peak where there is one, else the bytes
-    held), computed on lanes already split for the charts: a redraw of 80k records stays within its budget.
-    """
-    columns = ["lane", "mode", "steps", "latest_loss", "median_ms", "speedup", "mem_ratio", "skipped_steps",
-               "scale", "baseline_mode"]
-    if not series:
-        return pd.DataFrame(columns=columns)
-    rows = []
-    for lane in series:
-        held = sum(lane[column] for column, _ in MEMORY_PARTS)
-        peak = np.where(np.isnan(lane["cuda_peak_bytes"]), held, lane["cuda_peak_bytes"])
-        rows.append({"lane": lane.lane, "mode": lane.mode, "steps": len(lane["step"]),
-                     "latest_loss": float(lane["loss"][-1]), "median_ms": float(np.median(lane["step_ms"])),
-                     "peak": float(peak.max()), "skipped_steps": int(lane["skipped"].sum()),
-                     "scale": float(lane["scale"][-1])})
-    out = pd.DataFrame(rows)
-    base = next((row for row in rows if row["mode"] == BASELINE_MODE), rows[0])
-    out["speedup"] = base["median_ms"] / out["median_ms"]
-    out["mem_ratio"] = out["peak"] / base["peak"] if base["peak"] else float("nan")
-    out["baseline_mode"] = base["mode"]
-    return out[columns]
 
 
 def format_ratio(value: float) -> str:

@@ -9,11 +9,12 @@ budget at 4 lanes x 5 charts (see bench/render.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+
+from amp_core.views.summary import LaneSeries, _split
 
 # One colour per mode, the same in every chart and page.
 MODE_COLORS: dict[str, str] = {
@@ -68,43 +69,6 @@ def decimate(frame: pd.DataFrame, column: str, max_points: int = MAX_POINTS, kee
     return frame.iloc[decimate_indices(frame[column].to_numpy(dtype=float), max_points, mask)]
 
 
-@dataclass(frozen=True, slots=True)
-class LaneSeries:
-    """One lane's records as numpy columns, ordered by step."""
-
-    lane: int
-    mode: str
-    columns: dict[str, np.ndarray]
-
-    def __getitem__(self, column: str) -> np.ndarray:
-        return self.columns[column]
-
-
-CHART_COLUMNS = ("step", "loss", "step_ms", "lr", "scale", "skipped", *(c for c, _ in MEMORY_PARTS), "cuda_peak_bytes")
-
-
-def lanes(frame: pd.DataFrame) -> list[LaneSeries]:
-    """Split a run's records into lanes once (numpy, no groupby): every chart of a redraw reuses the split."""
-    if frame.empty:
-        return []
-    arrays = {column: frame[column].to_numpy(dtype=float, na_value=np.nan)
-              for column in CHART_COLUMNS if column != "skipped"}
-    arrays["skipped"] = frame["skipped"].to_numpy(dtype=bool)
-    lane_of_row = frame["lane"].to_numpy()
-    out = []
-    for lane in np.unique(lane_of_row):
-        rows = np.flatnonzero(lane_of_row == lane)
-        steps = arrays["step"][rows]
-        if len(rows) > 1 and (np.diff(steps) < 0).any():
-            rows = rows[np.argsort(steps, kind="stable")]
-        out.append(LaneSeries(int(lane), str(frame["mode"].iat[rows[0]]), {c: a[rows] for c, a in arrays.items()}))
-    return out
-
-
-def _split(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
-    return lanes(records) if isinstance(records, pd.DataFrame) else records
-
-
 def smooth(values: np.ndarray, smoothing: float) -> np.ndarray:
     """TensorBoard-style EMA (debiased), 0 = none, 0.99 = heavy; non-finite values are skipped, not spread."""
     if smoothing <= 0:
@@ -113,20 +77,26 @@ def smooth(values: np.ndarray, smoothing: float) -> np.ndarray:
     return series.ewm(alpha=1.0 - smoothing, adjust=True, ignore_na=True).mean().to_numpy()
 
 
-def _line(mode: str, x: np.ndarray, y: np.ndarray, **extra) -> dict:
+# Figures are plain dicts (one idiom for every view): plotly validates a go.Scatter(...) property by property,
+# about 3 ms a trace, which a live redraw of 4 lanes x 5 charts cannot afford.
+def line_trace(mode: str, x: np.ndarray, y: np.ndarray, **extra) -> dict:
+    """A line in the mode's colour (name and legend group: the mode, unless `extra` says otherwise)."""
     trace = {"type": "scatter", "mode": "lines", "name": mode, "legendgroup": mode, "x": x, "y": y,
              "line": {"color": mode_color(mode), "width": 1.6}}
     trace.update(extra)
     return trace
 
 
-def _markers(mode: str, x: np.ndarray, y: np.ndarray, name: str, symbol: str = "x") -> dict:
-    return {"type": "scatter", "mode": "markers", "name": name, "legendgroup": mode, "x": x, "y": y,
-            "marker": {"color": mode_color(mode), "symbol": symbol, "size": 9, "line": {"width": 1}},
-            "hovertemplate": "step %{x}: skipped<extra>" + mode + "</extra>"}
+def marker_trace(mode: str, x: np.ndarray, y: np.ndarray, name: str, symbol: str = "x", **extra) -> dict:
+    """Markers in the mode's colour (skipped steps, by default)."""
+    trace = {"type": "scatter", "mode": "markers", "name": name, "legendgroup": mode, "x": x, "y": y,
+             "marker": {"color": mode_color(mode), "symbol": symbol, "size": 9, "line": {"width": 1}},
+             "hovertemplate": "step %{x}: skipped<extra>" + mode + "</extra>"}
+    trace.update(extra)
+    return trace
 
 
-def _layout(title: str, y_title: str, **extra) -> dict:
+def chart_layout(title: str, y_title: str, **extra) -> dict:
     layout = {"title": {"text": title}, "height": CHART_HEIGHT, "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
               "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": y_title}},
               "legend": {"orientation": "h", "y": -0.2}, "hovermode": "x unified"}
@@ -134,8 +104,8 @@ def _layout(title: str, y_title: str, **extra) -> dict:
     return layout
 
 
-def _empty(title: str, why: str) -> go.Figure:
-    return go.Figure({"data": [], "layout": _layout(title, "", xaxis={"visible": False}, yaxis={"visible": False},
+def empty_figure(title: str, why: str) -> go.Figure:
+    return go.Figure({"data": [], "layout": chart_layout(title, "", xaxis={"visible": False}, yaxis={"visible": False},
                                                      annotations=[{"text": why, "showarrow": False, "xref": "paper",
                                                                    "yref": "paper", "x": 0.5, "y": 0.5}])})
 
@@ -145,23 +115,23 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False
     """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x."""
     series = _split(records)
     if not series:
-        return _empty("Loss", "no steps yet")
+        return empty_figure("Loss", "no steps yet")
     data = []
     for lane in series:
         mode, steps, raw, skipped = lane.mode, lane["step"], lane["loss"], lane["skipped"]
         shown = smooth(raw, smoothing)
         if smoothing > 0:
             idx = decimate_indices(raw, max_points, skipped)
-            data.append(_line(mode, steps[idx], raw[idx], opacity=0.25, showlegend=False, hoverinfo="skip"))
+            data.append(line_trace(mode, steps[idx], raw[idx], opacity=0.25, showlegend=False, hoverinfo="skip"))
         idx = decimate_indices(shown, max_points, skipped)
-        data.append(_line(mode, steps[idx], shown[idx]))
+        data.append(line_trace(mode, steps[idx], shown[idx]))
         if skipped.any():
             finite = shown[np.isfinite(shown)]
             top = finite.max() if finite.size else 1.0
             marks = np.where(np.isfinite(shown[skipped]), shown[skipped], top)  # a non-finite loss sits on top
-            data.append(_markers(mode, steps[skipped], marks, f"{mode} skipped"))
+            data.append(marker_trace(mode, steps[skipped], marks, f"{mode} skipped"))
     title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "")
-    return go.Figure({"data": data, "layout": _layout(title, "loss", yaxis={
+    return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis={
         "title": {"text": "loss"}, "type": "log" if log_y else "linear"})})
 
 
@@ -169,12 +139,12 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
     """Measured ms per step per lane (min/max decimation keeps the slow outliers visible)."""
     series = _split(records)
     if not series:
-        return _empty("Step time", "no steps yet")
+        return empty_figure("Step time", "no steps yet")
     data = []
     for lane in series:
         idx = decimate_indices(lane["step_ms"], max_points)
-        data.append(_line(lane.mode, lane["step"][idx], lane["step_ms"][idx]))
-    return go.Figure({"data": data, "layout": _layout("Step time", "ms / step", yaxis={
+        data.append(line_trace(lane.mode, lane["step"][idx], lane["step_ms"][idx]))
+    return go.Figure({"data": data, "layout": chart_layout("Step time", "ms / step", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
 
@@ -182,31 +152,32 @@ def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_PO
     """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
     series = _split(records)
     if not series:
-        return _empty("Learning rate", "no steps yet")
+        return empty_figure("Learning rate", "no steps yet")
     data = []
     for lane in series:
         idx = decimate_indices(lane["lr"], max_points)
-        data.append(_line(lane.mode, lane["step"][idx], lane["lr"][idx], line={
+        data.append(line_trace(lane.mode, lane["step"][idx], lane["lr"][idx], line={
             "color": mode_color(lane.mode), "width": 1.6, "shape": "hv"}))
     yaxis = {"title": {"text": "LR"}, "rangemode": "tozero", "exponentformat": "e"}
     top = max(float(np.nanmax(lane["lr"])) for lane in series)
     if np.isfinite(top) and top > 0:  # plotly would centre a constant LR on a -1..1 axis, where 1e-3 looks like 0
         yaxis["range"] = [0, top * 1.15]
-    return go.Figure({"data": data, "layout": _layout("Learning rate", "LR", yaxis=yaxis)})
+    return go.Figure({"data": data, "layout": chart_layout("Learning rate", "LR", yaxis=yaxis)})
 
 
 def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
     scaled = [lane for lane in _split(records) if not np.isnan(lane["scale"]).all()]
     if not scaled:
-        return _empty("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
+        return empty_figure("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
     data, exponents = [], []
     for lane in scaled:
         mode, scale, skipped, steps = lane.mode, lane["scale"], lane["skipped"], lane["step"]
         idx = decimate_indices(scale, max_points, skipped)
-        data.append(_line(mode, steps[idx], scale[idx], line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
+        data.append(line_trace(mode, steps[idx], scale[idx],
+                               line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
         if skipped.any():
-            data.append(_markers(mode, steps[skipped], scale[skipped], f"{mode} skipped"))
+            data.append(marker_trace(mode, steps[skipped], scale[skipped], f"{mode} skipped"))
         positive = scale[(scale > 0) & np.isfinite(scale)]
         if positive.size:
             exponents += [math.floor(math.log2(positive.min())), math.ceil(math.log2(positive.max()))]
@@ -215,7 +186,7 @@ def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX
     ticks = list(range(low, high + 1, every))
     yaxis = {"title": {"text": "scale (log2)"}, "type": "log", "tickvals": [2.0**k for k in ticks],
              "ticktext": [f"2^{k}" for k in ticks]}
-    return go.Figure({"data": data, "layout": _layout("GradScaler scale", "scale", yaxis=yaxis)})
+    return go.Figure({"data": data, "layout": chart_layout("GradScaler scale", "scale", yaxis=yaxis)})
 
 
 def memory_unit(max_bytes: float) -> tuple[str, float]:
@@ -227,7 +198,7 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     """Bytes each lane holds at its latest step, by part, one bar per mode; plus the CUDA peak where there is one."""
     series = _split(records)
     if not series:
-        return _empty("Memory", "no steps yet")
+        return empty_figure("Memory", "no steps yet")
     latest = [(lane.mode, {column: values[-1] for column, values in lane.columns.items()}) for lane in series]
     parts = [*MEMORY_PARTS, ("_held", "total held")]
     has_cuda = any(pd.notna(row["cuda_peak_bytes"]) for _, row in latest)
@@ -242,7 +213,7 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
              "y": [v / divisor for v in vals], "marker": {"color": mode_color(mode)},
              "customdata": vals, "hovertemplate": "%{x}: %{y:.3g} " + unit + " (%{customdata:,.0f} B)<extra>"
              + mode + "</extra>"} for mode, vals in values.items()]
-    layout = _layout("Memory held (latest step)", unit, barmode="group", hovermode="closest",
+    layout = chart_layout("Memory held (latest step)", unit, barmode="group", hovermode="closest",
                      xaxis={"title": {"text": ""}})
     return go.Figure({"data": data, "layout": layout})
 
