@@ -1,16 +1,14 @@
-"""Shared test set-up: a fresh store per test, the repo importable, Streamlit's shared manager reset."""
+"""Shared test set-up: a fresh store per test, Streamlit's shared manager reset, a check that run threads end.
+
+The checkout itself is importable through pytest's `pythonpath` setting (pyproject.toml), not by editing sys.path.
+"""
 
 from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(autouse=True)
