@@ -9,6 +9,9 @@ import sys
 import threading
 
 import pytest
+from stepped_run import SteppedRun
+
+from amp_core import runner
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +41,10 @@ def no_leaked_threads():
     yield
     leaked = [t for t in threading.enumerate() if t not in before and t.name.startswith("amp-run-")]
     assert not leaked, f"threads outlived their runs: {leaked}"
+
+
+@pytest.fixture
+def stepped_launches(monkeypatch) -> type[SteppedRun]:
+    """Runs a RunManager launches (the pages' too) are SteppedRuns: real runs a test can wait on instead of sleeping."""
+    monkeypatch.setattr(runner, "Run", SteppedRun)
+    return SteppedRun
