@@ -116,7 +116,9 @@ def _progress(run) -> None:
                mininterval=0.1 if terminal else LOG_PROGRESS_EVERY_S)
     with bar:
         while run.alive:
-            run.join(0.2)  # returns at once when the run ends
+            # A display tick, not run.join(0.2): a Ctrl-C landing inside Thread.join marks the still-running thread
+            # as ended (CPython 3.11), and the run would then go unstopped.
+            time.sleep(0.2)
             bar.update(max((lane.steps_done for lane in run.lanes), default=0) - bar.n)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -12,9 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_cli_run(store: Path, *run_args: str) -> subprocess.Popen:
-    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded)."""
+    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded).
+
+    Ctrl-C (SIGINT) reaches it as it would from a terminal, even when the tests themselves were started in the
+    background (where a shell ignores SIGINT, and a child would inherit that).
+    """
     return subprocess.Popen([sys.executable, "-m", "amp_core", "--store", str(store), "run", *run_args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def stored_steps(store: Path) -> int:

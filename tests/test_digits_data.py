@@ -12,7 +12,7 @@ from amp_core.config import RunConfig
 from amp_core.workloads import WORKLOADS
 from amp_core.workloads.digits_mlp import DIGITS_FILE, load_shipped_digits
 
-# Recorded when digits_8x8.npz was made (amp_core/workloads/data/make_digits.py; DIGITS.md says the same).
+# Recorded when digits_8x8.npz was made (scripts/make_digits.py; amp_core/workloads/data/DIGITS.md says the same).
 SHIPPED_SHA256 = "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
 # UCI's class distribution of its test set optdigits.tes, digits 0..9.
 CLASS_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]

@@ -3,8 +3,9 @@
 The array is in the repository so that AMP Lab needs no scikit-learn (and no scipy) to run. To make it again, on a
 machine with scikit-learn installed (it is not in requirements.txt), from the repository root:
 
-    python3 amp_core/workloads/data/make_digits.py
+    python3 scripts/make_digits.py
 
+It lives outside the amp_core package so that nothing the package imports (or ships) needs scikit-learn.
 It prints the SHA-256 of the arrays' bytes; DIGITS.md and tests/test_digits_data.py record the one shipped.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.datasets import load_digits
 
-OUT = Path(__file__).resolve().parent / "digits_8x8.npz"
+OUT = Path(__file__).resolve().parents[1] / "amp_core" / "workloads" / "data" / "digits_8x8.npz"
 
 
 def main() -> None:
