@@ -139,6 +139,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     if address not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: AMP Lab listens on {address}: anyone who can reach this port can launch training runs on "
               "this machine and read every run in its store", file=sys.stderr)
+    if args.store is not None:  # the dashboard reads its store from the environment
+        os.environ["AMP_LAB_STORE"] = args.store
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command + extra)

@@ -87,6 +87,17 @@ def test_plain_streamlit_run_is_loopback_too(tmp_path):
         streamlit_server.stop(proc)
 
 
+def test_ui_hands_its_store_to_the_dashboard(tmp_path):
+    port, chosen = streamlit_server.free_port(), tmp_path / "workshop.sqlite3"
+    proc = streamlit_server.start_command(["-m", "amp_core", "--store", str(chosen), "ui", "--port", str(port),
+                                           "--server.fileWatcherType", "none"], tmp_path / "runs.sqlite3")
+    try:
+        streamlit_server.wait_healthy(port, proc)
+        assert psutil.Process(proc.pid).environ()["AMP_LAB_STORE"] == str(chosen)  # the server process itself
+    finally:
+        streamlit_server.stop(proc)
+
+
 def test_ui_without_the_source_checkout_says_how_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "APP_FILE", tmp_path / "site-packages" / "app.py")
     assert cli.main(["ui"]) == 2
