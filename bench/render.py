@@ -9,13 +9,14 @@ about 2,000 points a trace), and each figure is turned into JSON as st.plotly_ch
 - redraw: the follower already holds them and asks the store only for what is new (every refresh after that).
 
 Medians of repeated rounds. Last line: render_ms=<median redraw>. Target: <= 100.
+
+    python3 -m bench.render [--steps 20000] [--repeats 9]   (from the repository root)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +24,6 @@ from pathlib import Path
 import numpy as np
 import plotly.io as pio
 from plotly.tools import return_figure_from_figure_or_data
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/render.py` from anywhere
 
 from amp_core.config import RunConfig
 from amp_core.records import STEP_FIELDS

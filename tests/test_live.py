@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pandas as pd
 import pytest
@@ -59,19 +58,24 @@ def test_format_ratio():
     assert format_ratio(1.2345) == "1.23×" and format_ratio(float("nan")) == "–"
 
 
-def test_follower_reads_a_live_run_incrementally(fresh_store, no_leaked_threads):
+def test_follower_reads_a_live_run_incrementally(fresh_store, stepped_launches, no_leaked_threads, monkeypatch):
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({10, 30}))  # lane steps: a page polls twice
     manager = RunManager(RunStore(fresh_store))
     run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=40, device="cpu"))
     follower = RecordFollower(run.run_id)
-    sizes = []
-    while run.alive:
-        sizes.append(len(follower.update(manager)))
-        time.sleep(0.02)  # a page polls; a busy loop here would starve the run thread of the GIL
+    seen = []
+    for paused_at in (10, 30):
+        run.wait_until(stepped_launches.parked)
+        frame = follower.update(manager)
+        assert len(frame) == paused_at and run.alive
+        seen.append(frame.copy())
+        run.resume()
     run.join()
     frame = follower.update(manager)
-    assert sizes == sorted(sizes)
     assert len(frame) == 80
     pd.testing.assert_frame_equal(frame, run.frame())
+    for earlier in seen:  # what was read before is kept as it was, the new rows only appended
+        pd.testing.assert_frame_equal(frame.iloc[:len(earlier)], earlier)
 
 
 def test_follower_reads_a_stored_run_by_step_without_duplicates(fresh_store):

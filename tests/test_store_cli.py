@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from cli_process import start_cli_run, wait_for_stored_steps
 
 from amp_core.cli import main
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
@@ -81,19 +82,11 @@ def test_another_programs_database_is_refused_and_left_untouched(tmp_path):
 
 
 def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
-    cmd = [sys.executable, "-m", "amp_core", "--store", str(fresh_store), "run", "--workload", "mlp_regression",
-           "--modes", "32-true,bf16-mixed", "--steps", "1000000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli_run(fresh_store, "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed",
+                         "--steps", "1000000")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert time.monotonic() < deadline, "the run never wrote steps"
-            time.sleep(0.3)
-            if fresh_store.exists():
-                with sqlite3.connect(fresh_store) as conn:
-                    if conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] > 500:
-                        break
-        time.sleep(1.2)
+        first = wait_for_stored_steps(fresh_store, proc, more_than=500)
+        wait_for_stored_steps(fresh_store, proc, more_than=first)  # a later flush landed: killed mid-run
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.time()
         proc.wait(10)
@@ -104,7 +97,7 @@ def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     runs = store.runs()
     assert runs["status"].tolist() == ["interrupted"]
     steps = store.steps(runs["run_id"][0])
-    assert len(steps) > 500
+    assert len(steps) > first
     # Flushed at least every 0.5 s: at most about a second of records is lost.
     assert killed_at - steps["t_wall_s"].max() < 1.5
     assert set(store.events(runs["run_id"][0])["kind"]) >= {"started", "interrupted"}
