@@ -1,4 +1,4 @@
-"""Headless CLI: `python -m amp_core run|list|export|trace` — the same runs and records, no browser."""
+"""Headless CLI: `python -m amp_core run|list|export|trace|numerics` — the same runs and records, no browser."""
 
 from __future__ import annotations
 
@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--size", default="small")
     trace.add_argument("--device", default="cpu")
     trace.add_argument("--csv", default=None, help="write the op table here")
+
+    numerics = sub.add_parser("numerics", help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
+    numerics.add_argument("--workload", default="digits_mlp")
+    numerics.add_argument("--mode", default="16-mixed")
+    numerics.add_argument("--size", default="small")
+    numerics.add_argument("--batch-size", type=int, default=64)
+    numerics.add_argument("--device", default="cpu")
+    numerics.add_argument("--csv", default=None, help="write the per-module table here")
     return parser
 
 
@@ -133,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             from amp_core.probes.optrace import cli_trace
 
             return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+        if args.command == "numerics":
+            from amp_core.probes.numerics import cli_numerics
+
+            return cli_numerics(args.workload, args.mode, args.csv, size=args.size, device=args.device,
+                                batch_size=args.batch_size)
         store = RunStore(args.store)
         if args.command == "run":
             return cmd_run(args, store)

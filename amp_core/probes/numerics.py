@@ -115,7 +115,11 @@ class ModuleNumerics:
 
     @property
     def label(self) -> str:
-        return self.module if self.call == 0 else f"{self.module} (call {self.call + 1})"
+        return _label(self.module, self.call)
+
+
+def _label(module: str, call: int) -> str:
+    return module if call == 0 else f"{module} (call {call + 1})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -742,14 +746,16 @@ LAYER_AMAX_EVENT = "layer_amax"
 
 @dataclass(frozen=True, slots=True)
 class LayerAmax:
-    """Per-module abs max of one sampled step: output and gradient w.r.t. the output, in execution order."""
+    """Per-module abs max of one sampled step: output and gradient w.r.t. the output, in execution order.
+
+    A value is a float; the string "inf" or "nan" where the tensor held one (JSON has no inf or NaN); None where the
+    module produced no such tensor (no floating output, or no gradient reached it)."""
 
     modules: list[str]
-    output_amax: list[float | None]
-    """Largest |output| of each module call; None where it held inf or NaN."""
-    grad_amax: list[float | None]
-    """Largest |gradient w.r.t. the output| (as the backward held it: scaled under a GradScaler); None where it held
-    inf or NaN or no gradient reached it."""
+    output_amax: list[float | str | None]
+    """Largest |output| of each module call."""
+    grad_amax: list[float | str | None]
+    """Largest |gradient w.r.t. the output|, as the backward held it (scaled under a GradScaler)."""
     scale: float | None
 
     def event_data(self) -> dict[str, Any]:
@@ -758,11 +764,11 @@ class LayerAmax:
                 "scale": self.scale}
 
     def message(self) -> str:
-        finite = [(value, name) for name, value in zip(self.modules, self.output_amax, strict=True)
-                  if value is not None]
-        broken = [name for name, value in zip(self.modules, self.output_amax, strict=True) if value is None]
+        pairs = list(zip(self.modules, self.output_amax, strict=True))
+        broken = [name for name, value in pairs if isinstance(value, str)]
         if broken:
-            return f"layer amax: {broken[0]} output is inf/NaN"
+            return f"layer amax: {broken[0]} output holds inf/NaN"
+        finite = [(value, name) for name, value in pairs if value is not None]
         if not finite:
             return "layer amax: no floating outputs"
         value, name = max(finite)
@@ -772,7 +778,8 @@ class LayerAmax:
 def sample_layer_amax(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[torch.Tensor, torch.Tensor],
                       scale: float | None = None) -> LayerAmax:
     """Abs max of every module's output and output gradient in one forward + backward of a copy of `model` in its
-    mode (no parameter gradients are kept: only the gradients w.r.t. the outputs are asked for)."""
+    mode (the copy keeps a forward's side effects, such as BatchNorm's running statistics, off the original; no
+    parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
     model = copy.deepcopy(model)
     inputs, target = (precision.prepare_input(t) for t in batch)
     loss_module = _LossModule(loss)
@@ -785,18 +792,19 @@ def sample_layer_amax(model: nn.Module, precision: Precision, loss: Loss, batch:
         if outputs:
             torch.autograd.grad(value * scale if scale else value, outputs, allow_unused=True)
         measured = [a for a in recorder.kept if a is not None]
-        maxima = torch.stack([a.float() for a in measured]).tolist() if measured else []
-    by_index = iter(maxima)
-    amax = [next(by_index) if a is not None else None for a in recorder.kept]
+        maxima = iter(torch.stack([a.float() for a in measured]).tolist() if measured else [])
+    amax = [next(maxima) if a is not None else None for a in recorder.kept]
 
-    def largest(indices: list[int]) -> float | None:
+    def largest(indices: list[int]) -> float | str | None:
         values = [amax[i] for i in indices if amax[i] is not None]
-        if not values or not all(math.isfinite(v) for v in values):
-            return None
-        return max(values)
+        if any(math.isnan(v) for v in values):
+            return "nan"
+        if any(math.isinf(v) for v in values):
+            return "inf"
+        return max(values, default=None)
 
-    labels = [c.module if c.call == 0 else f"{c.module} (call {c.call + 1})" for c in recorder.calls]
-    return LayerAmax(modules=labels, output_amax=[largest(c.outputs) for c in recorder.calls],
+    return LayerAmax(modules=[_label(c.module, c.call) for c in recorder.calls],
+                     output_amax=[largest(c.outputs) for c in recorder.calls],
                      grad_amax=[largest(c.grads) for c in recorder.calls], scale=scale)
 
 
@@ -828,6 +836,8 @@ def cli_numerics(workload: str, mode: str, csv_path: str | None, size: str = "sm
     print()
     table = report.module_frame()[list(CLI_COLUMNS)].rename(columns=CLI_COLUMNS)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print("  out |max|, |min|>0, grad |max|: the mode's tensors; >fp16 max, fp16 subn, bf16 ->0: shares of the fp32 "
+          "values' finite non-zero elements that a real cast overflows, makes subnormal, flushes to 0")
     print()
     print(report.first_line())
     if report.first_nonfinite:
