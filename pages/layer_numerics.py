@@ -84,9 +84,11 @@ def lane_report() -> numerics.NumericsReport | None:
 def show_first_nonfinite(report: numerics.NumericsReport) -> None:
     first = report.first_nonfinite
     if first is None:
-        st.success(f"**No inf or NaN** in any module's output or output gradient ({report.label}).", icon="✅")
+        st.success(f"**No inf or NaN** in any module's output or output gradient ({report.label}).",
+                   icon=":material/check_circle:")
         return
-    st.error(f"**First non-finite: `{first.module}` ({first.phase})** — {first.why}.", icon="🔥")
+    st.error(f"**First non-finite: `{first.module}` ({first.phase})** — {first.why}.",
+             icon=":material/local_fire_department:")
     if first.inputs is not None:
         st.caption(f"Its inputs: {first.inputs.describe()}.")
 
@@ -121,7 +123,8 @@ def show_report(report: numerics.NumericsReport) -> None:
     prefix = numerics_views.TENSORS[tensor]
     shown = ["module", "dtype", *(c for c in modules.columns if c.startswith(f"{prefix}_"))]
     st.dataframe(modules[shown], hide_index=True, key="lnum_ranges",
-                 column_config={c: PERCENT for c in shown if c.endswith(numerics.SHARES)})
+                 column_config={c: PERCENT if c.endswith(numerics.SHARES) else SCIENTIFIC
+                                for c in shown if c.endswith(("abs_max", "min_nonzero", *numerics.SHARES))})
     st.caption("`abs_max`, `min_nonzero`, `inf`, `nan` are the mode's own tensors; `ref_abs_max` and the shares "
                "(`fp16_overflow`, `fp16_subnormal`, `fp16_zero`, `bf16_zero`: of the finite non-zero values) are "
                "what really casting the fp32 values does" + (f" (gradients times the scale {report.scale:g})"

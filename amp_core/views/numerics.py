@@ -28,7 +28,7 @@ def _log2(values: pd.Series) -> np.ndarray:
 
 
 def _figure_height(rows: int) -> int:
-    return max(260, 90 + 22 * rows)
+    return max(280, 120 + 22 * rows)
 
 
 def error_figure(report: NumericsReport) -> go.Figure:
@@ -56,13 +56,16 @@ def error_figure(report: NumericsReport) -> go.Figure:
            "marker": {"color": colours[::-1], "line": {"color": outline[::-1], "width": 2}},
            "customdata": frame["dtype"].tolist()[::-1],
            "hovertemplate": "%{y} (%{customdata}): relative error %{text}<extra></extra>"}
-    key = " · ".join(f"<span style='color:{DTYPE_COLOURS[d]}'>■</span> {d}" for d in ("fp32", "bf16", "fp16"))
-    layout = chart_layout(f"{title}<br><sup>‖y − y_fp32‖ / ‖y_fp32‖, worst on top · output dtype {key}</sup>",
+    layout = chart_layout(f"{title}<br><sup>‖y − y_fp32‖ / ‖y_fp32‖, worst on top · output dtype {_dtype_key()}</sup>",
                           "", height=_figure_height(len(frame)), hovermode="closest", showlegend=False,
                           margin={"l": 140, "r": 70, "t": 70, "b": 45},
                           xaxis={"type": "log", "title": {"text": "relative error (log)"}, "exponentformat": "e"},
                           yaxis={"automargin": True})
     return go.Figure({"data": [bar], "layout": layout})
+
+
+def _dtype_key() -> str:
+    return " · ".join(f"<span style='color:{DTYPE_COLOURS[d]}'>■</span> {d}" for d in ("fp32", "bf16", "fp16"))
 
 
 def _error_text(error: float) -> str:
@@ -103,19 +106,20 @@ def range_figure(report: NumericsReport, tensor: str = "output") -> go.Figure:
                      "x": [FP16_MAX_LOG2 + 1.5] * int(broken.sum()), "text": ["inf/NaN"] * int(broken.sum()),
                      "textposition": "middle right", "marker": {"color": NONFINITE_COLOUR, "symbol": "x", "size": 11},
                      "hoverinfo": "skip"})
-    limits = [(FP16_SMALLEST_LOG2, "fp16 smallest subnormal 2^-24"), (math.log2(FP16_TINY), "fp16 normal from 2^-14"),
-              (FP16_MAX_LOG2, "fp16 max 65504")]
+    limits = [(FP16_SMALLEST_LOG2, "fp16 subnormal<br>from 2^-24"), (math.log2(FP16_TINY), "fp16 normal<br>from 2^-14"),
+              (FP16_MAX_LOG2, "fp16 max<br>65504")]
     shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
                "line": {"color": NONFINITE_COLOUR if x > 0 else "#7f7f7f", "dash": "dash", "width": 1}}
               for x, _ in limits]
     annotations = [{"x": x, "y": 1.0, "xref": "x", "yref": "paper", "text": text, "showarrow": False,
-                    "textangle": -90, "xanchor": "right", "yanchor": "top", "font": {"size": 10, "color": "#555"}}
+                    "xanchor": "center", "yanchor": "bottom", "font": {"size": 10, "color": "#555"}}
                    for x, text in limits]
     ticks = list(range(int(start) - int(start) % 4, 22, 4))
-    layout = chart_layout(f"{title}<br><sup>in the mode's own tensors; dashed: fp16's limits (bf16 spans fp32's "
-                          "range: 2^-133 .. 2^128)</sup>", "", height=_figure_height(len(frame)),
+    layout = chart_layout(f"{title}<br><sup>in the mode's own tensors, coloured by dtype {_dtype_key()}; dashed: "
+                          "fp16's limits (bf16 spans fp32's range, 2^-133 .. 2^128)</sup>", "",
+                          height=_figure_height(len(frame)),
                           hovermode="closest", showlegend=False, shapes=shapes, annotations=annotations,
-                          margin={"l": 140, "r": 30, "t": 70, "b": 45}, yaxis={"automargin": True},
+                          margin={"l": 140, "r": 30, "t": 105, "b": 45}, yaxis={"automargin": True},
                           xaxis={"title": {"text": "|value| (log2)"}, "range": [start, FP16_MAX_LOG2 + 4],
                                  "tickvals": ticks, "ticktext": [f"2^{k}" for k in ticks]})
     return go.Figure({"data": data, "layout": layout})
@@ -181,7 +185,7 @@ def amax_heatmap(samples: pd.DataFrame, lane: int, mode: str, which: str = "outp
     limit = (FP16_MAX_LOG2 - bottom) / (top - bottom)
     colours = [[0.0, "#f7fbff"], [limit * 0.5, "#6baed6"], [limit * 0.85, "#08519c"], [limit, "#fdae61"],
                [limit, NONFINITE_COLOUR], [1.0, NONFINITE_COLOUR]]
-    ticks = [k for k in range(int(bottom) - int(bottom) % 4, 17, 4) if k >= bottom] + [FP16_MAX_LOG2]
+    ticks = [k for k in range(int(bottom) - int(bottom) % 4, 14, 4) if k >= bottom] + [FP16_MAX_LOG2]
     heatmap = {"type": "heatmap", "x": steps, "y": modules, "z": shown.tolist(), "zmin": bottom, "zmax": top,
                "colorscale": colours, "text": text, "hovertemplate": "%{y} · step %{x}: %{text}<extra></extra>",
                "colorbar": {"title": {"text": "log2 |max|"}, "tickvals": ticks,
