@@ -8,8 +8,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["pages/train.py", "pages/compare.py", "pages/op_inspector.py", "pages/overflow_debugger.py",
-         "pages/formats.py"]
+PAGES = ["pages/train.py", "pages/compare.py", "pages/op_inspector.py", "pages/layer_numerics.py",
+         "pages/overflow_debugger.py", "pages/formats.py"]
 
 
 def test_the_navigation_lists_these_pages():

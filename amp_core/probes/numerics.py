@@ -300,46 +300,50 @@ def _chunk_figures(chunk: list[torch.Tensor], cast_factor: float, casts: bool) -
     sizes = [t.numel() for t in chunk]
     magnitude = torch.cat([t.float() for t in chunk]).abs_()
     bits = magnitude.view(torch.int32)
-    # One host read per chunk decides the path (the probe is off the training path): without inf/NaN, the abs max
-    # is the plain max and "finite non-zero" is "non-zero".
-    highs = torch.stack([part.amax() for part in magnitude.split(sizes)]).tolist()
-    finite = all(math.isfinite(high) for high in highs)
-    if finite:
-        finite_nonzero = bits.clamp(max=1)
-        smallest = (bits - 1).bitwise_and_(_LARGEST_INT32)  # 0 -> the largest int, never a non-zero's minimum
-        counts = None
-    else:
+    # First as if every value were finite ("finite non-zero" is then "non-zero"); the largest bits say whether that
+    # held (inf and NaN have the largest bits), all read in one host transfer per chunk (off the training path).
+    highs = torch.stack([part.amax() for part in bits.split(sizes)])
+    smallest = (bits - 1).bitwise_and_(_LARGEST_INT32)  # 0 -> the largest int, never a non-zero's minimum
+    figures = _piece_figures(magnitude, bits.clamp(max=1), smallest, sizes, cast_factor, casts)
+    rows = torch.cat([highs[:, None].long(), figures], dim=1).tolist()
+    counts: list[list[int] | None] = [None] * len(sizes)
+    if any(row[0] >= _F32_INF for row in rows):  # inf or NaN somewhere: classify every value
         nonfinite = ((bits >> 23) + 1) >> 8  # 1 where the exponent field is all ones (inf, NaN)
         what = bits.clamp(max=1) + nonfinite + (bits - _F32_INF).clamp_(0, 1)  # 0 zero, 1 finite, 2 inf, 3 NaN
         finite_nonzero = (1 - (what - 1).abs_()).clamp_(min=0)
-        smallest = torch.maximum(bits, (1 - finite_nonzero) * _LARGEST_INT32) - 1
-        counts = torch.stack([torch.bincount(part, minlength=4) for part in what.split(sizes)])
-        highs = torch.stack([part.amax() for part in (bits * (1 - nonfinite)).split(sizes)]).view(torch.float32)
-        highs = highs.tolist()
-    lows = (torch.stack([part.amin() for part in smallest.split(sizes)]) + 1).tolist()
-    if casts:
-        source = magnitude if cast_factor == 1.0 else magnitude * cast_factor
-        # The sign bit is masked off: a cast of NaN may give a negative NaN.
-        half = source.to(torch.float16).view(torch.int16).bitwise_and_(0x7FFF)
-        code = ((half >> 10) << 2).bitwise_or_(half.clamp(max=1) << 1)
-        code.bitwise_or_(source.to(torch.bfloat16).view(torch.int16).bitwise_and_(0x7FFF).clamp_(max=1))
-        code.bitwise_or_(finite_nonzero.to(torch.int16) << 7)
-        histograms = torch.stack([torch.bincount(part, minlength=256) for part in code.split(sizes)])
-        real = histograms[:, 128:]
-        cast_counts = torch.cat([real.sum(1, keepdim=True), real @ _CAST_CLASSES[128:].to(real.device)], dim=1)
-        cast_rows = cast_counts.tolist()
-    else:
-        nonzero = torch.stack([part.sum() for part in finite_nonzero.split(sizes)]).tolist()
-        cast_rows = [[count, None, None, None, None] for count in nonzero]
-    count_rows = counts.tolist() if counts is not None else [None] * len(sizes)
+        highs = torch.stack([part.amax() for part in (bits * (1 - nonfinite)).split(sizes)])
+        smallest = torch.maximum(bits, (1 - finite_nonzero) * _LARGEST_INT32) - 1  # excluded -> never the minimum
+        figures = _piece_figures(magnitude, finite_nonzero, smallest, sizes, cast_factor, casts)
+        counts_tensor = torch.stack([torch.bincount(part, minlength=4) for part in what.split(sizes)])
+        rows = torch.cat([highs[:, None].long(), figures], dim=1).tolist()
+        counts = counts_tensor.tolist()
     out = []
-    for size, high, low, count, cast in zip(sizes, highs, lows, count_rows, cast_rows, strict=True):
-        nonzero = cast[0]
+    for size, (high, low, nonzero, *cast), count in zip(sizes, rows, counts, strict=True):
         zeros, inf, nan = (count[0], count[2], count[3]) if count is not None else (size - nonzero, 0, 0)
-        out.append({"numel": size, "zeros": zeros, "nonzero": nonzero, "inf": inf, "nan": nan, "abs_max": high,
+        out.append({"numel": size, "zeros": zeros, "nonzero": nonzero, "inf": inf, "nan": nan,
+                    "abs_max": _float_from_bits(high),
                     "min_nonzero": _float_from_bits(low) if 0 < low < _F32_INF else math.nan,
-                    "fp16_inf": cast[1], "fp16_subnormal": cast[2], "fp16_zero": cast[3], "bf16_zero": cast[4]})
+                    **dict(zip(("fp16_inf", "fp16_subnormal", "fp16_zero", "bf16_zero"),
+                               cast if casts else [None] * 4, strict=True))})
     return out
+
+
+def _piece_figures(magnitude: torch.Tensor, finite_nonzero: torch.Tensor, smallest: torch.Tensor, sizes: list[int],
+                   cast_factor: float, casts: bool) -> torch.Tensor:
+    """Per piece (int64 rows): smallest finite non-zero's bits, finite non-zero count, and with `casts` the counts of
+    those a cast makes fp16 inf, fp16 subnormal, fp16 0, bf16 0. `smallest` holds bits - 1 where a value counts and
+    a larger number where not."""
+    lows = torch.stack([part.amin() for part in smallest.split(sizes)]).long() + 1
+    if not casts:
+        return torch.stack([lows, torch.stack([part.sum() for part in finite_nonzero.split(sizes)])], dim=1)
+    source = magnitude if cast_factor == 1.0 else magnitude * cast_factor
+    # The sign bit is masked off: a cast of NaN may give a negative NaN.
+    half = source.to(torch.float16).view(torch.int16).bitwise_and_(0x7FFF)
+    code = ((half >> 10) << 2).bitwise_or_(half.clamp(max=1) << 1)
+    code.bitwise_or_(source.to(torch.bfloat16).view(torch.int16).bitwise_and_(0x7FFF).clamp_(max=1))
+    code.bitwise_or_(finite_nonzero.to(torch.int16) << 7)
+    real = torch.stack([torch.bincount(part, minlength=256) for part in code.split(sizes)])[:, 128:]
+    return torch.cat([lows[:, None], real.sum(1, keepdim=True), real @ _CAST_CLASSES[128:].to(real.device)], dim=1)
 
 
 def _float_from_bits(bits: int) -> float:
@@ -634,7 +638,8 @@ def _param_errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Ten
                   scale: float) -> list[ParamError]:
     names = [name for name in reference if name in grads]
     # The mode's gradients are unscaled in fp64, where dividing by the scale adds no rounding of its own.
-    errors = _relative_errors([([grads[name].double() / scale], [reference[name]]) for name in names])
+    errors = _relative_errors([([grads[name].double() / scale if scale != 1.0 else grads[name]], [reference[name]])
+                               for name in names])
     return [ParamError(param=name, error=figures[0] if figures else math.nan,
                        reference_norm=figures[1] if figures else math.nan, dtype=_dtype_name(grads[name].dtype))
             for name, figures in zip(names, errors, strict=True)]
