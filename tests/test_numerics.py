@@ -390,6 +390,26 @@ def test_sampled_amax_equals_a_plain_hook_measurement():
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_a_sampler_follows_the_models_weights_as_they_train():
+    spec = WORKLOADS["checkerboard_cnn"]  # BatchNorm: buffers the shadow must follow too
+    data = spec.load_data(RunConfig(workload="checkerboard_cnn"))
+    model = spec.build_model("small", data)
+    precision = get_precision("32-true")
+    sampler = numerics.LayerAmaxSampler(model, precision, spec.loss)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(3):
+        batch = data.sample(generator, 4)
+        optimizer.zero_grad()
+        spec.loss(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+        samples.append(sampler.sample(batch))
+        assert samples[-1] == numerics.sample_layer_amax(model, precision, spec.loss, batch)  # a fresh copy's
+    assert samples[0].output_amax != samples[-1].output_amax
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def test_amax_sampling_changes_nothing_the_run_measures(monkeypatch, no_leaked_threads):
     monkeypatch.setattr(runner, "PROCESS_THREADS", 1)  # both runs on one thread: the same kernels, the same sums
     base = RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=30, batch_size=16, device="cpu",

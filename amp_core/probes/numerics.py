@@ -7,8 +7,8 @@ sit on the copies' modules and on the tensors those produce, so a training threa
 time sees none of them. Format shares come from really casting the values to fp16 and bf16 (as gradstats does),
 not from thresholds, and every figure comes back as plain data.
 
-`sample_layer_amax` is the light version a run takes every N steps (RunConfig.amax_every): the abs max of each
-module's output and output gradient, on a copy of the lane, outside the timed step.
+`LayerAmaxSampler` is the light version a run takes every N steps (RunConfig.amax_every): the abs max of each
+module's output and output gradient, on a shadow copy of the lane, outside the timed step.
 """
 
 from __future__ import annotations
@@ -780,37 +780,59 @@ class LayerAmax:
         return f"layer amax: largest output {value:.3g} in {name}"
 
 
+class LayerAmaxSampler:
+    """Samples a model's per-layer abs max, again and again, on a shadow copy made once.
+
+    Before each sample the shadow takes the model's current parameters and buffers by an in-place copy: no module
+    is built per sample (a deepcopy of a module costs more than a small model's step, and leaves garbage for the
+    collector to find in the middle of later steps). Hooks go on the shadow only, and a forward's side effects
+    (BatchNorm's running statistics) stay there. The model must keep its tensors (an optimizer updates in place).
+    """
+
+    def __init__(self, model: nn.Module, precision: Precision, loss: Loss):
+        self.model = model
+        self.precision = precision
+        self.shadow = copy.deepcopy(model)
+        self.loss_module = _LossModule(loss)
+        self._names = _module_names(self.shadow, self.loss_module)
+        self._sources = [*model.parameters(), *model.buffers()]
+        self._targets = [*self.shadow.parameters(), *self.shadow.buffers()]
+
+    def sample(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float | None = None) -> LayerAmax:
+        """Abs max of every module's output and output gradient in one forward + backward of the shadow in the
+        model's mode (no parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._targets, self._sources)
+        inputs, target = (self.precision.prepare_input(t) for t in batch)
+        recorder = _Recorder(self._names, lambda t: t.abs().amax() if t.numel() else None)
+        with self.precision.math_context(), recorder:
+            with self.precision.forward_context():
+                value = self.loss_module(self.shadow(inputs), target)
+            outputs = [recorder.original(i) for i in dict.fromkeys(i for c in recorder.calls for i in c.outputs)]
+            outputs = [t for t in outputs if t.requires_grad]
+            if outputs:
+                torch.autograd.grad(value * scale if scale else value, outputs, allow_unused=True)
+            measured = [a for a in recorder.kept if a is not None]
+            maxima = iter(torch.stack([a.float() for a in measured]).tolist() if measured else [])
+        amax = [next(maxima) if a is not None else None for a in recorder.kept]
+
+        def largest(indices: list[int]) -> float | str | None:
+            values = [amax[i] for i in indices if amax[i] is not None]
+            if any(math.isnan(v) for v in values):
+                return "nan"
+            if any(math.isinf(v) for v in values):
+                return "inf"
+            return max(values, default=None)
+
+        return LayerAmax(modules=[_label(c.module, c.call) for c in recorder.calls],
+                         output_amax=[largest(c.outputs) for c in recorder.calls],
+                         grad_amax=[largest(c.grads) for c in recorder.calls], scale=scale)
+
+
 def sample_layer_amax(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[torch.Tensor, torch.Tensor],
                       scale: float | None = None) -> LayerAmax:
-    """Abs max of every module's output and output gradient in one forward + backward of a copy of `model` in its
-    mode (the copy keeps a forward's side effects, such as BatchNorm's running statistics, off the original; no
-    parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
-    model = copy.deepcopy(model)
-    inputs, target = (precision.prepare_input(t) for t in batch)
-    loss_module = _LossModule(loss)
-    recorder = _Recorder(_module_names(model, loss_module), lambda t: t.abs().amax() if t.numel() else None)
-    with precision.math_context(), recorder:
-        with precision.forward_context():
-            value = loss_module(model(inputs), target)
-        outputs = [recorder.original(i) for i in dict.fromkeys(i for call in recorder.calls for i in call.outputs)]
-        outputs = [t for t in outputs if t.requires_grad]
-        if outputs:
-            torch.autograd.grad(value * scale if scale else value, outputs, allow_unused=True)
-        measured = [a for a in recorder.kept if a is not None]
-        maxima = iter(torch.stack([a.float() for a in measured]).tolist() if measured else [])
-    amax = [next(maxima) if a is not None else None for a in recorder.kept]
-
-    def largest(indices: list[int]) -> float | str | None:
-        values = [amax[i] for i in indices if amax[i] is not None]
-        if any(math.isnan(v) for v in values):
-            return "nan"
-        if any(math.isinf(v) for v in values):
-            return "inf"
-        return max(values, default=None)
-
-    return LayerAmax(modules=[_label(c.module, c.call) for c in recorder.calls],
-                     output_amax=[largest(c.outputs) for c in recorder.calls],
-                     grad_amax=[largest(c.grads) for c in recorder.calls], scale=scale)
+    """One sample of `model`'s per-layer abs max (on a copy); a run keeps a LayerAmaxSampler per lane instead."""
+    return LayerAmaxSampler(model, precision, loss).sample(batch, scale)
 
 
 # --- CLI -----------------------------------------------------------------------------------------------------------
