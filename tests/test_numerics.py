@@ -434,3 +434,43 @@ def test_amax_every_is_off_by_default_and_refuses_negative():
     assert RunConfig().amax_every == 0
     with pytest.raises(ConfigError, match=r"^amax_every: must be a whole number"):
         RunConfig(amax_every=-1)
+
+
+# --- on a GPU (the lead runs these on one) ---------------------------------------------------------------------------
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@CUDA
+@pytest.mark.parametrize("factor", [1.0, 65536.0])
+def test_figures_on_cuda_match_plain_casts(factor):
+    values = torch.tensor(EDGES * 1000, device="cuda")
+    [figures] = numerics._figures([values], factor)
+    expected = independent_figures(values.cpu(), factor)
+    assert {k: figures[k] for k in expected} == pytest.approx(expected, nan_ok=True)
+
+
+@CUDA
+def test_probe_on_cuda_finds_the_planted_overflow_and_matches_plain_hooks():
+    report = numerics.probe_workload(OVERFLOW, "16-mixed", device="cuda")
+    assert report.device == "cuda" and report.first_line() == "first non-finite: planted (forward)"
+    spec = WORKLOADS["digits_mlp"]
+    data = spec.load_data(RunConfig(workload="digits_mlp"))
+    model = spec.build_model("small", data)
+    batch = data.sample(torch.Generator().manual_seed(0), 32)
+    precision = get_precision("bf16-mixed", "cuda")
+    report = numerics.probe_step(model, precision, spec.loss, batch)
+    expected = hooked_abs_max(model, precision, spec.loss, batch, None)
+    for m in report.modules:
+        if m.module != numerics.LOSS:
+            assert (m.output.abs_max, m.grad.abs_max) == (expected[m.module]["out"], expected[m.module]["grad"])
+    assert all(m.output_error > 0 for m in report.modules)
+
+
+@CUDA
+def test_amax_sampling_on_cuda(no_leaked_threads):
+    run = Run(RunConfig(workload="digits_mlp", modes=("16-mixed",), steps=12, device="cuda", amax_every=5)).start()
+    run.join(120)
+    events = [e for e in run.events() if e.kind == numerics.LAYER_AMAX_EVENT]
+    assert [e.step for e in events] == [0, 5, 10]
+    assert events[0].data["scale"] == 2.0**16 and all(v > 0 for v in events[0].data["output_amax"])

@@ -1,11 +1,11 @@
 """Layer numerics: where in a model precision breaks — per-module ranges against fp16 and bf16, the first module to
 produce inf/NaN, and each module's error against an fp32 run of the same weights and batch.
 
-A probe runs two throwaway copies of the model through one forward + backward (no optimizer step) on one batch:
-the copy in the chosen mode, and an fp32 reference (32-true) with the same weights, batch and random state. Hooks
-sit on the copies' modules and on the tensors those produce, so a training thread running the original at the same
-time sees none of them. Format shares come from really casting the values to fp16 and bf16 (as gradstats does),
-not from thresholds, and every figure comes back as plain data.
+A probe runs a throwaway copy of the model through one forward + backward (no optimizer step) on one batch twice:
+as an fp32 reference (32-true), then in the chosen mode, with the same weights, batch and random state. Hooks sit on
+the copy's modules and on the tensors those produce, so a training thread running the original at the same time
+sees none of them. Format shares come from really casting the values to fp16 and bf16 (as gradstats does), not
+from thresholds, and every figure comes back as plain data.
 
 `LayerAmaxSampler` is the light version a run takes every N steps (RunConfig.amax_every): the abs max of each
 module's output and output gradient, on a shadow copy of the lane, outside the timed step.
@@ -62,7 +62,8 @@ class TensorRange:
     min_nonzero: float
     """Smallest finite non-zero |x| (NaN when there is none)."""
     fp16_overflow: float | None
-    """Share a cast to fp16 turns into inf (None: not cast)."""
+    """Share a cast to fp16 turns into inf (the four shares are None where the values were not cast: a probe casts
+    the fp32 reference's values, what the formats do to the true values)."""
     fp16_subnormal: float | None
     """Share that lands in fp16's subnormal range (non-zero, below 2^-14: precision is lost bit by bit)."""
     fp16_zero: float | None
@@ -212,23 +213,6 @@ class NumericsReport:
                              columns=["param", "dtype", "grad_error", "ref_grad_norm"])
         return _ranked(frame, "grad_error")
 
-    def range_frame(self) -> pd.DataFrame:
-        """Long form, everything: one row per module call, tensor (output | input | grad) and run (mode | fp32)."""
-        rows = []
-        for m in self.modules:
-            for tensor, actual, reference in (("output", m.output, m.reference_output),
-                                              ("input", m.input, m.reference_input),
-                                              ("grad", m.grad, m.reference_grad)):
-                for run, value in (("mode", actual), ("fp32", reference)):
-                    if value is None:
-                        continue
-                    rows.append({"module": m.label, "order": m.order, "tensor": tensor, "run": run,
-                                 "dtype": value.dtype, "numel": value.numel, "inf": value.inf, "nan": value.nan,
-                                 "zeros": value.zeros, "abs_max": value.abs_max, "min_nonzero": value.min_nonzero,
-                                 "range_log2": value.dynamic_range_log2, "cast_factor": value.cast_factor,
-                                 **{share: getattr(value, share) for share in SHARES}})
-        return pd.DataFrame(rows)
-
 
 SHARES = ("fp16_overflow", "fp16_subnormal", "fp16_zero", "bf16_zero")
 MODULE_COLUMNS = ["module", "path", "order", "dtype",
@@ -255,13 +239,6 @@ _F32_INF = 0x7F800000
 """Bits of fp32 +inf; above it, NaN."""
 _LARGEST_INT32 = 0x7FFFFFFF
 _COUNTED = ("zeros", "nonzero", "inf", "nan", "fp16_inf", "fp16_subnormal", "fp16_zero", "bf16_zero")
-# Cast code (0..255) = finite non-zero << 7 | fp16 exponent field << 2 | fp16 non-zero << 1 | bf16 non-zero.
-_CAST_CLASSES = torch.zeros(256, 4, dtype=torch.int64)
-for _code in range(128, 256):
-    _exponent, _half_nonzero, _bf16_nonzero = (_code >> 2) & 31, (_code >> 1) & 1, _code & 1
-    _CAST_CLASSES[_code] = torch.tensor([_exponent == 31, _exponent == 0 and _half_nonzero, not _half_nonzero,
-                                         not _bf16_nonzero])
-"""Cast code -> (fp16 inf or NaN, fp16 subnormal, fp16 zero, bf16 zero), counted for finite non-zero values only."""
 
 
 def _chunk_elements(device: torch.device) -> int:
@@ -342,8 +319,10 @@ def _piece_figures(magnitude: torch.Tensor, finite_nonzero: torch.Tensor, smalle
     code = ((half >> 10) << 2).bitwise_or_(half.clamp(max=1) << 1)
     code.bitwise_or_(source.to(torch.bfloat16).view(torch.int16).bitwise_and_(0x7FFF).clamp_(max=1))
     code.bitwise_or_(finite_nonzero.to(torch.int16) << 7)
-    real = torch.stack([torch.bincount(part, minlength=256) for part in code.split(sizes)])[:, 128:]
-    return torch.cat([lows[:, None], real.sum(1, keepdim=True), real @ _CAST_CLASSES[128:].to(real.device)], dim=1)
+    # Codes 128..255 are the finite non-zero values': [fp16 exponent field, fp16 non-zero, bf16 non-zero].
+    real = torch.stack([torch.bincount(part, minlength=256) for part in code.split(sizes)])[:, 128:].view(-1, 32, 2, 2)
+    return torch.stack([lows, real.sum((1, 2, 3)), real[:, 31].sum((1, 2)), real[:, 0, 1].sum(1),
+                        real[:, :, 0].sum((1, 2)), real[:, :, :, 0].sum((1, 2))], dim=1)
 
 
 def _float_from_bits(bits: int) -> float:
