@@ -166,8 +166,9 @@ class RunConfig:
     gradstats_every: int = 50
     """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
     amax_every: int = 0
-    """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), on a
-    copy of the lane after its step: the cost stays out of step_ms and is reported in the event. 0 turns it off."""
+    """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), after
+    the lane's step, on a shadow copy of its model (one more copy of the weights per lane while the run lasts): the
+    cost stays out of step_ms and is reported in the event as sample_ms. 0 turns it off."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
     name: str = ""

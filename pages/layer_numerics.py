@@ -136,8 +136,9 @@ def show_report(report: numerics.NumericsReport) -> None:
 
 def launch_sampled_run() -> None:
     with st.expander("Launch a run that samples layer amax"):
-        st.caption("Every N steps the run copies each lane after its step and measures every module's output and "
-                   "gradient abs max on that copy; the training step itself, and its step time, are untouched.")
+        st.caption("Every N steps, after a lane's step, the run refreshes a shadow copy of the lane's model and "
+                   "measures every module's output and gradient abs max on it; the training step itself, and its "
+                   "step time, are untouched.")
         with st.form("lnum_launch_form"):
             runnable = runnable_modes(DEVICE)
             row = st.columns([3, 3, 2, 2])
