@@ -40,6 +40,7 @@ pages = [
     st.Page("pages/train.py", title="Train", icon=":material/model_training:", default=True),
     st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("pages/op_inspector.py", title="Op inspector", icon=":material/biotech:"),
+    st.Page("pages/layer_numerics.py", title="Layer numerics", icon=":material/stacked_bar_chart:"),
     st.Page("pages/overflow_debugger.py", title="Overflow debugger", icon=":material/local_fire_department:"),
     st.Page("pages/formats.py", title="Formats", icon=":material/pin:"),
 ]

@@ -1,4 +1,5 @@
-"""The `amp-lab` command (also `python -m amp_core`): the dashboard (`ui`), and runs, records and traces without it."""
+"""The `amp-lab` command (also `python -m amp_core`): the dashboard (`ui`), and runs, records, traces and layer
+numerics without it."""
 
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--device", default="cpu")
     trace.add_argument("--csv", default=None, help="write the op table here")
     trace.set_defaults(handler=cmd_trace)
+
+    numerics = sub.add_parser("numerics", help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
+    numerics.add_argument("--workload", default="digits_mlp")
+    numerics.add_argument("--mode", default="16-mixed")
+    numerics.add_argument("--size", default="small")
+    numerics.add_argument("--batch-size", type=int, default=64)
+    numerics.add_argument("--device", default="cpu")
+    numerics.add_argument("--csv", default=None, help="write the per-module table here")
+    numerics.set_defaults(handler=cmd_numerics)
     return parser
 
 
@@ -215,6 +225,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from amp_core.probes.optrace import cli_trace
 
     return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    from amp_core.probes.numerics import cli_numerics
+
+    return cli_numerics(args.workload, args.mode, args.csv, size=args.size, device=args.device,
+                        batch_size=args.batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,6 +165,10 @@ class RunConfig:
     """Measure activation bytes (saved-tensor hooks) every N steps; other steps carry the last figure."""
     gradstats_every: int = 50
     """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
+    amax_every: int = 0
+    """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), after
+    the lane's step, on a shadow copy of its model (one more copy of the weights per lane while the run lasts): the
+    cost stays out of step_ms and is reported in the event as sample_ms. 0 turns it off."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
     name: str = ""
@@ -198,6 +202,7 @@ class RunConfig:
             raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
         _positive("memory_every", self.memory_every, int)
         _whole("gradstats_every", self.gradstats_every)
+        _whole("amax_every", self.amax_every)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (saved with every run)."""

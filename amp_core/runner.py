@@ -21,6 +21,7 @@ from amp_core.measure import optimizer_state_tensors, tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
 from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
+from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.records import Event, StepRecord, empty_steps_frame
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore
@@ -41,6 +42,8 @@ class LaneSnapshot:
     precision: Precision
     workload: Workload
     batch: tuple[torch.Tensor, torch.Tensor]
+    scale: float | None = None
+    """The lane's GradScaler scale at the snapshot (None: the mode has no scaler)."""
 
 
 @dataclass(slots=True)
@@ -160,6 +163,8 @@ class Run:
         self._step_lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._amax_samplers: dict[int, LayerAmaxSampler] = {}
+        """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self.data: Data | None = None
 
     # --- control -------------------------------------------------------------------------------------------
@@ -224,9 +229,11 @@ class Run:
             model = copy.deepcopy(lane.state.model)
             batch = tuple(t.clone() for t in self._batch)
             step = lane.steps_done
+            scaler = lane.state.scaler
+            scale = scaler.get_scale() if scaler.is_enabled() else None  # a device sync, between two steps
         for p in model.parameters():
             p.grad = None
-        return LaneSnapshot(lane.mode, step, model, lane.state.precision, lane.state.workload, batch)
+        return LaneSnapshot(lane.mode, step, model, lane.state.precision, lane.state.workload, batch, scale)
 
     # --- the thread ----------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -243,6 +250,7 @@ class Run:
             torch.set_num_threads(PROCESS_THREADS)
             for lane in self.lanes:
                 lane.state = None  # free the models; records stay
+            self._amax_samplers.clear()
             if self.status not in ("failed", "stopped"):
                 self.status = "finished"
             self.sink.event(self.status, f"run {self.status}")
@@ -302,6 +310,7 @@ class Run:
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
             lane.state = None
+            self._amax_samplers.pop(lane.index, None)
             self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
             return
         if step == 0:
@@ -319,13 +328,34 @@ class Run:
             activations_bytes=lane.activations_bytes, cuda_peak_bytes=result.cuda_peak_bytes))
         lane.steps_done = step + 1
         record_step_events(self.sink, lane.index, step, result, state.faults)
+        if config.amax_every and step % config.amax_every == 0:
+            self._sample_layer_amax(lane, step)
         if not math.isfinite(result.loss) and config.stop_on_divergence:
             hint = divergence_hint(config, state.precision)
             lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
             lane.state = None
+            self._amax_samplers.pop(lane.index, None)
             self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step)
         elif lane.steps_done >= config.steps:
             lane.status = "finished"
+
+    def _sample_layer_amax(self, lane: Lane, step: int) -> None:
+        """Per-module abs max on a shadow copy of the lane (its weights after this step, this step's batch), taken
+        after the timed step: its cost is reported in the event as sample_ms and never enters step_ms."""
+        state = lane.state
+        start = time.perf_counter()
+        try:
+            scale = state.scaler.get_scale() if state.scaler.is_enabled() else None  # a device sync: sampled steps only
+            sampler = self._amax_samplers.get(lane.index)
+            if sampler is None:
+                sampler = LayerAmaxSampler(state.model, state.precision, state.workload.loss)
+                self._amax_samplers[lane.index] = sampler
+            sample = sampler.sample(self._batch, scale)
+        except Exception as exc:  # a failed sample must not stop the lane
+            self.sink.event("warning", f"layer amax sampling failed: {type(exc).__name__}: {exc}", lane.index, step)
+            return
+        self.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **sample.event_data(),
+                        sample_ms=(time.perf_counter() - start) * 1e3)
 
 
 class RunLimitError(ConfigError):

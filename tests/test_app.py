@@ -10,7 +10,8 @@ from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = {"pages/train.py": "Train", "pages/compare.py": "Compare", "pages/op_inspector.py": "Op inspector",
-          "pages/overflow_debugger.py": "Overflow debugger", "pages/formats.py": "Formats"}
+          "pages/layer_numerics.py": "Layer numerics", "pages/overflow_debugger.py": "Overflow debugger",
+          "pages/formats.py": "Formats"}
 PAGES = list(TITLES)
 
 

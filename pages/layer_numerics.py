@@ -1,0 +1,217 @@
+"""Layer numerics page: where in a model precision breaks — the first inf/NaN, each layer's error against fp32, each
+layer's ranges against fp16, and a run's per-layer abs max over steps."""
+
+import streamlit as st
+
+from amp_core.config import SIZES, ConfigError, RunConfig
+from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
+from amp_core.probes import numerics
+from amp_core.views import numerics as numerics_views
+from amp_core.workloads import WORKLOADS
+from pages.common import get_manager, run_picker
+
+DEVICE = resolve_device("auto")
+SOURCES = ("A workload", "A live lane")
+PERCENT = st.column_config.NumberColumn(format="percent")
+SCIENTIFIC = st.column_config.NumberColumn(format="%.3e")
+NEWCOMER = """
+**What is probed.** One batch goes through two copies of the model, forward and backward, with no optimizer step:
+one copy in the mode you pick, one in plain fp32 (`32-true`) with the same weights and the same batch. Your model
+and any running lane are never touched.
+
+**Error against fp32** is ‖y − y_fp32‖ / ‖y_fp32‖ for each module's output: 0.001 means the output is off by
+0.1 % of its size. bf16 keeps about 3 significant digits, fp16 about 3.5, so errors of 1e-3 to 1e-2 are normal;
+an error near 1 means the output was lost (e.g. flushed to zeros).
+
+**Ranges.** fp16 holds magnitudes from 2^-24 (about 6e-8, with fewer bits below 2^-14, the *subnormal* range) up
+to 65504; anything larger becomes inf, anything below about 3e-8 becomes 0. bf16 has fp32's range (up to 3e38) but
+fewer digits. The shares in the table come from really casting the fp32 values to fp16 and bf16.
+
+**Gradients** are shown as the backward held them: in `16-mixed` multiplied by the GradScaler's scale, which lifts
+small gradients out of fp16's underflow zone and, if too large, pushes them over 65504 (the scaler then skips the
+step and halves the scale).
+"""
+
+
+@st.cache_data(show_spinner="Probing one forward + backward in the mode and in fp32…", max_entries=16)
+def probed(workload: str, mode: str, size: str, device: str, batch_size: int) -> numerics.NumericsReport:
+    return numerics.probe_workload(workload, mode, size=size, device=device, batch_size=batch_size)
+
+
+def workload_report() -> numerics.NumericsReport | None:
+    """Widgets for a workload probe; the report, or None after showing an error."""
+    runnable = runnable_modes(DEVICE)
+    names = list(WORKLOADS)
+    first, second, third, fourth = st.columns([3, 2, 2, 2])
+    workload = first.selectbox("Workload", names, index=names.index("tiny_transformer"), key="lnum_workload",
+                               format_func=lambda name: WORKLOADS[name].title)
+    size = second.selectbox("Size", SIZES, key="lnum_size")
+    batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
+                                    value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
+                                    help="Ranges depend on the batch: a larger one reaches further into the tails.")
+    preferred = next((m for m in ("16-mixed", "bf16-mixed") if m in runnable), runnable[-1])
+    mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
+                            help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
+    try:
+        return probed(workload, mode, size, DEVICE, int(batch_size))
+    except (ConfigError, ValueError) as error:
+        st.error(f"Cannot probe: {error}")
+    except RuntimeError as error:  # e.g. out of memory at a large size
+        st.error(f"The probe failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+    return None
+
+
+def lane_report() -> numerics.NumericsReport | None:
+    """Widgets to probe a lane of a live run; the report made on the last click, or None."""
+    lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
+             for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}
+    if not lanes:
+        st.info("No live runs: launch one on the Train page (or below), then probe any of its running lanes here "
+                "(a finished lane has freed its model).")
+        return None
+    choice = st.selectbox("Lane", list(lanes), key="lnum_lane")
+    if st.button("Probe this lane now", key="lnum_probe_lane",
+                 help="Copies the lane's current weights, batch and loss scale, and probes one forward + backward "
+                      "against fp32. The lane's parameters, gradients, optimizer and scaler are not touched."):
+        run, index = lanes[choice]
+        try:
+            st.session_state.lnum_lane_report = numerics.probe_lane(run, index)
+        except (ConfigError, ValueError, LookupError, RuntimeError) as error:
+            st.error(f"Cannot probe this lane: {str(error).splitlines()[0]}")
+    return st.session_state.get("lnum_lane_report")
+
+
+def show_first_nonfinite(report: numerics.NumericsReport) -> None:
+    first = report.first_nonfinite
+    if first is None:
+        st.success(f"**No inf or NaN** in any module's output or output gradient ({report.label}).",
+                   icon=":material/check_circle:")
+        return
+    st.error(f"**First non-finite: `{first.module}` ({first.phase})** — {first.why}.",
+             icon=":material/local_fire_department:")
+    if first.inputs is not None:
+        st.caption(f"Its inputs: {first.inputs.describe()}.")
+
+
+def show_report(report: numerics.NumericsReport) -> None:
+    show_first_nonfinite(report)
+    modules = report.module_frame()
+    errors = report.error_frame()
+    worst = errors.iloc[0] if not errors.empty else None
+    cards = st.columns(4)
+    cards[0].metric("Loss", f"{report.loss:.5g}", help=f"{report.reference_mode}: {report.reference_loss:.5g}")
+    cards[1].metric("Worst output error", "—" if worst is None else f"{worst['output_error']:.2g}",
+                    help=None if worst is None else f"in {worst['module']}")
+    cards[2].metric("Module calls probed", len(modules))
+    cards[3].metric("Loss scale", "none" if report.scale is None else f"{report.scale:g}",
+                    help="The GradScaler scale the mode's backward used (16-mixed only).")
+
+    st.subheader("Error against fp32, layer by layer")
+    st.plotly_chart(numerics_views.error_figure(report), key="lnum_error_chart")
+    left, right = st.columns([3, 2])
+    left.dataframe(errors, hide_index=True, key="lnum_errors",
+                   column_config={"output_error": SCIENTIFIC, "out_abs_max": SCIENTIFIC,
+                                  "out_ref_abs_max": SCIENTIFIC})
+    right.dataframe(report.param_frame(), hide_index=True, key="lnum_params",
+                    column_config={"grad_error": SCIENTIFIC, "ref_grad_norm": SCIENTIFIC})
+    right.caption("Each parameter's gradient (unscaled) against fp32's, worst first.")
+
+    st.subheader("Ranges against fp16")
+    tensor = st.radio("Tensor", list(numerics_views.TENSORS), horizontal=True, key="lnum_tensor",
+                      format_func={"output": "outputs", "input": "inputs", "grad": "output gradients"}.get)
+    st.plotly_chart(numerics_views.range_figure(report, tensor), key="lnum_range_chart")
+    prefix = numerics_views.TENSORS[tensor]
+    shown = ["module", "dtype", *(c for c in modules.columns if c.startswith(f"{prefix}_"))]
+    st.dataframe(modules[shown], hide_index=True, key="lnum_ranges",
+                 column_config={c: PERCENT if c.endswith(numerics.SHARES) else SCIENTIFIC
+                                for c in shown if c.endswith(("abs_max", "min_nonzero", *numerics.SHARES))})
+    st.caption("`abs_max`, `min_nonzero`, `inf`, `nan` are the mode's own tensors; `ref_abs_max` and the shares "
+               "(`fp16_overflow`, `fp16_subnormal`, `fp16_zero`, `bf16_zero`: of the finite non-zero values) are "
+               "what really casting the fp32 values does" + (f" (gradients times the scale {report.scale:g})"
+                                                              if report.scale else "") + ".")
+    st.download_button("Download the per-module table (CSV)", modules.to_csv(index=False),
+                       file_name=f"numerics_{report.label.replace(' · ', '_').replace(' ', '_')}.csv",
+                       mime="text/csv", key="lnum_csv")
+
+
+def launch_sampled_run() -> None:
+    with st.expander("Launch a run that samples layer amax"):
+        st.caption("Every N steps, after a lane's step, the run refreshes a shadow copy of the lane's model and "
+                   "measures every module's output and gradient abs max on it; the training step itself, and its "
+                   "step time, are untouched.")
+        with st.form("lnum_launch_form"):
+            runnable = runnable_modes(DEVICE)
+            row = st.columns([3, 3, 2, 2])
+            names = list(WORKLOADS)
+            workload = row[0].selectbox("Workload", names, index=names.index("tiny_transformer"),
+                                        key="lnum_run_workload", format_func=lambda name: WORKLOADS[name].title)
+            modes = row[1].multiselect("Modes", runnable, default=[m for m in ("32-true", "16-mixed") if m in runnable],
+                                       key="lnum_run_modes")
+            steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=300, key="lnum_run_steps")
+            every = row[3].number_input("Sample every N steps", min_value=1, value=10, key="lnum_run_every")
+            launched = st.form_submit_button("Launch", type="primary")
+        if launched:
+            try:
+                run = get_manager().launch(RunConfig(workload=workload, modes=tuple(modes), steps=int(steps),
+                                                     amax_every=int(every), device=DEVICE, name="layer amax"))
+            except ConfigError as error:
+                st.error(f"Cannot launch: {error}")
+            else:
+                st.session_state.lnum_run = run.run_id
+                st.success(f"Launched run {run.run_id}.")
+
+
+def show_amax_over_time(run_id: str) -> None:
+    """The run's heatmap; redrawn every 2 s while the run is live (a fragment: the rest of the page stays)."""
+    info = get_manager().run_info(run_id)
+    if info is None:
+        st.warning("This run is gone from the store.")
+        return
+    st.fragment(amax_view, run_every=2.0 if info["live"] else None)(run_id)
+
+
+def amax_view(run_id: str) -> None:
+    manager = get_manager()
+    info = manager.run_info(run_id) or {"config": {}, "lanes": []}
+    samples = numerics_views.amax_samples(manager.events(run_id))
+    every = info["config"].get("amax_every", 0)
+    if samples.empty:
+        if every:
+            st.info(f"This run samples every {every} steps; no sample has arrived yet.")
+        else:
+            st.info("This run did not sample layer amax (its `amax_every` is 0): launch one above.")
+        return
+    lanes = {lane["lane"]: lane["mode"] for lane in info["lanes"]}
+    sampled = sorted(set(samples["lane"]))
+    row = st.columns([3, 2])
+    lane = row[0].selectbox("Lane", sampled, format_func=lambda i: f"lane {i} · {lanes.get(i, '?')}",
+                            key=f"lnum_amax_lane_{run_id}")
+    which = row[1].radio("Tensor", ("output", "grad"), horizontal=True, key=f"lnum_amax_which_{run_id}",
+                         format_func={"output": "outputs", "grad": "output gradients"}.get)
+    st.markdown(f"**{numerics_views.amax_story(samples, lane, which)}**")
+    st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
+
+
+st.title("Layer numerics")
+st.caption("Where in a model precision breaks: the first module whose output or gradient holds inf or NaN, each "
+           "module's error against an fp32 run of the same weights and batch, and each module's ranges against "
+           f"fp16's limits. Everything is measured on this machine ({DEVICE}) from the values that really came out.")
+with st.expander("New here? What these figures mean"):
+    st.markdown(NEWCOMER)
+
+source = st.radio("Probe", SOURCES, key="lnum_source", horizontal=True)
+report = lane_report() if source == SOURCES[1] else workload_report()
+if report is not None:
+    show_report(report)
+
+st.divider()
+st.subheader("Over time: per-layer abs max of a run")
+st.caption("A heatmap of each module's largest |value| at every sampled step. Blue darkens toward fp16's largest "
+           "value, 65504; red is above it (or inf/NaN). An activation that grows step after step shows as a row "
+           "darkening to the right, before it overflows.")
+launch_sampled_run()
+run_id = run_picker(get_manager(), "lnum_amax_run", default=st.session_state.get("lnum_run"))
+if run_id is None:
+    st.info("No runs yet.")
+else:
+    show_amax_over_time(run_id)

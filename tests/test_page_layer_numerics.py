@@ -1,0 +1,165 @@
+"""Layer numerics page under Streamlit's AppTest: real probes on CPU, real runs (with and without amax samples)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+from torch import nn
+
+from amp_core.config import RunConfig
+from amp_core.probes.numerics import LAYER_AMAX_EVENT
+from amp_core.workloads import WORKLOADS, Data, Workload
+from pages.common import get_manager
+from tests.test_numerics import OVERFLOW
+
+PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
+
+
+def figures(app: AppTest) -> list[dict]:
+    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+
+
+def titled(app: AppTest, text: str) -> list[dict]:
+    return [f for f in figures(app) if text in f["layout"].get("title", {}).get("text", "")]
+
+
+def tables(app: AppTest, column: str) -> list:
+    return [df.value for df in app.dataframe if column in df.value.columns]
+
+
+@pytest.fixture
+def app() -> AppTest:
+    return AppTest.from_file(PAGE, default_timeout=120).run()
+
+
+def test_default_view_probes_tiny_transformer_in_16_mixed(app):
+    assert not app.exception and not app.error
+    assert app.selectbox(key="lnum_workload").value == "tiny_transformer"
+    assert app.selectbox(key="lnum_mode").value == "16-mixed"
+    assert any("No inf or NaN" in s.value for s in app.success)
+    [errors] = tables(app, "output_error")
+    assert "blocks.0.qkv" in set(errors["module"]) and (errors["output_error"] >= 0).all()
+    assert list(errors["output_error"]) == sorted(errors["output_error"], reverse=True)
+    [error_chart] = titled(app, "Error of each module's output")
+    assert error_chart["layout"]["xaxis"]["type"] == "log" and len(error_chart["data"][0]["y"]) == len(errors)
+    assert titled(app, "Range of each module's output")
+    assert {m.label for m in app.metric} >= {"Loss", "Worst output error", "Loss scale"}
+    assert any("No runs yet" in i.value for i in app.info)
+
+
+def test_the_first_non_finite_module_is_highlighted_with_why(app, monkeypatch):
+    monkeypatch.setitem(WORKLOADS, OVERFLOW.name, OVERFLOW)
+    app.run()  # the selectbox lists the workload registered at run time
+    app.selectbox(key="lnum_workload").set_value(OVERFLOW.name).run()
+    assert not app.exception
+    [error] = app.error
+    assert "First non-finite: `planted` (forward)" in error.value and "65504" in error.value
+    assert any("Its inputs" in c.value for c in app.caption)
+
+
+def test_switching_the_tensor_shows_gradient_ranges(app):
+    app.selectbox(key="lnum_workload").set_value("digits_mlp")
+    app.radio(key="lnum_tensor").set_value("grad").run()
+    assert not app.exception
+    assert titled(app, "Range of each module's grad")
+    assert tables(app, "grad_fp16_zero")
+
+
+class Broken(Workload):
+    name = "broken_numerics"
+    title = "broken"
+    sizes = {"small": {}}
+
+    def load_data(self, config) -> Data:
+        return Data(torch.randn(8, 2), torch.randn(8, 1), "")
+
+    def build_model(self, size: str, data: Data) -> nn.Module:
+        raise RuntimeError("CUDA out of memory (planted)\nsecond line")
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+
+def test_a_failing_probe_is_a_message_not_a_traceback(app, monkeypatch):
+    monkeypatch.setitem(WORKLOADS, Broken.name, Broken())
+    app.run()
+    app.selectbox(key="lnum_workload").set_value(Broken.name).run()
+    assert not app.exception
+    [error] = app.error
+    assert error.value == "The probe failed: CUDA out of memory (planted). Try a smaller size or batch."
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_run_without_samples_says_how_to_get_them(no_leaked_threads):
+    run = get_manager().launch(RunConfig(workload="digits_mlp", modes=("32-true",), steps=5, device="cpu"))
+    run.join(60)
+    app = AppTest.from_file(PAGE, default_timeout=120).run()
+    assert not app.exception
+    assert any("did not sample layer amax" in i.value for i in app.info)
+    assert not titled(app, "Abs max")
+
+
+def test_a_run_that_sampled_amax_shows_its_heatmap(no_leaked_threads):
+    run = get_manager().launch(RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=40,
+                                         device="cpu", amax_every=10, gradstats_every=0))
+    run.join(60)
+    assert sum(e.kind == LAYER_AMAX_EVENT for e in run.events()) == 8
+    app = AppTest.from_file(PAGE, default_timeout=120).run()
+    assert not app.exception and not app.error
+    [heatmap] = titled(app, "Abs max of each module's output")
+    assert heatmap["data"][0]["y"] == ["fc1", "fc2", "(root)", "(loss)"]
+    assert heatmap["data"][0]["x"] == [0, 10, 20, 30]
+    assert any("closest to fp16's limit" in m.value for m in app.markdown)
+    app.selectbox(key=f"lnum_amax_lane_{run.run_id}").set_value(1)
+    app.radio(key=f"lnum_amax_which_{run.run_id}").set_value("grad").run()
+    [heatmap] = titled(app, "output gradient")
+    assert "16-mixed" in heatmap["layout"]["title"]["text"]
+
+
+def test_launching_a_sampled_run_from_the_page(no_leaked_threads):
+    app = AppTest.from_file(PAGE, default_timeout=120).run()
+    app.selectbox(key="lnum_run_workload").set_value("digits_mlp")
+    app.multiselect(key="lnum_run_modes").set_value(["32-true"])
+    app.number_input(key="lnum_run_steps").set_value(20)
+    app.number_input(key="lnum_run_every").set_value(5)
+    app.button(key="FormSubmitter:lnum_launch_form-Launch").click().run()
+    assert not app.exception and not app.error
+    [run] = get_manager().runs()
+    assert run.config.amax_every == 5 and run.config.workload == "digits_mlp"
+    run.join(60)
+    app.run()
+    assert titled(app, "Abs max of each module's output")
+
+
+def test_live_lane_is_probed_on_click(no_leaked_threads):
+    run = get_manager().launch(RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=100_000,
+                                         batch_size=16, device="cpu", gradstats_every=0))
+    try:
+        wait_for(lambda: all(lane.steps_done >= 1 for lane in run.lanes))
+        app = AppTest.from_file(PAGE, default_timeout=120).run()
+        app.radio(key="lnum_source").set_value("A live lane").run()
+        labels = app.selectbox(key="lnum_lane").options
+        app.selectbox(key="lnum_lane").set_value(next(label for label in labels if "16-mixed" in label)).run()
+        app.button(key="lnum_probe_lane").click().run()
+        assert not app.exception and not app.error
+        assert any("lane 1" in s.value and "16-mixed" in s.value for s in app.success)
+        assert titled(app, "Error of each module's output")
+    finally:
+        run.stop()
+
+
+def test_live_lane_without_runs_says_so(app):
+    app.radio(key="lnum_source").set_value("A live lane").run()
+    assert not app.exception
+    assert any("No live runs" in i.value for i in app.info)
