@@ -30,6 +30,12 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def held_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state): bytes a lane holds now, read from tensor metadata (no sync)."""
+    return (tensor_bytes(params), tensor_bytes(p.grad for p in params if p.grad is not None),
+            tensor_bytes(optimizer_state_tensors(optimizer)))
+
+
 class SavedTensorsProbe:
     """Counts the bytes autograd saves for backward during a forward (activations, autocast's cast copies).
 
@@ -94,8 +100,9 @@ class HostMeter:
 class CudaMeter:
     """A CUDA lane's meter. Nothing here waits for the device except `wait`.
 
-    - time: two timing events recorded on the current stream around the step; their elapsed time is the device's
-      time for the step (launch gaps included, what the host did before or after the window excluded);
+    - time: two timing events recorded on the lane device's current stream (where the step's kernels and copies
+      go) around the step; their elapsed time is the device's time for the step (launch gaps included, what the
+      host did before or after the window excluded);
     - figures: device scalars concatenated into one float32 vector and copied with non_blocking=True into pinned
       memory (pageable memory would make the copy synchronous), followed by an event;
     - memory: the allocator's peak during the lane's own step above the allocation at its start (the step holds
@@ -126,21 +133,21 @@ class CudaMeter:
         if scale is not None:
             flight.scale_before = self._buffer(1)
             flight.scale_before.copy_(scale.reshape(1), non_blocking=True)
-        flight.start.record()
+        flight.start.record(torch.cuda.current_stream(self.device))
         return flight
 
     def stop(self, flight: InFlight) -> None:
         """Close the timed window."""
         flight.end = self._event(True)
-        flight.end.record()
+        flight.end.record(torch.cuda.current_stream(self.device))
 
     def send(self, flight: InFlight, values: list[torch.Tensor]) -> None:
         """Queue the copy of `values` (0-d or 1-d tensors) to pinned host memory, then the event that says it landed."""
-        flat = torch.cat([v.detach().reshape(-1) for v in values])
+        flat = torch.cat([v.detach().reshape(-1) for v in values]).float()  # one dtype, converted on the device
         flight.values = self._buffer(flat.numel())
         flight.values.copy_(flat, non_blocking=True)
         flight.done = self._event(False)
-        flight.done.record()
+        flight.done.record(torch.cuda.current_stream(self.device))
 
     @staticmethod
     def ready(flight: InFlight) -> bool:

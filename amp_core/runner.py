@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from amp_core.config import ConfigError, RunConfig, check_launch
-from amp_core.measure import optimizer_state_tensors, tensor_bytes
+from amp_core.measure import tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
 from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
@@ -74,13 +74,14 @@ class Lane:
         """Bytes saved for backward at the last measured step (carried between measurements)."""
         self.peak_above_start_bytes: int | None = None
         """CUDA: the allocator peak above its step's start at the last measured step (carried between)."""
+        self.peak_bytes: int | None = None
+        """CUDA: the lane's own peak at the last measured step (carried between)."""
 
     def lane_peak_bytes(self, on_cuda: bool) -> int | None:
         """The lane's own peak (see StepRecord.lane_peak_bytes), from the last measurements."""
-        held = self.held.params_bytes + self.held.grads_bytes + self.held.optim_bytes
-        if not on_cuda:
-            return held + self.activations_bytes
-        return None if self.peak_above_start_bytes is None else held + self.peak_above_start_bytes
+        if on_cuda:
+            return self.peak_bytes
+        return self.held.params_bytes + self.held.grads_bytes + self.held.optim_bytes + self.activations_bytes
 
 
 def build_optimizer(config: RunConfig, model: torch.nn.Module):
@@ -179,7 +180,9 @@ class Run:
         self._step_lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._in_flight: deque[tuple[Lane, LaneState, StepResult]] = deque()
+        self._samples = 0
+        """Samples in the current batch (for samples/s)."""
+        self._in_flight: deque[tuple[Lane, LaneState, StepResult, int]] = deque()
         """CUDA lane steps whose figures are still on their way to the host, oldest first."""
         self._resolve_at = 0.0
         self.data: Data | None = None
@@ -294,6 +297,8 @@ class Run:
         for step in range(config.steps):
             # Every lane sees this same batch, in the same order.
             self._batch = self.data.sample(self._generator, config.batch_size)
+            self._samples = WORKLOADS[config.workload].samples_in(self._batch)
+            stepped = False
             for lane in self.lanes:
                 if not self._resume.is_set():
                     self._resolve(wait=True)  # a paused run shows every step it made
@@ -303,10 +308,11 @@ class Run:
                     break
                 if lane.status == "running":
                     self._run_lane_step(lane, step)
+                    stepped = True
                 if self._in_flight and (len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at):
                     self._resolve()
                 self.sink.flush_if_due()
-            if self._stop.is_set() or not any(lane.status == "running" for lane in self.lanes):
+            if self._stop.is_set() or not stepped:
                 break
         self._resolve(wait=True)
         stopped = self._stop.is_set()
@@ -331,13 +337,10 @@ class Run:
             lane.state = None
             self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
             return
-        if step == 0:
-            lane.held.grads_bytes = tensor_bytes(p.grad for p in state.params if p.grad is not None)
-            lane.held.optim_bytes = tensor_bytes(optimizer_state_tensors(state.optimizer))
-        if result.resolved:
-            self._record(lane, state, result)
+        if result.in_flight is None:
+            self._record(lane, state, result, self._samples)
         else:
-            self._in_flight.append((lane, state, result))
+            self._in_flight.append((lane, state, result, self._samples))
 
     def _resolve(self, wait: bool = False) -> None:
         """Turn CUDA lane steps whose figures have reached the host into records, oldest first, stopping at the first
@@ -347,25 +350,28 @@ class Run:
         device, so the wait costs the device nothing (the launch queue would stop the host soon anyway).
         """
         while self._in_flight:
-            lane, state, result = self._in_flight[0]
-            if not (wait or len(self._in_flight) >= MAX_IN_FLIGHT or state.meter.ready(result.in_flight)):
+            lane, state, result, samples = self._in_flight[0]
+            ready = state.meter.ready(result.in_flight)
+            if not (ready or wait or len(self._in_flight) >= MAX_IN_FLIGHT):
                 break
             self._in_flight.popleft()
-            resolve_step(state.meter, result, wait=True)
-            self._record(lane, state, result)
+            resolve_step(state.meter, result, wait=not ready)
+            self._record(lane, state, result, samples)
         self._resolve_at = time.monotonic() + RESOLVE_EVERY_S
 
-    def _record(self, lane: Lane, state: LaneState, result: StepResult) -> None:
+    def _record(self, lane: Lane, state: LaneState, result: StepResult, samples: int) -> None:
         """One resolved lane step -> its StepRecord and events; a non-finite loss stops the lane (on CUDA it is
         noticed here, when the figures arrive, so the lane may have queued a few more steps: they are dropped)."""
+        if result.held is not None:
+            lane.held = HeldBytes(*result.held)
         if result.activations_bytes is not None:
             lane.activations_bytes = result.activations_bytes
         if result.peak_above_start_bytes is not None:
-            lane.peak_above_start_bytes = result.peak_above_start_bytes
+            lane.peak_above_start_bytes, lane.peak_bytes = result.peak_above_start_bytes, result.lane_peak_bytes
         step, held = result.step, lane.held
         self.sink.step(StepRecord(
             run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=result.t_wall_s,
-            loss=result.loss, step_ms=result.step_ms, samples_per_s=result.samples / (result.step_ms / 1e3),
+            loss=result.loss, step_ms=result.step_ms, samples_per_s=samples / (result.step_ms / 1e3),
             lr=result.lr, scale=result.scale, skipped=bool(result.skipped),
             grad_norm=math.nan if result.grad_norm is None else result.grad_norm,
             params_bytes=held.params_bytes, grads_bytes=held.grads_bytes, optim_bytes=held.optim_bytes,

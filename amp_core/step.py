@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.measure import CudaMeter, HostMeter, InFlight, SavedTensorsProbe, meter_for
+from amp_core.measure import CudaMeter, HostMeter, InFlight, SavedTensorsProbe, held_bytes, meter_for
 from amp_core.precision import Precision
 from amp_core.probes import gradstats
 from amp_core.probes.faults import FaultPlan
@@ -88,7 +88,6 @@ class StepResult:
 
     step: int
     lr: float
-    samples: int
     t_wall_s: float
     """When the host finished the step (on CUDA: finished queuing it; the device may finish later)."""
     scaled: bool
@@ -104,12 +103,17 @@ class StepResult:
     probe_ms: float = 0.0
     activations_bytes: int | None = None
     """Set on steps where the saved-tensor probe ran."""
+    held: tuple[int, int, int] | None = None
+    """(parameters, gradients, optimizer state) bytes after the step, on steps that measured memory."""
     peak_above_start_bytes: int | None = None
     """Set on CUDA steps where the memory window was open."""
-    bad_params: list[dict] = field(default_factory=list)
+    lane_peak_bytes: int | None = None
+    """Set on CUDA steps where the memory window was open: held at the step's start + peak_above_start_bytes."""
+    # Empty tuples, not lists, by default: most steps have none, and a step should allocate little.
+    bad_params: list[dict] | tuple = ()
     """Parameters with inf/NaN gradients (filled when the step skipped or the gradients were not finite)."""
-    grad_stats: list[gradstats.GradStats] = field(default_factory=list)
-    fired_faults: list = field(default_factory=list)
+    grad_stats: list[gradstats.GradStats] | tuple = ()
+    fired_faults: list | tuple = ()
     """(step, FaultSpec) of the faults that fired on this step."""
     in_flight: InFlight | None = None
     norm_names: list[str] | None = None
@@ -165,11 +169,11 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
     cuBLAS's workspace, belong to the process, not the lane), the lane's allocator window.
     """
     precision, optimizer, scaler, meter, faults = lane.precision, lane.optimizer, lane.scaler, lane.meter, lane.faults
-    scaled = scaler.is_enabled()
+    scaled, has_faults = scaler.is_enabled(), bool(faults)
     with precision.step_context():
         probe_s = 0.0
         before: dict[str, torch.Tensor] = {}
-        activations = memory_start = None
+        activations = memory_start = held_at_start = None
         if measure_memory or collect_grad_stats:
             probe_started = time.perf_counter()
             if collect_grad_stats:
@@ -178,9 +182,10 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
             if measure_memory:
                 activations = saved_tensor_bytes(lane, batch)
                 if not meter.immediate and step > 0:
+                    held_at_start = sum(held_bytes(lane.params, optimizer))
                     memory_start = meter.open_memory_window()
             probe_s = time.perf_counter() - probe_started
-        watch = (lane.grad_clip or faults or precision.watch_grads or collect_grad_stats
+        watch = (lane.grad_clip or has_faults or precision.watch_grads or collect_grad_stats
                  or step % lane.grad_norm_every == 0)
         if meter.immediate:
             scale = scaler.get_scale() if scaled else None  # a CPU tensor: nothing to wait for
@@ -191,16 +196,16 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
             scale = scaler.get_scale() if scaled and device_scale is None else None
             started = meter.start(device_scale)
 
-        inputs, targets = (precision.prepare_input(t) for t in batch)
+        inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
         optimizer.zero_grad(set_to_none=True)
         with precision.forward_context():
             loss = lane.workload.loss(lane.model(inputs), targets)
-            if faults:
+            if has_faults:
                 loss_factor = faults.loss_factor(step)
                 if loss_factor != 1.0:
                     loss = loss * loss_factor
         scaler.scale(loss).backward()
-        if faults:
+        if has_faults:
             faults.corrupt_grads(step, lane.model)
         scaler.unscale_(optimizer)
         norms = total = None
@@ -213,7 +218,7 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
                 finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
                 torch.nn.utils.clip_grads_with_norm_(lane.params, lane.grad_clip, finite)
         found_inf = _found_inf(scaler, optimizer) if scaled else None  # update() forgets it
-        lr_factor = faults.lr_factor(step) if faults else 1.0
+        lr_factor = faults.lr_factor(step) if has_faults else 1.0
         if lr_factor != 1.0:
             for group in optimizer.param_groups:
                 group["lr"] *= lr_factor
@@ -242,9 +247,8 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         else:
             meter.stop(started)
 
-        result = StepResult(step=step, lr=lr, samples=lane.workload.samples_in(batch), t_wall_s=time.time(),
-                            scaled=scaled, scale=scale, skipped=skipped, activations_bytes=activations,
-                            fired_faults=faults.take_fired() if faults else [])
+        result = StepResult(step=step, lr=lr, t_wall_s=time.time(), scaled=scaled, scale=scale, skipped=skipped,
+                            activations_bytes=activations, fired_faults=faults.take_fired() if has_faults else ())
         if meter.immediate:
             result.step_ms = step_ms
             result.loss = loss.item()
@@ -265,10 +269,13 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
 
         # After the window: the memory window's reads, forensics, sampled statistics (these may sync).
         nonfinite_norm = result.grad_norm is not None and not math.isfinite(result.grad_norm)
-        if memory_start is not None or skipped or nonfinite_norm or collect_grad_stats:
+        if measure_memory or skipped or nonfinite_norm or collect_grad_stats:
             probe_started = time.perf_counter()
             if memory_start is not None:
                 result.peak_above_start_bytes = meter.close_memory_window(memory_start)
+                result.lane_peak_bytes = held_at_start + result.peak_above_start_bytes
+            if measure_memory:
+                result.held = held_bytes(lane.params, optimizer)
             if skipped or nonfinite_norm:
                 result.bad_params = gradstats.nonfinite_params(lane.model)
             if collect_grad_stats or skipped:

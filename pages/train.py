@@ -224,7 +224,8 @@ def headline_cards(info: dict, series: list[LaneSeries]) -> None:
             m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
                       help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
             m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
-                      help="Peak bytes held (CUDA allocator peak where there is one) ÷ the baseline lane's.")
+                      help="The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, "
+                           "its step's allocator peak above the step's start (other lanes do not inflate it).")
             st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
                        f"scale {format_scale(head['scale'])}")
 

@@ -35,7 +35,7 @@ class ProbeResult:
 
     mode: str
     ms_per_step: float
-    """Median of the timed steps (each step's own measured wall time, device-synchronised on CUDA)."""
+    """Median of the timed steps (each step's own measured time: perf_counter on a CPU, CUDA events on a GPU)."""
     steps_timed: int
     capped: bool
     """The time cap cut the probe short (fewer steps than asked)."""
