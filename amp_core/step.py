@@ -288,9 +288,14 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
 def _grad_statistics(lane: LaneState, result: StepResult, before: dict[str, torch.Tensor]) -> None:
     """Gradient statistics of this step (a sampled probe: it syncs, outside the timed window)."""
     scale = result.scale
-    if scale is None and result.scaled:
-        lane.meter.wait(result.in_flight)  # the scale as the step began is in pinned memory once the step is done
-        scale = float(result.in_flight.scale_before[0])
+    if result.scaled and (scale is None or result.skipped is None):
+        # The scale as the step began and found-inf are in pinned memory once the step is done.
+        flight = result.in_flight
+        lane.meter.wait(flight)
+        if scale is None:
+            scale = float(flight.scale_before[0])
+        if result.skipped is None:
+            result.skipped = float(flight.values[1]) > 0
     result.grad_stats = gradstats.model_grad_stats(lane.model, scale or 1.0)
     params = dict(zip(lane.param_names, lane.params, strict=True))
     for stats in result.grad_stats:

@@ -9,14 +9,15 @@ whose cost the runner reports apart (`probe_ms`); the means that include them ar
 on a background thread with the intra-op threads the run chose (the runner's conditions).
 
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
-- CUDA (--device cuda): tiny_transformer large and digits_mlp small, 32-true, bf16-mixed and 16-mixed; targets
-  <= 1.02 and <= 1.10. On CUDA the bare loop reads no loss per step (a per-step .item() is a sync the runner does
-  not make), the step interval is the host's (the launch queue paces it to the device in steady state), and
-  host syncs per ordinary step are counted with torch.cuda.set_sync_debug_mode for both, which must be equal:
-  `syncs_per_step=`. Anything off (no GPU, a run that did not finish, unequal syncs, a counter that sees nothing
-  where GradScaler must sync) fails the bench with exit status 1 after the figures are printed.
+- CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
+  targets <= 1.02 and <= 1.10. The bare loop reads no loss per step (a per-step .item() is a sync the runner does
+  not make); the step interval is the host's (the launch queue paces it to the device in steady state); `probe_ms`
+  is the probes' host time (their device time shows in the means). Host syncs per ordinary step are counted with
+  torch.cuda.set_sync_debug_mode for the runner and the bare loop, which must be equal: `syncs_per_step=`.
+  Anything off (no GPU, a run that did not finish, unequal syncs, a counter that sees nothing where GradScaler
+  must sync) fails the bench with exit status 1 after the figures are printed.
 
-    python bench/overhead.py [--device cpu|cuda] [--workloads digits_mlp:small,...] [--modes ...] [--fused]
+    python bench/overhead.py [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
 Last line: overhead_ratio_max=<number>
 """
 
@@ -45,8 +46,8 @@ from amp_core.workloads import WORKLOADS
 
 WARMUP = 50
 AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-DEFAULTS = {"cpu": ("digits_mlp:small", "32-true,bf16-mixed"),
-            "cuda": ("tiny_transformer:large,digits_mlp:small", "32-true,bf16-mixed,16-mixed")}
+DEFAULTS = {"cpu": ("digits_mlp:small:64", "32-true,bf16-mixed"),
+            "cuda": ("tiny_transformer:large:32,digits_mlp:small:64", "32-true,bf16-mixed,16-mixed")}
 TARGETS = {("cpu", "digits_mlp", "small"): 1.05, ("cuda", "tiny_transformer", "large"): 1.02,
            ("cuda", "digits_mlp", "small"): 1.10}
 SYNC_STEPS = 100
@@ -147,9 +148,8 @@ def syncs_per_step(loop, config: RunConfig) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--workloads", help="workload:size,... (default: the device's)")
+    parser.add_argument("--workloads", help="workload:size:batch,... (default: the device's)")
     parser.add_argument("--modes", help="comma-separated (default: the device's)")
-    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--fused", action="store_true", help="fused Adam in the runner and the bare loop")
@@ -163,9 +163,9 @@ def main() -> None:
     ratios = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = RunStore(Path(tmp) / "bench.sqlite3")
-        for workload, size in workloads:
+        for workload, size, batch_size in workloads:
             for mode in modes:
-                config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=args.batch_size,
+                config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=int(batch_size),
                                    size=size, device=args.device, fused_optimizer=args.fused)
                 bare, harness, chosen, probe_ms = [], [], [], []
                 bare_means, harness_means = [], []
@@ -179,7 +179,7 @@ def main() -> None:
                     bare += intervals_ms(stamps)
                     bare_means.append((stamps[-1] - stamps[WARMUP]) * 1e3 / (len(stamps) - 1 - WARMUP))
                 runner_ms, bare_ms = statistics.median(harness), statistics.median(bare)
-                key = f"{workload}/{size}/{mode}"
+                key = f"{workload}/{size}/b{batch_size}/{mode}"
                 ratios[key] = runner_ms / bare_ms
                 line = (f"{key:<34} runner_median_ms={runner_ms:.4f} bare_median_ms={bare_ms:.4f} "
                         f"ratio={ratios[key]:.4f} | means incl. sampled probes: runner "

@@ -294,3 +294,15 @@ def test_the_estimate_says_it_is_one_and_is_flops_over_a_measured_rate():
     assert estimate.compute_dtype == "float32"
     with pytest.raises(ConfigError, match="size"):
         estimate_step("digits_mlp", "xl", 16, "32-true", "cpu")
+
+
+def test_a_sampled_statistics_step_that_a_fused_optimizer_skipped_is_not_read_as_a_lost_update(lagging):
+    n = 7
+    run = finished(RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=10, fused_optimizer=True,
+                             gradstats_every=n, faults=(FaultSpec(kind="grad_inf", step=n, param="layer2.bias"),),
+                             scaler=ScalerConfig(init_scale=256.0), device="cpu"))
+    frame = run.frame().set_index("step")
+    assert frame.index[frame["skipped"]].tolist() == [n]
+    stats = [s for _, _, step, s in run.grad_stats() if step == n]
+    assert stats and all(s.lost_update_fraction is None for s in stats)  # the probe read found-inf (a sync)
+    assert all(s.lost_update_fraction is not None for _, _, step, s in run.grad_stats() if step == 0)
