@@ -2,9 +2,10 @@
 
 Measuring must not change what is measured (DESIGN.md):
 - The timed window holds the training work only: zero_grad, forward, backward, unscale, the gradient norm where
-  clipping needs it, clipping, the optimizer step, the scaler update, the scheduler. Sampled probes (parameter
-  copies for lost updates, gradient statistics, the saved-tensor probe, the memory window's reads, forensics of a
-  skipped step) run before or after the window and may sync; their host time is the step's `probe_ms`.
+  clipping needs it, clipping, the optimizer step, the scaler update, the scheduler. A norm measured as a figure
+  only is taken after it. Sampled probes (parameter copies for lost updates, gradient statistics, the saved-tensor
+  probe, the memory window's reads, forensics of a skipped step) run before or after the window and may sync;
+  their host time is the step's `probe_ms`.
 - On CUDA a step adds no host sync of its own. Its figures (loss, found-inf, scale, gradient norms) stay device
   tensors, copied to pinned memory behind the step; `resolve_step` reads them once the copy's event has completed
   (the runner does, at flush time). The syncs a lane step makes are the training's own: GradScaler.step reads
@@ -168,120 +169,128 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
     `measure_memory` runs the saved-tensor probe and, on CUDA after step 0 (whose first-call allocations, e.g.
     cuBLAS's workspace, belong to the process, not the lane), the lane's allocator window.
     """
+    with lane.precision.step_context():
+        # The step's own tensors (its batch on the device, loss, norms) die with _step's frame, inside the context:
+        # on CUDA, a tensor freed after the lock is let go would lower another lane's allocator window.
+        return _step(lane, batch, step, measure_memory, collect_grad_stats)
+
+
+def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, measure_memory: bool,
+          collect_grad_stats: bool) -> StepResult:
     precision, optimizer, scaler, meter, faults = lane.precision, lane.optimizer, lane.scaler, lane.meter, lane.faults
     scaled, has_faults = scaler.is_enabled(), bool(faults)
-    with precision.step_context():
-        probe_s = 0.0
-        before: dict[str, torch.Tensor] = {}
-        activations = memory_start = held_at_start = None
-        if measure_memory or collect_grad_stats:
-            probe_started = time.perf_counter()
-            if collect_grad_stats:
-                # The parameters before this step's update are the parameters now: copied before the window.
-                before = {name: p.detach().clone() for name, p in zip(lane.param_names, lane.params, strict=True)}
-            if measure_memory:
-                activations = saved_tensor_bytes(lane, batch)
-                if not meter.immediate and step > 0:
-                    held_at_start = sum(held_bytes(lane.params, optimizer))
-                    memory_start = meter.open_memory_window()
-            probe_s = time.perf_counter() - probe_started
-        watch = (lane.grad_clip or has_faults or precision.watch_grads or collect_grad_stats
-                 or step % lane.grad_norm_every == 0)
-        if meter.immediate:
-            scale = scaler.get_scale() if scaled else None  # a CPU tensor: nothing to wait for
-            started = meter.start()
-        else:
-            device_scale = scaler._get_scale_async() if scaled else None
-            # Before the first step the scale is not on the device yet: get_scale() answers from the host then.
-            scale = scaler.get_scale() if scaled and device_scale is None else None
-            started = meter.start(device_scale)
+    probe_s = 0.0
+    before: dict[str, torch.Tensor] = {}
+    activations = memory_start = held_at_start = None
+    if measure_memory or collect_grad_stats:
+        probe_started = time.perf_counter()
+        if collect_grad_stats:
+            # The parameters before this step's update are the parameters now: copied before the window.
+            before = {name: p.detach().clone() for name, p in zip(lane.param_names, lane.params, strict=True)}
+        if measure_memory:
+            activations = saved_tensor_bytes(lane, batch)
+            if not meter.immediate and step > 0:
+                held_at_start = sum(held_bytes(lane.params, optimizer))
+                memory_start = meter.open_memory_window()
+        probe_s = time.perf_counter() - probe_started
+    watch = (lane.grad_clip or has_faults or precision.watch_grads or collect_grad_stats
+             or step % lane.grad_norm_every == 0)
+    if meter.immediate:
+        scale = scaler.get_scale() if scaled else None  # a CPU tensor: nothing to wait for
+        started = meter.start()
+    else:
+        device_scale = scaler._get_scale_async() if scaled else None
+        # Before the first step the scale is not on the device yet: get_scale() answers from the host then.
+        scale = scaler.get_scale() if scaled and device_scale is None else None
+        started = meter.start(device_scale)
 
-        inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
-        optimizer.zero_grad(set_to_none=True)
-        with precision.forward_context():
-            loss = lane.workload.loss(lane.model(inputs), targets)
-            if has_faults:
-                loss_factor = faults.loss_factor(step)
-                if loss_factor != 1.0:
-                    loss = loss * loss_factor
-        scaler.scale(loss).backward()
+    inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
+    optimizer.zero_grad(set_to_none=True)
+    with precision.forward_context():
+        loss = lane.workload.loss(lane.model(inputs), targets)
         if has_faults:
-            faults.corrupt_grads(step, lane.model)
-        scaler.unscale_(optimizer)
-        norms = total = None
-        if watch:
-            grads = [p.grad for p in lane.params if p.grad is not None]
-            norms, total = grad_norms(grads)
-            if lane.grad_clip:
-                # Clipping by a non-finite norm multiplies every gradient by NaN (inf/inf or 0*inf), which would hide
-                # the parameter that really overflowed; such a step is skipped (or diverges) anyway, so leave them.
-                finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-                torch.nn.utils.clip_grads_with_norm_(lane.params, lane.grad_clip, finite)
-        found_inf = _found_inf(scaler, optimizer) if scaled else None  # update() forgets it
-        lr_factor = faults.lr_factor(step) if has_faults else 1.0
-        if lr_factor != 1.0:
-            for group in optimizer.param_groups:
-                group["lr"] *= lr_factor
-        lr = optimizer.param_groups[0]["lr"]
-        lane.optimizer_stepped = False
-        scaler.step(optimizer)
-        scaler.update()
-        if lr_factor != 1.0:
-            for group in optimizer.param_groups:
-                group["lr"] /= lr_factor
-        if not scaled:
-            skipped = False
-        elif lane.scaler_reports_skip:
-            skipped = not lane.optimizer_stepped
-        elif meter.immediate or lane.has_scheduler:
-            # A fused optimizer skipped (or not) on the device. On CUDA this is a sync, made only because the LR
-            # schedule must follow the steps really taken.
-            skipped = bool(found_inf.item())
-        else:
-            skipped = None  # read with the other figures
-        if not skipped:
-            # The scheduler follows the optimizer: stepping it on a skipped step would shift the schedule.
-            lane.scheduler.step()
-        if meter.immediate:
-            step_ms = meter.elapsed_ms(started)
-        else:
-            meter.stop(started)
+            loss_factor = faults.loss_factor(step)
+            if loss_factor != 1.0:
+                loss = loss * loss_factor
+    scaler.scale(loss).backward()
+    if has_faults:
+        faults.corrupt_grads(step, lane.model)
+    scaler.unscale_(optimizer)
+    norms = total = None
+    if lane.grad_clip:
+        norms, total = grad_norms([p.grad for p in lane.params if p.grad is not None])
+        # Clipping by a non-finite norm multiplies every gradient by NaN (inf/inf or 0*inf), which would hide
+        # the parameter that really overflowed; such a step is skipped (or diverges) anyway, so leave them.
+        finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+        torch.nn.utils.clip_grads_with_norm_(lane.params, lane.grad_clip, finite)
+    found_inf = _found_inf(scaler, optimizer) if scaled else None  # update() forgets it
+    lr_factor = faults.lr_factor(step) if has_faults else 1.0
+    if lr_factor != 1.0:
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_factor
+    lr = optimizer.param_groups[0]["lr"]
+    lane.optimizer_stepped = False
+    scaler.step(optimizer)
+    scaler.update()
+    if lr_factor != 1.0:
+        for group in optimizer.param_groups:
+            group["lr"] /= lr_factor
+    if not scaled:
+        skipped = False
+    elif lane.scaler_reports_skip:
+        skipped = not lane.optimizer_stepped
+    elif meter.immediate or lane.has_scheduler:
+        # A fused optimizer skipped (or not) on the device. On CUDA this is a sync, made only because the LR
+        # schedule must follow the steps really taken.
+        skipped = bool(found_inf.item())
+    else:
+        skipped = None  # read with the other figures
+    if not skipped:
+        # The scheduler follows the optimizer: stepping it on a skipped step would shift the schedule.
+        lane.scheduler.step()
+    if meter.immediate:
+        step_ms = meter.elapsed_ms(started)
+    else:
+        meter.stop(started)
+    if watch and norms is None:
+        # A figure only, so after the window: the optimizer leaves the gradients as they were.
+        norms, total = grad_norms([p.grad for p in lane.params if p.grad is not None])
 
-        result = StepResult(step=step, lr=lr, t_wall_s=time.time(), scaled=scaled, scale=scale, skipped=skipped,
-                            activations_bytes=activations, fired_faults=faults.take_fired() if has_faults else ())
-        if meter.immediate:
-            result.step_ms = step_ms
-            result.loss = loss.item()
-            if scaled:
-                result.scale_after = scaler.get_scale()
-            if total is not None:
-                result.grad_norm = total.item()
-        else:
-            values = [loss]
-            if scaled:
-                values += (found_inf, scaler._get_scale_async())
-            if norms is not None:
-                values += (total, norms)
-                result.norm_names = lane.param_names if len(norms) == len(lane.params) else \
-                    [name for name, p in zip(lane.param_names, lane.params, strict=True) if p.grad is not None]
-            meter.send(started, values)
-            result.in_flight = started
+    result = StepResult(step=step, lr=lr, t_wall_s=time.time(), scaled=scaled, scale=scale, skipped=skipped,
+                        activations_bytes=activations, fired_faults=faults.take_fired() if has_faults else ())
+    if meter.immediate:
+        result.step_ms = step_ms
+        result.loss = loss.item()
+        if scaled:
+            result.scale_after = scaler.get_scale()
+        if total is not None:
+            result.grad_norm = total.item()
+    else:
+        values = [loss]
+        if scaled:
+            values += (found_inf, scaler._get_scale_async())
+        if norms is not None:
+            values += (total, norms)
+            result.norm_names = lane.param_names if len(norms) == len(lane.params) else \
+                [name for name, p in zip(lane.param_names, lane.params, strict=True) if p.grad is not None]
+        meter.send(started, values)
+        result.in_flight = started
 
-        # After the window: the memory window's reads, forensics, sampled statistics (these may sync).
-        nonfinite_norm = result.grad_norm is not None and not math.isfinite(result.grad_norm)
-        if measure_memory or skipped or nonfinite_norm or collect_grad_stats:
-            probe_started = time.perf_counter()
-            if memory_start is not None:
-                result.peak_above_start_bytes = meter.close_memory_window(memory_start)
-                result.lane_peak_bytes = held_at_start + result.peak_above_start_bytes
-            if measure_memory:
-                result.held = held_bytes(lane.params, optimizer)
-            if skipped or nonfinite_norm:
-                result.bad_params = gradstats.nonfinite_params(lane.model)
-            if collect_grad_stats or skipped:
-                _grad_statistics(lane, result, before)
-            probe_s += time.perf_counter() - probe_started
-        result.probe_ms = probe_s * 1e3
+    # After the window: the memory window's reads, forensics, sampled statistics (these may sync).
+    nonfinite_norm = result.grad_norm is not None and not math.isfinite(result.grad_norm)
+    if measure_memory or skipped or nonfinite_norm or collect_grad_stats:
+        probe_started = time.perf_counter()
+        if memory_start is not None:
+            result.peak_above_start_bytes = meter.close_memory_window(memory_start)
+            result.lane_peak_bytes = held_at_start + result.peak_above_start_bytes
+        if measure_memory:
+            result.held = held_bytes(lane.params, optimizer)
+        if skipped or nonfinite_norm:
+            result.bad_params = gradstats.nonfinite_params(lane.model)
+        if collect_grad_stats or skipped:
+            _grad_statistics(lane, result, before)
+        probe_s += time.perf_counter() - probe_started
+    result.probe_ms = probe_s * 1e3
     return result
 
 
