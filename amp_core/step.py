@@ -120,10 +120,6 @@ class StepResult:
     norm_names: list[str] | None = None
     """The parameters whose norms are in flight, in order (None: no norms were sent)."""
 
-    @property
-    def resolved(self) -> bool:
-        return self.in_flight is None
-
 
 def grad_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-parameter L2 norms and their total (clip_grad_norm_'s figure), computed in float32: an fp16 norm
