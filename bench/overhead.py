@@ -2,11 +2,12 @@
 data, batch order, mode and optimizer, interleaved in one process (bare, runner, bare, runner ...) so machine noise
 hits both alike.
 
-The figure is the median time between consecutive steps, taken between consecutive records for the runner (so it
-holds everything the harness does between two steps: records, events, contexts, flushes) and between consecutive
-steps of the bare loop. Medians leave out the sampled probes (memory every 25 steps, gradient statistics every 50),
-whose cost the runner reports apart (`probe_ms`); the means that include them are printed too. The bare loop runs
-on a background thread with the intra-op threads the run chose (the runner's conditions).
+Each round runs the runner, then the bare loop, with the same intra-op threads (the run's measured choice; the bare
+loop runs on a background thread too). A round's ratio is the median time between consecutive steps of the runner
+(between consecutive records, so it holds everything the harness does between two steps: records, events,
+contexts, flushes) over the bare loop's; the figure is the median of the rounds' ratios. Medians leave out the
+sampled probes (memory every 25 steps, gradient statistics every 50), whose cost the runner reports apart
+(`probe_ms`); the means that include them are printed too, and so are the medians of all rounds pooled.
 
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
@@ -167,22 +168,28 @@ def main() -> None:
             for mode in modes:
                 config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=int(batch_size),
                                    size=size, device=args.device, fused_optimizer=args.fused)
-                bare, harness, chosen, probe_ms = [], [], [], []
+                bare, harness, chosen, probe_ms, round_ratios = [], [], [], [], []
                 bare_means, harness_means = [], []
                 for _ in range(args.rounds):
                     stamps, threads, probe = run_steps(config, store)
-                    harness += intervals_ms(stamps)
+                    runner_round = intervals_ms(stamps)
                     harness_means.append((stamps[-1] - stamps[WARMUP]) * 1e3 / (len(stamps) - 1 - WARMUP))
                     chosen.append(threads)
                     probe_ms.append(probe)
                     stamps = on_a_thread(bare_loop, threads, config, mode, args.steps)
-                    bare += intervals_ms(stamps)
+                    bare_round = intervals_ms(stamps)
                     bare_means.append((stamps[-1] - stamps[WARMUP]) * 1e3 / (len(stamps) - 1 - WARMUP))
+                    # A round is a pair run back to back with the same intra-op threads (the run's measured choice,
+                    # which can differ between rounds on a busy machine): its ratio compares like with like.
+                    round_ratios.append(statistics.median(runner_round) / statistics.median(bare_round))
+                    harness += runner_round
+                    bare += bare_round
                 runner_ms, bare_ms = statistics.median(harness), statistics.median(bare)
                 key = f"{workload}/{size}/b{batch_size}/{mode}"
-                ratios[key] = runner_ms / bare_ms
-                line = (f"{key:<34} runner_median_ms={runner_ms:.4f} bare_median_ms={bare_ms:.4f} "
-                        f"ratio={ratios[key]:.4f} | means incl. sampled probes: runner "
+                ratios[key] = statistics.median(round_ratios)
+                line = (f"{key:<34} ratio={ratios[key]:.4f} (median of rounds {min(round_ratios):.3f}.."
+                        f"{max(round_ratios):.3f}) | pooled medians: runner_ms={runner_ms:.4f} bare_ms={bare_ms:.4f} "
+                        f"ratio={runner_ms / bare_ms:.4f} | means incl. sampled probes: runner "
                         f"{statistics.fmean(harness_means):.4f} ms, bare {statistics.fmean(bare_means):.4f} ms, "
                         f"ratio={statistics.fmean(harness_means) / statistics.fmean(bare_means):.4f} | "
                         f"probe_ms_per_step={statistics.fmean(probe_ms):.4f} | run threads chosen "
