@@ -53,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument("--optimizer", default="adam")
     run.add_argument("--eps", type=float, default=1e-8, help="Adam/AdamW epsilon (16-true wants about 1e-4)")
+    run.add_argument("--fused-optimizer", action="store_true",
+                     help="fused Adam/AdamW kernel (with a GradScaler: no host sync in GradScaler.step)")
     run.add_argument("--scheduler", default="none", help="none | onecycle")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--size", default="small", help="small | medium | large")
+    run.add_argument("--size", default="small", help="small | medium | large | xl (a GPU size; not every workload)")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     run.add_argument("--data-dir", default="", help="MNIST idx folder for digits_mlp")
     run.add_argument("--grad-clip", type=float, default=0.0)
@@ -97,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         workload=args.workload, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eps=args.eps, optimizer=args.optimizer,
-        scheduler=args.scheduler,
+        fused_optimizer=args.fused_optimizer, scheduler=args.scheduler,
         seed=args.seed, size=args.size, device=args.device, data_dir=args.data_dir, grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
         faults=tuple(FaultSpec.parse(text) for text in args.fault))

@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("none", "onecycle")
-SIZES = ("small", "medium", "large")
+SIZES = ("small", "medium", "large", "xl")
+"""Every size a workload may offer; each workload lists its own (Workload.sizes). xl is a GPU size."""
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale")
 
@@ -145,12 +146,16 @@ class RunConfig:
     """adam | adamw | sgd."""
     eps: float = 1e-8
     """Adam/AdamW epsilon (torch's default 1e-8 rounds to 0 in fp16: 16-true with Adam wants about 1e-4)."""
+    fused_optimizer: bool = False
+    """Adam/AdamW as one fused kernel (torch's fused=True), where the device has it. With a GradScaler the optimizer
+    then skips an overflowed step on the device, and GradScaler.step needs no host sync."""
     scheduler: str = "none"
     """none | onecycle (OneCycleLR over `steps`)."""
     seed: int = 0
     """Seeds the initial weights and the batch order, identical in every lane."""
     size: str = "small"
-    """Workload size: small (seconds on a laptop CPU) | medium | large (the seed notes' full size)."""
+    """Workload size: small (seconds on a laptop CPU) | medium | large (the seed notes' full size) | xl (for a GPU:
+    tiny_transformer at GPT-2 small's shape). Each workload lists the sizes it has."""
     device: str = "auto"
     """auto | cpu | cuda."""
     data_dir: str = ""
@@ -162,13 +167,22 @@ class RunConfig:
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject on purpose (demos)."""
     memory_every: int = 25
-    """Measure activation bytes (saved-tensor hooks) every N steps; other steps carry the last figure."""
+    """Measure memory on steps 0, 1 and every N steps: bytes saved for backward (a forward of its own, outside the
+    timed step) and, on CUDA from step 1, the allocator peak of the lane's own step. Other steps carry the figures."""
     gradstats_every: int = 50
     """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
     amax_every: int = 0
     """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), after
     the lane's step, on a shadow copy of its model (one more copy of the weights per lane while the run lasts): the
     cost stays out of step_ms and is reported in the event as sample_ms. 0 turns it off."""
+    grad_norm_every: int = 25
+    """Measure the gradient norm (fp32) every N steps. It is measured on every step anyway when clipping, when faults
+    are planned, and in modes whose gradients overflow in ordinary training (16-mixed, 16-true); other steps record
+    NaN: on a small model the norm costs half the harness's whole budget per step. The default samples the steps
+    that measure memory, so fewer steps differ from the rest."""
+    intra_op_threads: int = 0
+    """Intra-op (OpenMP) threads of the run's own thread; 0 = measured: one where that is faster for this model on a
+    CPU, else the process's setting. Other threads, the user's included, keep their own."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
     name: str = ""
@@ -203,6 +217,12 @@ class RunConfig:
         _positive("memory_every", self.memory_every, int)
         _whole("gradstats_every", self.gradstats_every)
         _whole("amax_every", self.amax_every)
+        _positive("grad_norm_every", self.grad_norm_every, int)
+        _whole("intra_op_threads", self.intra_op_threads)
+        if not isinstance(self.fused_optimizer, bool):
+            raise ConfigError("fused_optimizer", f"must be true or false, got {self.fused_optimizer!r}")
+        if self.fused_optimizer and self.optimizer == "sgd":
+            raise ConfigError("fused_optimizer", "a fused kernel is offered for adam and adamw, not sgd")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (saved with every run)."""
@@ -239,8 +259,17 @@ def check_launch(config: RunConfig) -> None:
 
     if config.workload not in WORKLOADS:
         raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
+    sizes = WORKLOADS[config.workload].sizes
+    if config.size not in sizes:
+        raise ConfigError("size", f"{config.workload} has no size {config.size!r}; it has {', '.join(sizes)}")
     for mode in config.modes:
         ok, reason = availability(mode, config.device)
         if not ok:
             raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+    if config.fused_optimizer:
+        from amp_core.precision import fused_optimizer_support
+
+        ok, reason = fused_optimizer_support(config.device)
+        if not ok:
+            raise ConfigError("fused_optimizer", reason)
     WORKLOADS[config.workload].check_config(config)

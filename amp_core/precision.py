@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.switches import lane_step_switches
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable; one less object per step
+
 # Lightning's vocabulary, in the order the UI lists them.
 MODES: tuple[str, ...] = ("32-true", "tf32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
@@ -35,18 +39,23 @@ class Precision:
     autocast_dtype: torch.dtype | None
     uses_scaler: bool
     tf32: bool
+    watch_grads: bool = False
+    """Gradients can hold inf/NaN in ordinary training (fp16 math): their norm is measured on every step, so a step
+    the scaler skipped, or one that applied inf/NaN with no scaler to catch it, names its parameters."""
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
-    def math_context(self) -> contextlib.AbstractContextManager:
-        """Context for a whole step: sets the TF32 flags (process-global) for this lane only."""
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Context for a whole lane step. On CUDA: the process-wide step lock, with the TF32 flags (process-global)
+        set for this lane and put back afterwards. On a CPU, nothing: TF32 is a CUDA format, and intra-op threads
+        are each thread's own (see switches.pin_intra_op_threads)."""
         if self.device_type != "cuda":
-            return contextlib.nullcontext()
-        return _tf32_flags(self.tf32)
+            return _NO_CONTEXT
+        return lane_step_switches(self.tf32)
 
     def make_scaler(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                     backoff_factor: float = 0.5, growth_interval: int = 2000) -> torch.amp.GradScaler:
@@ -62,6 +71,9 @@ class Precision:
 
     def prepare_input(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to the device; floating inputs take the parameter dtype."""
+        if self.device == "cpu" and tensor.is_cpu and (tensor.dtype is self.param_dtype
+                                                       or not tensor.is_floating_point()):
+            return tensor  # already where and what it must be: the dispatcher's no-op .to() costs a microsecond
         if tensor.is_floating_point():
             return tensor.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
         return tensor.to(device=self.device, non_blocking=True)
@@ -75,17 +87,6 @@ class Precision:
 @functools.lru_cache(maxsize=16)
 def _device_type(device: str) -> str:
     return torch.device(device).type  # parsing a device string costs microseconds, on every step
-
-
-@contextlib.contextmanager
-def _tf32_flags(enabled: bool):
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 _SPECS: dict[str, tuple[torch.dtype, torch.dtype | None, bool, bool]] = {
@@ -119,7 +120,7 @@ def get_precision(mode: str, device: str = "cpu") -> Precision:
         raise ValueError(f"mode {mode!r} cannot run on {device}: {reason}")
     param_dtype, autocast_dtype, scaler, tf32 = _SPECS[mode]
     return Precision(mode=mode, device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                     uses_scaler=scaler, tf32=tf32)
+                     uses_scaler=scaler, tf32=tf32, watch_grads=torch.float16 in (param_dtype, autocast_dtype))
 
 
 def cpu_has_native(dtype: torch.dtype) -> bool:
@@ -183,3 +184,13 @@ def default_modes(device: str = "cpu") -> list[str]:
     if device.startswith("cuda"):
         return ["32-true", "bf16-mixed" if availability("bf16-mixed", device)[0] else "16-mixed"]
     return ["32-true", "bf16-mixed" if cpu_has_native(torch.bfloat16) else "16-mixed"]
+
+
+def fused_optimizer_support(device: str = "auto") -> tuple[bool, str]:
+    """(ok, reason): whether torch has fused Adam/AdamW kernels for `device` (asked by building one)."""
+    device = resolve_device(device)
+    try:
+        torch.optim.Adam([torch.nn.Parameter(torch.zeros(1, device=device))], fused=True)
+    except (RuntimeError, ValueError) as exc:
+        return False, f"torch has no fused Adam/AdamW on {device}: {exc}"
+    return True, "supported"

@@ -11,13 +11,14 @@ import time
 import traceback
 import uuid
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
 from amp_core.config import ConfigError, RunConfig, check_launch
-from amp_core.measure import optimizer_state_tensors, tensor_bytes
+from amp_core.measure import tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
 from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
@@ -25,11 +26,16 @@ from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.records import Event, StepRecord, empty_steps_frame
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore
-from amp_core.step import LaneState, record_step_events, train_step
+from amp_core.step import LaneState, StepResult, record_step_events, resolve_step, train_step
+from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.workloads import WORKLOADS, Data, Workload
 
-PROCESS_THREADS = torch.get_num_threads()
-"""Intra-op threads the process started with; each run thread starts from (and returns to) this."""
+RESOLVE_EVERY_S = 0.25
+"""On CUDA, lane steps whose figures have reached the host become records at least this often."""
+RESOLVE_BATCH = 32
+"""... and whenever this many lane steps are waiting (a query per step waiting, never a wait)."""
+MAX_IN_FLIGHT = 256
+"""At this many lane steps ahead of the device the loop waits for the oldest (see Run._resolve)."""
 
 
 @dataclass(slots=True)
@@ -69,6 +75,16 @@ class Lane:
         self.held = HeldBytes()
         self.activations_bytes = 0
         """Bytes saved for backward at the last measured step (carried between measurements)."""
+        self.peak_above_start_bytes: int | None = None
+        """CUDA: the allocator peak above its step's start at the last measured step (carried between)."""
+        self.peak_bytes: int | None = None
+        """CUDA: the lane's own peak at the last measured step (carried between)."""
+
+    def lane_peak_bytes(self, on_cuda: bool) -> int | None:
+        """The lane's own peak (see StepRecord.lane_peak_bytes), from the last measurements."""
+        if on_cuda:
+            return self.peak_bytes
+        return self.held.params_bytes + self.held.grads_bytes + self.held.optim_bytes + self.activations_bytes
 
 
 def build_optimizer(config: RunConfig, model: torch.nn.Module):
@@ -76,7 +92,8 @@ def build_optimizer(config: RunConfig, model: torch.nn.Module):
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return cls(params, lr=config.lr, eps=config.eps)
+    # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
+    return cls(params, lr=config.lr, eps=config.eps, fused=True if config.fused_optimizer else None)
 
 
 def divergence_hint(config: RunConfig, precision: Precision) -> str:
@@ -98,24 +115,27 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
     scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
                                    s.backoff_factor, s.growth_interval)
     state = LaneState(index=index, precision=precision, workload=workload, model=model, optimizer=optimizer,
-                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode))
+                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode),
+                      grad_norm_every=config.grad_norm_every)
     if config.scheduler == "onecycle":
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
                                                               cycle_momentum=config.optimizer == "sgd")
     return state
 
 
-def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> str:
-    """Set the calling thread's intra-op threads, measured: 1 when that is faster for this model. Says what it chose.
+def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
+    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: 1 when that is
+    faster for this model, else the process's setting. Says what it chose.
 
     On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
     workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
     than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
     only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
-    The caller restores PROCESS_THREADS when its thread ends.
     """
-    default = PROCESS_THREADS
-    torch.set_num_threads(default)
+    if requested:
+        pin_intra_op_threads(requested)
+        return f"{requested} intra-op thread(s), as configured"
+    default = pin_intra_op_threads(process_intra_op_threads())
     if default <= 1 or state.precision.device_type != "cpu":
         return f"{default} intra-op thread(s)"
     model = copy.deepcopy(state.model)
@@ -134,10 +154,10 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -
     multi = forward_backward_s()
     if multi > 0.05:
         return f"{default} intra-op threads"
-    torch.set_num_threads(1)
+    pin_intra_op_threads(1)
     single = forward_backward_s()
     if single >= multi:
-        torch.set_num_threads(default)
+        pin_intra_op_threads(default)
         return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
@@ -165,6 +185,11 @@ class Run:
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._amax_samplers: dict[int, LayerAmaxSampler] = {}
         """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
+        self._samples = 0
+        """Samples in the current batch (for samples/s)."""
+        self._in_flight: deque[tuple[Lane, LaneState, StepResult, int]] = deque()
+        """CUDA lane steps whose figures are still on their way to the host, oldest first."""
+        self._resolve_at = 0.0
         self.data: Data | None = None
 
     # --- control -------------------------------------------------------------------------------------------
@@ -247,7 +272,6 @@ class Run:
                 if lane.status in ("pending", "running"):
                     lane.status, lane.error = "failed", str(exc)
         finally:
-            torch.set_num_threads(PROCESS_THREADS)
             for lane in self.lanes:
                 lane.state = None  # free the models; records stay
             self._amax_samplers.clear()
@@ -272,7 +296,7 @@ class Run:
         self._generator = torch.Generator().manual_seed(config.seed)
         first = self.lanes[0].state
         threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
-                                                         config.batch_size))
+                                                         config.batch_size), config.intra_op_threads)
         self.sink.event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
                         intra_op_threads=torch.get_num_threads())
 
@@ -281,16 +305,24 @@ class Run:
         for step in range(config.steps):
             # Every lane sees this same batch, in the same order.
             self._batch = self.data.sample(self._generator, config.batch_size)
+            self._samples = WORKLOADS[config.workload].samples_in(self._batch)
+            stepped = False
             for lane in self.lanes:
                 if not self._resume.is_set():
+                    self._resolve(wait=True)  # a paused run shows every step it made
+                    self.sink.flush()
                     self._resume.wait()
                 if self._stop.is_set():
                     break
                 if lane.status == "running":
                     self._run_lane_step(lane, step)
+                    stepped = True
+                if self._in_flight and (len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at):
+                    self._resolve()
                 self.sink.flush_if_due()
-            if self._stop.is_set() or not any(lane.status == "running" for lane in self.lanes):
+            if self._stop.is_set() or not stepped:
                 break
+        self._resolve(wait=True)
         stopped = self._stop.is_set()
         for lane in self.lanes:
             if lane.status == "running":
@@ -302,41 +334,72 @@ class Run:
 
     def _run_lane_step(self, lane: Lane, step: int) -> None:
         config, state = self.config, lane.state
-        measure = step % config.memory_every == 0
+        measure = step <= 1 or step % config.memory_every == 0
         stats = config.gradstats_every > 0 and step % config.gradstats_every == 0
         try:
             with self._step_lock:
-                result = train_step(state, self._batch, step, measure_activations=measure, collect_grad_stats=stats)
+                result = train_step(state, self._batch, step, measure_memory=measure, collect_grad_stats=stats)
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
+            self._resolve(wait=True)  # its earlier steps still become records
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
             lane.state = None
             self._amax_samplers.pop(lane.index, None)
             self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
             return
-        if step == 0:
-            lane.held.grads_bytes = tensor_bytes(p.grad for p in state.params if p.grad is not None)
-            lane.held.optim_bytes = tensor_bytes(optimizer_state_tensors(state.optimizer))
+        if result.in_flight is None:
+            self._record(lane, state, result, self._samples)
+        else:
+            self._in_flight.append((lane, state, result, self._samples))
+        if self.config.amax_every and step % self.config.amax_every == 0 and lane.state is not None:
+            self._sample_layer_amax(lane, step)
+
+    def _resolve(self, wait: bool = False) -> None:
+        """Turn CUDA lane steps whose figures have reached the host into records, oldest first, stopping at the first
+        still on its way; `wait` waits for all of them (a host sync: the run's end, a pause, a failing lane).
+
+        Past MAX_IN_FLIGHT waiting steps the oldest is waited for: the host is then that many steps ahead of the
+        device, so the wait costs the device nothing (the launch queue would stop the host soon anyway).
+        """
+        while self._in_flight:
+            lane, state, result, samples = self._in_flight[0]
+            ready = state.meter.ready(result.in_flight)
+            if not (ready or wait or len(self._in_flight) >= MAX_IN_FLIGHT):
+                break
+            self._in_flight.popleft()
+            resolve_step(state.meter, result, wait=not ready)
+            self._record(lane, state, result, samples)
+        self._resolve_at = time.monotonic() + RESOLVE_EVERY_S
+
+    def _record(self, lane: Lane, state: LaneState, result: StepResult, samples: int) -> None:
+        """One resolved lane step -> its StepRecord and events; a non-finite loss stops the lane (on CUDA it is
+        noticed here, when the figures arrive, so the lane may have queued a few more steps: they are dropped)."""
+        if result.held is not None:
+            lane.held = HeldBytes(*result.held)
         if result.activations_bytes is not None:
             lane.activations_bytes = result.activations_bytes
-        samples = state.workload.samples_in(self._batch)
-        held = lane.held
+        if result.peak_above_start_bytes is not None:
+            lane.peak_above_start_bytes, lane.peak_bytes = result.peak_above_start_bytes, result.lane_peak_bytes
+        step, held = result.step, lane.held
         self.sink.step(StepRecord(
-            run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=time.time(),
+            run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=result.t_wall_s,
             loss=result.loss, step_ms=result.step_ms, samples_per_s=samples / (result.step_ms / 1e3),
-            lr=result.lr, scale=result.scale, skipped=result.skipped, grad_norm=result.grad_norm,
+            lr=result.lr, scale=result.scale, skipped=bool(result.skipped),
+            grad_norm=math.nan if result.grad_norm is None else result.grad_norm,
             params_bytes=held.params_bytes, grads_bytes=held.grads_bytes, optim_bytes=held.optim_bytes,
-            activations_bytes=lane.activations_bytes, cuda_peak_bytes=result.cuda_peak_bytes))
+            activations_bytes=lane.activations_bytes, peak_above_start_bytes=lane.peak_above_start_bytes,
+            lane_peak_bytes=lane.lane_peak_bytes(not state.meter.immediate), probe_ms=result.probe_ms))
         lane.steps_done = step + 1
-        record_step_events(self.sink, lane.index, step, result, state.faults)
-        if config.amax_every and step % config.amax_every == 0:
-            self._sample_layer_amax(lane, step)
-        if not math.isfinite(result.loss) and config.stop_on_divergence:
-            hint = divergence_hint(config, state.precision)
+        record_step_events(self.sink, lane.index, result)
+        if not math.isfinite(result.loss) and self.config.stop_on_divergence and lane.status == "running":
+            dropped = [entry for entry in self._in_flight if entry[0] is lane]
+            self._in_flight = deque(entry for entry in self._in_flight if entry[0] is not lane)
+            hint = divergence_hint(self.config, state.precision)
             lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
             lane.state = None
             self._amax_samplers.pop(lane.index, None)
-            self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step)
-        elif lane.steps_done >= config.steps:
+            self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step,
+                            steps_run_after=len(dropped))
+        elif lane.steps_done >= self.config.steps and lane.status == "running":
             lane.status = "finished"
 
     def _sample_layer_amax(self, lane: Lane, step: int) -> None:

@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/numerics.py` from anywhere
 
-from amp_core import runner
 from amp_core.config import RunConfig
 from amp_core.precision import get_precision
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, probe_step
@@ -103,7 +102,8 @@ def amax_sampling_ratio(workload: str, mode: str, steps: int, every: int, pairs:
     """Wall time per step with sampling every `every` steps against without, from the steps of the sampled runs
     themselves: the gaps between step records that hold a sample against those that do not, interleaved at step
     granularity in one process, so machine load hits both alike. Paired runs without sampling are the cross-check."""
-    base = RunConfig(workload=workload, modes=(mode,), steps=steps, batch_size=64, device="cpu", gradstats_every=0)
+    base = RunConfig(workload=workload, modes=(mode,), steps=steps, batch_size=64, device="cpu", gradstats_every=0,
+                     intra_op_threads=1)
     sampled_config = RunConfig.from_dict({**base.to_dict(), "amax_every": every})
     run_figures(base)  # warm-up
     plain, sampled = [], []
@@ -148,9 +148,6 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # both sides on one thread, so the ratio is not thread-scheduling noise
-    # Runs too: a run measures whether one intra-op thread beats the process's count, a choice that noise on a
-    # shared machine can tip either way; starting from one thread, every run trains alike.
-    runner.PROCESS_THREADS = 1
     ratios = [numerics_ratio(name, mode, args.batch_size, args.repeats)
               for mode in args.modes.split(",") for name in WORKLOADS_TIMED]
     sampling = amax_sampling_ratio(args.amax_workload, args.amax_mode, args.amax_steps, 100, args.amax_pairs)

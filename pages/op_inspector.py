@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from amp_core.config import SIZES, ConfigError, RunConfig
+from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
 from amp_core.views import optrace as trace_views
@@ -37,7 +37,7 @@ def workload_traces() -> list[optrace.OpTrace]:
     names = list(WORKLOADS)
     workload = left.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD), key="opi_workload",
                               format_func=lambda name: WORKLOADS[name].title)
-    size = middle.selectbox("Size", SIZES, key="opi_size")
+    size = middle.selectbox("Size", list(WORKLOADS[workload].sizes), key="opi_size")
     batch_size = right.number_input("Batch size", min_value=1, max_value=1024, value=optrace.DEFAULT_TRACE_BATCH,
                                     key="opi_batch", help="Dtypes do not depend on it; shapes and FLOPs do.")
     preferred = "bf16-mixed" if "bf16-mixed" in runnable else runnable[-1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from amp_core.config import OPTIMIZERS, SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import BASELINE_MODE, MODE_HELP, availability, default_modes, resolve_device, runnable_modes
-from amp_core.probes.cost import SLOW_FACTOR, ProbeBoard, ProbeResult, relative_costs
+from amp_core.probes.cost import SLOW_FACTOR, ProbeBoard, ProbeResult, estimate_step, relative_costs
 from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import plots
 from amp_core.views.live import RecordFollower, format_ratio, format_scale
@@ -40,7 +40,8 @@ with st.container(border=True):
     c1, c2, c3 = st.columns([2, 1, 3])
     workload = c1.selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEFAULT_WORKLOAD),
                             format_func=lambda name: WORKLOADS[name].title, key="train_workload")
-    size = c2.selectbox("Size", SIZES, key="train_size", help="small runs in seconds on a laptop CPU")
+    size = c2.selectbox("Size", list(WORKLOADS[workload].sizes), key="train_size",
+                        help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
     modes = c3.multiselect("Precision modes (one lane each)", available,
                            default=[m for m in default_modes(device) if m in available], key="train_modes",
                            help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in available))
@@ -60,10 +61,14 @@ with st.container(border=True):
         growth_factor = g2.number_input("Growth factor", value=2.0, key="train_growth")
         backoff_factor = g3.number_input("Backoff factor", value=0.5, key="train_backoff")
         growth_interval = g4.number_input("Growth interval (steps)", value=2000, step=100, key="train_interval")
-    with st.expander("More: Adam eps, gradient clipping, faults, name"):
+    with st.expander("More: Adam eps, fused Adam, gradient clipping, faults, name"):
         m0, m1, m2, m3 = st.columns([1, 1, 3, 2])
         eps = m0.number_input("Adam/AdamW eps", value=1e-8, format="%.1e", key="train_eps",
                               help="torch's default 1e-8 is 0 in fp16: a 16-true lane with Adam needs about 1e-4.")
+        fused = m0.toggle("Fused Adam/AdamW", key="train_fused",
+                          help="One fused kernel for the update, where the device has it; with a GradScaler the "
+                               "optimizer skips an overflowed step on the device, and GradScaler.step needs no host "
+                               "sync.")
         grad_clip = m1.number_input("Clip grad norm (0 = off)", value=0.0, key="train_clip")
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
                                     help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
@@ -75,7 +80,8 @@ config: RunConfig | None = None
 try:
     config = RunConfig(
         workload=workload, size=size, modes=tuple(modes), steps=int(steps), batch_size=int(batch_size),
-        optimizer=optimizer, lr=float(lr), eps=float(eps), scheduler="onecycle" if onecycle else "none", seed=int(seed),
+        optimizer=optimizer, lr=float(lr), eps=float(eps), fused_optimizer=bool(fused),
+        scheduler="onecycle" if onecycle else "none", seed=int(seed),
         grad_clip=float(grad_clip), name=name.strip(),
         scaler=ScalerConfig(init_scale=float(init_scale), growth_factor=float(growth_factor),
                             backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),
@@ -100,6 +106,24 @@ def cost_table(costs: pd.DataFrame) -> None:
                "is flagged. A run going at the same time shares the cores and skews these figures.")
 
 
+@st.cache_data(show_spinner="Estimating what a step would take…")
+def step_estimates(workload: str, size: str, batch_size: int, modes: tuple[str, ...], device: str) -> pd.DataFrame:
+    """Per mode: an estimate of one step's time (counted FLOPs ÷ this device's measured matmul rate), or why not."""
+    rows = []
+    for mode in modes:
+        try:
+            estimate = estimate_step(workload, size, batch_size, mode, device)
+        except (ConfigError, RuntimeError) as error:
+            rows.append({"mode": mode, "estimated time / step": f"cannot estimate: {error}", "basis": ""})
+            continue
+        seconds = estimate.ms_per_step / 1e3
+        rows.append({"mode": mode, "estimated time / step": f"≈ {seconds:.3g} s (estimate)" if seconds >= 1
+                     else f"≈ {estimate.ms_per_step:.3g} ms (estimate)",
+                     "basis": f"{estimate.flops_per_step / 1e9:,.0f} GFLOP ÷ {estimate.matmul_flops_per_s / 1e9:.3g} "
+                              f"GFLOP/s ({estimate.compute_dtype} matmul)"})
+    return pd.DataFrame(rows, columns=["mode", "estimated time / step", "basis"])
+
+
 def probe_outcomes(config: RunConfig) -> dict[str, ProbeResult | str | None]:
     """Each mode's probe (32-true first, as the yardstick): a result, an error text, or None while measuring."""
     modes = [BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE]
@@ -120,7 +144,14 @@ if config is not None:
             st.markdown(f"**What each mode costs here** · {WORKLOADS[config.workload].title}, {config.size}, "
                         f"batch {config.batch_size}")
             if config.size != "small" and probe_key not in asked:
-                st.caption("One step at this size can take a while in a slow mode, so the probe waits for you.")
+                modes = tuple([BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE])
+                st.dataframe(step_estimates(config.workload, config.size, config.batch_size, modes, device),
+                             hide_index=True, key="train_estimate_table")
+                st.caption("**Estimates, not measurements**: the FLOPs of one forward and backward (counted by "
+                           "torch.utils.flop_counter) ÷ the rate this device reached on a real matmul in the mode's "
+                           "dtype. Elementwise ops, the optimizer and launch overheads are left out: a real step "
+                           "takes longer. One step at this size can take a while in a slow mode, so measuring waits "
+                           "for you.")
                 if st.button("Measure the cost of each mode", key="train_probe_go"):
                     asked.add(probe_key)
                     st.rerun()
@@ -193,7 +224,8 @@ def headline_cards(info: dict, series: list[LaneSeries]) -> None:
             m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
                       help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
             m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
-                      help="Peak bytes held (CUDA allocator peak where there is one) ÷ the baseline lane's.")
+                      help="The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, "
+                           "its step's allocator peak above the step's start (other lanes do not inflate it).")
             st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
                        f"scale {format_scale(head['scale'])}")
 

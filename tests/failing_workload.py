@@ -12,23 +12,28 @@ HUGE_BYTES = 1 << 60
 
 
 class AllocatesTooMuchAt(nn.Module):
-    """Wraps a model; its training forward number `step` under autocast asks the allocator for HUGE_BYTES.
+    """Wraps a model; under autocast, its forward on the `step`-th batch it sees asks the allocator for HUGE_BYTES.
 
-    Only lanes that run under autocast (16-mixed, bf16-mixed) reach that allocation, so a 32-true lane beside them
-    trains on: one lane fails the way a too-large model or batch fails, the others do not.
+    Batches are told apart by their storage (a step's batch is a new tensor while the last one is still alive), so a
+    measuring forward on the same batch (the saved-tensor memory probe) does not count as another step. Only lanes
+    that run under autocast (16-mixed, bf16-mixed) reach that allocation, so a 32-true lane beside them trains on:
+    one lane fails the way a too-large model or batch fails, the others do not.
     """
 
     def __init__(self, inner: nn.Module, step: int):
         super().__init__()
         self.inner = inner
         self.step = step
-        self.training_forwards = 0
+        self.batches_seen = 0
+        self._last_batch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
-            if self.training_forwards == self.step:
+            if x.data_ptr() != self._last_batch:
+                self._last_batch = x.data_ptr()
+                self.batches_seen += 1
+            if self.batches_seen == self.step + 1:
                 torch.empty(HUGE_BYTES, dtype=torch.uint8, device=x.device)
-            self.training_forwards += 1
         return self.inner(x)
 
 

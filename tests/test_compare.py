@@ -83,7 +83,7 @@ def test_gather_reads_the_same_records_from_memory_and_from_the_store(two_runs):
         assert lane["step"].tolist() == list(range(len(lane)))
     assert len(from_memory) == 8 + 12
     assert from_memory["scale"].notna().all()  # both lanes are 16-mixed
-    assert from_memory["cuda_peak_bytes"].isna().all() and str(from_memory["params_bytes"].dtype) == "Int64"
+    assert from_memory["peak_above_start_bytes"].isna().all() and str(from_memory["params_bytes"].dtype) == "Int64"
 
 
 def test_gather_nothing_gives_an_empty_frame_summarize_accepts(two_runs):

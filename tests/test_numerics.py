@@ -6,11 +6,11 @@ import copy
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from amp_core import runner
 from amp_core.config import ConfigError, RunConfig, ScalerConfig
 from amp_core.precision import get_precision
 from amp_core.probes import numerics
@@ -410,16 +410,17 @@ def test_a_sampler_follows_the_models_weights_as_they_train():
     assert all(not m._forward_hooks for m in model.modules())
 
 
-def test_amax_sampling_changes_nothing_the_run_measures(monkeypatch, no_leaked_threads):
-    monkeypatch.setattr(runner, "PROCESS_THREADS", 1)  # both runs on one thread: the same kernels, the same sums
+def test_amax_sampling_changes_nothing_the_run_measures(no_leaked_threads):
+    # Both runs on one intra-op thread: the same kernels, the same sums.
     base = RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=30, batch_size=16, device="cpu",
-                     gradstats_every=0)
+                     gradstats_every=0, intra_op_threads=1)
     plain = Run(base).start()
     plain.join()
     sampled = Run(RunConfig.from_dict({**base.to_dict(), "amax_every": 7})).start()
     sampled.join()
     assert list(sampled.frame()["loss"]) == list(plain.frame()["loss"])
-    assert list(sampled.frame()["grad_norm"]) == list(plain.frame()["grad_norm"])
+    # grad_norm is NaN on the steps that do not measure it, the same steps in both runs
+    np.testing.assert_array_equal(sampled.frame()["grad_norm"].to_numpy(), plain.frame()["grad_norm"].to_numpy())
     events = [e for e in sampled.events() if e.kind == numerics.LAYER_AMAX_EVENT]
     assert sorted((e.lane, e.step) for e in events) == [(lane, step) for lane in (0, 1) for step in (0, 7, 14, 21, 28)]
     assert not [e for e in plain.events() if e.kind == numerics.LAYER_AMAX_EVENT]

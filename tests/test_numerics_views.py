@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from amp_core import runner
 from amp_core.cli import main
 from amp_core.config import RunConfig
 from amp_core.probes import numerics
@@ -62,9 +61,8 @@ def grown():
     """A real run: 32-true and 16-mixed lanes, amax sampled every step, the activation doubling each step."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(WORKLOADS, "growing", Growing())
-        patch.setattr(runner, "PROCESS_THREADS", 1)
         run = Run(RunConfig(workload="growing", modes=("32-true", "16-mixed"), steps=24, batch_size=32,
-                            device="cpu", gradstats_every=0, amax_every=1)).start()
+                            device="cpu", gradstats_every=0, amax_every=1, intra_op_threads=1)).start()
         run.join(120)
     events = pd.DataFrame([{"kind": e.kind, "lane": e.lane, "step": e.step, "data": e.data} for e in run.events()])
     return run, views.amax_samples(events)

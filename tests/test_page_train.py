@@ -165,7 +165,18 @@ def test_run_picker_lists_runs_from_before_a_restart(fresh_store):
     assert sum("interrupted" in warning.value for warning in at.warning) == 2
 
 
-def test_a_large_size_waits_for_the_user_before_probing(app):
+def test_a_large_size_waits_for_the_user_before_probing_and_shows_an_estimate(app):
     app.selectbox(key="train_size").set_value("large").run()
-    assert not app.exception and not app.dataframe
-    assert app.button(key="train_probe_go")
+    assert not app.exception and app.button(key="train_probe_go")
+    (table,) = app.dataframe  # the estimate, not a probe's table
+    estimates = table.value
+    assert list(estimates.columns) == ["mode", "estimated time / step", "basis"]
+    assert estimates["mode"].iloc[0] == "32-true"
+    assert estimates["estimated time / step"].str.endswith("(estimate)").all()
+    assert any("Estimates, not measurements" in caption.value for caption in app.caption)
+
+
+def test_the_size_picker_lists_the_workloads_own_sizes_with_the_gpu_size(app):
+    assert "xl" not in app.selectbox(key="train_size").options  # digits_mlp has no GPU size
+    app.selectbox(key="train_workload").set_value("tiny_transformer").run()
+    assert app.selectbox(key="train_size").options == ["small", "medium", "large", "xl"]

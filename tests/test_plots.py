@@ -101,7 +101,10 @@ def test_memory_bars_are_the_latest_bytes_held(cuda):
     assert bars["bf16-mixed"]["parameters"] == 8000
     assert bars["32-true"]["activations"] == 2900  # the last step's figure
     assert bars["32-true"]["total held"] == 4000 + 4000 + 8000 + 2900
-    assert ("CUDA peak (step)" in bars["32-true"]) is cuda
+    assert ("lane peak (CUDA)" in bars["32-true"]) is cuda
+    assert ("step peak above its start (CUDA)" in bars["32-true"]) is cuda
+    if cuda:
+        assert bars["32-true"]["lane peak (CUDA)"] == 3 * 2**20
     assert figure["layout"]["yaxis"]["title"]["text"] == ("MiB" if cuda else "KiB")
 
 

@@ -15,7 +15,7 @@ CPU_MODES = [mode for mode in MODES if availability(mode, "cpu")[0]]
 
 
 def lane_records(run_id, lane, mode, step_ms, losses, *, params, grads, optim, activations, skipped=None,
-                 cuda_peak=None):
+                 lane_peak=None):
     """One lane's step records; memory figures are per-step lists or one number for every step."""
     n = len(step_ms)
 
@@ -27,7 +27,8 @@ def lane_records(run_id, lane, mode, step_ms, losses, *, params, grads, optim, a
         "loss": losses, "step_ms": step_ms, "samples_per_s": 1.0, "lr": 1e-3,
         "scale": 65536.0 if mode == "16-mixed" else None, "skipped": skipped or [False] * n, "grad_norm": 1.0,
         "params_bytes": per_step(params), "grads_bytes": per_step(grads), "optim_bytes": per_step(optim),
-        "activations_bytes": per_step(activations), "cuda_peak_bytes": per_step(cuda_peak),
+        "activations_bytes": per_step(activations), "peak_above_start_bytes": None,
+        "lane_peak_bytes": per_step(lane_peak), "probe_ms": 0.0,
     }, columns=list(STEP_FIELDS))
 
 
@@ -37,7 +38,8 @@ def interleave(*lanes: pd.DataFrame) -> pd.DataFrame:
                                                            ignore_index=True)
 
 
-# Run "r1": lane 0 in fp32, lane 1 in 16-mixed. Run "r2": one bf16-true lane reporting a CUDA peak.
+# Run "r1": lane 0 in fp32, lane 1 in 16-mixed (records without a lane peak). Run "r2": one bf16-true lane
+# reporting its own peak.
 FP32 = lane_records("r1", 0, "32-true", [12.0, 10.0, 10.0, 40.0], [4.0, 3.0, 2.0, 1.0],
                     params=1000, grads=1000, optim=[0, 2000, 2000, 2000], activations=[600, 500, 500, 500])
 # median ms 11; held bytes per step: 2600, 4500, 4500, 4500 -> peak 4500; final loss (k=2): (2 + 1) / 2 = 1.5
@@ -47,8 +49,8 @@ FP16 = lane_records("r1", 1, "16-mixed", [6.0, 5.0, 5.0, 30.0], [4.0, math.inf, 
 # median 5.5 -> speedup 11 / 5.5 = 2; peak 3250 -> ratio 3250 / 4500; final (2.5 + 1.5) / 2 = 2 -> delta +0.5;
 # one skipped step; its inf loss was transient, so it did not diverge.
 BF16 = lane_records("r2", 0, "bf16-true", [8.0, 8.0, 8.0], [3.0, math.nan, math.nan],
-                    params=100, grads=100, optim=0, activations=100, cuda_peak=[9000, 8000, 7000])
-# median 8 -> speedup 11 / 8; CUDA peak 9000 -> ratio 2; the last two losses are NaN: final loss NaN, diverged.
+                    params=100, grads=100, optim=0, activations=100, lane_peak=[9000, 8000, 7000])
+# median 8 -> speedup 11 / 8; lane peak 9000 -> ratio 2; the last two losses are NaN: final loss NaN, diverged.
 
 
 def by_key(summary: pd.DataFrame) -> dict[str, dict]:
@@ -116,7 +118,7 @@ def test_without_an_fp32_lane_the_first_lane_is_the_baseline():
     assert rows["r2/0"]["speedup"] == 1.0 and rows["r1/1"]["speedup"] == pytest.approx(8 / 5.5)
 
 
-def test_peak_bytes_prefers_the_cuda_peak_and_falls_back_row_by_row():
+def test_peak_bytes_prefers_the_lane_peak_and_falls_back_row_by_row():
     frame = pd.concat([FP32.iloc[:2], BF16.iloc[:1]], ignore_index=True)
     assert peak_bytes(frame).tolist() == [2600.0, 4500.0, 9000.0]
 

@@ -3,10 +3,14 @@
 The Train page shows it before launch, because the brochure speedups do not hold everywhere: on a CPU without
 native fp16, 16-mixed autocast made a 1x1-conv CNN 62x slower than fp32. The probe runs the real training step
 (the runner's lane set-up and `train_step`) for a few steps per mode, under a time cap.
+
+For sizes too slow to probe (a GPU size on a CPU), `estimate_step` says what a step would take before anyone
+launches it: an ESTIMATE, from counted FLOPs and a measured matmul rate, and marked as one wherever it is shown.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -16,9 +20,9 @@ import pandas as pd
 import torch
 
 from amp_core.config import RunConfig, check_launch
-from amp_core.precision import BASELINE_MODE, resolve_device
-from amp_core.runner import PROCESS_THREADS, build_lane_state, choose_threads
-from amp_core.step import train_step
+from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
+from amp_core.runner import build_lane_state, choose_threads
+from amp_core.step import resolve_step, train_step
 from amp_core.workloads import WORKLOADS
 
 SLOW_FACTOR = 1.5
@@ -31,7 +35,7 @@ class ProbeResult:
 
     mode: str
     ms_per_step: float
-    """Median of the timed steps (each step's own measured wall time, device-synchronised on CUDA)."""
+    """Median of the timed steps (each step's own measured time: perf_counter on a CPU, CUDA events on a GPU)."""
     steps_timed: int
     capped: bool
     """The time cap cut the probe short (fewer steps than asked)."""
@@ -52,20 +56,22 @@ def probe_mode(workload: str, size: str, batch_size: int, mode: str, device: str
     model = work.build_model(size, data)
     state = build_lane_state(config, 0, mode, model, work, resolve_device(device))
     generator = torch.Generator().manual_seed(seed)
-    try:
-        # The same thread choice a run makes, or the probe would time conditions no run trains under.
-        choose_threads(state, data.sample(torch.Generator().manual_seed(seed + 1), batch_size))
-        started = time.perf_counter()
-        warmup = train_step(state, data.sample(generator, batch_size), 0)  # first-call dispatch, allocator costs
-        times = []
-        for step in range(1, steps + 1):
-            if time.perf_counter() - started >= time_cap_s:
-                break
-            times.append(train_step(state, data.sample(generator, batch_size), step).step_ms)
-    finally:
-        torch.set_num_threads(PROCESS_THREADS)
+
+    def step_ms(step: int) -> float:
+        # The probe needs each step's time now: on CUDA that waits for the step (the probe is no run).
+        return resolve_step(state.meter, train_step(state, data.sample(generator, batch_size), step), wait=True).step_ms
+
+    # The same thread choice a run makes, or the probe would time conditions no run trains under.
+    choose_threads(state, data.sample(torch.Generator().manual_seed(seed + 1), batch_size))
+    started = time.perf_counter()
+    warmup_ms = step_ms(0)  # first-call dispatch, allocator costs
+    times = []
+    for step in range(1, steps + 1):
+        if time.perf_counter() - started >= time_cap_s:
+            break
+        times.append(step_ms(step))
     if not times:
-        return ProbeResult(mode, warmup.step_ms, 1, True)
+        return ProbeResult(mode, warmup_ms, 1, True)
     return ProbeResult(mode, statistics.median(times), len(times), len(times) < steps)
 
 
@@ -134,3 +140,85 @@ class ProbeBoard:
             with self._lock:
                 self._results[key] = outcome
                 self._queue.remove(key)
+
+
+@dataclass(frozen=True, slots=True)
+class StepEstimate:
+    """An ESTIMATE of one training step's time, not a measurement: the FLOPs of its forward and backward, counted,
+    divided by the rate this device reached on a real matmul in the mode's compute dtype. Matmuls and convolutions
+    are counted; elementwise ops, the optimizer and launch overheads are not, so a real step takes longer."""
+
+    mode: str
+    flops_per_step: float
+    """Forward + backward FLOPs at the real batch (torch.utils.flop_counter)."""
+    matmul_flops_per_s: float
+    """Measured on this device: a square matmul in the mode's compute dtype."""
+    compute_dtype: str
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.flops_per_step / self.matmul_flops_per_s * 1e3
+
+
+@functools.lru_cache(maxsize=64)
+def step_flops(workload: str, size: str, batch_size: int) -> float:
+    """FLOPs of one forward + backward of the workload at `batch_size`, counted by torch.utils.flop_counter.
+
+    Counted on the meta device (shapes only: no weights allocated, nothing computed), with a real batch's shapes.
+    A model that needs real values (data-dependent code) is counted on a 2-sample real batch and scaled.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = RunConfig(workload=workload, size=size, batch_size=batch_size)
+    check_launch(config)
+    spec = WORKLOADS[workload]
+    data = spec.load_data(config)
+    generator = torch.Generator().manual_seed(0)
+
+    def count(device: str, batch: int) -> float:
+        with torch.device(device):
+            model = spec.build_model(size, data)
+        inputs, targets = (t.to(device) for t in data.sample(generator, batch))
+        with FlopCounterMode(display=False) as counter:
+            spec.loss(model(inputs), targets).backward()
+        return float(counter.get_total_flops())
+
+    try:
+        return count("meta", batch_size)
+    except (NotImplementedError, RuntimeError):
+        return count("cpu", 2) * batch_size / 2
+
+
+@functools.lru_cache(maxsize=32)
+def matmul_flops_per_s(mode: str, device: str = "auto", side: int = 512, min_time_s: float = 0.2,
+                       warmup: int = 3) -> float:
+    """This device's FLOP rate on a real `side` x `side` matmul in the mode's compute dtype (TF32 on for tf32), the
+    best of repeated timings over at least `min_time_s` after `warmup` calls (oneDNN's bf16 path here ran 12x faster
+    from about the tenth call). On CUDA each timing waits for the device (a probe, no run)."""
+    precision = get_precision(mode, device)
+    dtype = precision.autocast_dtype or precision.param_dtype
+    a = torch.randn(side, side, device=precision.device).to(dtype)
+    b = torch.randn(side, side, device=precision.device).to(dtype)
+    cuda = precision.device_type == "cuda"
+    best, spent = float("inf"), 0.0
+    with precision.step_context():
+        for _ in range(warmup):
+            a @ b
+        while spent < min_time_s or best == float("inf"):
+            started = time.perf_counter()
+            a @ b
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - started
+            best, spent = min(best, elapsed), spent + elapsed
+    return 2 * side**3 / best
+
+
+def estimate_step(workload: str, size: str, batch_size: int, mode: str, device: str = "auto") -> StepEstimate:
+    """What one step of `mode` would take here, estimated (see StepEstimate). Raises ConfigError for settings a run
+    would refuse."""
+    check_launch(RunConfig(workload=workload, size=size, batch_size=batch_size, modes=(mode,), device=device))
+    precision = get_precision(mode, device)
+    dtype = precision.autocast_dtype or precision.param_dtype
+    return StepEstimate(mode, step_flops(workload, size, batch_size), matmul_flops_per_s(mode, device),
+                        str(dtype).removeprefix("torch.") + (" (TF32)" if precision.tf32 else ""))

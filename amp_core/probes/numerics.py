@@ -516,7 +516,7 @@ def _run_pass(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[t
     loss_module = _LossModule(loss)
     recorder = _Recorder(_module_names(model, loss_module), lambda t: t.clone())
     # The same random state in both passes (dropout masks match); the process's own RNG is restored after.
-    with torch.random.fork_rng(devices=_cuda_devices(precision)), precision.math_context():
+    with torch.random.fork_rng(devices=_cuda_devices(precision)), precision.step_context():
         _set_rng_state(precision, rng)
         with recorder:
             with precision.forward_context():
@@ -784,7 +784,7 @@ class LayerAmaxSampler:
             torch._foreach_copy_(self._targets, self._sources)
         inputs, target = (self.precision.prepare_input(t) for t in batch)
         recorder = _Recorder(self._names, lambda t: t.abs().amax() if t.numel() else None)
-        with self.precision.math_context(), recorder:
+        with self.precision.step_context(), recorder:
             with self.precision.forward_context():
                 value = self.loss_module(self.shadow(inputs), target)
             outputs = [recorder.original(i) for i in dict.fromkeys(i for c in recorder.calls for i in c.outputs)]

@@ -19,10 +19,11 @@ class StepRecord:
     mode: str
     step: int
     t_wall_s: float
-    """Unix time when the step ended."""
+    """Unix time when the host finished the step (on CUDA: finished queuing it; the device may end later)."""
     loss: float
     step_ms: float
-    """Wall time of the step, device-synchronised on CUDA."""
+    """Time of the step's training work: perf_counter on a CPU; on CUDA the device time between two events on the
+    lane's stream (no host sync). Sampled probes run outside it (probe_ms)."""
     samples_per_s: float
     lr: float
     """LR the optimizer used on this step (after any LR fault)."""
@@ -31,14 +32,25 @@ class StepRecord:
     skipped: bool
     """The optimizer step was skipped because gradients held inf/NaN."""
     grad_norm: float
-    """L2 norm of the unscaled gradients (inf/NaN if they were not finite)."""
+    """L2 norm of the unscaled gradients, computed in fp32 (inf/NaN if they were not finite). NaN also on steps where
+    it was not measured (RunConfig.grad_norm_every): a measured non-finite norm comes with a skipped_step or
+    nonfinite_grads event, and in modes where gradients overflow it is measured on every step."""
     params_bytes: int
     grads_bytes: int
     optim_bytes: int
     activations_bytes: int
-    """Bytes saved for backward (saved_tensors_hooks); measured every `memory_every` steps, carried between."""
-    cuda_peak_bytes: int | None
-    """CUDA allocator peak during the step; None without CUDA."""
+    """Bytes saved for backward (saved_tensors_hooks on a forward of its own); measured every `memory_every` steps,
+    carried between."""
+    peak_above_start_bytes: int | None
+    """CUDA: the allocator peak during this lane's own step above the allocation at its start (activations,
+    gradients being formed, optimizer temporaries); measured every `memory_every` steps from step 1, carried between.
+    None without CUDA (and before the first measurement)."""
+    lane_peak_bytes: int | None
+    """The lane's own memory peak, unchanged by other lanes. CUDA: what the lane held at its step's start (params,
+    grads, optimizer state) + peak_above_start_bytes. CPU: params + grads + optimizer state + activations (storage
+    sizes: a CPU has no allocator statistics). None on CUDA before the first measurement."""
+    probe_ms: float
+    """Host time this step spent in sampled probes (memory, gradient statistics, forensics), outside step_ms."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

@@ -30,8 +30,9 @@ DIST_KINDS = ("box", "violin")
 TIME_AXES = {"compute": "time in the lane's own steps (Σ step time, s)",
              "wall": "wall clock since the lane's first step (s)"}
 LANE_TABLE_COLUMNS = ("key", "run_id", "lane", "mode", "status", "live", "label")
-FLOAT_STEP_COLUMNS = ("t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "grad_norm")
-BYTE_STEP_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "cuda_peak_bytes")
+FLOAT_STEP_COLUMNS = ("t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "grad_norm", "probe_ms")
+BYTE_STEP_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "peak_above_start_bytes",
+                     "lane_peak_bytes")
 
 
 # --- choosing lanes -----------------------------------------------------------------------------------------------

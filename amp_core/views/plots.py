@@ -195,15 +195,16 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
 
 
 def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
-    """Bytes each lane holds at its latest step, by part, one bar per mode; plus the CUDA peak where there is one."""
+    """Bytes each lane holds at its latest step, by part, one bar per mode; on CUDA also the allocator peak of the
+    lane's own step above its start, and the lane's own peak (held at the start + that)."""
     series = _split(records)
     if not series:
         return empty_figure("Memory", "no steps yet")
     latest = [(lane.mode, {column: values[-1] for column, values in lane.columns.items()}) for lane in series]
     parts = [*MEMORY_PARTS, ("_held", "total held")]
-    has_cuda = any(pd.notna(row["cuda_peak_bytes"]) for _, row in latest)
-    if has_cuda:
-        parts.append(("cuda_peak_bytes", "CUDA peak (step)"))
+    if any(pd.notna(row["peak_above_start_bytes"]) for _, row in latest):
+        parts += [("peak_above_start_bytes", "step peak above its start (CUDA)"),
+                  ("lane_peak_bytes", "lane peak (CUDA)")]
     values = {mode: [float(sum(row[c] for c, _ in MEMORY_PARTS)) if column == "_held" else
                      float(row[column]) if pd.notna(row[column]) else float("nan") for column, _ in parts]
               for mode, row in latest}

@@ -11,7 +11,8 @@ import pandas as pd
 from amp_core.precision import BASELINE_MODE
 
 MEMORY_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes")
-LANE_COLUMNS = ("step", "loss", "step_ms", "lr", "scale", "skipped", *MEMORY_COLUMNS, "cuda_peak_bytes")
+LANE_COLUMNS = ("step", "loss", "step_ms", "lr", "scale", "skipped", *MEMORY_COLUMNS, "peak_above_start_bytes",
+                "lane_peak_bytes")
 """The columns a lane is split into (what the charts and the summary read)."""
 SUMMARY_COLUMNS = ("run_id", "lane", "mode", "steps", "median_ms", "speedup", "peak_bytes", "peak_mib", "mem_ratio",
                    "final_loss", "loss_delta", "latest_loss", "skipped_steps", "scale", "diverged", "is_baseline")
@@ -38,9 +39,10 @@ class LaneSeries:
         return lane_key(self.run_id, self.lane)
 
     def peak_bytes(self) -> np.ndarray:
-        """Per step: the CUDA allocator peak where there is one, else the bytes held (params+grads+optimizer+saved)."""
+        """Per step: the lane's own peak (lane_peak_bytes) where it was measured, else the bytes held
+        (params+grads+optimizer+saved)."""
         held = sum(self.columns[column] for column in MEMORY_COLUMNS)
-        return np.where(np.isnan(self.columns["cuda_peak_bytes"]), held, self.columns["cuda_peak_bytes"])
+        return np.where(np.isnan(self.columns["lane_peak_bytes"]), held, self.columns["lane_peak_bytes"])
 
 
 def lanes(frame: pd.DataFrame) -> list[LaneSeries]:
@@ -72,10 +74,11 @@ def _split(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
 
 
 def peak_bytes(frame: pd.DataFrame) -> pd.Series:
-    """Per row: the CUDA allocator peak where there is one, else the bytes held (params+grads+optimizer+saved)."""
+    """Per row: the lane's own peak (lane_peak_bytes) where it was measured, else the bytes held
+    (params+grads+optimizer+saved)."""
     held = frame[list(MEMORY_COLUMNS)].astype(float).sum(axis=1)
-    if "cuda_peak_bytes" in frame:
-        return pd.to_numeric(frame["cuda_peak_bytes"], errors="coerce").fillna(held)
+    if "lane_peak_bytes" in frame:
+        return pd.to_numeric(frame["lane_peak_bytes"], errors="coerce").fillna(held)
     return held
 
 
@@ -106,7 +109,8 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
     None: `default_baseline`).
 
     - median_ms: median step time; speedup = baseline median_ms / median_ms (above 1: faster than the baseline).
-    - peak_bytes / peak_mib: the largest per-step memory figure (`peak_bytes`); mem_ratio = peak / baseline peak.
+    - peak_bytes / peak_mib: the largest per-step memory figure (`peak_bytes`: the lane's own peak, which other lanes
+      do not inflate); mem_ratio = peak / baseline peak.
     - final_loss: mean of the last `last_k` steps' losses (non-finite ones left out); loss_delta = final - baseline.
       latest_loss: the loss of the lane's last step (what a live view shows as "loss now").
     - skipped_steps: optimizer steps the GradScaler skipped; scale: the GradScaler scale at the last step (NaN

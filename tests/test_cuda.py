@@ -1,0 +1,189 @@
+"""Honest figures on a CUDA GPU (issue 10), on real runs: no host sync beyond a bare loop's, a lane's memory its own,
+TF32 per lane under two concurrent runs, fp32 norms in 16-true. Skipped without CUDA; the lead runs them on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from test_honest_figures import GRADS, LinearInW
+
+from amp_core import switches
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.precision import availability
+from amp_core.runner import Run, build_lane_state
+from amp_core.step import grad_norms, resolve_step, train_step
+from amp_core.workloads import WORKLOADS
+from amp_core.workloads.digits_mlp import DigitsMLP
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SYNC_STEPS = 40
+
+
+def finished(config: RunConfig, timeout: float = 300) -> Run:
+    run = Run(config).start()
+    run.join(timeout)
+    assert run.status == "finished", [e.message for e in run.events() if e.kind == "error"]
+    return run
+
+
+@contextlib.contextmanager
+def counting_syncs():
+    """Host syncs (torch.cuda.set_sync_debug_mode's warnings) on any thread while the block runs."""
+    count = [0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                count[0] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield count
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def per_step_syncs(loop) -> float:
+    """(syncs of 2N steps - syncs of N steps) / N: set-up and first-step syncs cancel out."""
+    counts = []
+    for steps in (SYNC_STEPS, 2 * SYNC_STEPS):
+        with counting_syncs() as count:
+            loop(steps)
+        counts.append(count[0])
+    return (counts[1] - counts[0]) / SYNC_STEPS
+
+
+def bare_loop(config: RunConfig, mode: str, steps: int) -> None:
+    """A user's loop with the same model, data, optimizer and scaler; it logs no loss per step."""
+    workload = WORKLOADS[config.workload]
+    data = workload.load_data(config)
+    torch.manual_seed(config.seed)
+    model = workload.build_model(config.size, data).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, fused=True if config.fused_optimizer else None)
+    scaler = torch.amp.GradScaler("cuda", enabled=mode == "16-mixed")
+    generator = torch.Generator().manual_seed(config.seed)
+    for _ in range(steps):
+        x, y = (t.cuda(non_blocking=True) for t in data.sample(generator, config.batch_size))
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=mode == "16-mixed"):
+            loss = workload.loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(("mode", "fused", "bare_syncs"), [("32-true", False, 0), ("16-mixed", False, 1),
+                                                           ("16-mixed", True, 0), ("32-true", True, 0)])
+def test_a_run_makes_the_same_host_syncs_per_step_as_a_bare_loop(mode, fused, bare_syncs):
+    # Ordinary steps only: sampled probes (gradient statistics, memory) may sync, outside the timed window.
+    config = RunConfig(workload="digits_mlp", modes=(mode,), steps=SYNC_STEPS, device="cuda", fused_optimizer=fused,
+                       gradstats_every=0, memory_every=10**9, scaler=ScalerConfig(init_scale=256.0))
+    bare = per_step_syncs(lambda steps: bare_loop(config, mode, steps))
+    runner = per_step_syncs(lambda steps: finished(RunConfig.from_dict({**config.to_dict(), "steps": steps})))
+    assert bare == bare_syncs  # GradScaler.step reads found-inf unless the optimizer is fused: the counter works
+    assert runner == bare
+
+
+def test_a_lanes_memory_is_the_same_alone_and_in_a_three_lane_race():
+    def lane_peak(modes: tuple[str, ...], mode: str) -> tuple[float, float]:
+        frame = finished(RunConfig(workload="tiny_transformer", size="medium", modes=modes, steps=30, batch_size=32,
+                                   device="cuda", memory_every=10)).frame()
+        lane = frame[frame["mode"] == mode]
+        assert lane["peak_above_start_bytes"].iloc[1:].notna().all() and (lane["peak_above_start_bytes"] > 0).any()
+        return float(lane["lane_peak_bytes"].max()), float(lane["peak_above_start_bytes"].max())
+
+    race = ("bf16-mixed", "32-true", "16-mixed")
+    for mode in ("32-true", "16-mixed"):
+        alone, raced = lane_peak((mode,), mode), lane_peak(race, mode)
+        assert raced[0] == pytest.approx(alone[0], rel=0.02), (mode, alone, raced)
+        assert raced[1] == pytest.approx(alone[1], rel=0.02), (mode, alone, raced)
+
+
+class TF32Watched(DigitsMLP):
+    """digits_mlp whose forward pre-hook counts the forward passes that ran with TF32 on."""
+
+    def __init__(self, name: str, counts: dict[str, int]):
+        self.name = name
+        self.counts = counts
+
+    def build_model(self, size, data):
+        model = super().build_model(size, data)
+        counts = self.counts
+
+        def hook(module, args) -> None:
+            counts["forwards"] += 1
+            counts["tf32"] += switches.tf32_enabled()
+
+        model.register_forward_pre_hook(hook)  # lane copies (deepcopy) keep it
+        return model
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not availability("tf32", "cuda")[0], reason="needs TF32")
+def test_tf32_is_per_lane_under_two_concurrent_runs(monkeypatch):
+    fp32_counts, tf32_counts = {"forwards": 0, "tf32": 0}, {"forwards": 0, "tf32": 0}
+    monkeypatch.setitem(WORKLOADS, "tf32_watch_fp32", TF32Watched("tf32_watch_fp32", fp32_counts))
+    monkeypatch.setitem(WORKLOADS, "tf32_watch_tf32", TF32Watched("tf32_watch_tf32", tf32_counts))
+    before = switches._read_tf32()
+    runs = [Run(RunConfig(workload=name, modes=(mode,), steps=300, device="cuda"))
+            for name, mode in (("tf32_watch_fp32", "32-true"), ("tf32_watch_tf32", "tf32"))]
+    go = threading.Barrier(2)
+    starters = [threading.Thread(target=lambda r=run: (go.wait(), r.start())) for run in runs]
+    for thread in starters:
+        thread.start()
+    for thread in starters:
+        thread.join()
+    for run in runs:
+        run.join(300)
+        assert run.status == "finished"
+    assert fp32_counts["forwards"] >= 300 and fp32_counts["tf32"] == 0
+    assert tf32_counts["forwards"] >= 300 and tf32_counts["tf32"] == tf32_counts["forwards"]
+    assert switches._read_tf32() == before
+
+
+def test_sixteen_true_norm_is_finite_and_clipping_acts_on_cuda(monkeypatch):
+    grads = [torch.full((100_000,), 300.0, dtype=torch.float16, device="cuda")]
+    _, total = grad_norms(grads)
+    assert total.item() == pytest.approx(300 * math.sqrt(1e5), rel=1e-3)
+    monkeypatch.setitem(WORKLOADS, "linear_in_w", LinearInW())
+    config = RunConfig(workload="linear_in_w", modes=("16-true",), optimizer="sgd", lr=1.0, grad_clip=1.0,
+                       device="cuda")
+    data = WORKLOADS["linear_in_w"].load_data(config)
+    lane = build_lane_state(config, 0, "16-true", WORKLOADS["linear_in_w"].build_model("small", data),
+                            WORKLOADS["linear_in_w"], "cuda")
+    result = resolve_step(lane.meter, train_step(lane, data.sample(torch.Generator().manual_seed(0), 4), 0),
+                          wait=True)
+    assert result.grad_norm == pytest.approx(300 * math.sqrt(GRADS), rel=1e-3)
+    w = lane.model.w.detach().float()
+    assert torch.allclose(w, torch.full_like(w, -1 / math.sqrt(GRADS)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_cuda_run_records_every_step_and_names_a_skipped_steps_parameter(fused):
+    n = 7
+    run = finished(RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed", "bf16-mixed"), steps=40,
+                             device="cuda", fused_optimizer=fused, scaler=ScalerConfig(init_scale=256.0),
+                             faults=(FaultSpec(kind="grad_inf", step=n, param="layer2.bias", modes=("16-mixed",)),)))
+    frame = run.frame()
+    for lane in range(3):
+        records = frame[frame["lane"] == lane]
+        assert records["step"].tolist() == list(range(40))
+        assert (records["step_ms"] > 0).all() and records["loss"].map(math.isfinite).all()
+        assert records["t_wall_s"].is_monotonic_increasing
+        assert records["lane_peak_bytes"].iloc[1:].notna().all()
+    fp16 = frame[frame["lane"] == 1].set_index("step")
+    assert fp16.index[fp16["skipped"]].tolist() == [n]
+    assert fp16.loc[n + 1, "scale"] == fp16.loc[n, "scale"] / 2
+    (skip,) = [e for e in run.events() if e.kind == "skipped_step"]
+    assert [p["param"] for p in skip.data["params"]] == ["layer2.bias"]
