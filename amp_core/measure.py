@@ -54,7 +54,11 @@ class SavedTensorsProbe:
         if ptr not in self._exclude and ptr not in self._seen:
             self._seen.add(ptr)
             self.bytes += tensor.untyped_storage().nbytes()
-        return tensor
+        # Detached, not the tensor itself: an op that saves its own output (ReLU, exp, softmax) would hold that
+        # output, whose grad_fn holds this saved copy: a cycle through C++ that Python's GC cannot see, so a graph
+        # that is dropped without a backward (the probe's) would never be freed. The storage stays alive (its
+        # address is not reused while the forward runs, so `_seen` counts each storage once).
+        return tensor.detach()
 
     @staticmethod
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,9 @@ def counting_syncs():
 
 
 def syncs_per_step(loop, config: RunConfig) -> float:
-    """Host syncs per ordinary step of `loop(config)` (no sampled probes: they may sync, outside the timed window)."""
+    """Host syncs per ordinary step of `loop(config)` (no sampled probes: they may sync, outside the timed window):
+    (syncs of 2N steps - syncs of N) / N, after an uncounted short loop (first CUDA work in a process syncs once)."""
+    loop(RunConfig.from_dict({**config.to_dict(), "steps": SYNC_STEPS // 10}))
     counts = []
     for steps in (SYNC_STEPS, 2 * SYNC_STEPS):
         with counting_syncs() as count:

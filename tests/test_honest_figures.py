@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import pandas as pd
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from amp_core import step as step_module
 from amp_core.config import SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
-from amp_core.measure import HostMeter
+from amp_core.measure import HostMeter, SavedTensorsProbe
 from amp_core.probes.cost import StepEstimate, estimate_step, step_flops
 from amp_core.runner import Run, build_lane_state
 from amp_core.step import grad_norms, train_step
@@ -92,6 +93,26 @@ def test_a_lanes_memory_figure_is_the_same_alone_and_in_a_three_lane_race():
     assert last["lane_peak_bytes"] == (last["params_bytes"] + last["grads_bytes"] + last["optim_bytes"]
                                        + last["activations_bytes"])
     assert alone["peak_above_start_bytes"].isna().all()  # CUDA only
+
+
+def test_the_saved_tensor_probe_lets_go_of_the_graph_it_measured():
+    # A forward measured without a backward must leave nothing behind: ReLU and Softmax save their own outputs,
+    # and a pack hook that handed autograd back the tensor itself tied each to its own grad_fn in a cycle no GC can
+    # see (on an H100 every run then kept ~2 activations' worth of memory until the process ran out).
+    model = nn.Sequential(nn.Linear(100, 400), nn.ReLU(), nn.Linear(400, 10), nn.Softmax(-1))
+    inputs = torch.randn(20, 100)
+    saved = []
+
+    class Spy(SavedTensorsProbe):
+        def _pack(self, tensor):
+            saved.append(weakref.ref(tensor))
+            return super()._pack(tensor)
+
+    with Spy(list(model.parameters())) as probe:
+        model(inputs).sum()
+    assert probe.bytes > 0 and len(saved) >= 4
+    alive = [ref() for ref in saved if ref() is not None]
+    assert all(tensor is inputs for tensor in alive), [tuple(t.shape) for t in alive]
 
 
 def test_sampled_probes_run_outside_the_timed_step_and_report_their_own_time():
