@@ -28,6 +28,6 @@ def records(n_steps: int, modes=MODES, skipped_at=(), spike_at=None, cuda=False,
                 "samples_per_s": 1000.0, "lr": 1e-3, "scale": 2.0 ** (16 - sum(s <= step for s in skipped_at))
                 if scaled else None, "skipped": scaled and step in skipped_at, "grad_norm": 1.0,
                 "params_bytes": 4000 * (lane + 1), "grads_bytes": 4000, "optim_bytes": 8000,
-                "activations_bytes": 100 * step, "cuda_peak_bytes": 3 * 2**20 if cuda else None,
+                "activations_bytes": 100 * step, "cuda_peak_bytes": 3 * 2**20 if cuda else None, "rank": 0,
             })
     return pd.DataFrame(rows, columns=list(STEP_FIELDS))
