@@ -472,11 +472,11 @@ class RunManager:
         """Gradient statistics of a lane (one step, or every sampled step)."""
         run = self.get(run_id)
         if run is not None:
-            return [s for rid, ln, st, s in run.grad_stats() if ln == lane and (step is None or st == step)]
+            return run.sink.grad_stats.get(lane, step)
         return self.store.grad_stats(run_id, lane, step) if self.store is not None else []
 
     def grad_stat_steps(self, run_id: str, lane: int) -> list[int]:
         run = self.get(run_id)
         if run is not None:
-            return sorted({st for _, ln, st, _ in run.grad_stats() if ln == lane})
+            return run.sink.grad_stats.steps(lane)
         return self.store.grad_stat_steps(run_id, lane) if self.store is not None else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from amp_core.records.codec import encode_array, encode_columns
+from amp_core.records.codec import encode_array, encode_columns, encode_rows
 from amp_core.records.levels import BLOCK_BUCKETS, MAX_LEVEL
 from amp_core.records.tracks import TrackRecords
 
@@ -51,9 +51,9 @@ class TrackFlush:
 def encode_chunk(track: TrackRecords, start: int, stop: int) -> ChunkRow:
     """Rows [start, stop) of a track as a chunk row."""
     columns = track.raw.rows(start, stop)
-    marks = track.mark_rows.rows()
-    rows = marks["row"][(marks["row"] >= start) & (marks["row"] < stop)] - start
-    marks_data = encode_columns({name: values[rows] for name, values in columns.items()}) if len(rows) else None
+    marks = track.mark_rows
+    rows = marks.column("row", marks.search("row", start), marks.search("row", stop)) - start
+    marks_data = encode_rows({name: values[rows] for name, values in columns.items()}) if len(rows) else None
     steps = columns["step"]
     return ChunkRow(int(steps[0]), int(steps[-1]), stop - start, {name: encode_array(values)
                                                                     for name, values in columns.items()},

@@ -110,3 +110,24 @@ def decode_columns(blob: bytes) -> dict[str, np.ndarray]:
     except (struct.error, UnicodeDecodeError) as exc:
         raise DamagedData(str(exc)) from None
     return out
+
+
+def encode_rows(columns: dict[str, np.ndarray]) -> bytes:
+    """A few whole records (every column, any dtypes) as one float64 matrix plus their names: two arrays to decode
+    instead of one per column (a chunk's marks; int64 and bool values are exact in float64 below 2**53)."""
+    names = ",".join(columns).encode()
+    matrix = np.stack([np.asarray(values, dtype=np.float64) for values in columns.values()], axis=1)
+    return encode_columns({"names": np.frombuffer(names, dtype=np.uint8), "values": matrix})
+
+
+def decode_rows(blob: bytes, dtypes: dict[str, np.dtype]) -> dict[str, np.ndarray]:
+    """What `encode_rows` stored, each column back in its dtype (`dtypes`); columns it did not hold are left out."""
+    found = decode_columns(blob)
+    try:
+        names = found["names"].tobytes().decode().split(",")
+        values = found["values"]
+    except (KeyError, UnicodeDecodeError) as exc:
+        raise DamagedData(f"not a set of rows ({exc})") from None
+    if values.ndim != 2 or values.shape[1] != len(names):
+        raise DamagedData(f"{values.shape} values for {len(names)} columns")
+    return {name: values[:, i].astype(dtypes[name]) for i, name in enumerate(names) if name in dtypes}

@@ -15,10 +15,11 @@ class ChunkedColumns:
     """Named columns of equal length; a column may have a trailing shape (a row of a matrix per entry)."""
 
     def __init__(self, dtypes: dict[str, np.dtype], max_chunk_rows: int = 8192,
-                 shapes: dict[str, tuple[int, ...]] | None = None):
+                 shapes: dict[str, tuple[int, ...]] | None = None, first_chunk_rows: int = FIRST_CHUNK_ROWS):
         self.dtypes = {name: np.dtype(dtype) for name, dtype in dtypes.items()}
         self.shapes = shapes or {}
         self.max_chunk_rows = max_chunk_rows
+        self.first_chunk_rows = first_chunk_rows
         self._chunks: list[dict[str, np.ndarray]] = []
         self._starts: list[int] = []
         self._capacity = 0
@@ -29,7 +30,7 @@ class ChunkedColumns:
         return self.count
 
     def _grow(self) -> None:
-        rows = min(self.max_chunk_rows, FIRST_CHUNK_ROWS << len(self._chunks))
+        rows = min(self.max_chunk_rows, self.first_chunk_rows << len(self._chunks))
         self._chunks.append({name: np.empty((rows, *self.shapes.get(name, ())), dtype=dtype)
                              for name, dtype in self.dtypes.items()})
         self._starts.append(self._capacity)
@@ -82,6 +83,15 @@ class ChunkedColumns:
             return 0
         base, chunk = self._starts[lo - 1], self._chunks[lo - 1][name]
         return base + int(np.searchsorted(chunk[:min(count - base, len(chunk))], value, side="left"))
+
+    def take(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """The values at sorted row positions (below `count`), gathered chunk by chunk (no range is copied)."""
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        out = np.empty((len(rows), *self.shapes.get(name, ())), dtype=self.dtypes[name])
+        for index in np.unique(which):
+            hit = which == index
+            out[hit] = self._chunks[index][name][rows[hit] - self._starts[index]]
+        return out
 
     def rows(self, start: int = 0, stop: int | None = None, names=None) -> dict[str, np.ndarray]:
         stop = self.count if stop is None else min(stop, self.count)

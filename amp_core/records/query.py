@@ -41,6 +41,9 @@ MAX_POINTS = 2000
 """At most about this many points per trace (a browser stays smooth; spikes and skipped steps survive)."""
 POINTS_PER_BUCKET = 3
 """An envelope bucket draws its min, its max and its last value."""
+RAW_BUCKETING_SPAN = 4
+"""A range of up to this many times max_points steps is bucketed from its records (finer than level 1); a longer one
+reads the stored levels (at least max_points * 4 / 64 buckets of level 1, so ~370 buckets and up)."""
 TAIL_RECORDS = 256
 """Records at the end of a track read with every headline (the latest values, a final-loss window)."""
 
@@ -87,12 +90,12 @@ def aggregate(source, start: int, stop: int) -> Buckets:
 
 def envelope(source, start: int, stop: int, max_points: int) -> tuple[int, dict | None, Buckets | None]:
     """(steps per bucket, records, buckets) for [start, stop): (1, every record, None) when the range holds at most
-    `max_points` steps, else (bucket steps, None, an exact envelope in about max_points / 3 buckets)."""
+    `max_points` steps, else (bucket steps, None, an exact envelope in at most about max_points / 3 buckets)."""
     span = stop - start
     if span <= max_points:
         return 1, source.raw_rows(start, stop), None
     target = max(1, max_points // POINTS_PER_BUCKET)
-    if span <= target * LEVEL_BASE:  # finer than level 1 can give: bucket the records of the range
+    if span <= RAW_BUCKETING_SPAN * max_points:  # a short range reads its records: finer than level 1 would be
         size = -(-span // target)
         return size, None, from_records(source.raw_rows(start, stop), size)
     level = choose_level(span, target)

@@ -92,6 +92,14 @@ MARK_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in STEP_COLUMNS.items
 """A non-finite value in one of these marks its record (as a skipped step does): marks are kept exactly."""
 
 
+def typed(values, dtype: np.dtype) -> np.ndarray:
+    """Float64 values (NaN where missing) as a column of `dtype`: a missing int or flag becomes 0."""
+    values = np.asarray(values, dtype=np.float64)
+    if dtype.kind != "f":
+        values = np.nan_to_num(values, nan=0.0)
+    return values.astype(dtype)
+
+
 @dataclass(slots=True)
 class Event:
     """A notable thing: skipped step, scale change, fault fired, non-finite loss, error, run status."""

@@ -18,11 +18,43 @@ import numpy as np
 from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackWriter
 from amp_core.records.schema import Event, StepRecord
-from amp_core.records.store import RunStore, StoreError
+from amp_core.records.store import RunStore, StoreError, pack_grad_stats, unpack_grad_stats
 from amp_core.records.tracks import RunRecords
 
 FLUSH_EVERY_S = 0.5
 """The store gets what was gathered at least this often (a kill -9 loses less than a second)."""
+
+
+class GradStatsLog:
+    """Sampled gradient statistics, held packed (as objects one sample of a few parameters takes ~10 KiB, which
+    over a long run outweighs the step records): one (lane, step, packed) entry per sampled lane step. Iterating
+    gives (run_id, lane, step, GradStats) per parameter."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._samples: list[tuple[int, int, bytes]] = []
+
+    def add(self, lane: int, step: int, stats: list[GradStats]) -> None:
+        self._samples.append((lane, step, pack_grad_stats(stats)))
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def packed(self, start: int, stop: int) -> list[tuple[int, int, bytes]]:
+        return self._samples[start:stop]
+
+    def steps(self, lane: int) -> list[int]:
+        return sorted({step for ln, step, _ in self._samples if ln == lane})
+
+    def get(self, lane: int, step: int | None = None) -> list[GradStats]:
+        """A lane's statistics at one sampled step (every parameter), or at every one (by step, then parameter)."""
+        return [stats for ln, st, data in self._samples[:] if ln == lane and (step is None or st == step)
+                for stats in unpack_grad_stats(data)]
+
+    def __iter__(self):
+        for lane, step, data in self._samples[:]:
+            for stats in unpack_grad_stats(data):
+                yield self.run_id, lane, step, stats
 
 
 class RecordSink:
@@ -34,8 +66,7 @@ class RecordSink:
         self.flush_every_s = flush_every_s
         self.records = RunRecords(run_id)
         self.events: list[Event] = []
-        self.grad_stats: list[tuple[str, int, int, GradStats]] = []
-        """(run_id, lane, step, statistics of one parameter)."""
+        self.grad_stats = GradStatsLog(run_id)
         self.store_error = ""
         """Why records are no longer saved (the store failed); training goes on in memory."""
         self._writers: dict[tuple[int, int], TrackWriter] = {}
@@ -62,7 +93,8 @@ class RecordSink:
         return event
 
     def add_grad_stats(self, lane: int, step: int, stats: list[GradStats]) -> None:
-        self.grad_stats.extend((self.run_id, lane, step, s) for s in stats)
+        """Every parameter's statistics of one sampled lane step."""
+        self.grad_stats.add(lane, step, stats)
 
     def flush_if_due(self) -> None:
         """Flush when `flush_every_s` has passed since the last flush (one clock read otherwise)."""
@@ -88,7 +120,7 @@ class RecordSink:
                 pending.append((writer, flush))
         try:
             self.store.write_flush(self.run_id, [flush for _, flush in pending], self.events[done_events:events_at],
-                                   self.grad_stats[done_stats:stats_at])
+                                   self.grad_stats.packed(done_stats, stats_at))
         except StoreError as exc:  # training goes on in memory; the page shows why nothing more is saved
             self.store_error = str(exc)
             return

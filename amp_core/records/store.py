@@ -6,6 +6,8 @@ Schema 2 (this one): a track (one lane's records from one rank) is stored as chu
 range, record count and its marked records, `chunk_columns` one encoded array per column (see records/chunks.py and
 records/codec.py) — and as summary blocks in `levels` (records/levels.py). `tracks` holds each track's record count
 and last step, updated in the same transaction as its chunks: listing runs reads it and never counts records.
+`gradstats` holds one row per sampled lane step: every parameter's statistics as zlib-compressed JSON (a histogram of
+161 mostly-zero bins compresses ~10x; schema 1's row per parameter took a 4 KiB overflow page each).
 Schema 1 (one row per step in `steps`) is migrated in place after a backup copy.
 """
 
@@ -18,6 +20,7 @@ import socket
 import sqlite3
 import threading
 import time
+import zlib
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,9 +31,9 @@ import psutil
 
 from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackFlush, encode_track
-from amp_core.records.codec import DamagedData, decode_array, decode_columns
+from amp_core.records.codec import DamagedData, decode_array, decode_columns, decode_rows
 from amp_core.records.levels import BLOCK_BUCKETS, Buckets, concat, empty_buckets, level_steps, select
-from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, steps_frame
+from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, steps_frame, typed
 from amp_core.records.tracks import TrackRecords
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
@@ -72,9 +75,23 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL, message TEXT NOT NULL, t_wall_s REAL NOT NULL, data TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_run ON events (run_id, id);
 CREATE TABLE IF NOT EXISTS gradstats (
-    run_id TEXT NOT NULL, lane INTEGER NOT NULL, step INTEGER NOT NULL, param TEXT NOT NULL, data TEXT NOT NULL,
-    PRIMARY KEY (run_id, lane, step, param)) WITHOUT ROWID;
+    run_id TEXT NOT NULL, lane INTEGER NOT NULL, step INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (run_id, lane, step));
 """
+
+
+def pack_grad_stats(stats: list[GradStats]) -> bytes:
+    """One sampled lane step's gradient statistics (every parameter) as zlib-compressed JSON."""
+    return _pack_stats([s.to_dict() for s in stats])
+
+
+def unpack_grad_stats(data: bytes) -> list[GradStats]:
+    """What `pack_grad_stats` packed, by parameter name."""
+    return [GradStats(**fields) for fields in sorted(json.loads(zlib.decompress(data)), key=lambda f: f["param"])]
+
+
+def _pack_stats(stats: list[dict]) -> bytes:
+    return zlib.compress(json.dumps(stats, default=str).encode(), 6)
 
 
 def _create_tables(conn: sqlite3.Connection) -> None:
@@ -226,7 +243,15 @@ class RunStore:
                                   "ALTER TABLE runs ADD COLUMN heartbeat_at REAL",
                                   "ALTER TABLE lanes ADD COLUMN meta TEXT NOT NULL DEFAULT '{}'"):
                     conn.execute(statement)
+                conn.execute("ALTER TABLE gradstats RENAME TO gradstats_schema1")
                 _create_tables(conn)
+                samples: dict[tuple[str, int, int], list[dict]] = {}
+                for run_id, lane, step, data in conn.execute("SELECT run_id, lane, step, data FROM gradstats_schema1 "
+                                                             "ORDER BY run_id, lane, step, param"):
+                    samples.setdefault((run_id, lane, step), []).append(json.loads(data))
+                conn.executemany("INSERT INTO gradstats VALUES (?, ?, ?, ?)",
+                                 [(*key, _pack_stats(stats)) for key, stats in samples.items()])
+                conn.execute("DROP TABLE gradstats_schema1")
                 old = [row[1] for row in conn.execute("PRAGMA table_info(steps)")]
                 tracks = conn.execute("SELECT DISTINCT run_id, lane FROM steps ORDER BY run_id, lane").fetchall()
                 for run_id, lane in tracks:
@@ -234,8 +259,7 @@ class RunStore:
                                         "ORDER BY step", (run_id, lane)).fetchall()
                     mode = rows[0][old.index("mode")]
                     track = TrackRecords(run_id, lane, mode)
-                    track.extend({name: np.array([row[old.index(name)] if name in old else None for row in rows],
-                                                 dtype=np.float64).astype(dtype)
+                    track.extend({name: typed([row[old.index(name)] if name in old else None for row in rows], dtype)
                                   for name, dtype in STEP_COLUMNS.items()})
                     self._write_track(conn, run_id, encode_track(track))
                 conn.execute("DROP TABLE steps")
@@ -296,9 +320,9 @@ class RunStore:
              json.dumps(flush.stats or {})))
 
     def write_flush(self, run_id: str, tracks: list[TrackFlush] = (), events: list[Event] = (),
-                    grad_stats: list[tuple[str, int, int, GradStats]] = ()) -> None:
+                    grad_stats: list[tuple[int, int, bytes]] = ()) -> None:
         """One transaction for what a writer gathered since its last flush (a reader never sees half of it); it is
-        also the writer's heartbeat."""
+        also the writer's heartbeat. `grad_stats`: (lane, step, `pack_grad_stats` of that step)."""
         with self._write() as conn:
             for flush in tracks:
                 self._write_track(conn, run_id, flush)
@@ -306,8 +330,8 @@ class RunStore:
                 "INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(e.run_id, e.lane, e.step, e.kind, e.message, e.t_wall_s, json.dumps(e.data, default=str))
                  for e in events])
-            conn.executemany("INSERT OR REPLACE INTO gradstats VALUES (?, ?, ?, ?, ?)",
-                             [(rid, lane, step, s.param, json.dumps(s.to_dict())) for rid, lane, step, s in grad_stats])
+            conn.executemany("INSERT OR REPLACE INTO gradstats VALUES (?, ?, ?, ?)",
+                             [(run_id, lane, step, data) for lane, step, data in grad_stats])
             now = time.time()
             revived = conn.execute("UPDATE runs SET status = 'running', ended_at = NULL WHERE run_id = ? AND "
                                    "status = 'interrupted'", (run_id,)).rowcount
@@ -446,8 +470,8 @@ class RunStore:
         if step is not None:
             query, params = query + " AND step = ?", [*params, step]
         with self._read() as conn:
-            rows = conn.execute(query + " ORDER BY step, param", params).fetchall()
-        return [GradStats(**json.loads(r[0])) for r in rows]
+            rows = conn.execute(query + " ORDER BY step", params).fetchall()
+        return [stats for (data,) in rows for stats in unpack_grad_stats(data)]  # by step, then parameter
 
     def grad_stat_steps(self, run_id: str, lane: int) -> list[int]:
         with self._read() as conn:
@@ -513,6 +537,7 @@ class StoredTrack:
         self._blocks: dict[tuple[int, int], Buckets] = {}
         self._columns = _ByteCache(CACHE_BYTES)
         self._median = (-1, float("nan"))
+        self._marks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     @property
     def _key(self) -> tuple[str, int, int]:
@@ -619,16 +644,27 @@ class StoredTrack:
         return select(buckets, (buckets["id"] >= lo) & (buckets["id"] < hi))
 
     def marks(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        names = list(STEP_COLUMNS)
         parts = []
         with self.store._read() as conn:
-            for first, last, data in self._chunks(conn, start, stop, "AND marks > 0",
-                                                  "first_step, last_step, marks_data"):
-                try:
-                    parts.append(decode_columns(data))
-                except DamagedData as exc:
-                    self._damaged(f"the skipped steps and non-finite values of steps {first}–{last}", exc)
-        names = list(STEP_COLUMNS)
-        parts = [{name: part.get(name, _missing(name, len(part["step"]))) for name in names} for part in parts]
+            chunks = self._chunks(conn, start, stop, "AND marks > 0", "first_step, last_step")
+            unread = [chunk for chunk in chunks if chunk not in self._marks]
+            if unread:
+                rows = conn.execute("SELECT first_step, last_step, marks_data FROM chunks WHERE run_id = ? AND "
+                                    "lane = ? AND rank = ? AND marks > 0 AND first_step BETWEEN ? AND ?",
+                                    (*self._key, unread[0][0], unread[-1][0])).fetchall()
+                wanted = set(unread)
+                for first, last, data in rows:
+                    if (first, last) not in wanted:
+                        continue
+                    try:
+                        found = decode_rows(data, STEP_COLUMNS)
+                        self._marks[(first, last)] = {name: found.get(name, _missing(name, len(found["step"])))
+                                                      for name in names}
+                    except DamagedData as exc:
+                        self._damaged(f"the skipped steps and non-finite values of steps {first}–{last}", exc)
+                        self._marks[(first, last)] = _cut([], names, 0, 0)
+        parts = [self._marks[chunk] for chunk in chunks if chunk in self._marks]
         return _cut(parts, names, start, stop)
 
     def median_step_ms(self) -> float:

@@ -27,7 +27,7 @@ from amp_core.records.levels import (
     level_steps,
     merge,
 )
-from amp_core.records.schema import MARK_COLUMNS, STEP_COLUMNS, StepRecord, empty_steps_frame, steps_frame
+from amp_core.records.schema import MARK_COLUMNS, STEP_COLUMNS, StepRecord, empty_steps_frame, steps_frame, typed
 
 FOLD_ROWS = 256
 """Pending rows become numpy columns this many at a time (a list append is all a step pays)."""
@@ -40,7 +40,7 @@ def columns_from_rows(rows: Sequence[tuple]) -> dict[str, np.ndarray]:
     if not rows:
         return {name: np.empty(0, dtype=dtype) for name, dtype in STEP_COLUMNS.items()}
     matrix = np.array(rows, dtype=np.float64)  # None -> NaN; ints and bools are exact in float64 below 2**53
-    return {name: matrix[:, i].astype(dtype) for i, (name, dtype) in enumerate(STEP_COLUMNS.items())}
+    return {name: typed(matrix[:, i], dtype) for i, (name, dtype) in enumerate(STEP_COLUMNS.items())}
 
 
 def marked(columns: dict[str, np.ndarray]) -> np.ndarray:
@@ -58,7 +58,7 @@ class TrackRecords:
         self.run_id, self.lane, self.mode, self.rank = run_id, lane, mode, rank
         self.problems: list[str] = []
         self.raw = ChunkedColumns(STEP_COLUMNS)
-        self.mark_rows = ChunkedColumns({"row": np.int64, "step": np.int64})
+        self.mark_rows = ChunkedColumns({"row": np.int64, "step": np.int64}, first_chunk_rows=16)
         self._pending: list[tuple] = []
         self._state: tuple[int, list[tuple]] = (0, self._pending)
         """Published snapshot: rows held as columns, and the list of rows not yet folded into them."""
@@ -111,7 +111,7 @@ class TrackRecords:
         count, last = self.raw.count, self._last_step
         if count == 0:
             return []
-        bounds = list(self._bounds)
+        bounds, existed = list(self._bounds), len(self._levels)
         steps = self.raw.column("step", self._level1_row, count)
         done = int(np.searchsorted(steps, (last // LEVEL_BASE) * LEVEL_BASE))
         if done:
@@ -128,17 +128,16 @@ class TrackRecords:
                 self._add_buckets(level, merge(children.rows(start, start + take), parents[:take]))
                 self._merged[level - 2] += take
         blocks = []
-        for level, bound in enumerate(new_bounds, start=1):
-            old = bounds[level - 1] if level <= len(bounds) else 0
-            blocks += [(level, block) for block in range(old // BLOCK_BUCKETS, bound // BLOCK_BUCKETS)
-                       if level <= len(self._levels)]
+        for level, bound in enumerate(new_bounds[:len(self._levels)], start=1):
+            old = bounds[level - 1] if level <= min(len(bounds), existed) else 0
+            blocks += [(level, block) for block in range(old // BLOCK_BUCKETS, bound // BLOCK_BUCKETS)]
         self._bounds = tuple(new_bounds)
         return blocks
 
     def _add_buckets(self, level: int, buckets: Buckets) -> None:
         while len(self._levels) < level:
             self._levels.append(ChunkedColumns({name: dtype for name, (dtype, _) in BUCKET_COLUMNS.items()},
-                                               max_chunk_rows=1024,
+                                               max_chunk_rows=1024, first_chunk_rows=16,
                                                shapes={name: shape for name, (_, shape) in BUCKET_COLUMNS.items()}))
             self._merged.append(0)
         self._levels[level - 1].extend(buckets)
@@ -200,14 +199,10 @@ class TrackRecords:
     def marks(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Every marked record (skipped, or a non-finite figure) with step in [start, stop): all its columns."""
         count, pending = self._snapshot()
-        rows = self.mark_rows.rows()
-        keep = (rows["row"] < count) & (rows["step"] >= start) & (rows["step"] < stop)
-        picked = rows["row"][keep]
-        if len(picked):
-            block = self.raw.rows(int(picked[0]), int(picked[-1]) + 1)
-            out = {name: values[picked - picked[0]] for name, values in block.items()}
-        else:
-            out = {name: np.empty(0, dtype=dtype) for name, dtype in STEP_COLUMNS.items()}
+        marks = self.mark_rows
+        rows = marks.rows(marks.search("step", start), marks.search("step", stop))
+        picked = rows["row"][rows["row"] < count]
+        out = {name: self.raw.take(name, picked) for name in STEP_COLUMNS}
         if pending:
             extra = columns_from_rows(pending)
             rows = marked(extra)

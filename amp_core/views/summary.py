@@ -11,7 +11,7 @@ import pandas as pd
 
 from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
-from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS
+from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS, typed
 from amp_core.records.tracks import TrackRecords
 
 MEMORY_COLUMNS = HELD_PARTS
@@ -41,7 +41,7 @@ def lanes(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS
         part = records.iloc[rows].sort_values("step", kind="stable")
         track = TrackRecords(str(part["run_id"].iat[0]), int(part["lane"].iat[0]), str(part["mode"].iat[0]),
                              int(ranks[rows[0]]))
-        track.extend({name: part[name].to_numpy(dtype=np.float64, na_value=np.nan).astype(dtype)
+        track.extend({name: typed(part[name].to_numpy(dtype=np.float64, na_value=np.nan), dtype)
                       for name, dtype in STEP_COLUMNS.items()})
         track.seal()
         out.append(read_lane(track, max_points=max_points))
