@@ -1,16 +1,26 @@
-"""Headless CLI: `python -m amp_core run|list|export|trace` — the same runs and records, no browser."""
+"""The `amp-lab` command (also `python -m amp_core`): the dashboard (`ui`), and runs, records and traces without it."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
+
+from tqdm import tqdm
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES
 from amp_core.records.store import RunStore, StoreError
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
+
+APP_FILE = Path(__file__).resolve().parents[1] / "app.py"
+"""The dashboard's entry file: beside the amp_core package in a source checkout (`pip install -e .`)."""
+
+LOG_PROGRESS_EVERY_S = 5.0
+"""When stderr is not a terminal (a log file, CI), the progress line is written at most this often."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,9 +30,19 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m amp_core", description=__doc__)
+    """The command line: one subparser per command, each naming its handler (`handler(args) -> exit code`)."""
+    parser = _Parser(prog="amp-lab", description=__doc__)
     parser.add_argument("--store", default=None, help="SQLite store path (default: $AMP_LAB_STORE or ~/.amp_lab)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    ui = sub.add_parser("ui", help="start the dashboard (streamlit run app.py), on 127.0.0.1 unless --share",
+                        description="Start the dashboard: `streamlit run app.py` with AMP Lab's defaults. Arguments "
+                                    "it does not know (e.g. --server.headless false) go to streamlit as they are.")
+    ui.add_argument("--share", action="store_true",
+                    help="listen on every network interface (0.0.0.0) for a workshop: anyone who can reach the port "
+                         "can launch training runs on this machine and read every run")
+    ui.add_argument("--port", type=int, default=None, help="port to listen on (default: Streamlit's, 8501)")
+    ui.set_defaults(handler=cmd_ui, takes_extra_args=True)
 
     run = sub.add_parser("run", help="train one workload in several precision modes side by side")
     run.add_argument("--workload", default="digits_mlp", help=f"one of {', '.join(WORKLOADS)}")
@@ -43,12 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
                           "lr_scale:10@100+20, init_scale:1024 (repeatable)")
+    run.set_defaults(handler=cmd_run)
 
-    sub.add_parser("list", help="runs in the store, newest first")
+    sub.add_parser("list", help="runs in the store, newest first").set_defaults(handler=cmd_list)
+
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet")
     export.add_argument("run_id")
     export.add_argument("--format", choices=("csv", "parquet"), default="csv")
     export.add_argument("--out", required=True)
+    export.set_defaults(handler=cmd_export)
 
     trace = sub.add_parser("trace", help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
@@ -56,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--size", default="small")
     trace.add_argument("--device", default="cpu")
     trace.add_argument("--csv", default=None, help="write the op table here")
+    trace.set_defaults(handler=cmd_trace)
     return parser
 
 
@@ -69,23 +93,75 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         faults=tuple(FaultSpec.parse(text) for text in args.fault))
 
 
+class _LogLines:
+    """A file for tqdm that turns its carriage-return redraws into whole lines: a log file gets readable lines."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.strip("\r\n").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def _progress(run) -> None:
-    width = 30
-    while run.alive and not sys.stderr.isatty():
-        time.sleep(0.2)
-    while run.alive:
-        done = max((lane.steps_done for lane in run.lanes), default=0)
-        filled = int(width * done / run.config.steps)
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{run.config.steps} steps", end="", file=sys.stderr)
-        time.sleep(0.2)
-    print(file=sys.stderr)
+    """Steps done, with rate and ETA, on stderr until the run ends: a live bar on a terminal, else a line at times."""
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=run.config.steps, desc=run.config.workload, unit="step", disable=False, ascii=not terminal,
+               file=sys.stderr if terminal else _LogLines(sys.stderr), dynamic_ncols=terminal,
+               mininterval=0.1 if terminal else LOG_PROGRESS_EVERY_S)
+    with bar:
+        while run.alive:
+            # A display tick, not run.join(0.2): a Ctrl-C landing inside Thread.join marks the still-running thread
+            # as ended (CPython 3.11), and the run would then go unstopped.
+            time.sleep(0.2)
+            bar.update(max((lane.steps_done for lane in run.lanes), default=0) - bar.n)
 
 
-def cmd_run(args, store: RunStore) -> int:
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Replace this process with `streamlit run app.py` (so a signal to it reaches the server itself)."""
+    if not APP_FILE.is_file():
+        print(f"error: `amp-lab ui` needs the source checkout installed with `pip install -e .`: the dashboard "
+              f"(app.py, pages/) lives there, beside amp_core, and there is no {APP_FILE}", file=sys.stderr)
+        return 2
+    extra = list(args.extra_args)
+    command = [sys.executable, "-m", "streamlit", "run", str(APP_FILE)]
+    if args.port is not None:
+        command += ["--server.port", str(args.port)]
+    address = _flag_value(extra, "--server.address")
+    if address is None:
+        address = "0.0.0.0" if args.share else "127.0.0.1"
+        command += ["--server.address", address]
+    if address not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: AMP Lab listens on {address}: anyone who can reach this port can launch training runs on "
+              "this machine and read every run in its store", file=sys.stderr)
+    if args.store is not None:  # the dashboard reads its store from the environment
+        os.environ["AMP_LAB_STORE"] = args.store
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command + extra)
+    return 0  # not reached: execv replaces the process
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to `flag` in `args` (`--flag value` or `--flag=value`); None when it is not there."""
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     from amp_core.runner import Run
 
     config = config_from_args(args)
-    run = Run(config, store).start()
+    run = Run(config, RunStore(args.store)).start()
     try:
         _progress(run)
     except KeyboardInterrupt:
@@ -114,7 +190,8 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
-def cmd_list(store: RunStore) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
+    store = RunStore(args.store)
     runs = store.runs()
     if runs.empty:
         print(f"no runs in {store.path}")
@@ -126,23 +203,28 @@ def cmd_list(store: RunStore) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "trace":
-            from amp_core.probes.optrace import cli_trace
+def cmd_export(args: argparse.Namespace) -> int:
+    store = RunStore(args.store)
+    if store.run(args.run_id) is None:
+        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
+    print(store.export(args.run_id, args.format, args.out))
+    return 0
 
-            return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
-        store = RunStore(args.store)
-        if args.command == "run":
-            return cmd_run(args, store)
-        if args.command == "list":
-            return cmd_list(store)
-        if store.run(args.run_id) is None:
-            raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
-        print(store.export(args.run_id, args.format, args.out))
-        return 0
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from amp_core.probes.optrace import cli_trace
+
+    return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
+    try:
+        return args.handler(args)
     except (ConfigError, StoreError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-

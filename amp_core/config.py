@@ -154,7 +154,7 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda."""
     data_dir: str = ""
-    """Folder with MNIST idx files for digits_mlp; empty uses scikit-learn's bundled 8x8 digits."""
+    """Folder with MNIST idx files for digits_mlp; empty uses the 8x8 digits shipped in amp_core/workloads/data."""
     grad_clip: float = 0.0
     """Clip the unscaled gradient norm to this value; 0 means no clipping."""
     scaler: ScalerConfig = field(default_factory=ScalerConfig)

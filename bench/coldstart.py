@@ -2,6 +2,8 @@
 
 Each round starts a fresh server process on a free local port with an empty temporary store, polls the health
 endpoint every 20 ms, and stops the server. Median of the rounds. Last line: coldstart_s=<median>. Target: <= 5.
+
+    python3 -m bench.coldstart [--rounds 3] [--timeout 60]   (from the repository root)
 """
 
 from __future__ import annotations
@@ -9,12 +11,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/coldstart.py` from anywhere
 
 from tests import streamlit_server
 

@@ -11,7 +11,7 @@ Two bare loops are timed:
   on few cores, OpenMP teams started from a second thread cost ~25 us per parallel op, which is why the run
   measures whether one intra-op thread is faster for its model).
 
-    python bench/overhead.py [--size small] [--rounds 6] [--steps 600]
+    python3 -m bench.overhead [--size small] [--rounds 6] [--steps 600]   (from the repository root)
 Last line: overhead_ratio_max=<number>   (runner vs bare_thread, worst mode; target <= 1.02)
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -28,8 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from amp_core.config import RunConfig
 from amp_core.records.store import RunStore

@@ -17,7 +17,8 @@ opens and redraws a long run, lists runs.
 4. list_runs_ms: RunManager.list_runs over a store holding 200 runs.
 
 Medians of repeated rounds. Each figure on its own line `name=value`.
-    python bench/scale.py [--steps 100000] [--rounds 4] [--skip-real]
+
+    python3 -m bench.scale [--steps 100000] [--rounds 6] [--skip-real]   (from the repository root)
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import argparse
 import gc
 import sqlite3
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,8 +35,6 @@ import numpy as np
 import plotly.io as pio
 import psutil
 from plotly.tools import return_figure_from_figure_or_data
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/scale.py` from anywhere
 
 from amp_core.config import RunConfig
 from amp_core.records.schema import STEP_COLUMNS

@@ -5,20 +5,18 @@ forward and backward. The untraced step is the forward + backward a training ste
 The two are timed alternately (so both see the same machine load) and each is summarised by its fastest run,
 the least noisy estimate of its cost on a shared machine; medians are printed too.
 Last line: trace_ratio=<fastest traced / fastest untraced>. Target: <= 10.
+
+    python3 -m bench.trace [--mode bf16-mixed] [--batch-size 64] [--repeats 100]   (from the repository root)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/trace.py` from anywhere
 
 from amp_core.config import RunConfig
 from amp_core.precision import get_precision

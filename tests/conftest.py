@@ -1,16 +1,17 @@
-"""Shared test set-up: a fresh store per test, the repo importable, Streamlit's shared manager reset."""
+"""Shared test set-up: a fresh store per test, Streamlit's shared manager reset, a check that run threads end.
+
+The checkout itself is importable through pytest's `pythonpath` setting (pyproject.toml), not by editing sys.path.
+"""
 
 from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from stepped_run import SteppedRun
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from amp_core import runner
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +41,10 @@ def no_leaked_threads():
     yield
     leaked = [t for t in threading.enumerate() if t not in before and t.name.startswith("amp-run-")]
     assert not leaked, f"threads outlived their runs: {leaked}"
+
+
+@pytest.fixture
+def stepped_launches(monkeypatch) -> type[SteppedRun]:
+    """Runs a RunManager launches (the pages' too) are SteppedRuns: real runs a test can wait on instead of sleeping."""
+    monkeypatch.setattr(runner, "Run", SteppedRun)
+    return SteppedRun

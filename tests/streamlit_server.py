@@ -1,4 +1,4 @@
-"""Start, wait for and stop a real `streamlit run app.py` on a free local port (browser test and cold-start bench)."""
+"""Start, wait for and stop a real dashboard server on a free local port (browser and CLI tests, cold-start bench)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,17 @@ def free_port() -> int:
 
 
 def start(port: int, store: Path, output=subprocess.PIPE) -> subprocess.Popen:
-    """The app on 127.0.0.1:`port` with its run store at `store`."""
+    """`streamlit run app.py` on 127.0.0.1:`port` with its run store at `store`."""
+    return start_command(["-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
+                          "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
+                          "--server.fileWatcherType", "none"], store, output)
+
+
+def start_command(args: list[str], store: Path, output=subprocess.PIPE) -> subprocess.Popen:
+    """`python ARGS` from the checkout's root with its run store at `store` (stderr joins `output`)."""
     env = dict(os.environ, AMP_LAB_STORE=str(store))
-    return subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-         "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
-         "--server.fileWatcherType", "none"],
-        cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 60.0, poll_s: float = 0.2) -> None:

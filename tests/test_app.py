@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["pages/train.py", "pages/compare.py", "pages/op_inspector.py", "pages/overflow_debugger.py",
-         "pages/formats.py"]
+TITLES = {"pages/train.py": "Train", "pages/compare.py": "Compare", "pages/op_inspector.py": "Op inspector",
+          "pages/overflow_debugger.py": "Overflow debugger", "pages/formats.py": "Formats"}
+PAGES = list(TITLES)
 
 
-def test_the_navigation_lists_these_pages():
-    source = (ROOT / "app.py").read_text()
-    files = [f"pages/{path.name}" for path in (ROOT / "pages").glob("*.py")]
-    listed = [name for name in files if f'"{name}"' in source]
-    assert sorted(listed) == sorted(PAGES)
+def test_the_navigation_that_runs_has_these_pages():
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    assert not at.exception
+    # The sidebar links every page handed to st.navigation, in its order.
+    assert [link.proto.label for link in at.get("page_link")] == list(TITLES.values())
+    for page in PAGES:
+        at.switch_page(page)  # with st.navigation running, a file it did not register is refused ...
+    with pytest.raises(ValueError, match="Could not find a navigation page") as refused:
+        at.switch_page("pages/common.py")  # ... like this one, a file in pages/ that is not a page
+    # ... and the refusal names every page st.navigation registered (Streamlit 1.67's message): exactly these.
+    known = re.search(r"Known pages: \[(.*)\]", str(refused.value)).group(1)
+    assert [Path(path.strip(" '")).relative_to(ROOT).as_posix() for path in known.split(",")] == PAGES
 
 
 @pytest.mark.parametrize("page", PAGES)

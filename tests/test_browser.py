@@ -7,7 +7,6 @@ saves a screenshot to artifacts/train_page.png.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ def server(tmp_path):
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]  # this machine's network is closed: no phoning home
 
-# Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData.
+# Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData: points per trace of the loss chart.
 LOSS_POINTS = """() => {
     for (const div of document.querySelectorAll('.js-plotly-plot')) {
         const title = div.layout && div.layout.title && div.layout.title.text;
@@ -50,20 +49,13 @@ LOSS_POINTS = """() => {
     }
     return {};
 }"""
+# True once every mode's loss trace has at least `atLeast` points (Playwright re-checks it on each animation frame).
+LOSS_POINTS_AT_LEAST = f"""([modes, atLeast]) => {{
+    const points = ({LOSS_POINTS})();
+    return modes.every(mode => (points[mode] || 0) >= atLeast);
+}}"""
 # Streamlit marks elements of the previous script run as stale until the new run replaces or drops them.
 SETTLED = "() => document.querySelectorAll('[data-stale=\"true\"]').length === 0"
-
-
-def loss_points(page, modes: list[str], at_least: int) -> bool:
-    points = page.evaluate(LOSS_POINTS)
-    return all(points.get(mode, 0) >= at_least for mode in modes)
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def test_launch_two_modes_and_watch_the_loss_chart(server):
@@ -81,13 +73,14 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
             steps = page.get_by_label("Steps", exact=True)
             steps.fill(str(STEPS))
             steps.press("Enter")
-            page.wait_for_timeout(500)
+            page.wait_for_function(SETTLED, timeout=60_000)
             for mode in modes:  # the default selection: 32-true and this machine's best mixed mode
                 page.get_by_text(mode, exact=True).first.wait_for()
             launch.click()
-            wait_until(lambda: loss_points(page, modes, 1), 120, "the loss chart to show both modes")
+            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=120_000)  # both modes drawn
             page.get_by_text("Run status: finished").wait_for(timeout=120_000)
-            wait_until(lambda: loss_points(page, modes, STEPS), 60, f"{STEPS} loss points per mode")
+            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, STEPS], timeout=60_000)
+            assert page.evaluate(LOSS_POINTS) == dict.fromkeys(modes, STEPS)  # the Steps typed took effect
             expect(page.get_by_role("button", name="Pause")).to_have_count(0)
             page.wait_for_function(SETTLED, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0

@@ -2,10 +2,12 @@
 
 import io
 import re
+import signal
 
 import numpy as np
 import pandas as pd
 import pytest
+from cli_process import start_cli_run, wait_for_stored_steps
 
 from amp_core.config import RunConfig
 from amp_core.records import STEP_FIELDS
@@ -104,18 +106,27 @@ def test_live_run_ids_lists_only_runs_still_training(tmp_path, no_leaked_threads
     assert compare.live_run_ids(manager, [going.run_id]) == []
 
 
-def test_a_run_another_process_is_writing_counts_as_live(tmp_path, no_leaked_threads):
+def test_a_run_another_process_is_writing_counts_as_live(tmp_path):
     """The CLI writes to the same store from its own process: the page's manager only sees the store."""
     path = tmp_path / "runs.sqlite3"
-    page_manager = RunManager(RunStore(path))
-    elsewhere = Run(tiny(("32-true",), 100_000), RunStore(path)).start()
+    cli = start_cli_run(path, "--workload", "mlp_regression", "--modes", "32-true", "--steps", "1000000")
     try:
-        assert compare.live_run_ids(page_manager, [elsewhere.run_id]) == [elsewhere.run_id]
+        wait_for_stored_steps(path, cli, more_than=20)
+        page_manager = RunManager(RunStore(path))
+        (run_id,) = page_manager.list_runs()["run_id"]
+        assert page_manager.get(run_id) is None  # not this process's run
+        assert compare.live_run_ids(page_manager, [run_id]) == [run_id]
+        cli.send_signal(signal.SIGINT)  # Ctrl-C: the CLI stops its run cleanly
+        assert cli.wait(60) == 0
     finally:
-        elsewhere.stop()
-    assert compare.live_run_ids(page_manager, [elsewhere.run_id]) == []
-    assert compare.gather_steps(page_manager, [f"{elsewhere.run_id}/0"])["step"].tolist() == list(
-        range(len(elsewhere.frame())))
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert compare.live_run_ids(page_manager, [run_id]) == []
+    assert page_manager.run_info(run_id)["status"] == "stopped"
+    steps = compare.gather_steps(page_manager, [f"{run_id}/0"])["step"].tolist()
+    assert len(steps) > 20 and steps == list(range(len(steps)))
+    assert len(steps) == page_manager.run_info(run_id)["lanes"][0]["steps_done"]
 
 
 def test_time_columns_per_lane(two_runs):

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from format_layouts import LAYOUTS
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults, gradstats
@@ -210,17 +211,17 @@ def test_format_edges_are_the_real_rounding(value, fp16_class, bf16_class):
         assert got == {what: float(what == expected) for what in got}, (fmt, value)
 
 
-def test_format_bands_come_from_finfo():
+def test_format_bands_follow_from_the_bit_layouts():
     bands = debugger.format_bands().set_index(["format", "region"])
-    fp16, bf16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
-    assert bands.loc[("fp16", "subnormal"), "lo_log2"] == -24 == math.log2(fp16.smallest_normal * fp16.eps)
-    assert bands.loc[("fp16", "normal"), "lo_log2"] == -14
+    fp16, bf16 = LAYOUTS["fp16"], LAYOUTS["bf16"]
+    assert bands.loc[("fp16", "subnormal"), "lo_log2"] == -24 == math.log2(fp16.smallest_subnormal)
+    assert bands.loc[("fp16", "normal"), "lo_log2"] == -14 == math.log2(fp16.smallest_normal)
     assert bands.loc[("fp16", "normal"), "hi_value"] == fp16.max == 65504
     assert bands.loc[("fp16", "overflow"), "lo_log2"] == math.log2(65504)
     assert "65520 rounds to inf" in bands.loc[("fp16", "overflow"), "rule"]
     assert "2^-25) rounds to 0" in bands.loc[("fp16", "flush to zero"), "rule"]
     assert bands.loc[("bf16", "normal"), "lo_log2"] == -126 == math.log2(bf16.smallest_normal)
-    assert bands.loc[("bf16", "subnormal"), "lo_log2"] == -133
+    assert bands.loc[("bf16", "subnormal"), "lo_log2"] == -133 == math.log2(bf16.smallest_subnormal)
     assert ("bf16", "overflow") not in bands.index  # near 2^128: beyond the histogram's 2^20 end
     whole = debugger.format_bands(lo=-200, hi=200).set_index(["format", "region"])
     assert whole.loc[("bf16", "overflow"), "lo_log2"] == pytest.approx(128, abs=0.01)

@@ -1,10 +1,11 @@
-"""amp_core.formats against real torch: finfo facts, bit patterns, rounding, TF32 emulation, softmax demos."""
+"""amp_core.formats against real torch and the formats' definitions: facts, bit patterns, rounding, TF32, softmax."""
 
 import math
 import random
 
 import pytest
 import torch
+from format_layouts import LAYOUTS
 
 from amp_core.probes import formats
 from amp_core.views import formats as format_views
@@ -23,15 +24,21 @@ def _all_values(name: str) -> torch.Tensor:
     return patterns.to(INT_VIEW[width]).view(formats.FORMATS[name]).to(torch.float64)
 
 
-@pytest.mark.parametrize("name", TORCH_FORMATS)
-def test_facts_equal_torch_finfo(name):
-    info = formats.format_info(name)
-    finfo = torch.finfo(formats.FORMATS[name])
-    assert (info.bits, info.max, info.smallest_normal, info.eps) == (
-        finfo.bits, finfo.max, finfo.smallest_normal, finfo.eps)
-    assert info.sign_bits + info.exponent_bits + info.mantissa_bits == finfo.bits
-    assert 2.0**-info.mantissa_bits == finfo.eps
-    assert info.smallest_subnormal == finfo.smallest_normal * finfo.eps
+@pytest.mark.parametrize("name", formats.FORMAT_NAMES)
+def test_facts_follow_from_the_bit_layout(name):
+    info, layout = formats.format_info(name), LAYOUTS[name]
+    assert (info.sign_bits, info.exponent_bits, info.mantissa_bits, info.bits) == (
+        1, layout.exponent_bits, layout.mantissa_bits, layout.bits)
+    assert (info.max, info.smallest_normal, info.smallest_subnormal, info.eps, info.has_inf) == (
+        layout.max, layout.smallest_normal, layout.smallest_subnormal, layout.eps, layout.has_inf)
+
+
+def test_layout_figures_are_the_well_known_ones():
+    """The derivation in format_layouts, checked against figures quoted everywhere (IEEE 754, OCP FP8)."""
+    assert (LAYOUTS["fp16"].max, LAYOUTS["fp16"].smallest_subnormal) == (65504.0, 2.0**-24)
+    assert (LAYOUTS["fp8 e4m3fn"].max, LAYOUTS["fp8 e5m2"].max) == (448.0, 57344.0)
+    assert LAYOUTS["fp32"].max == float.fromhex("0x1.fffffep+127")
+    assert LAYOUTS["bf16"].max == float.fromhex("0x1.fep+127")
 
 
 @pytest.mark.parametrize("name", SIXTEEN_AND_EIGHT_BIT)
@@ -52,15 +59,6 @@ def test_fp32_extremes_by_nextafter():
     zero, inf = torch.tensor(0.0), torch.tensor(math.inf)
     assert torch.nextafter(inf, zero).item() == info.max
     assert torch.nextafter(zero, inf).item() == info.smallest_subnormal
-
-
-def test_tf32_layout():
-    info = formats.format_info("tf32")
-    assert (info.sign_bits, info.exponent_bits, info.mantissa_bits, info.bits) == (1, 8, 10, 19)
-    assert info.max == (2 - 2**-10) * 2.0**127
-    assert info.smallest_normal == 2.0**-126 == torch.finfo(torch.float32).smallest_normal
-    assert info.smallest_subnormal == 2.0**-136
-    assert info.eps == 2.0**-10
 
 
 def test_tf32_rounding_matches_its_layout():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pandas as pd
@@ -61,22 +60,27 @@ def test_format_ratio():
     assert format_ratio(1.2345) == "1.23×" and format_ratio(float("nan")) == "–"
 
 
-def test_follower_reads_a_live_run_incrementally(fresh_store, no_leaked_threads):
+def test_follower_reads_a_live_run_incrementally(fresh_store, stepped_launches, no_leaked_threads, monkeypatch):
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({10, 30}))  # lane steps: a page polls twice
     manager = RunManager(RunStore(fresh_store))
     run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=40, device="cpu"))
     follower = RecordFollower(run.run_id)
-    sizes = []
-    while run.alive:
-        sizes.append(sum(lane.stats.records for lane in follower.update(manager)))
-        time.sleep(0.02)  # a page polls; a busy loop here would starve the run thread of the GIL
+    seen = []
+    for paused_at in (10, 30):
+        run.wait_until(stepped_launches.parked)
+        series = follower.update(manager)
+        assert sum(lane.stats.records for lane in series) == paused_at and run.alive
+        seen.append({lane.lane: lane["loss"].copy() for lane in series})
+        run.resume()
     run.join()
     series = follower.update(manager)
-    assert sizes == sorted(sizes)
     assert [lane.stats.records for lane in series] == [40, 40]
     pd.testing.assert_frame_equal(summarize(series), summarize(run.frame()))
     for lane, from_frame in zip(series, lanes(run.frame()), strict=True):
-        assert lane.bucket_steps == 1 and set(lane.raw) >= {"step", "loss", "step_ms"}
-        assert (lane["loss"] == from_frame["loss"]).all() and (lane["step"] == np.arange(40)).all()
+        assert lane.bucket_steps == 1 and (lane["step"] == np.arange(40)).all()
+        assert (lane["loss"] == from_frame["loss"]).all()
+        for earlier in seen:  # what was read before reads the same now, the new records after it
+            assert (lane["loss"][:len(earlier[lane.lane])] == earlier[lane.lane]).all()
 
 
 def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
+from cli_process import start_cli_run, stored_steps, wait_for_stored_steps
 from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
@@ -219,43 +220,31 @@ def test_a_column_added_later_reads_as_missing_in_older_chunks(fresh_store):
 
 
 # --- processes ------------------------------------------------------------------------------------------------------
-def cli_run(path: Path, steps: int, *prefix: str) -> subprocess.Popen:
-    cmd = [*prefix, sys.executable, "-m", "amp_core", "--store", str(path), "run", "--workload", "mlp_regression",
-           "--modes", "32-true,16-mixed", "--steps", str(steps)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def records_written(path: Path) -> int:
-    if not path.exists():
-        return 0
-    with sqlite3.connect(path) as conn:
-        try:
-            return conn.execute("SELECT COALESCE(SUM(records), 0) FROM tracks").fetchone()[0]
-        except sqlite3.OperationalError:  # the writer has not made its tables yet
-            return 0
+RUN_ARGS = ("--workload", "mlp_regression", "--modes", "32-true,16-mixed", "--steps", "1000000")
 
 
 def wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
+    """Poll another process's effect on the store (nothing else can wake this one)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     """A CLI run in its own process; the page's manager (its own RunStore) follows it: records arrive while the
     writer is still running, every lane grows, and nothing is read twice."""
-    proc = cli_run(fresh_store, 1_000_000)
+    proc = start_cli_run(fresh_store, *RUN_ARGS)
     try:
-        wait_for(lambda: records_written(fresh_store) > 0, what="the first flush")
+        wait_for_stored_steps(fresh_store, proc, more_than=0)
         manager = RunManager(RunStore(fresh_store))
         (run_id,) = manager.list_runs()["run_id"]
         follower = RecordFollower(run_id)
         seen = []
-        for _ in range(6):
+        for _ in range(4):
             series = follower.update(manager)
             seen.append([lane.stats.records for lane in series])
-            time.sleep(0.6)
+            wait_for_stored_steps(fresh_store, proc, more_than=sum(seen[-1]))  # the writer's next flush
         assert proc.poll() is None, "the writer ended before the test looked"
         assert manager.run_info(run_id)["status"] == "running"
         assert len(seen[-1]) == 2 and seen[-1][0] > seen[0][0] > 0 and seen == sorted(seen)
@@ -269,10 +258,10 @@ def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
 
 
 def test_kill_9_loses_at_most_the_last_second_and_never_half_a_chunk(fresh_store):
-    proc = cli_run(fresh_store, 1_000_000)
+    proc = start_cli_run(fresh_store, *RUN_ARGS)
     try:
-        wait_for(lambda: records_written(fresh_store) > 2000, what="records")
-        time.sleep(1.0)
+        first = wait_for_stored_steps(fresh_store, proc, more_than=2000)
+        wait_for_stored_steps(fresh_store, proc, more_than=first)  # a later flush landed: killed mid-run
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.time()
         proc.wait(10)
@@ -304,16 +293,20 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_stor
     """The writer is pid 1 of its own namespace: here pid 1 is init, alive with another start time, so a pid check
     says 'gone' (and the old pid_exists check would say 'alive' forever). Its heartbeat keeps the run live; once it
     is killed the heartbeat goes stale and the run is interrupted."""
-    proc = cli_run(fresh_store, 1_000_000, "unshare", "-p", "-f", "--mount-proc")
+    proc = start_cli_run(fresh_store, *RUN_ARGS, prefix=("unshare", "-p", "-f", "--mount-proc"))
     try:
-        wait_for(lambda: records_written(fresh_store) > 0, what="the first flush")
+        wait_for_stored_steps(fresh_store, proc, more_than=0)
         store = RunStore(fresh_store, stale_after_s=3.0)
         (run_id,) = store.runs()["run_id"]
         row = store.run(run_id)
         assert row["pid"] == 1 and row["pid_namespace"] != os.readlink("/proc/self/ns/pid")
-        for _ in range(4):  # 5 s of a live writer, longer than stale_after_s
-            time.sleep(1.25)
+        watched_from = time.time()
+
+        def live_past_the_stale_limit() -> bool:  # checked at every poll until the writer has beaten for 4.5 s
             assert store.mark_interrupted() == [] and store.run(run_id)["status"] == "running"
+            return store.run(run_id)["heartbeat_at"] > watched_from + 4.5
+
+        wait_for(live_past_the_stale_limit, timeout=60, what="4.5 s of heartbeats")
         writer = psutil.Process(proc.pid).children()[0]
         writer.kill()
         proc.wait(10)
@@ -330,8 +323,8 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_stor
 def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
     """The writer is killed and its pid goes to another process (as in a restarted container): that process has
     another start time, so the run is interrupted."""
-    proc = cli_run(fresh_store, 1_000_000)
-    wait_for(lambda: records_written(fresh_store) > 0, what="the first flush")
+    proc = start_cli_run(fresh_store, *RUN_ARGS)
+    wait_for_stored_steps(fresh_store, proc, more_than=0)
     proc.kill()
     proc.wait(10)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -350,7 +343,7 @@ def test_a_live_writer_marked_interrupted_by_mistake_says_so_and_goes_on(fresh_s
     store = RunStore(fresh_store)
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000), store).start()
     try:
-        wait_for(lambda: records_written(fresh_store) > 0, what="the first flush")
+        wait_for(lambda: stored_steps(fresh_store) > 0, what="the first flush")
         with sqlite3.connect(fresh_store) as conn:  # as a reader on another host whose stale limit passed would
             conn.execute("UPDATE runs SET status = 'interrupted'")
         wait_for(lambda: store.run(run.run_id)["status"] == "running", timeout=10, what="the next flush")

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pandas as pd
 import pytest
 import torch
+from stepped_run import SteppedRun
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from amp_core.config import RunConfig
 from amp_core.precision import get_precision
 from amp_core.probes import optrace
-from amp_core.runner import Run
 from amp_core.views import optrace as trace_views
 from amp_core.workloads import WORKLOADS
 
@@ -205,22 +204,12 @@ def state_bits(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 
 # --- a live lane ------------------------------------------------------------------------------------------------------
 
-def wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def paused_run(modes: tuple[str, ...]) -> Run:
-    run = Run(RunConfig(workload="digits_mlp", modes=modes, steps=100_000, batch_size=16, device="cpu",
-                        gradstats_every=0)).start()
-    wait_for(lambda: all(lane.steps_done >= 3 for lane in run.lanes))
-    run.pause()
-    # a step under way when pause() landed still finishes: wait until the counts stop moving
-    counts = None
-    while counts != (counts := [lane.steps_done for lane in run.lanes]):
-        time.sleep(0.1)
+def paused_run(modes: tuple[str, ...]) -> SteppedRun:
+    """A real run that paused itself after every lane's third step: nothing is under way while the test looks."""
+    run = SteppedRun(RunConfig(workload="digits_mlp", modes=modes, steps=100_000, batch_size=16, device="cpu",
+                               gradstats_every=0), pause_after={3 * len(modes)}).start()
+    run.wait_until(SteppedRun.parked)
+    assert [lane.steps_done for lane in run.lanes] == [3] * len(modes)
     return run
 
 
@@ -239,13 +228,13 @@ def test_tracing_a_live_lane_leaves_it_bit_identical(no_leaked_threads):
 
 
 def test_tracing_a_running_lane_records_only_the_copy(no_leaked_threads):
-    run = Run(RunConfig(workload="digits_mlp", modes=("bf16-mixed",), steps=100_000, batch_size=16,
-                        device="cpu", gradstats_every=0)).start()
+    run = SteppedRun(RunConfig(workload="digits_mlp", modes=("bf16-mixed",), steps=100_000, batch_size=16,
+                               device="cpu", gradstats_every=0)).start()
     try:
-        wait_for(lambda: run.lanes[0].steps_done >= 2)
+        run.wait_until(lambda r: r.lane_steps >= 2)
         traces = [optrace.trace_lane(run, 0) for _ in range(5)]  # while the thread keeps training
-        steps = run.lanes[0].steps_done
-        wait_for(lambda: run.lanes[0].steps_done > steps)  # and it still does
+        steps = run.lane_steps
+        run.wait_until(lambda r: r.lane_steps > steps)  # and it still does
     finally:
         run.stop()
     reference = optrace.trace_workload("digits_mlp", "bf16-mixed", batch_size=16)
@@ -306,13 +295,36 @@ def test_trace_workload_refuses_bad_input():
         optrace.trace_workload("digits_mlp", "32-true", size="huge")
 
 
+def bf16_autocast_casts(model: nn.Module, batch_size: int) -> tuple[int, int]:
+    """The casts (count, bytes written) bf16 autocast must make in one forward + backward of an fp32 Linear stack
+    ending in cross-entropy, from autocast's rules rather than from a trace:
+
+    - forward: a Linear (a lower-precision op) casts its fp32 weight and bias to bf16, and its input where that is
+      fp32 (only the first layer's: later ones get bf16 activations); cross-entropy (an fp32 op) casts the bf16
+      logits up to fp32;
+    - backward: each cast's backward casts the gradient back — the logits' gradient down to bf16, each parameter's
+      bf16 gradient up to fp32 (the input needs no gradient).
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    params = [p for m in linears for p in m.parameters()]
+    logits = batch_size * linears[-1].out_features
+    count = 2 * len(params) + 1 + 2
+    written = sum(p.numel() * (2 + 4) for p in params)  # bf16 copies forward, fp32 gradients backward
+    written += batch_size * linears[0].in_features * 2 + logits * (4 + 2)
+    return count, written
+
+
 def test_cli_trace_prints_the_summary_and_writes_the_table(tmp_path, capsys):
     path = tmp_path / "ops.csv"
     assert optrace.cli_trace("digits_mlp", "bf16-mixed", str(path)) == 0
     out = capsys.readouterr().out
-    assert "casts: 11" in out and "bf16 100.0%" in out and "fc1" in out
+    workload = WORKLOADS["digits_mlp"]
+    model = workload.build_model("small", workload.load_data(RunConfig(workload="digits_mlp")))
+    casts, cast_bytes = bf16_autocast_casts(model, optrace.DEFAULT_TRACE_BATCH)
+    assert f"casts: {casts} (_to_copy changing dtype)" in out and "bf16 100.0%" in out and "fc1" in out
     table = pd.read_csv(path)
     assert len(table) == optrace.trace_workload("digits_mlp", "bf16-mixed").summary().ops
+    assert int(table["is_cast"].sum()) == casts and int(table["cast_bytes"].sum()) == cast_bytes
     assert set(table.loc[table["op"] == "addmm", "compute_dtype"]) == {"bf16"}
 
 

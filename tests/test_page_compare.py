@@ -1,7 +1,6 @@
 """The Compare page under AppTest, on a real store and real CPU runs: zero, one and three lanes, live runs."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -139,25 +138,23 @@ def test_zero_lanes_chosen_says_what_to_do(fresh_store):
     assert at.multiselect(key="cmp_lanes").value == [f"{run_id}/0"]
 
 
-def test_a_live_run_can_be_picked_and_refreshes(no_leaked_threads):
+def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_threads, monkeypatch):
     from pages.common import get_manager
 
-    manager = get_manager()
-    run = manager.launch(tiny(("32-true", "16-mixed"), steps=100_000))
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10}))  # lane steps: two lanes, 2 then 5 steps
+    run = get_manager().launch(tiny(("32-true", "16-mixed"), steps=100_000))
     try:
-        deadline = time.monotonic() + 30
-        while len(run.frame()) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        run.wait_until(stepped_launches.parked)
         at = page()
         assert at.multiselect(key="cmp_runs").value == [run.run_id]
         assert any("still training" in caption.value for caption in at.caption)
-        steps_before = summary_table(at)["steps"].tolist()
-        assert min(steps_before) >= 2
-        time.sleep(0.5)
-        at.run()
+        assert summary_table(at)["steps"].tolist() == [2, 2]
+        run.resume()
+        run.wait_until(stepped_launches.parked)
+        at.run()  # what the page's live timer does
         assert not at.exception
-        steps_after = summary_table(at)["steps"].tolist()
-        assert all(after > before for before, after in zip(steps_before, steps_after, strict=True))
+        assert summary_table(at)["steps"].tolist() == [5, 5]
+        run.resume()
     finally:
         run.stop()
     at.run()  # finished now: the page redraws without the live timer

@@ -1,4 +1,4 @@
-"""The Formats page under AppTest: renders, its figures equal torch.finfo, typed values give the right table."""
+"""The Formats page under AppTest: renders, its figures follow from the bit layouts, typed values fill the table."""
 
 import json
 import math
@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from format_layouts import LAYOUTS
 from streamlit.testing.v1 import AppTest
-
-from amp_core.probes import formats
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "formats.py")
 
@@ -27,22 +26,18 @@ def _frame(at: AppTest, first_column: str, index: str):
     return frames[0].set_index(first_column)
 
 
-def test_renders_and_facts_equal_finfo(app):
+def test_renders_and_facts_follow_from_the_bit_layout(app):
     assert not app.error
     facts = _frame(app, "format", "smallest subnormal")
-    assert list(facts.index) == list(formats.FORMAT_NAMES)
-    for name in formats.FORMAT_NAMES:
-        info = formats.format_info(name)
+    assert list(facts.index) == list(LAYOUTS)
+    for name, layout in LAYOUTS.items():
         row = facts.loc[name]
-        if name == "tf32":
-            assert (float(row["max"]), int(row["mantissa"]), int(row["bits"])) == ((2 - 2**-10) * 2.0**127, 10, 19)
-            continue
-        finfo = torch.finfo(formats.FORMATS[name])
-        assert float(row["max"]) == finfo.max
-        assert float(row["smallest normal"]) == finfo.smallest_normal
-        assert float(row["eps"]) == finfo.eps
-        assert float(row["smallest subnormal"]) == finfo.smallest_normal * finfo.eps == info.smallest_subnormal
-        assert int(row["bits"]) == finfo.bits
+        assert (int(row["bits"]), int(row["exponent"]), int(row["mantissa"])) == (
+            layout.bits, layout.exponent_bits, layout.mantissa_bits)
+        assert float(row["max"]) == layout.max
+        assert float(row["smallest normal"]) == layout.smallest_normal
+        assert float(row["smallest subnormal"]) == layout.smallest_subnormal
+        assert float(row["eps"]) == layout.eps
 
 
 def test_number_line_is_log_and_marks_the_value(app):
@@ -52,7 +47,7 @@ def test_number_line_is_log_and_marks_the_value(app):
     value_lines = [trace for trace in spec["data"] if trace["name"].startswith("|value|")]
     assert [line["x"] for line in value_lines] == [[65520.0, 65520.0]]
     maxima = {trace["y"][0]: trace["x"][0] for trace in spec["data"] if trace["name"] == "max"}
-    assert maxima == {name: formats.format_info(name).max for name in formats.FORMAT_NAMES}
+    assert maxima == {name: layout.max for name, layout in LAYOUTS.items()}
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -97,4 +92,6 @@ def test_softmax_tables(app):
     assert user.loc["fp64", "naive softmax"] == "[1, 2.22736e-39]"
     safe = _frame(app, "dtype", "ln(max)")
     assert float(safe.loc["fp16", "ln(max)"]) == math.log(65504.0)
-    assert float(safe.loc["fp32", "largest safe logit (measured)"]) == formats.largest_safe_logit("fp32")
+    # The edge, checked with torch itself: exp of the page's logit is finite in fp32, exp of the next fp32 is not.
+    logit = torch.tensor(float(safe.loc["fp32", "largest safe logit (measured)"]), dtype=torch.float32)
+    assert torch.isfinite(torch.exp(logit)) and torch.isinf(torch.exp(torch.nextafter(logit, torch.tensor(math.inf))))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -78,14 +77,11 @@ def test_live_lane_without_runs_says_so(app):
     assert any("No live runs" in info.value for info in app.info)
 
 
-def test_live_lane_is_traced_on_click(no_leaked_threads):
+def test_live_lane_is_traced_on_click(stepped_launches, no_leaked_threads):
     run = get_manager().launch(RunConfig(workload="digits_mlp", modes=("32-true", "bf16-mixed"), steps=100_000,
                                          batch_size=16, device="cpu", gradstats_every=0))
     try:
-        deadline = time.monotonic() + 20
-        while not all(lane.steps_done >= 1 for lane in run.lanes):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        run.wait_until(lambda r: all(lane.steps_done >= 1 for lane in r.lanes))
         app = AppTest.from_file(PAGE, default_timeout=60).run()
         app.radio(key="opi_source").set_value("A live lane").run()
         lane_labels = app.selectbox(key="opi_lane").options

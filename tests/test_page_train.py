@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import sqlite3
-import time
+import threading
 from pathlib import Path
 
 import pytest
+from failing_workload import OutOfMemoryAt
 from figure_json import points_by_trace, spec
 from streamlit.testing.v1 import AppTest
 
-from amp_core import runner
 from amp_core.config import FaultSpec, RunConfig
 from amp_core.precision import default_modes
 from amp_core.records.store import RunStore
+from amp_core.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "train.py")
@@ -45,14 +46,15 @@ def launch(at: AppTest, modes: list[str], steps: int = 12) -> AppTest:
     return at.button(key="train_launch").click().run()
 
 
-def rerun_until(at: AppTest, done, timeout_s: float = 120.0) -> AppTest:
-    """Rerun the page until `done(at)`: AppTest does not fire a fragment's timer by itself."""
-    deadline = time.monotonic() + timeout_s
-    while not done(at):
-        assert time.monotonic() < deadline, "the page never got there"
-        time.sleep(0.2)
-        at.run()
-        assert not at.exception
+def after_the_probes(at: AppTest) -> AppTest:
+    """Rerun the page once the cost probes are measured: wait for their worker thread to end (it measures off the
+    page's thread; the fragment's timer, which AppTest does not fire, would have redrawn the page then)."""
+    for thread in threading.enumerate():
+        if thread.name == "amp-probe":
+            thread.join(120)
+            assert not thread.is_alive(), "the cost probes did not finish"
+    at.run()
+    assert not at.exception
     return at
 
 
@@ -61,7 +63,7 @@ def test_fresh_store_renders_the_form_and_the_cost_probe(app):
     assert app.multiselect(key="train_modes").value == default_modes("cpu")
     assert any("No runs yet" in info.value for info in app.info)
     assert app.button(key="train_launch")  # the form is usable while the probe measures
-    rerun_until(app, lambda at: len(at.dataframe) == 1)
+    after_the_probes(app)
     (probe,) = [df.value for df in app.dataframe]
     assert probe["mode"].tolist() == default_modes("cpu")
     assert probe["time vs 32-true"].iloc[0] == "1.00×"
@@ -110,7 +112,7 @@ def test_no_mode_chosen_is_an_error(app):
     assert manager().list_runs().empty
 
 
-def test_pause_resume_stop_act_on_the_run(app):
+def test_pause_resume_stop_act_on_the_run(app, no_leaked_threads):
     launch(app, ["32-true"], steps=100_000)
     run = manager().runs()[0]
     app.button(key="train_pause").click().run()
@@ -125,21 +127,14 @@ def test_pause_resume_stop_act_on_the_run(app):
 
 
 def test_a_failed_lane_shows_its_message_and_the_others_go_on(app, monkeypatch):
-    real_step = runner.train_step
-
-    def step_that_fails_lane_1(state, batch, step, **kwargs):  # stands in for e.g. an out-of-memory in one lane
-        if state.index == 1 and step == 3:
-            raise RuntimeError("out of memory (simulated)")
-        return real_step(state, batch, step, **kwargs)
-
-    monkeypatch.setattr(runner, "train_step", step_that_fails_lane_1)
-    run = manager().launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=10,
-                                     device="cpu"))
+    workload = OutOfMemoryAt(step=3)  # the bf16-mixed lane's model asks for more memory than there is at step 3
+    monkeypatch.setitem(WORKLOADS, workload.name, workload)
+    run = manager().launch(RunConfig(workload=workload.name, modes=("32-true", "bf16-mixed"), steps=10, device="cpu"))
     run.join(60)
     app.run()
     assert not app.exception
     (error,) = [e.value for e in app.error]
-    assert "bf16-mixed" in error and "out of memory (simulated)" in error and "other lanes went on" in error
+    assert "bf16-mixed" in error and "can't allocate memory" in error and "other lanes went on" in error
     assert "Traceback" not in error
     assert [lane.status for lane in run.lanes] == ["finished", "failed"]
     assert points_by_trace(charts(app)["train_chart_loss"]) == {"32-true": 10, "bf16-mixed": 3}

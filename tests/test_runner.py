@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import gzip
 import struct
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
+from failing_workload import OutOfMemoryAt
+from stepped_run import SteppedRun
 from torch.nn import functional as F
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
@@ -156,30 +156,38 @@ def test_a_skipped_step_leaves_the_parameters_unchanged():
         assert torch.equal(state["exp_avg"], optimizer_before[index]["exp_avg"])
 
 
-def test_pause_resume_stop():
-    run = Run(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000)).start()
-    _wait(lambda: len(run.sink.records) > 10)
-    run.pause()
-    time.sleep(0.3)  # let the step under way end
-    paused_at = len(run.sink.records)
-    time.sleep(0.5)
-    assert len(run.sink.records) == paused_at and run.status == "paused" and run.alive
+def test_pause_resume_stop(no_leaked_threads):
+    run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000)).start()
+    run.wait_until(lambda r: r.lane_steps > 10)
+    with run.progress:  # no lane step is counted while the pause lands
+        run.pause()
+        paused_at = run.lane_steps
+    # The lane step under way when pause() landed may still finish; none starts after it.
+    assert run.steps_within(0.5) <= 1
+    assert run.steps_within(0.5) == 0
+    assert run.status == "paused" and run.alive and len(run.sink.records) == run.lane_steps <= paused_at + 1
     run.resume()
-    _wait(lambda: len(run.sink.records) > paused_at + 10)
-    started = time.monotonic()
+    resumed_at = run.lane_steps
+    run.wait_until(lambda r: r.lane_steps > resumed_at + 10)
     run.stop()
-    assert time.monotonic() - started < 5 and not run.alive
+    assert not run.alive
     assert run.status == "stopped" and {lane.status for lane in run.lanes} == {"stopped"}
     control = [e.kind for e in run.events() if e.kind in ("paused", "resumed", "stopped", "finished")]
     assert control == ["paused", "resumed", "stopped"]
 
 
+def test_stop_ends_the_run_within_a_step(no_leaked_threads):
+    run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
+    run.wait_until(lambda r: r.lane_steps >= 3)
+    run.stop(timeout=5.0)
+    assert not run.alive and run.ended and run.status == "stopped"
+
+
 def test_fifty_start_stop_cycles_leave_no_threads(no_leaked_threads):
-    before = threading.active_count()
     for _ in range(50):
         run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
         run.stop()
-    assert threading.active_count() == before
+        assert not run.alive and run.status == "stopped"
 
 
 def test_a_failing_lane_does_not_stop_the_others():
@@ -194,13 +202,26 @@ def test_a_failing_lane_does_not_stop_the_others():
     assert [e.kind for e in run.events() if e.lane == 1][-2:] == ["nonfinite_loss", "diverged"]
 
 
+def test_a_lane_out_of_memory_fails_alone(monkeypatch):
+    workload = OutOfMemoryAt(step=4)  # the autocast lanes' models ask for more memory than there is at step 4
+    monkeypatch.setitem(WORKLOADS, workload.name, workload)
+    run = finished(RunConfig(workload=workload.name, modes=("32-true", "16-mixed", "bf16-mixed"), steps=12))
+    assert [lane.status for lane in run.lanes] == ["finished", "failed", "failed"]
+    assert run.status == "finished" and run.lanes[0].steps_done == 12
+    for lane in run.lanes[1:]:
+        assert lane.steps_done == 4 and "can't allocate memory" in lane.error and lane.error.startswith("RuntimeError")
+    errors = [(e.lane, e.step) for e in run.events() if e.kind == "error"]
+    assert errors == [(1, 4), (2, 4)]
+    assert run.frame().groupby("lane").size().tolist() == [12, 4, 4]
+
+
 def test_sixteen_true_adam_divergence_says_why():
     run = finished(RunConfig(workload="digits_mlp", modes=("16-true",), steps=10))
     assert run.lanes[0].status == "diverged"
     assert "eps=1e-08 is 0 in float16" in run.lanes[0].error
 
 
-def test_manager_limits_concurrent_runs_and_lists_them():
+def test_manager_limits_concurrent_runs_and_lists_them(no_leaked_threads):
     manager = RunManager(RunStore(), max_running=1)
     run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000))
     with pytest.raises(RunLimitError, match="runs: 1 runs are already going"):
@@ -212,18 +233,20 @@ def test_manager_limits_concurrent_runs_and_lists_them():
     assert manager.run_info(run.run_id)["lanes"][0]["mode"] == "32-true"
 
 
-def test_snapshot_of_a_lane_is_a_copy():
-    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
-    _wait(lambda: len(run.sink.records) > 3)
-    snap = run.snapshot_lane(0)
-    with torch.no_grad():
-        for p in snap.model.parameters():
-            p.add_(1.0)
-    run.pause()
-    time.sleep(0.2)
-    live = dict(run.lanes[0].state.model.named_parameters())
-    assert all(not torch.equal(p, live[name]) for name, p in snap.model.named_parameters())
-    run.stop()
+def test_snapshot_of_a_lane_is_a_copy(no_leaked_threads):
+    run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000), pause_after={4}).start()
+    try:
+        run.wait_until(SteppedRun.parked)
+        snap = run.snapshot_lane(0)
+        live = dict(run.lanes[0].state.model.named_parameters())
+        assert snap.step == 4
+        assert all(torch.equal(p, live[name]) for name, p in snap.model.named_parameters())  # the weights of now
+        with torch.no_grad():
+            for p in snap.model.parameters():
+                p.add_(1.0)
+        assert all(not torch.equal(p, live[name]) for name, p in snap.model.named_parameters())
+    finally:
+        run.stop()
 
 
 def _write_idx(path, array: np.ndarray) -> None:
@@ -254,10 +277,3 @@ def test_scaler_settings_reach_the_scaler():
     run = finished(RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=6,
                              scaler=ScalerConfig(init_scale=8.0, growth_interval=2)))
     assert run.frame()["scale"].tolist() == [8.0, 8.0, 16.0, 16.0, 32.0, 32.0]
-
-
-def _wait(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""digits_mlp: the MNIST MLP of seed notes 002 on real handwritten digits (bundled 8x8, or MNIST idx files)."""
+"""digits_mlp: the MNIST MLP of seed notes 002 on real handwritten digits (shipped 8x8, or MNIST idx files)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import torch
 from torch import nn
 
 from amp_core.workloads.base import Data, Workload
+
+DIGITS_FILE = Path(__file__).resolve().parent / "data" / "digits_8x8.npz"
+"""UCI's 1,797 8x8 handwritten digits, shipped with AMP Lab (data/DIGITS.md: source, licence, how it was made)."""
 
 
 class Net(nn.Module):
@@ -66,17 +69,21 @@ def _load(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
         x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
         description = f"MNIST idx: {len(x)} images of {images.shape[1]}x{images.shape[2]}"
         return x, torch.from_numpy(labels.astype(np.int64)), description
-    from sklearn.datasets import load_digits
+    images, labels = load_shipped_digits()
+    x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 16.0)  # pixel counts 0..16 -> [0, 1]
+    return x, torch.from_numpy(labels.astype(np.int64)), f"UCI 8x8 digits: {len(x)} images of 8x8"
 
-    digits = load_digits()
-    x = torch.from_numpy(digits.data.astype(np.float32) / 16.0)
-    return x, torch.from_numpy(digits.target.astype(np.int64)), f"scikit-learn digits: {len(x)} images of 8x8"
+
+def load_shipped_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The shipped digits: images uint8 (1797, 8, 8) with pixel counts 0..16, labels uint8 (1797,) 0..9."""
+    with np.load(DIGITS_FILE) as arrays:
+        return arrays["images"], arrays["labels"]
 
 
 class DigitsMLP(Workload):
     name = "digits_mlp"
     title = "Digits MLP (fc1-ReLU-fc2, cross-entropy)"
-    description = "The seed notes' MNIST MLP on real handwritten digits (bundled 8x8, or MNIST idx files)."
+    description = "The seed notes' MNIST MLP on real handwritten digits (shipped 8x8, or MNIST idx files)."
     sizes = {"small": {"hidden": 256}, "medium": {"hidden": 1024}, "large": {"hidden": 4096}}
 
     def check_config(self, config) -> None:
