@@ -113,10 +113,12 @@ def brute_force_check(series, raw: dict[str, np.ndarray]) -> None:
                 assert math.isnan(b["min"][j, i]) and b["argmin"][j, i] == -1
     marked = in_range & (raw["skipped"] | ~np.isfinite(raw["loss"]) | ~np.isfinite(raw["grad_norm"]))
     assert series.marks["step"].tolist() == raw["step"][marked].tolist()
-    x, y = series.points("loss")
-    at = dict(zip(x.tolist(), y.tolist(), strict=True))
-    for step, loss in zip(raw["step"][marked].tolist(), raw["loss"][marked].tolist(), strict=True):
-        assert step in at and (at[step] == loss or (math.isnan(at[step]) and math.isnan(loss)))
+    for figure in ("loss", "grad_norm"):  # each chart draws the skipped steps and its figure's non-finite values
+        x, y = series.points(figure)
+        at = dict(zip(x.tolist(), y.tolist(), strict=True))
+        drawn = in_range & (raw["skipped"] | ~np.isfinite(raw[figure]))
+        for step, value in zip(raw["step"][drawn].tolist(), raw[figure][drawn].tolist(), strict=True):
+            assert step in at and (at[step] == value or (math.isnan(at[step]) and math.isnan(value)))
     assert series.skipped()[0].tolist() == raw["step"][in_range & raw["skipped"]].tolist()
 
 

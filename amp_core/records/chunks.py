@@ -15,7 +15,7 @@ from amp_core.records.codec import encode_array, encode_columns, encode_rows
 from amp_core.records.levels import BLOCK_BUCKETS, MAX_LEVEL
 from amp_core.records.tracks import TrackRecords
 
-CHUNK_MIN = 512
+CHUNK_MIN = 256
 CHUNK_MAX = 8192
 
 

@@ -35,7 +35,7 @@ from amp_core.records.levels import (
     total,
     unit_buckets,
 )
-from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS
+from amp_core.records.schema import HELD_PARTS, OPTIONAL_COLUMNS, STEP_COLUMNS
 
 MAX_POINTS = 2000
 """At most about this many points per trace (a browser stays smooth; spikes and skipped steps survive)."""
@@ -177,22 +177,36 @@ class LaneSeries:
 
     def points(self, figure: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) to draw for a figure: every record, or per bucket its min and max where they occur and its
-        last value, with every marked record of the range (skipped steps, non-finite values) at its step. Sorted by
-        step, one value per step."""
+        last value, with the range's skipped steps and the figure's non-finite values at their steps. Sorted by step,
+        one value per step."""
         if self.raw is not None:
             return np.asarray(self.raw["step"]), _figure(self.raw, figure)
         b, i = self.buckets, FIELD_INDEX[figure]
         steps = np.concatenate([b["argmin"][:, i], b["argmax"][:, i], b["last_step"]])
         values = np.concatenate([b["min"][:, i], b["max"][:, i], b["last"][:, i]])
         if len(self.marks["step"]):
-            steps = np.concatenate([steps, self.marks["step"]])
-            values = np.concatenate([values, _figure(self.marks, figure)])
+            marked_steps, marked = self._marked(figure)
+            steps, values = np.concatenate([steps, marked_steps]), np.concatenate([values, marked])
         keep = steps >= 0
         steps, values = steps[keep], values[keep]
         order = np.argsort(steps, kind="stable")
         steps, values = steps[order], values[order]
         first = np.r_[True, steps[1:] != steps[:-1]]
         return steps[first], values[first]
+
+    def _marked(self, figure: str) -> tuple[np.ndarray, np.ndarray]:
+        """The range's skipped steps and the non-finite values of `figure`, at their steps; of a run of non-finite
+        values on consecutive steps (a lane that went NaN and stayed) only its ends, which draw the same gap."""
+        steps, values = self.marks["step"], _figure(self.marks, figure)
+        skipped = np.asarray(self.marks["skipped"], dtype=bool)
+        odd = ~np.isfinite(values) & (figure not in OPTIONAL_COLUMNS) & ~skipped
+        inside = np.zeros(len(steps), dtype=bool)
+        if len(steps) > 2:
+            kind = np.where(np.isnan(values), 0, np.sign(np.nan_to_num(values, nan=0.0, posinf=1, neginf=-1)))
+            same = odd[1:] & odd[:-1] & (np.diff(steps) == 1) & (kind[1:] == kind[:-1])
+            inside[1:-1] = same[:-1] & same[1:]
+        keep = (skipped | odd) & ~inside
+        return steps[keep], values[keep]
 
     def means(self, figure: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(steps, mean of the finite values, how many) per record or bucket (a bucket sits at its last step)."""
