@@ -497,3 +497,45 @@ def test_the_train_page_shows_a_damaged_run_with_a_message(fresh_store):
     assert not at.exception
     assert any("could not be read" in w.value and "lane 1" in w.value for w in at.warning)
     assert len(at.get("plotly_chart")) == 5
+
+
+def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkeypatch):
+    """Chunks but a track's last never change, summary blocks never: a follower decodes each column once."""
+    sink = RecordSink("r", RunStore(fresh_store))
+    sink.open(CONFIG.to_dict(), "cpu", "test")
+
+    def flush(start: int, count: int) -> None:
+        for lane, mode in enumerate(CONFIG.modes):
+            sink.extend_steps(lane, mode, synthetic(start, count, seed=start + lane))
+        sink.flush()
+
+    for start in range(0, 15_000, 3000):
+        flush(start, 3000)
+    import amp_core.records.store as store_module
+
+    decoded = []
+    real_decode = store_module.decode_array
+    monkeypatch.setattr(store_module, "decode_array", lambda blob: decoded.append(1) or real_decode(blob))
+    manager = RunManager(RunStore(fresh_store))
+    follower = RecordFollower("r")
+    first = follower.update(manager)
+    assert decoded and [lane.stats.records for lane in first] == [15_000, 15_000]
+    decoded.clear()
+    assert [lane.stats.median_step_ms for lane in follower.update(manager)] == [
+        lane.stats.median_step_ms for lane in first]
+    assert decoded == []  # nothing new: nothing decoded
+    flush(15_000, 2000)
+    series = follower.update(manager)
+    assert [lane.stats.records for lane in series] == [17_000, 17_000]
+    assert len(decoded) == len(CONFIG.modes) * len(STEP_COLUMNS)  # the new chunk of each lane, each column once
+
+
+def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_store):
+    write_run(fresh_store, "a", [60_000])
+    write_run(fresh_store, "b", [500], seed=3)
+    manager = RunManager(RunStore(fresh_store))
+    series = compare.gather_lanes(manager, ["b/1", "a/0", "a/1", "nope/0"])
+    assert [lane.key for lane in series] == ["b/1", "a/0", "a/1"]
+    assert series[0].bucket_steps == 1 and series[1].bucket_steps > 1
+    assert all(len(lane.points("loss")[0]) < 2500 for lane in series)
+    assert [lane.stats.records for lane in series] == [500, 60_000, 60_000]
