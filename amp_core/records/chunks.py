@@ -45,7 +45,8 @@ class TrackFlush:
     """(level, block, encoded buckets) of newly complete blocks."""
     stats: dict | None = None
     """Set on the last flush of a track: what a reader then needs no scan for."""
-    _next: tuple[int, int, int] = (0, 0, 0)
+    written: tuple[int, int, int] = (0, 0, 0)
+    """What the writer holds once this flush is committed: (rows stored, first row of the last chunk, its records)."""
 
 
 def encode_chunk(track: TrackRecords, start: int, stop: int) -> ChunkRow:
@@ -92,11 +93,11 @@ class TrackWriter:
                 out.blocks.append((level, block, encode_columns(buckets)))
         if final:
             out.stats = {"records": records, **track.stats()}
-        out._next = (count, *piece)
+        out.written = (count, *piece)
         return out
 
     def committed(self, flush: TrackFlush) -> None:
-        count, open_row, open_records = flush._next
+        count, open_row, open_records = flush.written
         self.stored_rows, self.open_chunk = count, (open_row, open_records)
 
 

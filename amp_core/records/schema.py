@@ -95,7 +95,7 @@ MARK_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in STEP_COLUMNS.items
 def typed(values, dtype: np.dtype) -> np.ndarray:
     """Float64 values (NaN where missing) as a column of `dtype`: a missing int or flag becomes 0."""
     values = np.asarray(values, dtype=np.float64)
-    if dtype.kind != "f":
+    if dtype.kind != "f" and np.isnan(values).any():
         values = np.nan_to_num(values, nan=0.0)
     return values.astype(dtype)
 

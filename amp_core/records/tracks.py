@@ -225,10 +225,6 @@ class TrackRecords:
         """What the store keeps with a finished track so a reader needs no scan: the exact median step time."""
         return {"median_step_ms": self.median_step_ms()}
 
-    def frame(self, start: int = 0, stop: int | None = None) -> pd.DataFrame:
-        columns = self.raw_rows(start, np.iinfo(np.int64).max if stop is None else stop)
-        return steps_frame([(self.run_id, self.lane, self.mode, self.rank, columns)])
-
     def nbytes(self) -> int:
         return self.raw.nbytes() + self.mark_rows.nbytes() + sum(level.nbytes() for level in self._levels)
 

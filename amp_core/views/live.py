@@ -31,11 +31,6 @@ class RecordFollower:
         self.series = manager.lane_series(self.run_id, max_points=self.max_points, sources=self._sources)
         return self.series
 
-    @property
-    def problems(self) -> list[str]:
-        """What could not be read (a damaged chunk), once each."""
-        return list(dict.fromkeys(problem for lane in self.series for problem in lane.problems))
-
 
 def format_ratio(value: float) -> str:
     """1.234 -> '1.23×'; NaN -> '–'."""
