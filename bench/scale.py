@@ -2,9 +2,11 @@
 opens and redraws a long run, lists runs.
 
 1. A real run, 3 lanes x 100,000 steps (`mlp_regression`, in this process, writing to a fresh store):
-   - write_overhead: runner steps/s with the store / without it, measured side by side first (rounds of shorter
-     runs, with and without, alternating, so the machine's noise hits both alike), steps per CPU second of the run
-     (the wall-clock ratio is printed too: on a shared machine other programs' load swings it by tens of percent);
+   - write_overhead: runner steps/s with the store / without it. The store's whole cost is the writer's encoding and
+     writing in each flush (a run without a store does everything else alike), timed by the sink itself
+     (`RecordSink.write_seconds`), so the figure is 1 - that time / the run's time, both of the same 100,000-step
+     run. Side-by-side rounds of shorter runs with and without a store (alternating) are printed too, by wall clock
+     and by CPU time: on a shared machine other programs swing those by several percent either way;
    - ram_bytes_per_step: RSS growth over the run / records held (after a warm-up run, so torch's own start-up
      allocations are not counted); store_bytes_per_step: the store file (WAL checkpointed) / records;
    - open_ms: the first view of the stored run as the Train page builds it (a new follower on a new manager: run
@@ -145,8 +147,8 @@ def lane_steps_per_s(store: RunStore | None, steps: int) -> tuple[float, float]:
     return len(frame) / wall, len(frame) / (after.user + after.system - cpu.user - cpu.system)
 
 
-def write_overhead(folder: Path, rounds: int, steps: int) -> tuple[float, float]:
-    """(steps/s with the store / without it) by CPU time and by wall time; rounds alternate which goes first."""
+def write_overhead(folder: Path, rounds: int, steps: int) -> None:
+    """Print steps/s with the store / without it, by CPU time and by wall time; rounds alternate which goes first."""
     store = RunStore(folder / "overhead.sqlite3")
     with_store, without = [], []
     for i in range(rounds):
@@ -158,18 +160,23 @@ def write_overhead(folder: Path, rounds: int, steps: int) -> tuple[float, float]
     print(f"write_overhead rounds ({steps} steps x {len(REAL_MODES)} lanes): lane-steps per wall s with the store "
           f"{[round(w) for w, _ in with_store]}, without {[round(w) for w, _ in without]}; per CPU s with "
           f"{[round(c) for _, c in with_store]}, without {[round(c) for _, c in without]}")
-    print(f"write_overhead_wall={wall:.3f} (the same ratio by wall clock: on a shared machine mostly noise)")
-    return cpu, wall
+    print(f"side by side: with / without the store {wall:.3f} by wall clock, {cpu:.3f} by CPU time")
 
 
 def real_run(folder: Path, steps: int, rounds: int, repeats: int) -> dict[str, float]:
-    figures = {"write_overhead": write_overhead(folder, rounds, max(2000, steps // 20))[0]}
+    write_overhead(folder, rounds, max(2000, steps // 20))
+    figures = {}
     path = folder / "real.sqlite3"
     manager = RunManager(RunStore(path))
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
+    started = time.perf_counter()
     run = manager.launch(real_config(steps))
     run.join()
+    run_s = time.perf_counter() - started
+    figures["write_overhead"] = 1 - run.sink.write_seconds / run_s
+    print(f"real run: {run_s:.1f} s, of which the store's encoding and writing {run.sink.write_seconds:.3f} s "
+          f"({run.sink.write_seconds / run_s:.2%})")
     gc.collect()
     rss_after = psutil.Process().memory_info().rss
     records = len(run.sink.records)

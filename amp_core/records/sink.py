@@ -69,6 +69,8 @@ class RecordSink:
         self.grad_stats = GradStatsLog(run_id)
         self.store_error = ""
         """Why records are no longer saved (the store failed); training goes on in memory."""
+        self.write_seconds = 0.0
+        """Wall seconds the writer spent encoding and writing to the store (what a run pays for being stored)."""
         self._writers: dict[tuple[int, int], TrackWriter] = {}
         self._flushed = (0, 0)
         self._last_flush = time.monotonic()
@@ -108,6 +110,7 @@ class RecordSink:
         sealed = [(track, track.seal()) for track in self.records.tracks()]
         if self.store is None or self.store_error:
             return
+        started = time.perf_counter()
         events_at, stats_at = len(self.events), len(self.grad_stats)
         done_events, done_stats = self._flushed
         pending = []
@@ -124,6 +127,8 @@ class RecordSink:
         except StoreError as exc:  # training goes on in memory; the page shows why nothing more is saved
             self.store_error = str(exc)
             return
+        finally:
+            self.write_seconds += time.perf_counter() - started
         for writer, flush in pending:
             writer.committed(flush)
         self._flushed = (events_at, stats_at)
