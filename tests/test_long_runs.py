@@ -540,3 +540,15 @@ def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_stor
     assert series[0].bucket_steps == 1 and series[1].bucket_steps > 1
     assert all(len(lane.points("loss")[0]) < 2500 for lane in series)
     assert [lane.stats.records for lane in series] == [500, 60_000, 60_000]
+
+
+def test_the_sink_times_what_storing_costs_the_run(fresh_store):
+    """write_seconds is the store's whole cost to the writer (bench.scale's write_overhead reads it)."""
+    config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=3000)
+    started = time.perf_counter()
+    stored = Run(config, RunStore(fresh_store)).start()
+    stored.join()
+    elapsed = time.perf_counter() - started
+    unstored = Run(config).start()
+    unstored.join()
+    assert 0 < stored.sink.write_seconds < elapsed / 10 and unstored.sink.write_seconds == 0
