@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import math
@@ -24,8 +25,9 @@ from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.records import Event, StepRecord, empty_steps_frame
+from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, StoredTrack
 from amp_core.step import LaneState, StepResult, record_step_events, resolve_step, train_step
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.workloads import WORKLOADS, Data, Workload
@@ -447,6 +449,8 @@ class RunManager:
         self.keep = keep
         self._runs: dict[str, Run] = {}
         self._lock = threading.Lock()
+        self._problems: dict[str, list[str]] = {}
+        """Per run: what readers of its stored records could not read (a damaged chunk), said once each."""
 
     def launch(self, config: RunConfig) -> Run:
         """Create and start a run; RunLimitError if `max_running` runs are already going."""
@@ -479,6 +483,8 @@ class RunManager:
     def list_runs(self) -> pd.DataFrame:
         """Runs in the store and in memory, newest first: run_id, name, workload, modes, status, created_at."""
         columns = ["run_id", "name", "workload", "modes", "status", "created_at"]
+        if self.store is not None:
+            self.store.check_liveness()
         stored = self.store.runs()[columns] if self.store is not None else pd.DataFrame(columns=columns)
         live = {r.run_id: r for r in self.runs()}
         stored = stored[~stored["run_id"].isin(live)]
@@ -490,12 +496,36 @@ class RunManager:
             return pd.DataFrame(columns=columns)
         return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)
 
-    def steps(self, run_id: str) -> pd.DataFrame:
-        """A run's step records: from memory while the run is held here, else from the store."""
+    def track_sources(self, run_id: str, reuse: list | None = None) -> list:
+        """The run's tracks as sources for `amp_core.records.query`: in memory while the run is held here, else in
+        the store (StoredTrack, for one reader at a time; those in `reuse` keep what they cached)."""
         run = self.get(run_id)
         if run is not None:
-            return run.frame()
-        return self.store.steps(run_id) if self.store is not None else empty_steps_frame()
+            return list(run.sink.records.tracks())
+        if self.store is None:
+            return []
+        return self.store.track_sources(run_id, reuse, self._problems.setdefault(run_id, []))
+
+    def lane_series(self, run_id: str, start: int | None = None, stop: int | None = None,
+                    max_points: int = MAX_POINTS, sources: list | None = None) -> list[LaneSeries]:
+        """Each track of a run read for charts and headlines: steps [start, stop) (default: all) in about
+        `max_points` points per figure, exact (see amp_core.records.query). `sources`: from `track_sources`."""
+        sources = self.track_sources(run_id) if sources is None else sources
+        stored = self.store is not None and any(isinstance(source, StoredTrack) for source in sources)
+        with self.store.snapshot() if stored else contextlib.nullcontext():  # one consistent view of the store
+            series = [read_lane(source, start, stop, max_points) for source in sources]
+        return [s for s in series if s.stats.records]
+
+    def steps(self, run_id: str, start: int = 0, stop: int | None = None) -> pd.DataFrame:
+        """A run's step records of steps [start, stop), every one (memory while the run is held here, else the
+        store; a damaged chunk's records are left out and said in `run_info(run_id)["problems"]`)."""
+        run = self.get(run_id)
+        if run is not None:
+            frame = run.frame(start)
+            return frame if stop is None else frame[frame["step"] < stop].reset_index(drop=True)
+        if self.store is None:
+            return empty_steps_frame()
+        return self.store.steps(run_id, start, stop, strict=False, problems=self._problems.setdefault(run_id, []))
 
     def events(self, run_id: str) -> pd.DataFrame:
         """A run's events as a DataFrame (run_id, lane, step, kind, message, t_wall_s, data)."""
@@ -508,29 +538,38 @@ class RunManager:
         return pd.DataFrame(columns=["run_id", "kind", "message", "lane", "step", "t_wall_s", "data"])
 
     def run_info(self, run_id: str) -> dict | None:
-        """config (RunConfig dict), status, and lanes [{lane, mode, status, error, steps_done}] of a run."""
+        """config (RunConfig dict), status, lanes [{lane, mode, status, error, steps_done, meta}] of a run, and
+        problems: what of its stored records could not be read so far (a damaged chunk), as messages."""
         run = self.get(run_id)
         if run is not None:
             return {"run_id": run_id, "config": run.config.to_dict(), "status": run.status, "live": run.alive,
                     "lanes": [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "error": lane.error,
-                               "steps_done": lane.steps_done} for lane in run.lanes]}
-        row = self.store.run(run_id) if self.store is not None else None
+                               "steps_done": lane.steps_done, "meta": {}} for lane in run.lanes],
+                    "problems": []}
+        if self.store is None:
+            return None
+        self.store.check_liveness()
+        row = self.store.run(run_id)
         if row is None:
             return None
-        counts = self.store.lane_step_counts(run_id)
+        counts: dict[int, int] = {}
+        for track in self.store.tracks(run_id):  # steps per lane: its rank-0 track (ranks step together)
+            counts[track["lane"]] = max(counts.get(track["lane"], 0), track["records"])
         return {"run_id": run_id, "config": row["config"], "status": row["status"], "live": False,
                 "lanes": [{"lane": lane["lane"], "mode": lane["mode"], "status": lane["status"], "error": lane["error"],
-                           "steps_done": int(counts.get(lane["lane"], 0))} for lane in row["lanes"]]}
+                           "steps_done": int(counts.get(lane["lane"], 0)), "meta": lane["meta"]}
+                          for lane in row["lanes"]],
+                "problems": list(self._problems.get(run_id, []))}
 
     def grad_stats(self, run_id: str, lane: int, step: int | None = None) -> list[GradStats]:
         """Gradient statistics of a lane (one step, or every sampled step)."""
         run = self.get(run_id)
         if run is not None:
-            return [s for rid, ln, st, s in run.grad_stats() if ln == lane and (step is None or st == step)]
+            return run.sink.grad_stats.get(lane, step)
         return self.store.grad_stats(run_id, lane, step) if self.store is not None else []
 
     def grad_stat_steps(self, run_id: str, lane: int) -> list[int]:
         run = self.get(run_id)
         if run is not None:
-            return sorted({st for _, ln, st, _ in run.grad_stats() if ln == lane})
+            return run.sink.grad_stats.steps(lane)
         return self.store.grad_stat_steps(run_id, lane) if self.store is not None else []

@@ -231,7 +231,10 @@ def headline_cards(info: dict, series: list[LaneSeries]) -> None:
 
 
 def lane_problems(info: dict) -> None:
-    """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early."""
+    """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early; records
+    the store could not read (a damaged chunk: the rest is shown)."""
+    for problem in info.get("problems", []):
+        st.warning(problem)
     lanes = info["lanes"]
     if lanes and all(lane["status"] == "failed" for lane in lanes) and len({lane["error"] for lane in lanes}) == 1:
         st.error(f"The run failed: {lanes[0]['error'] or 'see the run events'}")

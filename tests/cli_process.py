@@ -12,24 +12,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_cli_run(store: Path, *run_args: str) -> subprocess.Popen:
-    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded).
+def start_cli_run(store: Path, *run_args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded);
+    `prefix`: a command it runs under (e.g. `unshare ...`).
 
     Ctrl-C (SIGINT) reaches it as it would from a terminal, even when the tests themselves were started in the
     background (where a shell ignores SIGINT, and a child would inherit that).
     """
-    return subprocess.Popen([sys.executable, "-m", "amp_core", "--store", str(store), "run", *run_args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    return subprocess.Popen([*prefix, sys.executable, "-m", "amp_core", "--store", str(store), "run", *run_args],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def stored_steps(store: Path) -> int:
-    """Step records in the store file so far (0 before the other process has made it)."""
+    """Step records in the store file so far, as its tracks count them (0 before the other process has made it)."""
     if not store.exists():
         return 0
     with sqlite3.connect(store) as conn:
         try:
-            return conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+            return conn.execute("SELECT COALESCE(SUM(records), 0) FROM tracks").fetchone()[0]
         except sqlite3.OperationalError:  # the other process has not made its tables yet
             return 0
 

@@ -29,6 +29,6 @@ def records(n_steps: int, modes=MODES, skipped_at=(), spike_at=None, cuda=False,
                 if scaled else None, "skipped": scaled and step in skipped_at, "grad_norm": 1.0,
                 "params_bytes": 4000 * (lane + 1), "grads_bytes": 4000, "optim_bytes": 8000,
                 "activations_bytes": 100 * step, "peak_above_start_bytes": 2**20 if cuda else None,
-                "lane_peak_bytes": 3 * 2**20 if cuda else None, "probe_ms": 0.0,
+                "lane_peak_bytes": 3 * 2**20 if cuda else None, "probe_ms": 0.0, "rank": 0,
             })
     return pd.DataFrame(rows, columns=list(STEP_FIELDS))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 from step_records import records
 
 from amp_core.config import RunConfig
-from amp_core.records import STEP_FIELDS
+from amp_core.records import STEP_FIELDS, StepRecord
+from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower, format_ratio, format_scale
@@ -30,7 +32,7 @@ def test_headlines_against_the_32_true_lane():
     assert heads.loc["16-mixed", "scale"] == 2.0**14
     assert math.isnan(heads.loc["32-true", "scale"])
     last = frame[(frame["mode"] == "bf16-mixed")].iloc[-1]["loss"]
-    assert heads.loc["bf16-mixed", "latest_loss"] == last
+    assert heads.loc["bf16-mixed", "latest_loss"] == np.float32(last)  # records hold losses in float32
 
 
 def test_headlines_fall_back_to_the_first_lane():
@@ -66,30 +68,42 @@ def test_follower_reads_a_live_run_incrementally(fresh_store, stepped_launches, 
     seen = []
     for paused_at in (10, 30):
         run.wait_until(stepped_launches.parked)
-        frame = follower.update(manager)
-        assert len(frame) == paused_at and run.alive
-        seen.append(frame.copy())
+        series = follower.update(manager)
+        assert sum(lane.stats.records for lane in series) == paused_at and run.alive
+        seen.append({lane.lane: lane["loss"].copy() for lane in series})
         run.resume()
     run.join()
-    frame = follower.update(manager)
-    assert len(frame) == 80
-    pd.testing.assert_frame_equal(frame, run.frame())
-    for earlier in seen:  # what was read before is kept as it was, the new rows only appended
-        pd.testing.assert_frame_equal(frame.iloc[:len(earlier)], earlier)
+    series = follower.update(manager)
+    assert [lane.stats.records for lane in series] == [40, 40]
+    pd.testing.assert_frame_equal(summarize(series), summarize(run.frame()))
+    for lane, from_frame in zip(series, lanes(run.frame()), strict=True):
+        assert lane.bucket_steps == 1 and (lane["step"] == np.arange(40)).all()
+        assert (lane["loss"] == from_frame["loss"]).all()
+        for earlier in seen:  # what was read before reads the same now, the new records after it
+            assert (lane["loss"][:len(earlier[lane.lane])] == earlier[lane.lane]).all()
 
 
-def test_follower_reads_a_stored_run_by_step_without_duplicates(fresh_store):
-    store = RunStore(fresh_store)
+def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):
+    """A writer (as a CLI run in another process would be) flushes twice; a follower on its own store object reads
+    what each flush wrote, every record once, and keeps the chunks it read."""
     config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), device="cpu")
-    store.create_run("r", config.to_dict(), "cpu", "x")
+    sink = RecordSink("r", RunStore(fresh_store))
+    sink.open(config.to_dict(), "cpu", "x")
     rows = records(10, modes=("32-true", "bf16-mixed"))
-    as_tuples = list(rows[list(STEP_FIELDS)].itertuples(index=False, name=None))
-    store.write_batch(as_tuples[:7])  # steps 0-2 both lanes, step 3 lane 0 only
-    manager = RunManager(store)
+    as_records = [StepRecord(**{k: (None if pd.isna(v) else v) for k, v in row.items()})
+                  for row in rows[list(STEP_FIELDS)].to_dict("records")]
+    for record in as_records[:7]:  # steps 0-2 both lanes, step 3 lane 0 only
+        sink.step(record)
+    sink.flush()
+    manager = RunManager(RunStore(fresh_store))
     follower = RecordFollower("r")
-    assert len(follower.update(manager)) == 7
-    store.write_batch(as_tuples[7:])
-    frame = follower.update(manager)
-    assert len(frame) == 20
-    assert not frame.duplicated(["lane", "step"]).any()
-    assert len(follower.update(manager)) == 20
+    assert [lane.stats.records for lane in follower.update(manager)] == [4, 3]
+    for record in as_records[7:]:
+        sink.step(record)
+    sink.flush()
+    series = follower.update(manager)
+    assert [lane.stats.records for lane in series] == [10, 10]
+    assert [lane["step"].tolist() for lane in series] == [list(range(10))] * 2
+    expected = rows.sort_values(["lane", "step"])["loss"].to_numpy(dtype=np.float32)
+    assert np.concatenate([lane["loss"] for lane in series]).tolist() == expected.tolist()
+    assert follower.update(manager)[0].stats.records == 10

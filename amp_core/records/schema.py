@@ -1,4 +1,10 @@
-"""Records: the contract between the runner (or a Monitor), the store and the pages. Units are in the names."""
+"""Records: the contract between the runner (or a Monitor), the store and the pages. Units are in the names.
+
+StepRecord is also the one declaration of the columnar layout: every field that does not name the track (run_id,
+lane, mode, rank) becomes a numpy column whose dtype comes from the field's annotation (int -> int64, float ->
+float64, bool -> bool, `float | None` and `int | None` -> float64 with NaN for None) unless the field says
+`column("float32")`. Adding a figure is one line here; the memory layout, the store, the summary and export follow.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
+
+
+def column(dtype: str, **kwargs) -> Any:
+    """A StepRecord field held as a numpy column of `dtype` (instead of the dtype its annotation implies)."""
+    return field(metadata={"dtype": np.dtype(dtype)}, **kwargs)
 
 
 @dataclass(slots=True)
@@ -20,18 +32,20 @@ class StepRecord:
     step: int
     t_wall_s: float
     """Unix time when the host finished the step (on CUDA: finished queuing it; the device may end later)."""
-    loss: float
-    step_ms: float
+    loss: float = column("float32")
+    """The training loss (a float32 or narrower tensor's value: float32 holds it exactly)."""
+    step_ms: float = column("float32")
     """Time of the step's training work: perf_counter on a CPU; on CUDA the device time between two events on the
     lane's stream (no host sync). Sampled probes run outside it (probe_ms)."""
-    samples_per_s: float
+    samples_per_s: float = column("float32")
     lr: float
     """LR the optimizer used on this step (after any LR fault)."""
-    scale: float | None
-    """GradScaler scale used for this step's backward (None: the mode has no scaler)."""
+    scale: float | None = column("float32")
+    """GradScaler scale used for this step's backward (None: the mode has no scaler); a power of two times the
+    initial scale, exact in float32."""
     skipped: bool
     """The optimizer step was skipped because gradients held inf/NaN."""
-    grad_norm: float
+    grad_norm: float = column("float32")
     """L2 norm of the unscaled gradients, computed in fp32 (inf/NaN if they were not finite). NaN also on steps where
     it was not measured (RunConfig.grad_norm_every): a measured non-finite norm comes with a skipped_step or
     nonfinite_grads event, and in modes where gradients overflow it is measured on every step."""
@@ -49,11 +63,53 @@ class StepRecord:
     """The lane's own memory peak, unchanged by other lanes. CUDA: what the lane held at its step's start (params,
     grads, optimizer state) + peak_above_start_bytes. CPU: params + grads + optimizer state + activations (storage
     sizes: a CPU has no allocator statistics). None on CUDA before the first measurement."""
-    probe_ms: float
+    probe_ms: float = column("float32")
     """Host time this step spent in sampled probes (memory, gradient statistics, forensics), outside step_ms."""
+    rank: int = 0
+    """The torchrun rank that measured this record (0 outside torchrun)."""
 
 
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))
+TRACK_FIELDS: tuple[str, ...] = ("run_id", "lane", "mode", "rank")
+"""Fields that name a track (one lane's records from one rank): held once per track, not once per record."""
+
+_ANNOTATION_DTYPES = {"int": "int64", "float": "float64", "bool": "bool", "float | None": "float64",
+                      "int | None": "float64"}
+
+
+def _column_dtypes() -> dict[str, np.dtype]:
+    dtypes = {}
+    for f in dataclasses.fields(StepRecord):
+        if f.name in TRACK_FIELDS:
+            continue
+        if "dtype" in f.metadata:
+            dtypes[f.name] = f.metadata["dtype"]
+        elif f.type in _ANNOTATION_DTYPES:
+            dtypes[f.name] = np.dtype(_ANNOTATION_DTYPES[f.type])
+        else:
+            raise TypeError(f"StepRecord.{f.name}: annotate it {' or '.join(_ANNOTATION_DTYPES)}, "
+                            f"or give it column(dtype); got {f.type!r}")
+    return dtypes
+
+
+STEP_COLUMNS: dict[str, np.dtype] = _column_dtypes()
+"""Per-record numeric columns (name -> numpy dtype), in StepRecord order; `step` is the key of a track."""
+OPTIONAL_COLUMNS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(StepRecord)
+                                             if str(f.type).endswith("| None"))
+"""Columns where NaN means "not measured" (None), never a non-finite value training produced."""
+HELD_PARTS: tuple[str, ...] = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes")
+"""The parts of the bytes a lane holds at a step; their sum is the summarized figure `held_bytes`."""
+MARK_COLUMNS: tuple[str, ...] = tuple(name for name, dtype in STEP_COLUMNS.items()
+                                      if dtype.kind == "f" and name not in OPTIONAL_COLUMNS)
+"""A non-finite value in one of these marks its record (as a skipped step does): marks are kept exactly."""
+
+
+def typed(values, dtype: np.dtype) -> np.ndarray:
+    """Float64 values (NaN where missing) as a column of `dtype`: a missing int or flag becomes 0."""
+    values = np.asarray(values, dtype=np.float64)
+    if dtype.kind != "f" and np.isnan(values).any():
+        values = np.nan_to_num(values, nan=0.0)
+    return values.astype(dtype)
 
 
 @dataclass(slots=True)
@@ -69,32 +125,30 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-class RecordBuffer:
-    """StepRecords held column by column, so a page builds a DataFrame of 80k rows in milliseconds."""
-
-    def __init__(self) -> None:
-        self._columns: dict[str, list] = {name: [] for name in STEP_FIELDS}
-        self._count = 0
-
-    def append(self, record: StepRecord) -> None:
-        for name in STEP_FIELDS:
-            self._columns[name].append(getattr(record, name))
-        self._count += 1
-
-    def __len__(self) -> int:
-        return self._count
-
-    def frame(self, since: int = 0, until: int | None = None) -> pd.DataFrame:
-        """Rows [since, until) as a DataFrame (safe while the runner appends: it reads a fixed count)."""
-        until = self._count if until is None else until
-        return pd.DataFrame({name: col[since:until] for name, col in self._columns.items()}, columns=list(STEP_FIELDS))
-
-    def rows(self, since: int, until: int) -> list[tuple]:
-        """Rows [since, until) as tuples in STEP_FIELDS order (for the store)."""
-        return list(zip(*(self._columns[name][since:until] for name in STEP_FIELDS), strict=True))
+def steps_frame(parts: list[tuple[str, int, str, int, dict[str, np.ndarray]]]) -> pd.DataFrame:
+    """A DataFrame in STEP_FIELDS order from (run_id, lane, mode, rank, columns) parts, one per track."""
+    if not parts:
+        return empty_steps_frame()
+    columns: dict[str, Any] = {}
+    for name in STEP_FIELDS:
+        if name in TRACK_FIELDS:
+            index = TRACK_FIELDS.index(name)
+            values = [np.full(len(cols["step"]), part[index], dtype=object if name in ("run_id", "mode") else
+                              np.int64) for *part, cols in parts]
+        else:
+            values = [cols[name] for *_, cols in parts]
+        columns[name] = values[0] if len(values) == 1 else np.concatenate(values)
+    frame = pd.DataFrame(columns, columns=list(STEP_FIELDS))
+    for name in ("run_id", "mode"):
+        frame[name] = frame[name].astype(str)
+    return frame
 
 
 def empty_steps_frame() -> pd.DataFrame:
-    return pd.DataFrame({name: [] for name in STEP_FIELDS})
-
-
+    """No records, every column with its dtype."""
+    columns = {name: np.array([], dtype=STEP_COLUMNS.get(name, np.int64)) for name in STEP_FIELDS}
+    columns["run_id"] = columns["mode"] = np.array([], dtype=object)
+    frame = pd.DataFrame(columns, columns=list(STEP_FIELDS))
+    for name in ("run_id", "mode"):
+        frame[name] = frame[name].astype(str)
+    return frame

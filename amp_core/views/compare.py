@@ -14,7 +14,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.records import STEP_FIELDS
+from amp_core.records import STEP_FIELDS, empty_steps_frame
+from amp_core.records.query import LaneSeries
+from amp_core.records.schema import steps_frame
 from amp_core.records.store import LIVE_STATUSES
 from amp_core.views.plots import MAX_POINTS, chart_layout, decimate, line_trace, marker_trace, mode_color
 from amp_core.views.summary import lane_key
@@ -92,20 +94,27 @@ def live_run_ids(manager: RunManager, run_ids: Iterable[str]) -> list[str]:
     return [run_id for run_id in run_ids if growing(run_id)]
 
 
-def gather_steps(manager: RunManager, lane_keys: Sequence[str]) -> pd.DataFrame:
-    """Step records of the chosen lanes, read through the manager (memory for runs it holds, else the store);
-    lanes in the order given, each ordered by step. The same dtypes whatever the source: floats (None -> NaN),
-    byte counts as nullable integers (None -> <NA>), `skipped` as bool."""
+def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
     wanted: dict[str, list[int]] = {}
     for key in lane_keys:
         run_id, lane = split_lane_key(key)
         wanted.setdefault(run_id, []).append(lane)
+    return wanted
+
+
+def gather_steps(manager: RunManager, lane_keys: Sequence[str]) -> pd.DataFrame:
+    """Every step record of the chosen lanes (for downloads and tables that need them all), read column by column
+    through the manager (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
+    given, each ordered by step. The same dtypes whatever the source: floats (None -> NaN), byte counts as nullable
+    integers (None -> <NA>), `skipped` as bool."""
     parts = []
-    for run_id, lanes in wanted.items():
-        steps = manager.steps(run_id)
-        parts.extend(steps[steps["lane"] == lane].sort_values("step") for lane in lanes)
-    parts = [part for part in parts if not part.empty]
-    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({name: [] for name in STEP_FIELDS})
+    for run_id, lanes in _wanted(lane_keys).items():
+        sources = manager.track_sources(run_id)
+        for lane in lanes:
+            parts += [(run_id, s.lane, s.mode, s.rank, s.raw_rows(0, np.iinfo(np.int64).max))
+                      for s in sources if s.lane == lane]
+    parts = [part for part in parts if len(part[-1]["step"])]
+    frame = steps_frame(parts) if parts else empty_steps_frame()
     for column in FLOAT_STEP_COLUMNS:
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype(float)
     for column in BYTE_STEP_COLUMNS:
@@ -114,6 +123,17 @@ def gather_steps(manager: RunManager, lane_keys: Sequence[str]) -> pd.DataFrame:
     frame["step"] = frame["step"].astype(int)
     frame["skipped"] = frame["skipped"].astype(bool)
     return frame[list(STEP_FIELDS)]
+
+
+def gather_lanes(manager: RunManager, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
+    """The chosen lanes read for charts and the summary table (in the order given): exact totals, and an exact
+    envelope of about `max_points` points per figure, so a comparison of long runs reads a few thousand points."""
+    found: dict[str, list[LaneSeries]] = {}
+    for run_id, lanes in _wanted(lane_keys).items():
+        chosen = [s for s in manager.track_sources(run_id) if s.lane in lanes]
+        for series in manager.lane_series(run_id, max_points=max_points, sources=chosen):
+            found.setdefault(series.key, []).append(series)
+    return [series for key in dict.fromkeys(lane_keys) for series in found.get(key, [])]
 
 
 def frame_lane_keys(frame: pd.DataFrame) -> list[str]:

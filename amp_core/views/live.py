@@ -1,45 +1,35 @@
-"""What the Train page's live view reads: a run's new step records only; how its headline figures read."""
+"""What the Train page's live view reads: a run's lanes through the multi-resolution summary; how its headline
+figures read."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-import pandas as pd
 
-from amp_core.records import empty_steps_frame
+from amp_core.records.query import MAX_POINTS, LaneSeries
 
 
 class RecordFollower:
-    """Follows one run's step records, reading only what is new since the last `update`.
+    """Follows one run for a live view: each `update` reads every lane of the run through the summary, so a redraw
+    reads a few thousand points however long the run is.
 
-    A run held by this process is read from its in-memory buffer by row count; a run known only from the store
-    (finished, or written by another process) is read by step, the last step read again because another lane's
-    record of that step may have landed since.
+    A run held by this process is read from its in-memory tracks. A run known only from the store (finished, or
+    written by another process) is read through StoredTracks the follower keeps between updates: what never changes
+    (complete summary blocks, chunks but the last) is read once, so each update reads only what is new.
     """
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, max_points: int = MAX_POINTS):
         self.run_id = run_id
-        self.frame = empty_steps_frame()
-        self._rows_read = 0
+        self.max_points = max_points
+        self.series: list[LaneSeries] = []
+        self._sources: list = []
 
-    def update(self, manager) -> pd.DataFrame:
-        """Fetch new records through `manager` (a RunManager) and return every record read so far."""
-        run = manager.get(self.run_id)
-        if run is not None:
-            new = run.frame(since=self._rows_read)
-            self._rows_read += len(new)
-            if not new.empty:
-                self.frame = new if self.frame.empty else pd.concat([self.frame, new], ignore_index=True)
-            return self.frame
-        if manager.store is None:
-            return self.frame
-        last = int(self.frame["step"].max()) if not self.frame.empty else -1
-        new = manager.store.steps(self.run_id, since_step=last - 1)
-        if not new.empty:
-            kept = self.frame[self.frame["step"] < last] if last >= 0 else self.frame
-            self.frame = new if kept.empty else pd.concat([kept, new], ignore_index=True)
-        return self.frame
+    def update(self, manager) -> list[LaneSeries]:
+        """Read the run through `manager` (a RunManager); returns its lanes (also kept in `series`)."""
+        self._sources = manager.track_sources(self.run_id, reuse=self._sources)
+        self.series = manager.lane_series(self.run_id, max_points=self.max_points, sources=self._sources)
+        return self.series
 
 
 def format_ratio(value: float) -> str:

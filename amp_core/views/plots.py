@@ -1,9 +1,10 @@
-"""Plotly figure builders from DataFrames of step records (pure: pandas/numpy/plotly), decimated for long runs.
+"""Plotly figure builders for the Train page (pure: pandas/numpy/plotly), drawn from lanes read for charts.
 
-Every builder takes the records of one run (any number of lanes, any order) and returns a `go.Figure` whose
-traces are named by mode and coloured by `mode_color`, so a mode looks the same in every chart and page.
-Figures are built from plain dicts: plotly's per-trace validation costs ~3 ms a trace, over the Train page's
-budget at 4 lanes x 5 charts (see bench/render.py).
+Every builder takes lanes (`LaneSeries`, read through the multi-resolution summary: every record of a short range,
+else an exact min/max envelope with every skipped step and non-finite value at its step) or a DataFrame of records
+(split into lanes here), and returns a `go.Figure` whose traces are named by mode and coloured by `mode_color`, so a
+mode looks the same in every chart and page. Figures are built from plain dicts: plotly's per-trace validation costs
+~3 ms a trace, over the Train page's budget at 4 lanes x 5 charts (see bench/scale.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.views.summary import LaneSeries, _split
+from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.views.summary import lanes as _lanes
 
 # One colour per mode, the same in every chart and page.
 MODE_COLORS: dict[str, str] = {
@@ -25,8 +27,6 @@ MODE_COLORS: dict[str, str] = {
     "16-true": "#ff7f0e",
     "bf16-true": "#9467bd",
 }
-MAX_POINTS = 2000
-"""At most about this many points per trace (a browser stays smooth; spikes and skipped steps survive)."""
 MEMORY_PARTS: tuple[tuple[str, str], ...] = (
     ("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optim_bytes", "optimizer state"),
     ("activations_bytes", "activations"))
@@ -77,6 +77,28 @@ def smooth(values: np.ndarray, smoothing: float) -> np.ndarray:
     return series.ewm(alpha=1.0 - smoothing, adjust=True, ignore_na=True).mean().to_numpy()
 
 
+def smooth_means(means: np.ndarray, counts: np.ndarray, smoothing: float) -> np.ndarray:
+    """The same EMA over buckets: a bucket of n finite values decays the average by smoothing**n and brings in its
+    mean with weight 1 - smoothing**n (what the per-step EMA does when a bucket's values are all equal)."""
+    out = np.empty(len(means))
+    numerator = denominator = 0.0
+    for i, (mean, count) in enumerate(zip(means.tolist(), counts.tolist(), strict=True)):
+        if count > 0 and math.isfinite(mean):
+            decay = smoothing ** count
+            numerator = decay * numerator + (1 - decay) * mean
+            denominator = decay * denominator + (1 - decay)
+        out[i] = numerator / denominator if denominator else math.nan
+    return out
+
+
+def smoothed(lane: LaneSeries, figure: str, smoothing: float) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, EMA) of a figure: per record when the lane holds every record, else per bucket (at its last step)."""
+    steps, means, counts = lane.means(figure)
+    if lane.bucket_steps == 1:
+        return steps, smooth(means, smoothing)
+    return steps, smooth_means(means, counts, smoothing)
+
+
 # Figures are plain dicts (one idiom for every view): plotly validates a go.Scatter(...) property by property,
 # about 3 ms a trace, which a live redraw of 4 lanes x 5 charts cannot afford.
 def line_trace(mode: str, x: np.ndarray, y: np.ndarray, **extra) -> dict:
@@ -113,53 +135,54 @@ def empty_figure(title: str, why: str) -> go.Figure:
 def loss_figure(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
                 max_points: int = MAX_POINTS) -> go.Figure:
     """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x."""
-    series = _split(records)
+    series = _lanes(records, max_points)
     if not series:
         return empty_figure("Loss", "no steps yet")
     data = []
     for lane in series:
-        mode, steps, raw, skipped = lane.mode, lane["step"], lane["loss"], lane["skipped"]
-        shown = smooth(raw, smoothing)
+        mode = lane.mode
+        steps, raw = lane.points("loss")
+        skipped, at_skips = lane.skipped()
         if smoothing > 0:
-            idx = decimate_indices(raw, max_points, skipped)
-            data.append(line_trace(mode, steps[idx], raw[idx], opacity=0.25, showlegend=False, hoverinfo="skip"))
-        idx = decimate_indices(shown, max_points, skipped)
-        data.append(line_trace(mode, steps[idx], shown[idx]))
-        if skipped.any():
+            data.append(line_trace(mode, steps, raw, opacity=0.25, showlegend=False, hoverinfo="skip"))
+            steps, shown = smoothed(lane, "loss", smoothing)
+            marks = np.interp(skipped, steps, shown) if len(steps) else np.full(len(skipped), np.nan)
+        else:
+            shown, marks = raw, np.asarray(at_skips["loss"], dtype=float)
+        data.append(line_trace(mode, steps, shown))
+        if len(skipped):
             finite = shown[np.isfinite(shown)]
             top = finite.max() if finite.size else 1.0
-            marks = np.where(np.isfinite(shown[skipped]), shown[skipped], top)  # a non-finite loss sits on top
-            data.append(marker_trace(mode, steps[skipped], marks, f"{mode} skipped"))
+            data.append(marker_trace(mode, skipped, np.where(np.isfinite(marks), marks, top),  # inf/NaN: on top
+                                     f"{mode} skipped"))
     title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "")
     return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis={
         "title": {"text": "loss"}, "type": "log" if log_y else "linear"})})
 
 
 def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
-    """Measured ms per step per lane (min/max decimation keeps the slow outliers visible)."""
-    series = _split(records)
+    """Measured ms per step per lane (the min/max envelope keeps the slow outliers visible)."""
+    series = _lanes(records, max_points)
     if not series:
         return empty_figure("Step time", "no steps yet")
-    data = []
-    for lane in series:
-        idx = decimate_indices(lane["step_ms"], max_points)
-        data.append(line_trace(lane.mode, lane["step"][idx], lane["step_ms"][idx]))
+    data = [line_trace(lane.mode, *lane.points("step_ms")) for lane in series]
     return go.Figure({"data": data, "layout": chart_layout("Step time", "ms / step", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
 
 def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
-    series = _split(records)
+    series = _lanes(records, max_points)
     if not series:
         return empty_figure("Learning rate", "no steps yet")
-    data = []
+    data, tops = [], []
     for lane in series:
-        idx = decimate_indices(lane["lr"], max_points)
-        data.append(line_trace(lane.mode, lane["step"][idx], lane["lr"][idx], line={
-            "color": mode_color(lane.mode), "width": 1.6, "shape": "hv"}))
+        steps, lr = lane.points("lr")
+        tops.append(np.nanmax(lr) if np.isfinite(lr).any() else np.nan)
+        data.append(line_trace(lane.mode, steps, lr, line={"color": mode_color(lane.mode), "width": 1.6,
+                                                           "shape": "hv"}))
     yaxis = {"title": {"text": "LR"}, "rangemode": "tozero", "exponentformat": "e"}
-    top = max(float(np.nanmax(lane["lr"])) for lane in series)
+    top = max(tops)
     if np.isfinite(top) and top > 0:  # plotly would centre a constant LR on a -1..1 axis, where 1e-3 looks like 0
         yaxis["range"] = [0, top * 1.15]
     return go.Figure({"data": data, "layout": chart_layout("Learning rate", "LR", yaxis=yaxis)})
@@ -167,17 +190,17 @@ def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_PO
 
 def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
-    scaled = [lane for lane in _split(records) if not np.isnan(lane["scale"]).all()]
+    scaled = [(lane, *lane.points("scale")) for lane in _lanes(records, max_points)]
+    scaled = [(lane, steps, scale) for lane, steps, scale in scaled if not np.isnan(scale).all()]
     if not scaled:
         return empty_figure("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
     data, exponents = [], []
-    for lane in scaled:
-        mode, scale, skipped, steps = lane.mode, lane["scale"], lane["skipped"], lane["step"]
-        idx = decimate_indices(scale, max_points, skipped)
-        data.append(line_trace(mode, steps[idx], scale[idx],
-                               line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
-        if skipped.any():
-            data.append(marker_trace(mode, steps[skipped], scale[skipped], f"{mode} skipped"))
+    for lane, steps, scale in scaled:
+        mode = lane.mode
+        data.append(line_trace(mode, steps, scale, line={"color": mode_color(mode), "width": 1.6, "shape": "hv"}))
+        skipped, at_skips = lane.skipped()
+        if len(skipped):
+            data.append(marker_trace(mode, skipped, np.asarray(at_skips["scale"], dtype=float), f"{mode} skipped"))
         positive = scale[(scale > 0) & np.isfinite(scale)]
         if positive.size:
             exponents += [math.floor(math.log2(positive.min())), math.ceil(math.log2(positive.max()))]
@@ -197,16 +220,16 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
 def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     """Bytes each lane holds at its latest step, by part, one bar per mode; on CUDA also the allocator peak of the
     lane's own step above its start, and the lane's own peak (held at the start + that)."""
-    series = _split(records)
+    series = _lanes(records)
     if not series:
         return empty_figure("Memory", "no steps yet")
-    latest = [(lane.mode, {column: values[-1] for column, values in lane.columns.items()}) for lane in series]
+    latest = [(lane.mode, lane.stats.latest) for lane in series]
     parts = [*MEMORY_PARTS, ("_held", "total held")]
-    if any(pd.notna(row["peak_above_start_bytes"]) for _, row in latest):
+    if any(pd.notna(row.get("peak_above_start_bytes")) for _, row in latest):
         parts += [("peak_above_start_bytes", "step peak above its start (CUDA)"),
                   ("lane_peak_bytes", "lane peak (CUDA)")]
-    values = {mode: [float(sum(row[c] for c, _ in MEMORY_PARTS)) if column == "_held" else
-                     float(row[column]) if pd.notna(row[column]) else float("nan") for column, _ in parts]
+    values = {mode: [float(sum(row.get(c, np.nan) for c, _ in MEMORY_PARTS)) if column == "_held" else
+                     float(row.get(column, np.nan)) for column, _ in parts]
               for mode, row in latest}
     unit, divisor = memory_unit(np.nanmax([v for vals in values.values() for v in vals] + [0.0]))
     labels = [label for _, label in parts]
@@ -222,7 +245,7 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
                   max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
     """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once)."""
-    series = _split(records)
+    series = _lanes(records, max_points)
     return {"loss": loss_figure(series, log_y=log_y, smoothing=smoothing, max_points=max_points),
             "step_time": step_time_figure(series, max_points), "memory": memory_figure(series),
             "scale": scale_figure(series, max_points), "lr": lr_figure(series, max_points)}

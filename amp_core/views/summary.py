@@ -1,19 +1,20 @@
 """Lanes and their summary (pure pandas/numpy): records split per lane once, then speed, memory, final loss and skips
-against a baseline lane. The Train page's headline cards, the Compare table and the CLI all read `summarize`."""
+against a baseline lane. The Train page's headline cards, the Compare table and the CLI all read `summarize`.
+
+A lane is a `LaneSeries` (amp_core.records.query): read from a run's tracks through the multi-resolution summary, or
+split here from a DataFrame of records; either way its totals are exact."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from amp_core.precision import BASELINE_MODE
+from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
+from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS, typed
+from amp_core.records.tracks import TrackRecords
 
-MEMORY_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes")
-LANE_COLUMNS = ("step", "loss", "step_ms", "lr", "scale", "skipped", *MEMORY_COLUMNS, "peak_above_start_bytes",
-                "lane_peak_bytes")
-"""The columns a lane is split into (what the charts and the summary read)."""
+MEMORY_COLUMNS = HELD_PARTS
 SUMMARY_COLUMNS = ("run_id", "lane", "mode", "steps", "median_ms", "speedup", "peak_bytes", "peak_mib", "mem_ratio",
                    "final_loss", "loss_delta", "latest_loss", "skipped_steps", "scale", "diverged", "is_baseline")
 
@@ -22,55 +23,29 @@ def lane_key(run_id: str, lane: int) -> str:
     return f"{run_id}/{lane}"
 
 
-@dataclass(frozen=True, slots=True)
-class LaneSeries:
-    """One lane's records as numpy columns, ordered by step."""
-
-    run_id: str
-    lane: int
-    mode: str
-    columns: dict[str, np.ndarray]
-
-    def __getitem__(self, column: str) -> np.ndarray:
-        return self.columns[column]
-
-    @property
-    def key(self) -> str:
-        return lane_key(self.run_id, self.lane)
-
-    def peak_bytes(self) -> np.ndarray:
-        """Per step: the lane's own peak (lane_peak_bytes) where it was measured, else the bytes held
-        (params+grads+optimizer+saved)."""
-        held = sum(self.columns[column] for column in MEMORY_COLUMNS)
-        return np.where(np.isnan(self.columns["lane_peak_bytes"]), held, self.columns["lane_peak_bytes"])
-
-
-def lanes(frame: pd.DataFrame) -> list[LaneSeries]:
-    """Split records (any runs, any lanes, any order) into lanes once, in order of first appearance (numpy, no
-    groupby): the summary and every chart of a redraw reuse the split."""
-    if frame.empty:
+def lanes(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> list[LaneSeries]:
+    """Records split into lanes once, in order of first appearance (a list of LaneSeries is returned as it is): each
+    lane's exact totals, and its records as an exact envelope of about `max_points` points per figure."""
+    if not isinstance(records, pd.DataFrame):
+        return records
+    if records.empty:
         return []
-    arrays = {column: frame[column].to_numpy(dtype=float, na_value=np.nan)
-              for column in LANE_COLUMNS if column != "skipped"}
-    arrays["skipped"] = frame["skipped"].to_numpy(dtype=bool)
-    run_codes, run_ids = pd.factorize(frame["run_id"])
-    lane_numbers = frame["lane"].to_numpy(dtype=np.int64)
-    codes, _ = pd.factorize(run_codes.astype(np.int64) * (int(lane_numbers.max()) + 1) + lane_numbers)
-    order = np.argsort(codes, kind="stable")
-    bounds = np.flatnonzero(np.diff(codes[order])) + 1
+    ranks = records["rank"].fillna(0).to_numpy(dtype=np.int64) if "rank" in records else np.zeros(len(records),
+                                                                                                     dtype=np.int64)
+    keys = pd.DataFrame({"run_id": records["run_id"].to_numpy(), "lane": records["lane"].to_numpy(dtype=np.int64),
+                         "rank": ranks})
+    codes, _ = pd.factorize(pd.MultiIndex.from_frame(keys))
     out = []
-    for rows in np.split(order, bounds):
-        steps = arrays["step"][rows]
-        if len(rows) > 1 and (np.diff(steps) < 0).any():
-            rows = rows[np.argsort(steps, kind="stable")]
-        first = rows[0]
-        out.append(LaneSeries(str(run_ids[run_codes[first]]), int(lane_numbers[first]), str(frame["mode"].iat[first]),
-                              {c: a[rows] for c, a in arrays.items()}))
+    for code in range(codes.max() + 1):
+        rows = np.flatnonzero(codes == code)
+        part = records.iloc[rows].sort_values("step", kind="stable")
+        track = TrackRecords(str(part["run_id"].iat[0]), int(part["lane"].iat[0]), str(part["mode"].iat[0]),
+                             int(ranks[rows[0]]))
+        track.extend({name: typed(part[name].to_numpy(dtype=np.float64, na_value=np.nan), dtype)
+                      for name, dtype in STEP_COLUMNS.items()})
+        track.seal()
+        out.append(read_lane(track, max_points=max_points))
     return out
-
-
-def _split(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
-    return lanes(records) if isinstance(records, pd.DataFrame) else records
 
 
 def peak_bytes(frame: pd.DataFrame) -> pd.Series:
@@ -97,13 +72,6 @@ def default_baseline(lanes_or_frame: pd.DataFrame | list[LaneSeries]) -> str | N
     return lane_key(run_id, lane)
 
 
-def _final_loss(losses: np.ndarray, last_k: int) -> float:
-    """Mean of the finite losses among the last `last_k` steps; the last loss itself if none of them is finite."""
-    window = losses[-last_k:]
-    finite = window[np.isfinite(window)]
-    return float(finite.mean()) if finite.size else float(window[-1])
-
-
 def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = None, last_k: int = 20) -> pd.DataFrame:
     """One row per (run, lane), in order of first appearance, compared with the `baseline` lane ("run_id/lane";
     None: `default_baseline`).
@@ -121,19 +89,20 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
     """
     if last_k < 1:
         raise ValueError(f"last_k must be at least 1, got {last_k}")
-    series = _split(records)
+    series = lanes(records)
     if not series:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     baseline = baseline or default_baseline(series)
     rows = []
     for lane in series:
-        losses = lane["loss"]
+        stats = lane.stats
+        latest_loss = float(stats.latest.get("loss", np.nan))
         rows.append({
-            "run_id": lane.run_id, "lane": lane.lane, "mode": lane.mode, "steps": len(losses),
-            "median_ms": float(np.median(lane["step_ms"])), "peak_bytes": float(lane.peak_bytes().max()),
-            "final_loss": _final_loss(losses, last_k), "latest_loss": float(losses[-1]),
-            "skipped_steps": int(lane["skipped"].sum()), "scale": float(lane["scale"][-1]),
-            "diverged": bool(not np.isfinite(losses[-1])), "is_baseline": lane.key == baseline,
+            "run_id": lane.run_id, "lane": lane.lane, "mode": lane.mode, "steps": stats.records,
+            "median_ms": stats.median_step_ms, "peak_bytes": stats.peak_bytes,
+            "final_loss": lane.final_loss(last_k), "latest_loss": latest_loss,
+            "skipped_steps": stats.skipped_steps, "scale": float(stats.latest.get("scale", np.nan)),
+            "diverged": bool(not np.isfinite(latest_loss)), "is_baseline": lane.key == baseline,
         })
     out = pd.DataFrame(rows)
     base = out[out["is_baseline"]]
