@@ -124,10 +124,17 @@ if traces:
     if len(traces) == 2:
         st.subheader("Module by module")
         comparison = optrace.compare_modules(*traces).replace("", "—")  # "" = no op in that pass
-        st.dataframe(comparison, hide_index=True, key="opi_compare", placeholder="— (no FLOPs)",
-                     column_config={c: st.column_config.NumberColumn(c.replace("low_precision_share", "low-precision "
-                                                                               "FLOP share"), format="percent")
-                                    for c in comparison.columns if "share" in c})
+        # One table per mode, side by side (rows align: the same model): one wide table would run off the page.
+        modes = list(dict.fromkeys(c[c.index(" [") + 2:-1] for c in comparison.columns if c != "module"))
+        for index, (column, mode) in enumerate(zip(st.columns(len(modes)), modes, strict=True)):
+            suffix = f" [{mode}]"
+            part = comparison[["module", *(c for c in comparison.columns if c.endswith(suffix))]]
+            column.markdown(f"**{mode}**")
+            column.dataframe(part.rename(columns={c: c.removesuffix(suffix) for c in part.columns}), hide_index=True,
+                             key=f"opi_compare_{index}", placeholder="— (no FLOPs)", column_config={
+                                 "forward_dtype": "forward", "backward_dtype": "backward",
+                                 "low_precision_share": st.column_config.NumberColumn("bf16/fp16 FLOP share",
+                                                                                      format="percent")})
 
     st.subheader("Every op")
     frames = [trace.to_frame() for trace in traces]

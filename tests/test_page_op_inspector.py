@@ -89,7 +89,12 @@ def test_two_modes_side_by_side(app):
     assert app.selectbox(key="opi_mode_a").value == "32-true"
     first, second = op_tables(app)
     assert not low_precision(first["outputs"]) and low_precision(second["outputs"])
-    assert len(frames(app, "forward_dtype [bf16-mixed]")) == 1
+    # Module by module: one narrow table per mode, side by side, rows aligned.
+    left, right = frames(app, "low_precision_share")[:2]
+    assert list(left["module"]) == list(right["module"]) and "fc1" in set(left["module"])
+    fc1 = (left.set_index("module").loc["fc1"], right.set_index("module").loc["fc1"])
+    assert (fc1[0]["forward_dtype"], fc1[1]["forward_dtype"]) == ("fp32", "bf16")
+    assert any(md.value == "**bf16-mixed**" for md in app.markdown)
 
 
 def test_other_workload_and_size_by_flops(app):

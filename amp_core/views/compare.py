@@ -327,7 +327,8 @@ def loss_difference_figure(frame: pd.DataFrame, baseline: str, labels: dict[str,
         if key == baseline:
             continue
         steps, loss, base_loss = _aligned_losses(group, base)
-        curves.append((key, label, mode, run_id, steps, loss - base_loss))
+        with np.errstate(invalid="ignore"):  # two diverged lanes: inf - inf is NaN, and drawn as a gap
+            curves.append((key, label, mode, run_id, steps, loss - base_loss))
     finite = np.concatenate([d[np.isfinite(d)] for *_, d in curves] or [np.array([])])
     axis = {"title": {"text": "loss − baseline loss"}, "zeroline": True}
     low = high = None
