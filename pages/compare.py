@@ -6,7 +6,7 @@ import streamlit as st
 
 from amp_core.records.store import StoreError
 from amp_core.views import compare
-from amp_core.views.summary import default_baseline, summarize
+from amp_core.views.summary import default_baseline, lanes, summarize
 from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
@@ -127,7 +127,8 @@ def comparison() -> None:
                    f"{lane_labels.get(base, base)} for now.")
 
     st.subheader("Summary")
-    summary = summarize(frame, base, int(last_k))
+    series = lanes(frame)  # split once: the summary, the overlap notes and the difference chart share it
+    summary = summarize(series, base, int(last_k))
     # The lane label already says the mode, and "diverged" says something only when a lane did: columns that
     # would only push the last ones off the page.
     table = compare.format_summary(summary, lane_labels, base, int(last_k)).drop(columns="mode")
@@ -166,12 +167,13 @@ def comparison() -> None:
         "loss_vs_time": compare.loss_vs_time_figure(frame, lane_labels, time_axis=time_axis, log_y=log_y),
         "step_time": compare.step_time_spread_figure(frame, lane_labels, kind=kind, log_y=log_ms),
     }
-    for note in compare.overlap_notes(frame, lane_labels):
+    for note in compare.overlap_notes(series, lane_labels):
         st.info(note)
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")
         if name == "loss_vs_step" and len(present) > 1:
-            st.plotly_chart(compare.loss_difference_figure(frame, base, lane_labels), key="cmp_chart_loss_difference")
+            st.plotly_chart(compare.loss_difference_figure(series, base, lane_labels),
+                            key="cmp_chart_loss_difference")
 
     st.subheader("Downloads")
     st.caption(f"{len(frame):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "

@@ -188,7 +188,9 @@ def long_lane(n: int, mode: str = "32-true", run_id: str = "long") -> pd.DataFra
         loss[12_345] = 50.0  # a spike decimation must keep
         skipped[7_777] = True
     return pd.DataFrame({"run_id": run_id, "lane": 0, "mode": mode, "step": np.arange(n), "loss": loss,
-                         "step_ms": rng.gamma(4.0, 2.0, n), "skipped": skipped, "t_wall_s": np.arange(n) * 0.01})
+                         "step_ms": rng.gamma(4.0, 2.0, n), "skipped": skipped, "t_wall_s": np.arange(n) * 0.01,
+                         "lr": 1e-3, "scale": np.nan, "params_bytes": 4000, "grads_bytes": 4000, "optim_bytes": 8000,
+                         "activations_bytes": 100, "cuda_peak_bytes": np.nan})
 
 
 def test_a_20k_step_lane_is_decimated_but_keeps_spikes_and_skips():

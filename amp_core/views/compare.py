@@ -25,7 +25,7 @@ from amp_core.views.plots import (
     marker_trace,
     mode_color,
 )
-from amp_core.views.summary import lane_key
+from amp_core.views.summary import LaneSeries, _split, lane_key
 
 if TYPE_CHECKING:
     from amp_core.runner import RunManager
@@ -242,20 +242,23 @@ OVERLAP_TOLERANCE = 0.01
 """Lanes whose losses stay within this relative difference at every common step cover each other on a loss chart."""
 
 
-def _aligned_losses(first: pd.DataFrame, second: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _aligned_losses(first: LaneSeries, second: LaneSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(common steps, first's losses there, second's losses there)."""
-    steps, i, j = np.intersect1d(first["step"].to_numpy(), second["step"].to_numpy(), return_indices=True)
-    return steps, first["loss"].to_numpy(dtype=float)[i], second["loss"].to_numpy(dtype=float)[j]
+    a, b = first["step"], second["step"]
+    if len(a) == len(b) and np.array_equal(a, b):  # lanes of one run, or runs of one length: nothing to match
+        return a, first["loss"], second["loss"]
+    steps, i, j = np.intersect1d(a, b, assume_unique=True, return_indices=True)
+    return steps, first["loss"][i], second["loss"][j]
 
 
-def loss_overlaps(frame: pd.DataFrame, labels: dict[str, str] | None = None,
+def loss_overlaps(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
                   tolerance: float = OVERLAP_TOLERANCE) -> list[dict]:
     """Groups of lanes whose loss curves lie on top of each other: linked when, at every one of their common steps
     (at least two), their losses are equal bit for bit, or within `tolerance` of each other (relative; inf/NaN at
     the same steps). Per group: lanes (labels, in order), steps (fewest common steps of a linked pair), identical
     (every pair of the group equal bit for bit), same (its pairs that are, as label pairs) and max_rel_diff (the
     largest relative difference among its pairs)."""
-    lanes = [(label, group) for _, label, _, _, group in _lane_groups(frame, labels or {})]
+    lanes = [((labels or {}).get(lane.key, lane.key), lane) for lane in _split(records)]
     parent = list(range(len(lanes)))
 
     def root(i: int) -> int:
@@ -309,26 +312,26 @@ def overlap_notes(frame: pd.DataFrame, labels: dict[str, str] | None = None) -> 
     return notes
 
 
-def loss_difference_figure(frame: pd.DataFrame, baseline: str, labels: dict[str, str] | None = None,
-                           max_points: int = MAX_POINTS) -> go.Figure:
+def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: str,
+                           labels: dict[str, str] | None = None, max_points: int = MAX_POINTS) -> go.Figure:
     """Each lane's loss minus the baseline lane's at the same step (common steps only), so lanes whose loss curves
     cover each other come apart. A few spikes far beyond the bulk (a loss spike in one lane) would flatten the rest:
     then the axis spans the 1st..99th percentile and the points beyond it sit on its edge as ▲/▼, their true
     difference in the hover."""
     labels = labels or {}
-    lanes = {key: (label, mode, run_id, group) for key, label, mode, run_id, group in _lane_groups(frame, labels)}
+    lanes = {lane.key: lane for lane in _split(records)}
     title = f"Loss minus the baseline's ({labels.get(baseline, baseline)}), step by step"
     if baseline not in lanes:
         raise ValueError(f"baseline lane {baseline!r} has no records here")
-    dashes = run_dashes(frame)
-    base = lanes[baseline][3]
+    dashes = {run_id: RUN_DASHES[i % len(RUN_DASHES)]
+              for i, run_id in enumerate(dict.fromkeys(lane.run_id for lane in lanes.values()))}
     curves = []
-    for key, (label, mode, run_id, group) in lanes.items():
+    for key, lane in lanes.items():
         if key == baseline:
             continue
-        steps, loss, base_loss = _aligned_losses(group, base)
+        steps, loss, base_loss = _aligned_losses(lane, lanes[baseline])
         with np.errstate(invalid="ignore"):  # two diverged lanes: inf - inf is NaN, and drawn as a gap
-            curves.append((key, label, mode, run_id, steps, loss - base_loss))
+            curves.append((key, labels.get(key, key), lane.mode, lane.run_id, steps, loss - base_loss))
     finite = np.concatenate([d[np.isfinite(d)] for *_, d in curves] or [np.array([])])
     axis = {"title": {"text": "loss − baseline loss"}, "zeroline": True}
     low = high = None
