@@ -240,6 +240,12 @@ def step_time_spread_figure(frame: pd.DataFrame, labels: dict[str, str] | None =
 # --- lanes that hide each other -----------------------------------------------------------------------------------
 OVERLAP_TOLERANCE = 0.01
 """Lanes whose losses stay within this relative difference at every common step cover each other on a loss chart."""
+OUTLIER_IQRS = 5.0
+"""The difference chart's bulk: points within this many interquartile ranges of the middle half (Tukey's fences,
+widened)."""
+SPIKE_SPAN = 100.0
+"""The axis leaves the rest out only when they reach this many times farther than the bulk: spikes, not a lane
+that drifts away or a long tail of early steps."""
 
 
 def _aligned_losses(first: LaneSeries, second: LaneSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -315,9 +321,9 @@ def overlap_notes(frame: pd.DataFrame, labels: dict[str, str] | None = None) -> 
 def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: str,
                            labels: dict[str, str] | None = None, max_points: int = MAX_POINTS) -> go.Figure:
     """Each lane's loss minus the baseline lane's at the same step (common steps only), so lanes whose loss curves
-    cover each other come apart. A few spikes far beyond the bulk (a loss spike in one lane) would flatten the rest:
-    then the axis spans the 1st..99th percentile and the points beyond it sit on its edge as ▲/▼, their true
-    difference in the hover."""
+    cover each other come apart. Points far beyond the bulk (a loss spike in one lane) would flatten the rest: when
+    the points within OUTLIER_IQRS interquartile ranges of the middle half span less than 1/SPIKE_SPAN of all, the
+    axis spans them (and 0) and the others sit on its edge as ▲/▼, their true difference in the hover."""
     labels = labels or {}
     lanes = {lane.key: lane for lane in _split(records)}
     title = f"Loss minus the baseline's ({labels.get(baseline, baseline)}), step by step"
@@ -335,11 +341,13 @@ def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: s
     finite = np.concatenate([d[np.isfinite(d)] for *_, d in curves] or [np.array([])])
     axis = {"title": {"text": "loss − baseline loss"}, "zeroline": True}
     low = high = None
-    if finite.size >= 20:
-        q_low, q_high = np.quantile(finite, [0.01, 0.99])
-        span = max(q_high, 0.0) - min(q_low, 0.0)
-        if span > 0 and finite.max() - finite.min() > 20 * span:
-            low, high = min(q_low, 0.0) - 0.1 * span, max(q_high, 0.0) + 0.1 * span
+    if finite.size >= 8:
+        q1, q3 = np.quantile(finite, [0.25, 0.75])
+        reach = OUTLIER_IQRS * (q3 - q1)
+        inside = finite[(finite >= q1 - reach) & (finite <= q3 + reach)]
+        bottom, top = min(float(inside.min()), 0.0), max(float(inside.max()), 0.0)
+        if reach > 0 and finite.max() - finite.min() > SPIKE_SPAN * (top - bottom):
+            low, high = bottom - 0.1 * (top - bottom), top + 0.1 * (top - bottom)
             axis["range"] = [low, high]
     data = []
     for key, label, mode, run_id, steps, difference in curves:
