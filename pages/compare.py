@@ -6,10 +6,18 @@ import streamlit as st
 
 from amp_core.records.store import StoreError
 from amp_core.views import compare
-from amp_core.views.summary import default_baseline, summarize
+from amp_core.views.summary import default_baseline, lanes, summarize
+from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
 LIVE_REFRESH_S = 2.0
+# Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
+SUMMARY_HEADERS = {
+    "median ms/step": ("ms/step", "Median step time (ms): robust to a slow first step"),
+    "peak memory": ("peak mem", "The CUDA allocator's peak where there is one, else the bytes held"),
+    "memory ratio": ("mem ratio", "Peak memory ÷ the baseline's"),
+    "skipped steps": ("skipped", "Optimizer steps the GradScaler skipped (inf/NaN gradients)"),
+}
 
 st.title("Compare runs")
 st.caption("Pick runs, then the lanes to lay side by side. Colour is the precision mode (as on every page); the "
@@ -119,12 +127,26 @@ def comparison() -> None:
                    f"{lane_labels.get(base, base)} for now.")
 
     st.subheader("Summary")
-    summary = summarize(frame, base, int(last_k))
-    st.dataframe(compare.format_summary(summary, lane_labels, base), hide_index=True, key="cmp_summary")
+    series = lanes(frame)
+    summary = summarize(series, base, int(last_k))
+    # The lane label already says the mode, and "diverged" says something only when a lane did: columns that
+    # would only push the last ones off the page.
+    table = compare.format_summary(summary, lane_labels, base, int(last_k)).drop(columns="mode")
+    if not summary["diverged"].any():
+        table = table.drop(columns="diverged")
+    labels = {column: label for column, (label, _) in SUMMARY_HEADERS.items()}
+    widths = content_widths(table, labels)
+    st.dataframe(table, hide_index=True, key="cmp_summary", column_config={
+        column: st.column_config.Column(labels.get(column, column), width=width,
+                                        help=SUMMARY_HEADERS.get(column, (None, None))[1])
+        for column, width in widths.items()})
     st.caption(f"★ baseline. Speedup = baseline median ms/step ÷ the lane's (above 1× is faster). Peak memory: the "
                f"CUDA allocator peak where there is one, else the bytes held (parameters + gradients + optimizer "
-               f"state + activations saved for backward). Final loss: mean of the last {int(last_k)} steps. "
-               "Diverged: the last recorded loss is inf/NaN.")
+               f"state + activations saved for backward). Latest loss: the loss of the lane's last step (what the "
+               f"Train page shows). Final loss: mean of the last {int(last_k)} steps' losses (inf/NaN left out), "
+               "steadier than one step's; Δ: minus the baseline's. " + (
+                   "Diverged: the last recorded loss is inf/NaN." if summary["diverged"].any() else
+                   "No lane diverged (every last recorded loss is finite)."))
     if frame["run_id"].nunique() > 1:
         st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
                    "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
@@ -145,8 +167,13 @@ def comparison() -> None:
         "loss_vs_time": compare.loss_vs_time_figure(frame, lane_labels, time_axis=time_axis, log_y=log_y),
         "step_time": compare.step_time_spread_figure(frame, lane_labels, kind=kind, log_y=log_ms),
     }
+    for note in compare.overlap_notes(frame, lane_labels):
+        st.info(note)
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")
+        if name == "loss_vs_step" and len(present) > 1:
+            st.plotly_chart(compare.loss_difference_figure(frame, base, lane_labels),
+                            key="cmp_chart_loss_difference")
 
     st.subheader("Downloads")
     st.caption(f"{len(frame):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "

@@ -6,12 +6,16 @@ from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
 from amp_core.views import optrace as trace_views
+from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import get_manager
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
 SOURCES = ("One mode", "Two modes side by side", "A live lane")
+# The per-module table's columns on the page (the per-dtype FLOP split stays in the trace).
+MODULE_COLUMNS = ("module", "forward_dtype", "backward_dtype", "ops", "casts", "cast_bytes", "flops",
+                  "low_precision_share")
 SEED_DEMO = """x = torch.rand([32, 32])
 y = torch.rand([32, 32])            # then: y = y.half() (or bfloat16)
 with torch.autocast(device_type, dtype=...):
@@ -113,13 +117,24 @@ if traces:
     for index, (column, trace) in enumerate(zip(st.columns(len(traces)), traces, strict=True)):
         column.plotly_chart(trace_views.module_treemap(trace, size_by), key=f"opi_treemap_{index}")
     st.caption("Each box is a module's own ops (children drawn inside it), coloured by the dtype most of its "
-               "FLOPs ran in, or most of its ops where it has no FLOPs (LayerNorm, ReLU). Grey: no float compute.")
+               "FLOPs ran in, or most of its ops where it has no FLOPs (LayerNorm, ReLU). Grey: no float compute. "
+               "Three boxes are not modules: " + "; ".join(
+                   f"**{name}** holds {what}" for name, (_, what) in trace_views.SPECIAL_MODULES.items())
+               + ". Hover a box for its dtypes, ops, FLOPs and casts.")
     if len(traces) == 2:
         st.subheader("Module by module")
-        comparison = optrace.compare_modules(*traces)
-        st.dataframe(comparison, hide_index=True, key="opi_compare",
-                     column_config={c: st.column_config.NumberColumn(c, format="percent")
-                                    for c in comparison.columns if "share" in c})
+        comparison = optrace.compare_modules(*traces).replace("", "—")  # "" = no op in that pass
+        # One table per mode, side by side (rows align: the same model): one wide table would run off the page.
+        modes = list(dict.fromkeys(c[c.index(" [") + 2:-1] for c in comparison.columns if c != "module"))
+        for index, (column, mode) in enumerate(zip(st.columns(len(modes)), modes, strict=True)):
+            suffix = f" [{mode}]"
+            part = comparison[["module", *(c for c in comparison.columns if c.endswith(suffix))]]
+            column.markdown(f"**{mode}**")
+            column.dataframe(part.rename(columns={c: c.removesuffix(suffix) for c in part.columns}), hide_index=True,
+                             key=f"opi_compare_{index}", placeholder="— (no FLOPs)", column_config={
+                                 "forward_dtype": "forward", "backward_dtype": "backward",
+                                 "low_precision_share": st.column_config.NumberColumn("bf16/fp16 FLOP share",
+                                                                                      format="percent")})
 
     st.subheader("Every op")
     frames = [trace.to_frame() for trace in traces]
@@ -136,21 +151,35 @@ if traces:
         with tab:
             shown = optrace.filter_ops(frame, phases=phases, modules=chosen_modules, dtypes=chosen_dtypes,
                                        hide_views=hide_views)
-            st.caption(f"{len(shown)} of {len(frame)} ops")
-            st.dataframe(shown, hide_index=True, key=f"opi_table_{index}")
+            st.caption(f"{len(shown)} of {len(frame)} ops. Inputs and outputs: dtype, then each tensor's shape "
+                       "([]: a 0-d tensor; ×n: n alike in a row). Note: *cast* = the bytes a dtype cast wrote; "
+                       "*widens #n* = this op took op n's bf16/fp16 result and produced fp32; *view* = no data moved. "
+                       "The CSV holds every column.")
+            table = trace_views.op_table(shown)
+            widths = content_widths(table)
+            st.dataframe(table, hide_index=True, key=f"opi_table_{index}", column_config={
+                **{column: st.column_config.TextColumn(width=width) for column, width in widths.items()},
+                "#": st.column_config.NumberColumn(width=widths["#"], help="Position in the step"),
+                "FLOPs": st.column_config.NumberColumn(width=widths["FLOPs"], format="localized")})
             st.download_button("Download the op table (CSV, all rows)", frame.to_csv(index=False),
                                file_name=f"optrace_{trace.label.replace(' · ', '_').replace(' ', '_')}.csv",
                                mime="text/csv", key=f"opi_csv_{index}")
             with st.expander("Where a bf16/fp16 result was widened to fp32"):
                 st.dataframe(trace.widened_frame(), hide_index=True, key=f"opi_widened_{index}")
             with st.expander("Per module"):
-                st.dataframe(trace.module_frame(), hide_index=True, key=f"opi_modules_{index}")
+                st.dataframe(trace.module_frame().replace({"forward_dtype": "", "backward_dtype": ""}, "—"),
+                             hide_index=True, key=f"opi_modules_{index}", placeholder="— (no FLOPs)",
+                             column_order=MODULE_COLUMNS, column_config={
+                                 "low_precision_share": st.column_config.NumberColumn(
+                                     "low-precision FLOP share", format="percent"),
+                                 "flops": st.column_config.NumberColumn("FLOPs", format="localized")})
 
 st.subheader("The seed demo: `x + y` and `x @ y` under autocast, run here")
-st.markdown("From *EffectivePyTorch* (Mixed precision → Autocast): on a GPU the notes print `float32` for the "
-            "sum and `float16` for the product, for fp32 inputs and again with `y` in half precision. "
-            f"Here is what this machine ({DEVICE}) really returns:")
+st.markdown("From *EffectivePyTorch* (Mixed precision → Autocast): on a CUDA GPU under fp16 autocast the notes "
+            "print `float32` for the sum and `float16` for the product, for fp32 inputs and again with `y` in half "
+            f"precision; they do not try bf16. Here is what this machine ({DEVICE}) really returns, beside what the "
+            "notes print:")
 st.code(SEED_DEMO, language="python")
-st.dataframe(demo_rows(DEVICE), hide_index=True, key="opi_demo")
+st.dataframe(trace_views.autocast_demo_table(demo_rows(DEVICE)), hide_index=True, key="opi_demo")
 st.caption("Autocast casts the inputs of ops on its lower-precision list (matmul) and leaves the others alone: "
            "`x + y` follows ordinary type promotion, and fp32 + fp16 is fp32.")

@@ -6,6 +6,7 @@ from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
 from amp_core.probes import faults
 from amp_core.views import debugger
+from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
 from pages.common import STATUS_ICONS, get_manager, run_picker
 
@@ -18,6 +19,14 @@ FAULT_HELP = {
     "init_scale": "GradScaler starts at scale = factor (e.g. 2^24: the first steps overflow)",
 }
 PERCENT = st.column_config.NumberColumn(format="%.4f%%")
+LR_SCHEDULER_NOTE = (
+    "**Why the LR scheduler waits too.** On a skipped step `scaler.step(optimizer)` does not call "
+    "`optimizer.step()`. A loop that calls `scheduler.step()` anyway moves the schedule past a step that never "
+    "happened; on the very first step (often skipped while the scaler finds its scale) PyTorch warns *Detected call "
+    "of `lr_scheduler.step()` before `optimizer.step()`*, the warning users meet with OneCycleLR and GradScaler. "
+    "AMP Lab steps the scheduler only when the optimizer stepped, so the LR holds still across skipped steps. In "
+    "your own loop: remember `scale = scaler.get_scale()` before `scaler.update()` and call `scheduler.step()` only "
+    "if the scale did not drop.")
 
 manager = get_manager()
 
@@ -32,7 +41,9 @@ st.caption("Which parameters overflowed, and when; how the GradScaler's scale ba
            "GradScaler cannot see: gradients that silently underflow to zero.")
 
 # ---- fault injection ------------------------------------------------------------------------------------
-with st.expander("💉 Fault injection: launch a demo run", expanded=manager.list_runs().empty):
+# Open by default: a newcomer finds the demo here whether or not runs exist (collapse it to give the run room).
+with st.expander("💉 Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
+                 expanded=True):
     st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
                 "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
                 "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
@@ -119,25 +130,25 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         st.markdown("**What the fault did**")
         for row in effects.itertuples(index=False):
             st.markdown(f"- lane {row.lane} `{row.mode}` · {row.fault}: {row.outcome}")
-    chart, note = st.columns([3, 1])
-    with chart:
-        st.plotly_chart(debugger.scale_timeline_figure(steps, events, lane, mode, windows), key="dbg_timeline")
-    with note:
-        st.markdown(
-            "**Why the LR scheduler waits too.** On a skipped step `scaler.step(optimizer)` does not call "
-            "`optimizer.step()`. A loop that calls `scheduler.step()` anyway moves the schedule past a step that "
-            "never happened; on the very first step (often skipped while the scaler finds its scale) PyTorch "
-            "warns *Detected call of `lr_scheduler.step()` before `optimizer.step()`*, the warning users meet "
-            "with OneCycleLR and GradScaler. AMP Lab steps the scheduler only when the optimizer stepped, so "
-            "the LR holds still across skipped steps. In your own loop: remember `scale = scaler.get_scale()` "
-            "before `scaler.update()` and call `scheduler.step()` only if the scale did not drop.")
+    st.plotly_chart(debugger.scale_timeline_figure(steps, events, lane, mode, windows), key="dbg_timeline")
+    scheduler_note = st.container() if info["config"].get("scheduler", "none") != "none" else st.expander(
+        "LR schedulers and skipped steps (this run has no scheduler)")
+    scheduler_note.markdown(LR_SCHEDULER_NOTE)
     table = debugger.skipped_steps_table(events, lane)
     st.markdown(f"**Steps with inf/NaN gradients, lane {lane} ({mode})**: {len(table)}")
     if table.empty:
         st.caption("None so far." if uses_scaler(mode) else
                    f"{mode} has no GradScaler: an inf/NaN gradient here would be applied, not skipped.")
     else:
-        st.dataframe(table, hide_index=True, key="dbg_skipped")
+        widths = content_widths(table, max_px=2000)
+        st.dataframe(table, hide_index=True, key="dbg_skipped", column_config={
+            **{column: st.column_config.Column(width=width) for column, width in widths.items()},
+            "inf": st.column_config.NumberColumn(width=widths["inf"], help="Elements of the parameters' gradients "
+                                                                           "that are ±inf (after unscaling)"),
+            "NaN": st.column_config.NumberColumn(width=widths["NaN"], help="Elements of the parameters' gradients "
+                                                                           "that are NaN (after unscaling)")})
+        if table["NaN"].sum() > table["inf"].sum():
+            st.caption(debugger.NAN_FROM_OVERFLOW)
     run = manager.get(run_id)
     if was_live and not (run is not None and run.alive):
         st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
@@ -159,10 +170,14 @@ if not stat_steps:
     st.info(f"No gradient statistics for lane {lane} yet: they are sampled every {every} steps and on every "
             "skipped step." if every else "This run was launched with gradient statistics off (gradstats_every 0).")
     st.stop()
-labels = debugger.stat_step_labels(stat_steps, manager.steps(run_id), lane)
+lane_steps = manager.steps(run_id)
+labels = debugger.stat_step_labels(stat_steps, lane_steps, lane)
 pick = st.columns(2)
-chosen_step = pick[0].selectbox("Step", stat_steps, index=len(stat_steps) - 1, format_func=labels.get,
-                                key=f"dbg_stat_step_{run_id}_{lane}")
+opening = debugger.default_stat_step(stat_steps, lane_steps, lane)  # the first skipped step, if any
+chosen_step = pick[0].selectbox("Step", stat_steps, index=stat_steps.index(opening), format_func=labels.get,
+                                key=f"dbg_stat_step_{run_id}_{lane}",
+                                help="Sampled every few steps and on every skipped step; opens on the first skipped "
+                                     "one.")
 step_stats = manager.grad_stats(run_id, lane, chosen_step)
 chosen_param = pick[1].selectbox("Parameter", ["(all)"] + [s.param for s in step_stats],
                                  key=f"dbg_stat_param_{run_id}_{lane}")
@@ -183,13 +198,17 @@ counts = debugger.special_counts(stats)
 cards = st.columns(5)
 for column, (label, value) in zip(cards, counts.items(), strict=True):
     column.metric(label, f"{value:,}")
+if stats.inf or stats.nan:
+    st.caption(f"{stats.inf + stats.nan:,} of {stats.numel:,} elements are inf or NaN at this step: the bars show only "
+               "the finite rest. " + debugger.NAN_FROM_OVERFLOW.removeprefix("Why NaN rather than inf? "))
 st.markdown("**Share of the finite non-zero gradient each format loses** (from real casts, not thresholds). "
             "GradScaler sees only inf/NaN: a gradient that becomes 0 or loses bits as a subnormal trains "
             "silently wrong. Scaling moves the whole histogram right, out of the underflow zone.")
 fractions = debugger.fractions_frame(stats)
 value_columns = [c for c in fractions.columns if c != "format"]
 fractions[value_columns] = fractions[value_columns] * 100
-st.dataframe(fractions, hide_index=True, column_config=dict.fromkeys(value_columns, PERCENT), key="dbg_fractions")
+st.dataframe(fractions, hide_index=True, column_config=dict.fromkeys(value_columns, PERCENT), key="dbg_fractions",
+             placeholder="— (nothing finite)")
 if stats.lost_update_fraction is not None:
     st.metric("Updates lost to rounding", f"{stats.lost_update_fraction:.2%}",
               help="Of the elements with a finite non-zero gradient: the share whose weight did not change "

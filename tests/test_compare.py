@@ -157,6 +157,8 @@ def test_loss_vs_step_colours_by_mode_and_dashes_by_run(two_runs):
     assert [t.line.color for t in lines] == [mode_color("32-true"), mode_color("16-mixed"), mode_color("16-mixed")]
     assert [t.line.dash for t in lines] == ["solid", "solid", "dash"]
     assert fig.layout.yaxis.type == "log"
+    assert fig.layout.yaxis.minorloglabels == "complete"  # "200, 500", not "2, 5": ticks carry their power of ten
+    assert compare.loss_vs_step_figure(frame, labels).layout.yaxis.minorloglabels is None  # linear: no such ticks
     fp16_a = frame[(frame["run_id"] == run_a) & (frame["lane"] == 1)]
     assert list(lines[1].y) == fp16_a["loss"].tolist()
     skipped_steps = fp16_a.loc[fp16_a["skipped"], "step"].tolist()
@@ -197,7 +199,9 @@ def long_lane(n: int, mode: str = "32-true", run_id: str = "long") -> pd.DataFra
         loss[12_345] = 50.0  # a spike decimation must keep
         skipped[7_777] = True
     return pd.DataFrame({"run_id": run_id, "lane": 0, "mode": mode, "step": np.arange(n), "loss": loss,
-                         "step_ms": rng.gamma(4.0, 2.0, n), "skipped": skipped, "t_wall_s": np.arange(n) * 0.01})
+                         "step_ms": rng.gamma(4.0, 2.0, n), "skipped": skipped, "t_wall_s": np.arange(n) * 0.01,
+                         "lr": 1e-3, "scale": np.nan, "params_bytes": 4000, "grads_bytes": 4000, "optim_bytes": 8000,
+                         "activations_bytes": 100, "cuda_peak_bytes": np.nan})
 
 
 def test_a_20k_step_lane_is_decimated_but_keeps_spikes_and_skips():
@@ -215,6 +219,7 @@ def test_step_time_distribution_of_a_long_lane_keeps_min_max_and_median(kind):
     frame = pd.concat([long_lane(20_000), long_lane(300, "bf16-mixed", "short")], ignore_index=True)
     fig = compare.step_time_spread_figure(frame, {"long/0": "long lane"}, kind=kind, log_y=kind == "violin")
     assert fig.layout.yaxis.type == ("log" if kind == "violin" else "linear")
+    assert fig.layout.yaxis.minorloglabels == ("complete" if kind == "violin" else None)
     long_trace, short_trace = fig.data
     assert long_trace.type == kind and long_trace.name == "long lane" and short_trace.name == "short/0"
     assert long_trace.marker.color == mode_color("32-true") and short_trace.marker.color == mode_color("bf16-mixed")
@@ -227,6 +232,54 @@ def test_step_time_distribution_of_a_long_lane_keeps_min_max_and_median(kind):
     assert sorted(short_trace.y) == sorted(frame.loc[frame["run_id"] == "short", "step_ms"])  # short lanes: as is
 
 
+def test_lanes_that_trained_identically_are_named_as_hiding_each_other(tmp_path):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    first = manager.launch(tiny(("32-true", "bf16-mixed"), 12))
+    first.join()
+    second = manager.launch(tiny(("32-true",), 12))  # same seed, same batches: the same losses, bit for bit
+    second.join()
+    keys = [f"{first.run_id}/0", f"{first.run_id}/1", f"{second.run_id}/0"]
+    frame = compare.gather_steps(manager, keys)
+    labels = dict(zip(keys, ["A fp32", "A bf16", "B fp32"], strict=True))
+    groups = compare.loss_overlaps(frame, labels, tolerance=0.0)
+    assert groups == [{"lanes": ["A fp32", "B fp32"], "steps": 12, "identical": True,
+                       "same": [("A fp32", "B fp32")], "max_rel_diff": 0.0}]
+    (note,) = compare.overlap_notes(frame[frame["mode"] == "32-true"], labels)
+    assert note.startswith("A fp32 and B fp32 recorded the same loss, bit for bit, at every one of their 12 common")
+
+
+def test_near_identical_lanes_are_told_apart_by_the_difference_chart():
+    base = long_lane(300)
+    close = long_lane(300, "bf16-mixed", "close").assign(loss=lambda f: f["loss"] * (1 + 3e-3))
+    spiky = long_lane(300, "16-mixed", "spiky").assign(loss=lambda f: f["loss"] + 0.05)
+    spiky.loc[100:102, "loss"] = 1e6  # a loss spike: three steps far beyond the rest
+    frame = pd.concat([base, close, spiky], ignore_index=True)
+    (group,) = compare.loss_overlaps(frame)
+    assert group["lanes"] == ["long/0", "close/0"] and not group["identical"] and group["same"] == []
+    assert group["max_rel_diff"] == pytest.approx(3e-3, rel=1e-2)
+    (note,) = compare.overlap_notes(frame)
+    assert note.startswith("long/0 and close/0 stay within 0.30% of each other") and "Loss minus the baseline" in note
+    fig = compare.loss_difference_figure(frame, "long/0")
+    close_line, spiky_line = [t for t in fig.data if t.mode == "lines"]
+    np.testing.assert_allclose(close_line.y, base["loss"] * 3e-3, rtol=1e-4)  # losses are held in float32
+    np.testing.assert_allclose(np.asarray(spiky_line.y)[[0, 50]], 0.05, rtol=1e-5)
+    # The spike would flatten the rest: the axis keeps the bulk, the spike sits on its edge as ▲ with its true value.
+    low, high = fig.layout.yaxis.range
+    assert low <= 0 < 0.05 < high < 1
+    (beyond,) = [t for t in fig.data if t.mode == "markers"]
+    assert list(beyond.x) == [100, 101, 102] and set(beyond.y) == {high} and beyond.marker.symbol == "triangle-up"
+    np.testing.assert_allclose(beyond.customdata, 1e6 - base["loss"].iloc[100:103], rtol=1e-6)
+    assert "▲▼ beyond the axis" in fig.layout.title.text
+    calm = compare.loss_difference_figure(frame[frame["run_id"] != "spiky"], "long/0")
+    assert calm.layout.yaxis.range is None and not [t for t in calm.data if t.mode == "markers"]
+    # A short stretch where the spike is 7.5 % of the points: clipped too (a 99th-percentile rule would keep it).
+    short = frame[frame["step"].between(80, 119)]
+    (beyond,) = [t for t in compare.loss_difference_figure(short, "long/0").data if t.mode == "markers"]
+    assert list(beyond.x) == [100, 101, 102]
+    with pytest.raises(ValueError, match="baseline lane"):
+        compare.loss_difference_figure(frame, "nope/0")
+
+
 def test_distribution_sample_drops_non_finite_values():
     assert compare.distribution_sample(np.array([3.0, np.nan, 1.0, np.inf])).tolist() == [3.0, 1.0]
 
@@ -236,12 +289,17 @@ def test_format_summary_reads_like_the_issue_asks(two_runs):
     keys = keys_of(run_a, run_b)
     frame = compare.gather_steps(manager, keys)
     summary = summarize(frame, keys[0], last_k=4)
-    table = compare.format_summary(summary, {keys[0]: "fp32 A"}, keys[0])
+    table = compare.format_summary(summary, {keys[0]: "fp32 A"}, keys[0], last_k=4)
     assert table["lane"].tolist() == ["★ fp32 A", keys[1], keys[2]]
     assert table["speedup"].iloc[0] == "1.00×" and table["memory ratio"].iloc[0] == "1.00×"
     assert table["speedup"].iloc[1] == f"{summary['speedup'].iloc[1]:.2f}×"
     assert table["peak memory"].iloc[1] == f"{summary['peak_mib'].iloc[1]:.3g} MiB"
-    assert table["loss Δ"].iloc[0] == "+0" and table["loss Δ"].iloc[2].startswith(("+", "-"))
+    # Two losses, two names: the Train page's latest loss, and the mean of the last k steps.
+    assert "final loss" not in table.columns and compare.final_loss_column(4) == "final loss (mean of last 4)"
+    assert table["latest loss"].tolist() == [f"{v:.4g}" for v in summary["latest_loss"]]
+    assert table["final loss (mean of last 4)"].tolist() == [f"{v:.4g}" for v in summary["final_loss"]]
+    assert table["latest loss"].tolist() != table["final loss (mean of last 4)"].tolist()
+    assert table["final loss Δ"].iloc[0] == "+0" and table["final loss Δ"].iloc[2].startswith(("+", "-"))
     assert table["skipped steps"].tolist() == summary["skipped_steps"].tolist()
     assert table["diverged"].tolist() == ["no", "no", "no"]
 
@@ -249,10 +307,11 @@ def test_format_summary_reads_like_the_issue_asks(two_runs):
 def test_format_summary_shows_a_dash_for_missing_figures():
     summary = pd.DataFrame([{"run_id": "r", "lane": 0, "mode": "16-true", "steps": 3, "median_ms": 2.0,
                              "speedup": 1.0, "peak_bytes": 0.0, "peak_mib": 0.0, "mem_ratio": float("nan"),
-                             "final_loss": float("nan"), "loss_delta": float("nan"), "skipped_steps": 0,
-                             "diverged": True}])
+                             "final_loss": float("nan"), "loss_delta": float("nan"), "latest_loss": float("nan"),
+                             "skipped_steps": 0, "diverged": True}])
     row = compare.format_summary(summary).iloc[0]
-    assert (row["memory ratio"], row["final loss"], row["loss Δ"], row["diverged"]) == ("—", "—", "—", "💥 yes")
+    assert (row["memory ratio"], row["final loss (mean of last 20)"], row["final loss Δ"], row["latest loss"],
+            row["diverged"]) == ("—", "—", "—", "—", "💥 yes")
 
 
 def test_csv_and_parquet_downloads_round_trip(two_runs):

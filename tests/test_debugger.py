@@ -101,9 +101,9 @@ def test_skipped_step_event_names_the_parameter(param, no_leaked_threads):
     table = debugger.skipped_steps_table(events, 0)
     assert table["step"].tolist() == [at]
     assert table.loc[0, "parameters"] == f"{param} (1 inf)"
-    assert (table.loc[0, "inf"], table.loc[0, "nan"]) == (1, 0)
-    assert table.loc[0, "scale_after"] == table.loc[0, "scale_before"] / 2
-    assert table.loc[0, "outcome"].startswith("skipped; scale")
+    assert (table.loc[0, "inf"], table.loc[0, "NaN"]) == (1, 0)
+    assert table.loc[0, "outcome"] == f"skipped; scale {scale[at]:g} → {scale[at] / 2:g}"
+    assert list(table.columns) == ["step", "outcome", "inf", "NaN", "parameters"]
     changes = debugger.scale_changes(events, 0)
     backoff = changes[changes["kind"] == "backoff"]
     assert backoff["step"].tolist() == [at]
@@ -158,6 +158,32 @@ def test_loss_spike_skips_fp16_not_bf16(no_leaked_threads):
     overview = debugger.lane_overview(frame, events, [{"lane": i, "mode": m, "status": "finished"}
                                                       for i, m in enumerate(config.modes)])
     assert overview["skipped steps"].tolist() == [duration, 0]
+    assert overview["scale now"].tolist() == [f"{fp16['scale'].iloc[-1]:g}", "no scaler"]
+    assert (overview.loc[1, ["scale min", "scale max"]] == "no scaler").all()
+    skipped = debugger.skipped_steps_table(events, 0)
+    assert skipped["step"].tolist() == list(range(start, start + duration))
+    assert (skipped["NaN"] > skipped["inf"]).all()  # the overflow reaches the parameters mostly as NaN: see below
+
+
+def test_an_fp16_overflow_reaches_the_parameter_gradients_as_nan():
+    """NAN_FROM_OVERFLOW's claim, in a real fp16 backward: the logits' gradient overflows to ±inf, and the matmuls
+    after it (inf - inf, inf x 0) leave the parameters' gradients mostly NaN."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    inputs = torch.rand(32, 64) * (torch.rand(32, 64) > 0.3)  # exact zeros, like the digits' blank pixels
+    targets = torch.randint(0, 10, (32,))
+    seen = {}
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(inputs)
+        logits.register_hook(lambda grad: seen.setdefault("logits", grad))
+        loss = torch.nn.functional.cross_entropy(logits, targets) * 1e6  # the loss spike of the demo
+    (loss * 65536.0).backward()  # GradScaler's default initial scale
+    assert seen["logits"].dtype == torch.float16
+    assert torch.isinf(seen["logits"]).all()  # every element overflowed, with both signs
+    assert (seen["logits"] > 0).any() and (seen["logits"] < 0).any()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.isnan(grads).sum() > 10 * torch.isinf(grads).sum()
+    assert debugger.NAN_FROM_OVERFLOW.startswith("Why NaN rather than inf?")
 
 
 # ---- exact underflow figures of a hand-made gradient ----------------------------------------------------
@@ -289,7 +315,13 @@ def test_scale_timeline_and_its_figure(demo_run):
     texts = [a["text"] for a in spec["layout"]["annotations"]]
     assert any(t.startswith("↓ 2 backoffs") for t in texts)
     assert "loss x 1e+06 for steps 30-31" in texts
-    assert spec["layout"]["yaxis2"]["type"] == "log"
+    layout = spec["layout"]
+    assert layout["yaxis2"]["type"] == "log" and layout["yaxis2"]["minorloglabels"] == "complete"
+    assert layout["xaxis"]["matches"] == "x2" and layout["xaxis2"]["anchor"] == "y2"
+    assert layout["yaxis"]["domain"][0] > layout["yaxis2"]["domain"][1]  # scale above, loss below, apart
+    assert all(t.get("yaxis") == "y2" for t in spec["data"] if t.get("name", "").startswith("loss lane"))
+    (fault,) = layout["shapes"]
+    assert (fault["x0"], fault["x1"], fault["yref"]) == (29.5, 31.5, "paper")  # steps 30-31, across both plots
     ticks = spec["layout"]["yaxis"]["ticktext"]
     assert all(t.startswith("2^") for t in ticks)
     bf16 = json.loads(debugger.scale_timeline_figure(frame, events, 1, "bf16-mixed").to_json())
@@ -315,7 +347,17 @@ def test_gradient_histogram_figure(demo_run):
         ("bf16", "flush to zero"), ("bf16", "subnormal"), ("bf16", "normal")}
     fp16_normal = next(t for t in strips if t["y"] == ["fp16"] and t["name"] == "normal")
     assert fp16_normal["base"] == [-14] and fp16_normal["x"][0] == pytest.approx(math.log2(65504) + 14)
-    assert spec["layout"]["yaxis"]["type"] == "log"
+    layout = spec["layout"]
+    assert layout["yaxis"]["type"] == "log" and layout["yaxis"]["minorloglabels"] == "complete"
+    assert layout["xaxis2"]["matches"] == layout["xaxis3"]["matches"] == "x"
+    assert {t["yaxis"] for t in strips} == {"y2", "y3"} and {t["yaxis"] for t in bars.values()} == {"y"}
+    assert layout["yaxis2"]["domain"][1] < layout["yaxis"]["domain"][0]
+    # fp16's edges: dotted lines, labels horizontal above the plot, each reaching away from its neighbour.
+    edges = [a for a in layout["annotations"] if a["text"].startswith("fp16 ")]
+    assert [(a["x"], a["xanchor"]) for a in edges] == [(-24, "right"), (-14, "left"), (math.log2(65504), "right")]
+    assert all(a["y"] == 1 and a["yref"] == "y domain" and a["yanchor"] == "bottom" and "textangle" not in a
+               for a in edges)
+    assert [shape["x0"] for shape in layout["shapes"]] == [a["x"] for a in edges]
     by_param = debugger.stats_for([s for _, ln, st, s in demo_run.grad_stats() if ln == 0 and st == step], "fc2.bias")
     assert by_param.param == "fc2.bias" and by_param.numel == 10
     assert debugger.stats_for([], None) is None
@@ -324,6 +366,10 @@ def test_gradient_histogram_figure(demo_run):
 def test_step_labels_and_default_lane(demo_run):
     labels = debugger.stat_step_labels([20, 30, 31, 40], demo_run.frame(), 0)
     assert labels == {20: "step 20", 30: "step 30 · skipped", 31: "step 31 · skipped", 40: "step 40"}
+    assert debugger.default_stat_step([20, 30, 31, 40], demo_run.frame(), 0) == 30  # the first skipped step
+    assert debugger.default_stat_step([20, 40], demo_run.frame(), 0) == 40  # none skipped: the latest
+    assert debugger.default_stat_step([20, 30, 40], demo_run.frame(), 1) == 40  # bf16 skips nothing
+    assert debugger.default_stat_step([], demo_run.frame(), 0) is None
     assert debugger.default_lane([{"lane": 0, "mode": "bf16-mixed"}, {"lane": 1, "mode": "16-mixed"}]) == 1
     assert debugger.default_lane([{"lane": 0, "mode": "32-true"}]) == 0
 

@@ -180,6 +180,31 @@ def test_format_number_keeps_nan_and_inf_visible():
         "nan", "inf", "-inf", "-0", "65504", "0.1"]
 
 
+@pytest.mark.parametrize(("value", "text"), [
+    (3.4028234663852886e38, "3.403 × 10³⁸"), (65504.0, "65504"), (0.0078125, "0.007812"), (1e-8, "1 × 10⁻⁸"),
+    (-2.5e-7, "-2.5 × 10⁻⁷"), (1.5e6, "1.5 × 10⁶"), (math.inf, "inf"), (math.nan, "nan"), (0.0, "0"),
+])
+def test_readable_number(value, text):
+    assert formats.readable_number(value) == text
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (2.0**-126, "2⁻¹²⁶ ≈ 1.175 × 10⁻³⁸"), (2.0**-10, "2⁻¹⁰ = 0.0009765625"), (0.5, "2⁻¹ = 0.5"),
+    (65504.0, "65504"), (3 * 2.0**-20, "2.861 × 10⁻⁶"),
+])
+def test_power_of_two_text(value, text):
+    assert formats.power_of_two_text(value) == text
+
+
+def test_readable_format_table_is_the_exact_one_shortened():
+    short, exact = formats.readable_format_table().set_index("format"), formats.format_table().set_index("format")
+    for name in formats.FORMAT_NAMES:
+        assert short.loc[name, "max"] == formats.readable_number(exact.loc[name, "max"])
+        assert short.loc[name, "eps"] == formats.power_of_two_text(exact.loc[name, "eps"])
+        assert short.loc[name, "sign · exponent · mantissa"] == " · ".join(
+            str(exact.loc[name, column]) for column in ("sign", "exponent", "mantissa"))
+
+
 def test_number_line_figure_uses_the_facts():
     fig = format_views.number_line_figure(1e-8)
     assert fig.layout.xaxis.type == "log"
@@ -191,7 +216,7 @@ def test_number_line_figure_uses_the_facts():
         assert tuple(by_name["subnormal range"][index].x) == (info.smallest_subnormal, info.smallest_normal)
         assert tuple(by_name["normal range"][index].x) == (info.smallest_normal, info.max)
         assert tuple(by_name["max"][index].x) == (info.max,)
-    assert tuple(by_name["|value| = 1e-08"][0].x) == (1e-8, 1e-8)
+    assert tuple(by_name["|value| = 1 × 10⁻⁸"][0].x) == (1e-8, 1e-8)
     assert not any(trace.name.startswith("|value|") for trace in format_views.number_line_figure(math.inf).data)
 
 

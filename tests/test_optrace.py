@@ -15,6 +15,7 @@ from amp_core.config import RunConfig
 from amp_core.precision import get_precision
 from amp_core.probes import optrace
 from amp_core.views import optrace as trace_views
+from amp_core.views import tables
 from amp_core.workloads import WORKLOADS
 
 LOW = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -276,6 +277,56 @@ def test_treemap_colours_each_module_by_its_dtype():
     assert dict(zip(treemap.ids, treemap.parents, strict=True))["fc1"] == optrace.ROOT
     with pytest.raises(ValueError, match="size_by"):
         trace_views.module_treemap(trace, "bytes")
+
+
+def test_treemap_labels_say_what_the_special_boxes_hold():
+    trace = optrace.trace_workload("digits_mlp", "16-mixed")
+    treemap = trace_views.module_treemap(trace).data[0]
+    labels = dict(zip(treemap.ids, treemap.labels, strict=True))
+    hover = dict(zip(treemap.ids, treemap.customdata, strict=True))
+    assert labels[optrace.OUTSIDE].startswith("(outside): ") and labels[optrace.ROOT].startswith("(root): ")
+    assert labels["fc1"] == "fc1"
+    # 16-mixed: the scaler's multiply really is in (outside), as its hover says.
+    outside_ops = set(optrace.filter_ops(trace.to_frame(), modules=[optrace.OUTSIDE])["op"])
+    assert outside_ops == {"ones_like", "mul.Tensor"} and "GradScaler" in hover[optrace.OUTSIDE]
+    root_ops = set(optrace.filter_ops(trace.to_frame(), modules=[optrace.ROOT], hide_views=True)["op"])
+    assert root_ops == {"relu", "threshold_backward"}  # digits_mlp's forward calls torch.relu itself
+
+
+def test_op_table_puts_each_shape_beside_its_dtype():
+    trace = optrace.trace_workload("checkerboard_cnn", "16-mixed")
+    raw = trace.to_frame()
+    table = trace_views.op_table(raw)
+    assert list(table.columns) == list(trace_views.OP_TABLE_COLUMNS) and len(table) == len(raw)
+    rows = table.set_index("#")
+    norm_backward = raw[raw["op"] == "native_batch_norm_backward"].iloc[0]
+    assert rows.loc[norm_backward["index"], "inputs"] == "fp16[16,64,16,16]×2, fp32[64]×5"
+    first_cast = raw[raw["is_cast"]].iloc[0]
+    assert rows.loc[first_cast["index"], "note"] == f"cast {optrace.format_bytes(first_cast['cast_bytes'])}"
+    widened = raw[raw["widened_from"].notna() & raw["is_cast"]].iloc[0]  # the loss's fp16 -> fp32 cast
+    assert rows.loc[widened["index"], "note"] == (f"cast {optrace.format_bytes(widened['cast_bytes'])}; "
+                                                   f"widens #{widened['widened_from']}")
+    seed = raw[raw["op"] == "ones_like"].iloc[0]
+    assert rows.loc[seed["index"], "inputs"] == "fp32: []"
+    widths = tables.content_widths(table, max_px=10_000)
+    assert widths["inputs"] == round(max(map(tables.text_px, table["inputs"])) + tables.PADDING_PX)
+    assert widths["#"] == 40  # the floor: "#" and short numbers
+
+
+def test_text_width_estimate_is_close_to_chromium():
+    # Widths canvas.measureText gave for Streamlit's table font (14 px Source Sans) in Chromium.
+    measured = {"bf16: [256], [16,64], [64,256]": 160.5, "_log_softmax_backward_data": 176.4,
+                "fp32[], fp32[16,10], int64[16], fp32[]": 205.1, "final loss (mean of last 20)": 150.7,
+                "bf16-mixed · 1b5dea": 118.2, "0123456789": 69.6}
+    for text, px in measured.items():
+        assert px <= tables.text_px(text) <= 1.1 * px, text  # never short (a cut cell), at most 10 % wide
+
+
+def test_autocast_demo_table_names_the_notes_column_and_fills_bf16_rows():
+    table = trace_views.autocast_demo_table(optrace.autocast_demo("cpu"))
+    notes = table.set_index(["autocast", "expression"])[trace_views.NOTES_COLUMN]
+    assert set(notes.loc["float16"]) == {"float32", "float16"}
+    assert set(notes.loc["bfloat16"]) == {"not in the notes (fp16 only)"}
 
 
 def test_compare_modules_side_by_side():

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from amp_core.config import RunConfig
+from amp_core.config import FaultSpec, RunConfig
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
+from amp_core.views import tables
 from amp_core.views.plots import mode_color
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +64,12 @@ def test_one_lane(fresh_store):
     at.multiselect(key="cmp_lanes").set_value([f"{run_id}/1"]).run()
     assert not at.exception and not at.error and not at.warning
     table = summary_table(at)
-    assert table["mode"].tolist() == ["bf16-mixed"] and table["steps"].tolist() == [10]
+    assert table["steps"].tolist() == [10] and "mode" not in table.columns  # the lane label says the mode
+    assert {"latest loss", "final loss (mean of last 20)", "final loss Δ"} <= set(table.columns)
+    assert "final loss" not in table.columns
     assert table["speedup"].tolist() == ["1.00×"] and table["lane"].iloc[0].startswith("★ bf16-mixed · ")
     assert at.selectbox(key="cmp_baseline").value == f"{run_id}/1"
-    assert len(charts(at)) == 3
+    assert len(charts(at)) == 3  # one lane: no difference chart
     assert downloads(at) == DOWNLOADS
     assert not any("different runs" in caption.value for caption in at.caption)
 
@@ -80,18 +83,30 @@ def test_three_lanes_of_two_runs(fresh_store):
     assert at.multiselect(key="cmp_lanes").value == [f"{second}/0", f"{first}/0", f"{first}/1"]
     assert at.selectbox(key="cmp_baseline").value == f"{first}/1"  # the 32-true lane, though not first
     table = summary_table(at)
-    assert table["mode"].tolist() == ["16-mixed", "bf16-mixed", "32-true"]
+    assert [label.split(" · ")[0].removeprefix("★ ") for label in table["lane"]] == ["16-mixed", "bf16-mixed",
+                                                                                     "32-true"]
     assert table["lane"].iloc[2].startswith("★ 32-true") and table["speedup"].iloc[2] == "1.00×"
     assert all(cell.endswith("×") for cell in table["speedup"]) and all(table["peak memory"].str.endswith(" MiB"))
+    (frame,) = [df for df in at.dataframe if "speedup" in df.value.columns]
+    config = {name: c for name, c in json.loads(frame.proto.columns).items() if name != "_index"}
+    assert set(config) == set(table.columns)  # every column sized to its content, the table fits the page
+    assert sum(c["width"] for c in config.values()) <= tables.TABLE_WIDTH_PX
+    assert config["skipped steps"]["label"] == "skipped" and "GradScaler" in config["skipped steps"]["help"]
 
-    loss_vs_step, loss_vs_time, step_time = charts(at)
+    loss_vs_step, difference, loss_vs_time, step_time = charts(at)
     lines = [t for t in loss_vs_step["data"] if t["mode"] == "lines"]
     assert [t["line"]["color"] for t in lines] == [mode_color(m) for m in ("16-mixed", "bf16-mixed", "32-true")]
     assert [t["line"]["dash"] for t in lines] == ["solid", "dash", "dash"]
     assert loss_vs_step["layout"]["yaxis"]["type"] == "log"
+    # Log axes label every tick with its power of ten ("200", "500"), not a bare "2" or "5".
+    assert loss_vs_step["layout"]["yaxis"]["minorloglabels"] == "complete"
+    assert difference["layout"]["title"]["text"].startswith("Loss minus the baseline's (32-true")
+    assert [t["name"] for t in difference["data"] if t["mode"] == "lines"] == table["lane"].tolist()[:2]
     assert len([t for t in loss_vs_time["data"] if t["mode"] == "lines"]) == 3
+    assert loss_vs_time["layout"]["yaxis"]["minorloglabels"] == "complete"
     assert [t["type"] for t in step_time["data"]] == ["box"] * 3
     assert step_time["layout"]["yaxis"]["type"] == "log"
+    assert step_time["layout"]["yaxis"]["minorloglabels"] == "complete"
     assert downloads(at) == DOWNLOADS
     assert any("different runs" in caption.value for caption in at.caption)
 
@@ -100,7 +115,7 @@ def test_three_lanes_of_two_runs(fresh_store):
     at.radio(key="cmp_time_axis").set_value("wall").run()
     at.toggle(key="cmp_log_ms").set_value(False).run()
     assert not at.exception
-    loss_vs_step, loss_vs_time, step_time = charts(at)
+    loss_vs_step, _, loss_vs_time, step_time = charts(at)
     assert loss_vs_step["layout"]["yaxis"]["type"] == "linear"
     assert step_time["layout"]["yaxis"]["type"] == "linear"
     assert [t["type"] for t in step_time["data"]] == ["violin"] * 3
@@ -108,6 +123,34 @@ def test_three_lanes_of_two_runs(fresh_store):
 
     at.number_input(key="cmp_k").set_value(3).run()
     assert not at.exception and "mean of the last 3 steps" in " ".join(c.value for c in at.caption)
+    assert "final loss (mean of last 3)" in summary_table(at).columns
+
+
+def test_the_diverged_column_appears_only_when_a_lane_diverged(fresh_store):
+    config = tiny(("32-true", "bf16-mixed"), optimizer="sgd", faults=(FaultSpec.parse("grad_inf:layer2.bias@2"),))
+    run = Run(config, RunStore(fresh_store)).start()  # no scaler: the inf is applied and the weights turn inf
+    run.join()
+    at = page()
+    assert not at.exception
+    table = summary_table(at)
+    assert "diverged" in table.columns and (table["diverged"] == "💥 yes").all()
+    assert any("Diverged: the last recorded loss is inf/NaN" in c.value for c in at.caption)
+    clean = stored_run(fresh_store, ("32-true",))
+    at.run()  # the new run joins the picker's options
+    at.multiselect(key="cmp_runs").set_value([clean]).run()
+    assert "diverged" not in summary_table(at).columns
+    assert any("No lane diverged" in c.value for c in at.caption)
+
+
+def test_lanes_that_trained_identically_get_a_note(fresh_store):
+    first = stored_run(fresh_store, ("32-true", "bf16-mixed"))
+    second = stored_run(fresh_store, ("32-true",))  # same seed and batches as the first run's 32-true lane
+    at = page()
+    at.multiselect(key="cmp_runs").set_value([second, first]).run()
+    assert not at.exception and not at.error
+    notes = [info.value for info in at.info if "bit for bit" in info.value]
+    assert len(notes) == 1
+    assert f"32-true · {second[-6:]} and 32-true · {first[-6:]} recorded the same loss, bit for bit" in notes[0]
 
 
 def test_a_chosen_baseline_stays_and_removing_a_run_removes_its_lanes(fresh_store):
@@ -170,7 +213,7 @@ def test_reachable_from_the_app(fresh_store, runs):
     at.switch_page("pages/compare.py").run()
     assert not at.exception
     assert at.title[0].value == "Compare runs"
-    assert len(at.get("plotly_chart")) == 3 * runs
+    assert len(at.get("plotly_chart")) == 4 * runs  # loss, loss minus the baseline's, loss vs time, step time
 
 
 def test_a_damaged_store_leaves_the_page_working_in_memory(fresh_store):

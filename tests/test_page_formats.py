@@ -10,6 +10,8 @@ from format_layouts import LAYOUTS
 from streamlit.testing.v1 import AppTest
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "formats.py")
+PAGE_WIDTH_PX = 978
+"""Width of a table at 1440 x 900 with the sidebar open: 980 px measured in Chromium, less its borders."""
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ def _frame(at: AppTest, first_column: str, index: str):
 
 def test_renders_and_facts_follow_from_the_bit_layout(app):
     assert not app.error
-    facts = _frame(app, "format", "smallest subnormal")
+    facts = _frame(app, "format", "source")  # the exact table, in its expander
     assert list(facts.index) == list(LAYOUTS)
     for name, layout in LAYOUTS.items():
         row = facts.loc[name]
@@ -40,6 +42,32 @@ def test_renders_and_facts_follow_from_the_bit_layout(app):
         assert float(row["eps"]) == layout.eps
 
 
+def test_the_first_table_reads_short_and_the_exact_one_keeps_every_digit(app):
+    short = _frame(app, "format", "sign · exponent · mantissa")
+    assert short.loc["fp32", "max"] == "3.403 × 10³⁸" and short.loc["fp16", "max"] == "65504"
+    assert short.loc["fp32", "smallest normal"] == "2⁻¹²⁶ ≈ 1.175 × 10⁻³⁸"
+    assert short.loc["bf16", "eps"] == "2⁻⁷ = 0.0078125"
+    assert short.map(lambda cell: len(str(cell))).to_numpy().max() <= 22  # no 17-digit numbers
+    exact = _frame(app, "format", "source")
+    assert exact.loc["fp32", "max"] == repr(torch.finfo(torch.float32).max)
+    (expander,) = [e for e in app.expander if e.label.startswith("Exact values")]
+    assert not expander.proto.expanded
+
+
+def test_tables_fit_the_page(app):
+    """The sized tables' column widths add up to what a 1440-px-wide window shows beside the sidebar, and the wide
+    softmax table comes in two parts."""
+    sized = [df for df in app.dataframe if {"sign · exponent · mantissa", "what happened"} & set(df.value.columns)]
+    assert len(sized) == 2
+    for df in sized:
+        config = {name: c for name, c in json.loads(df.proto.columns).items() if name != "_index"}
+        assert set(config) == set(df.value.columns)  # every column sized
+        assert sum(c["width"] for c in config.values()) <= PAGE_WIDTH_PX, list(df.value.columns)
+    forward, loss = [df.value for df in app.dataframe if df.value.columns[0] == "dtype"][:2]
+    assert "naive softmax" in forward.columns and "grad, stable CE" in loss.columns
+    assert len(forward.columns) == len(loss.columns) == 5
+
+
 def test_number_line_is_log_and_marks_the_value(app):
     (chart,) = app.get("plotly_chart")
     spec = json.loads(chart.proto.spec)
@@ -48,6 +76,9 @@ def test_number_line_is_log_and_marks_the_value(app):
     assert [line["x"] for line in value_lines] == [[65520.0, 65520.0]]
     maxima = {trace["y"][0]: trace["x"][0] for trace in spec["data"] if trace["name"] == "max"}
     assert maxima == {name: layout.max for name, layout in LAYOUTS.items()}
+    labels = {trace["y"][0]: trace["text"][0] for trace in spec["data"] if trace["name"] == "max"}
+    assert labels["fp32"] == "max 3.403×10<sup>38</sup>" and labels["fp16"] == "max 65504"  # no "3.403e+3" cut
+    assert all(trace["cliponaxis"] is False for trace in spec["data"] if trace["name"] == "max")
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -81,9 +112,10 @@ def test_bad_text_is_an_error_not_a_traceback(app):
 
 def test_softmax_tables(app):
     fixed, user = [df.value.set_index("dtype") for df in app.dataframe if "naive softmax" in df.value.columns]
+    fixed_loss = next(df.value.set_index("dtype") for df in app.dataframe if "stable cross-entropy" in df.value.columns)
     assert fixed.loc["fp32", "naive softmax"] == "[nan, 0]"
     assert fixed.loc["fp32", "stable softmax"] == "[1, 0]"
-    assert fixed.loc["fp32", "stable cross-entropy"] == "500"
+    assert fixed_loss.loc["fp32", "stable cross-entropy"] == "500"
     assert user.loc["fp16", "naive softmax"] == "[nan, 0]"  # default logit 12 > ln(65504)
     assert "nan" not in user.loc["bf16", "naive softmax"]
     app.text_input(key="fmt_logit").set_value("89").run()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import RunConfig
+from amp_core.views import optrace as trace_views
+from amp_core.views import tables
 from pages.common import get_manager
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "op_inspector.py")
@@ -19,7 +22,17 @@ def frames(app: AppTest, column: str) -> list:
 
 
 def op_tables(app: AppTest) -> list:
-    return frames(app, "in_shapes")
+    return frames(app, "inputs")
+
+
+def column_widths(app: AppTest, column: str) -> list[dict[str, int]]:
+    """Pixel width per column of the dataframes that have `column`, from the column config the page sent."""
+    return [{name: config.get("width") for name, config in json.loads(df.proto.columns).items() if name != "_index"}
+            for df in app.dataframe if column in df.value.columns]
+
+
+def low_precision(cells) -> bool:
+    return any("bf16" in cell or "fp16" in cell for cell in cells)
 
 
 @pytest.fixture
@@ -31,9 +44,21 @@ def test_default_view_traces_one_mode_and_runs_the_seed_demo(app):
     assert not app.exception
     assert app.radio(key="opi_source").value == "One mode"
     [table] = op_tables(app)
-    assert len(table) > 0 and {"phase", "module", "op", "in_dtypes", "out_dtypes", "flops"} <= set(table.columns)
-    assert not table["is_view"].any()  # views hidden by default
+    assert len(table) > 0 and list(table.columns) == list(trace_views.OP_TABLE_COLUMNS)
+    assert not table["note"].str.contains("view").any()  # views hidden by default
+    fc1 = table[(table["module"] == "fc1") & (table["op"] == "addmm")].iloc[0]
+    assert (fc1["inputs"], fc1["outputs"]) == ("bf16: [256], [16,64], [64,256]", "bf16: [16,256]")
+    # Every column is as wide as its longest cell, so "[256], [16, 6" and "_log_softm" read whole.
+    [widths] = column_widths(app, "inputs")
+    for column in ("module", "op", "inputs", "outputs", "note"):
+        assert widths[column] >= max(tables.text_px(text) for text in [column, *table[column]]), column
+    assert sum(widths.values()) <= tables.TABLE_WIDTH_PX  # the default trace's table fits the page: no scrolling
+    assert "_log_softmax_backward_data" in set(table["op"])
     assert {m.label for m in app.metric} >= {"Casts", "FLOPs in bf16 / fp16"}
+    treemap = next(json.loads(c.proto.spec) for c in app.get("plotly_chart") if "opi_treemap_0" in c.proto.id)
+    boxes = dict(zip(treemap["data"][0]["ids"], treemap["data"][0]["customdata"], strict=True))
+    assert "gradient seed" in boxes["(outside)"] and "forward()" in boxes["(root)"]  # explained on hover
+    assert any("**(outside)** holds" in c.value and "**(root)** holds" in c.value for c in app.caption)
     [demo] = frames(app, "expression")
     results = {(row.autocast, row.y, row.expression): row.result for row in demo.itertuples()}
     assert results[("float16", "float32", "x + y")] == "float32"
@@ -41,6 +66,10 @@ def test_default_view_traces_one_mode_and_runs_the_seed_demo(app):
     assert results[("float16", "float16", "x @ y")] == "float16"
     assert results[("bfloat16", "bfloat16", "x + y")] == "float32"
     assert results[("bfloat16", "float32", "x @ y")] == "bfloat16"
+    notes = demo.set_index(["autocast", "y", "expression"])[trace_views.NOTES_COLUMN]
+    assert notes[("float16", "float32", "x @ y")] == "float16"
+    assert (notes.loc["bfloat16"] == "not in the notes (fp16 only)").all()  # no blank cells
+    assert "seed notes (CUDA)" not in demo.columns
 
 
 def test_filters_narrow_the_table(app):
@@ -50,7 +79,7 @@ def test_filters_narrow_the_table(app):
     [table] = op_tables(app)
     assert set(table["phase"]) == {"backward"} and set(table["module"]) == {"fc1"}
     app.checkbox(key="opi_hide_views").uncheck().run()
-    assert op_tables(app)[0]["is_view"].any()
+    assert (op_tables(app)[0]["note"] == "view").any()
 
 
 def test_two_modes_side_by_side(app):
@@ -58,9 +87,13 @@ def test_two_modes_side_by_side(app):
     assert not app.exception
     assert app.selectbox(key="opi_mode_a").value == "32-true"
     first, second = op_tables(app)
-    assert set(first["compute_dtype"]) - {""} == {"fp32"}
-    assert "bf16" in set(second["compute_dtype"])
-    assert len(frames(app, "forward_dtype [bf16-mixed]")) == 1
+    assert not low_precision(first["outputs"]) and low_precision(second["outputs"])
+    # Module by module: one narrow table per mode, side by side, rows aligned.
+    left, right = frames(app, "low_precision_share")[:2]
+    assert list(left["module"]) == list(right["module"]) and "fc1" in set(left["module"])
+    fc1 = (left.set_index("module").loc["fc1"], right.set_index("module").loc["fc1"])
+    assert (fc1[0]["forward_dtype"], fc1[1]["forward_dtype"]) == ("fp32", "bf16")
+    assert any(md.value == "**bf16-mixed**" for md in app.markdown)
 
 
 def test_other_workload_and_size_by_flops(app):
@@ -89,6 +122,6 @@ def test_live_lane_is_traced_on_click(stepped_launches, no_leaked_threads):
         app.button(key="opi_trace_lane").click().run()
         assert not app.exception and not app.error
         [table] = op_tables(app)
-        assert "bf16" in set(table["compute_dtype"])
+        assert low_precision(table["outputs"])
     finally:
         run.stop()

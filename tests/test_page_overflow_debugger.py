@@ -80,25 +80,53 @@ def test_finished_run_from_the_store(stored_run):
     assert not at.error
     assert at.selectbox(key="dbg_run").value == stored_run
     assert at.selectbox(key=f"dbg_lane_{stored_run}").value == 0  # the 16-mixed lane opens first
+    assert at.expander[0].proto.expanded  # the fault panel stays open once runs exist: a newcomer finds it
     frames = _frames(at)
     overview = frames["dbg_overview"].set_index("mode")
     assert overview.loc["16-mixed", "skipped steps"] == 2 and overview.loc["bf16-mixed", "skipped steps"] == 0
+    assert overview.loc["bf16-mixed", "scale now"] == "no scaler"  # not "None"
+    assert float(overview.loc["16-mixed", "scale now"]) > 0
+    assert "None" not in overview.astype(str).to_numpy()
     skipped = frames["dbg_skipped"]
     assert skipped["step"].tolist() == [20, 21]
     assert all(text.startswith("fc1.weight") for text in skipped["parameters"])
+    assert (skipped["NaN"] > skipped["inf"]).all()
+    assert list(skipped.columns)[-1] == "parameters"  # the long column ends the row: nothing pushed off the page
+    assert any(c.value.startswith("Why NaN rather than inf?") for c in at.caption)  # the table's NaN explained
     assert any("What the fault did" in md.value for md in at.markdown)
     assert any("2 steps skipped" in md.value and "16-mixed" in md.value for md in at.markdown)
-    assert any("Detected call of `lr_scheduler.step()` before `optimizer.step()`" in md.value for md in at.markdown)
+    # No scheduler in this run: the scheduler note waits, folded, below the chart instead of squeezing it.
+    (note,) = [e for e in at.expander if e.label.startswith("LR schedulers and skipped steps")]
+    assert not note.proto.expanded
+    assert any("Detected call of `lr_scheduler.step()` before `optimizer.step()`" in md.value for md in note.markdown)
     timeline = _chart(at, "dbg_timeline")
     names = {t.get("name") for t in timeline["data"]}
     assert {"scale (16-mixed)", "skipped step", "scale backoff"} <= names
+    # The gradient section opens on the first skipped step, where the spike's overflow left NaN, not bars.
+    assert at.selectbox(key=f"dbg_stat_step_{stored_run}_0").value == 20
     histogram = _chart(at, "dbg_histogram")
     assert {t["name"] for t in histogram["data"] if t.get("orientation") == "h"} >= {"overflow", "subnormal"}
+    assert any(a["text"].startswith("no finite non-zero gradient here") for a in histogram["layout"]["annotations"])
+    assert any("inf or NaN at this step" in c.value for c in at.caption)
+    # Nothing finite at that step: the lost shares are "—", not a made-up 0 %.
+    assert _frames(at)["dbg_fractions"].drop(columns="format").isna().all().all()
+    at.selectbox(key=f"dbg_stat_step_{stored_run}_0").set_value(50).run()
+    assert not at.exception
+    histogram = _chart(at, "dbg_histogram")
     assert any(t["name"].endswith("(scaled)") for t in histogram["data"])  # 16-mixed: the scaled view too
-    fractions = frames["dbg_fractions"].set_index("format")
+    fractions = _frames(at)["dbg_fractions"].set_index("format")
     assert list(fractions.index) == ["fp16", "bf16"]
     assert fractions.loc["fp16", "subnormal (unscaled)"] > 0  # digits_mlp's small gradients: fp16 subnormals
-    assert at.selectbox(key=f"dbg_stat_step_{stored_run}_0").value == 50
+
+
+def test_a_run_with_a_scheduler_shows_the_scheduler_note_open(fresh_store):
+    config = RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=12, scheduler="onecycle")
+    run = Run(config, RunStore(fresh_store)).start()
+    run.join(60)
+    at = _page()
+    assert not at.exception and not at.error
+    assert not [e for e in at.expander if e.label.startswith("LR schedulers")]
+    assert any(md.value.startswith("**Why the LR scheduler waits too.**") for md in at.markdown)
 
 
 def test_skipped_step_and_bf16_lane(stored_run):

@@ -239,6 +239,7 @@ def format_number(x: float, digits: int = 17) -> str:
     """A float as text that keeps NaN/inf visible: shortest round-trip repr, or `digits` significant digits."""
     if isinstance(x, bool) or not isinstance(x, float):
         return str(x)
+    x = float(x)  # a numpy float's repr names its type
     if math.isnan(x):
         return "nan"
     if math.isinf(x):
@@ -248,6 +249,60 @@ def format_number(x: float, digits: int = 17) -> str:
     if x == int(x) and abs(x) < 1e16:
         return str(int(x))
     return repr(x) if digits >= 17 else f"{x:.{digits}g}"
+
+
+_SUPERSCRIPTS = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _power_text(base: int, exponent: int) -> str:
+    return f"{base}{str(exponent).translate(_SUPERSCRIPTS)}"
+
+
+def readable_number(x: float, digits: int = 4) -> str:
+    """A float short enough to read at a glance: integers below a million whole ("65504"), others in [0.001, 1e6)
+    to `digits` significant digits ("0.0009766"), the rest as "3.403 × 10³⁸" (never "3.4028234663852886e+38",
+    whose exponent a narrow cell can cut off). NaN/inf stay visible. Exact values: `format_number`."""
+    if isinstance(x, bool) or not isinstance(x, float):
+        return str(x)
+    x = float(x)
+    if not math.isfinite(x) or x == 0:
+        return format_number(x)
+    if abs(x) < 1e6 and x == int(x):
+        return str(int(x))
+    if 1e-3 <= abs(x) < 1e6:
+        return f"{x:.{digits}g}"
+    mantissa, exponent = f"{x:.{digits - 1}e}".split("e")
+    if "." in mantissa:
+        mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa} × {_power_text(10, int(exponent))}"
+
+
+def power_of_two_text(x: float, digits: int = 4) -> str:
+    """An exact power of two as "2⁻¹²⁶ ≈ 1.175 × 10⁻³⁸" (small ones as "2⁻¹ = 0.5"), anything else as
+    `readable_number`: exact and short for smallest normals, subnormals and epsilons."""
+    if x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5:
+        exponent = math.frexp(x)[1] - 1
+        near = readable_number(x, digits)
+        exact = abs(exponent) <= 10  # 2^-10 = 0.0009765625 is written out whole below
+        return f"{_power_text(2, exponent)} {'=' if exact else '≈'} {format_number(x) if exact else near}"
+    return readable_number(x, digits)
+
+
+def readable_format_table() -> pd.DataFrame:
+    """`format_table` as a person reads it: one row per format, the bit layout, and short forms of max, smallest
+    normal, smallest subnormal and eps (powers of two written as such). The page keeps `format_table` for the
+    exact values."""
+    table = format_table()
+    return pd.DataFrame({
+        "format": table["format"], "bits": table["bits"],
+        "sign · exponent · mantissa": [f"{s} · {e} · {m}" for s, e, m in
+                                       zip(table["sign"], table["exponent"], table["mantissa"], strict=True)],
+        "max": [readable_number(v) for v in table["max"]],
+        "smallest normal": [power_of_two_text(v) for v in table["smallest normal"]],
+        "smallest subnormal": [power_of_two_text(v) for v in table["smallest subnormal"]],
+        "eps": [power_of_two_text(v) for v in table["eps"]],
+        "has inf": table["has inf"],
+    })
 
 
 def display_frame(df: pd.DataFrame, digits: dict[str, int] | None = None) -> pd.DataFrame:

@@ -18,7 +18,16 @@ from amp_core.records import STEP_FIELDS, empty_steps_frame
 from amp_core.records.query import LaneSeries
 from amp_core.records.schema import steps_frame
 from amp_core.records.store import LIVE_STATUSES
-from amp_core.views.plots import MAX_POINTS, chart_layout, decimate, line_trace, marker_trace, mode_color
+from amp_core.views import summary
+from amp_core.views.plots import (
+    MAX_POINTS,
+    chart_layout,
+    decimate,
+    decimate_indices,
+    line_trace,
+    marker_trace,
+    mode_color,
+)
 from amp_core.views.summary import lane_key
 
 if TYPE_CHECKING:
@@ -156,6 +165,15 @@ def add_time_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
+def _y_axis(title: str, log: bool) -> dict:
+    """A y axis, log or linear. A log axis labels its in-between ticks in full ("200", "500", "0.02"): plotly's
+    default writes them as bare digits ("2, 5, 100, 2, 5"), which read as numbers of their own."""
+    axis = {"title": {"text": title}, "type": "log" if log else "linear"}
+    if log:
+        axis.update(minorloglabels="complete", tickfont={"size": 13})  # plotly draws in-between labels at 3/4 size
+    return axis
+
+
 def run_dashes(frame: pd.DataFrame) -> dict[str, str]:
     """run_id -> dash style, by order of first appearance."""
     return {run_id: RUN_DASHES[i % len(RUN_DASHES)] for i, run_id in enumerate(frame["run_id"].drop_duplicates())}
@@ -185,8 +203,7 @@ def _loss_figure(frame: pd.DataFrame, labels: dict[str, str], x: str, x_title: s
                 mode, skipped[x].to_numpy(), skipped["loss"].to_numpy(), f"{label}: skipped steps", legendgroup=key,
                 showlegend=False, customdata=skipped["step"].to_numpy(),
                 hovertemplate=f"{label}<br>step %{{customdata}} skipped<br>loss %{{y:.5g}}<extra></extra>"))
-    layout = chart_layout(title, "loss", xaxis={"title": {"text": x_title}},
-                          yaxis={"title": {"text": "loss"}, "type": "log" if log_y else "linear"},
+    layout = chart_layout(title, "loss", xaxis={"title": {"text": x_title}}, yaxis=_y_axis("loss", log_y),
                           hovermode="closest", legend={"title": {"text": "lane (colour: mode, dash: run)"}},
                           margin={"t": 50, "b": 40}, height=None)
     return go.Figure({"data": data, "layout": layout})
@@ -237,9 +254,151 @@ def step_time_spread_figure(frame: pd.DataFrame, labels: dict[str, str] | None =
         else:
             trace.update(points=False, box={"visible": True}, meanline={"visible": True}, spanmode="hard")
         data.append(trace)
-    layout = {"title": {"text": "Step time per lane"}, "yaxis": {"title": {"text": "ms per step"},
-                                                                 "type": "log" if log_y else "linear"},
+    layout = {"title": {"text": "Step time per lane"}, "yaxis": _y_axis("ms per step", log_y),
               "showlegend": False, "margin": {"t": 50, "b": 40}}
+    return go.Figure({"data": data, "layout": layout})
+
+
+# --- lanes that hide each other -----------------------------------------------------------------------------------
+OVERLAP_TOLERANCE = 0.01
+"""Lanes whose losses stay within this relative difference at every common step cover each other on a loss chart."""
+OUTLIER_IQRS = 5.0
+"""The difference chart's bulk: points within this many interquartile ranges of the middle half (Tukey's fences,
+widened)."""
+SPIKE_SPAN = 100.0
+"""The axis leaves the rest out only when they reach this many times farther than the bulk: spikes, not a lane
+that drifts away or a long tail of early steps."""
+
+
+def _every_record(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
+    """Lanes holding every record: overlaps and differences compare losses step by step, not envelopes (a list of
+    LaneSeries must have been read that way)."""
+    return summary.lanes(records, max_points=max(len(records), 1)) if isinstance(records, pd.DataFrame) else records
+
+
+def _aligned_losses(first: LaneSeries, second: LaneSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(common steps, first's losses there, second's losses there)."""
+    a, b = first["step"], second["step"]
+    if len(a) == len(b) and np.array_equal(a, b):  # lanes of one run, or runs of one length: nothing to match
+        return a, first["loss"], second["loss"]
+    steps, i, j = np.intersect1d(a, b, assume_unique=True, return_indices=True)
+    return steps, first["loss"][i], second["loss"][j]
+
+
+def loss_overlaps(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
+                  tolerance: float = OVERLAP_TOLERANCE) -> list[dict]:
+    """Groups of lanes whose loss curves lie on top of each other: linked when, at every one of their common steps
+    (at least two), their losses are equal bit for bit, or within `tolerance` of each other (relative; inf/NaN at
+    the same steps). Per group: lanes (labels, in order), steps (fewest common steps of a linked pair), identical
+    (every pair of the group equal bit for bit), same (its pairs that are, as label pairs) and max_rel_diff (the
+    largest relative difference among its pairs)."""
+    lanes = [((labels or {}).get(lane.key, lane.key), lane) for lane in _every_record(records)]
+    parent = list(range(len(lanes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    pairs = {}
+    for a in range(len(lanes)):
+        for b in range(a + 1, len(lanes)):
+            steps, x, y = _aligned_losses(lanes[a][1], lanes[b][1])
+            finite = np.isfinite(x) & np.isfinite(y)
+            if len(steps) < 2 or not np.array_equal(np.isfinite(x), np.isfinite(y)) or not finite.any():
+                continue
+            identical = np.array_equal(x, y, equal_nan=True)
+            x, y = x[finite], y[finite]
+            rel = float(np.max(np.abs(x - y) / np.maximum(np.maximum(np.abs(x), np.abs(y)), 1e-12)))
+            pairs[a, b] = (identical, rel, len(steps))
+            if identical or rel <= tolerance:
+                parent[root(b)] = root(a)
+    members: dict[int, list[int]] = {}
+    for i in range(len(lanes)):
+        members.setdefault(root(i), []).append(i)
+    out = []
+    for group in (g for g in members.values() if len(g) > 1):
+        linked = [pairs[a, b] for a in group for b in group if (a, b) in pairs]
+        same = [(lanes[a][0], lanes[b][0]) for a in group for b in group if pairs.get((a, b), (False,))[0]]
+        out.append({"lanes": [lanes[i][0] for i in group], "steps": min(n for _, _, n in linked),
+                    "identical": len(same) == len(group) * (len(group) - 1) // 2, "same": same,
+                    "max_rel_diff": max(rel for _, rel, _ in linked)})
+    return out
+
+
+def _names(labels: list[str]) -> str:
+    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
+
+
+def overlap_notes(frame: pd.DataFrame, labels: dict[str, str] | None = None) -> list[str]:
+    """One sentence per group of `loss_overlaps`, saying which lines hide which, and by how much they differ."""
+    notes = []
+    for group in loss_overlaps(frame, labels):
+        names = _names(group["lanes"])
+        if group["identical"]:
+            notes.append(f"{names} recorded the same loss, bit for bit, at every one of their {group['steps']:,} "
+                         "common steps: their lines lie exactly on top of each other (the last drawn hides the rest).")
+        else:
+            same = "".join(f" {a} and {b} recorded the same loss, bit for bit." for a, b in group["same"])
+            notes.append(f"{names} stay within {group['max_rel_diff']:.2%} of each other at every common step: at "
+                         f"this scale their lines cover each other.{same} The chart *Loss minus the baseline's* tells "
+                         "them apart.")
+    return notes
+
+
+def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: str,
+                           labels: dict[str, str] | None = None, max_points: int = MAX_POINTS) -> go.Figure:
+    """Each lane's loss minus the baseline lane's at the same step (common steps only), so lanes whose loss curves
+    cover each other come apart. Points far beyond the bulk (a loss spike in one lane) would flatten the rest: when
+    the points within OUTLIER_IQRS interquartile ranges of the middle half span less than 1/SPIKE_SPAN of all, the
+    axis spans them (and 0) and the others sit on its edge as ▲/▼, their true difference in the hover."""
+    labels = labels or {}
+    lanes = {lane.key: lane for lane in _every_record(records)}
+    title = f"Loss minus the baseline's ({labels.get(baseline, baseline)}), step by step"
+    if baseline not in lanes:
+        raise ValueError(f"baseline lane {baseline!r} has no records here")
+    dashes = {run_id: RUN_DASHES[i % len(RUN_DASHES)]
+              for i, run_id in enumerate(dict.fromkeys(lane.run_id for lane in lanes.values()))}
+    curves = []
+    for key, lane in lanes.items():
+        if key == baseline:
+            continue
+        steps, loss, base_loss = _aligned_losses(lane, lanes[baseline])
+        with np.errstate(invalid="ignore"):  # two diverged lanes: inf - inf is NaN, and drawn as a gap
+            curves.append((key, labels.get(key, key), lane.mode, lane.run_id, steps, loss - base_loss))
+    finite = np.concatenate([d[np.isfinite(d)] for *_, d in curves] or [np.array([])])
+    axis = {"title": {"text": "loss − baseline loss"}, "zeroline": True}
+    low = high = None
+    if finite.size >= 8:
+        q1, q3 = np.quantile(finite, [0.25, 0.75])
+        reach = OUTLIER_IQRS * (q3 - q1)
+        inside = finite[(finite >= q1 - reach) & (finite <= q3 + reach)]
+        bottom, top = min(float(inside.min()), 0.0), max(float(inside.max()), 0.0)
+        if reach > 0 and finite.max() - finite.min() > SPIKE_SPAN * (top - bottom):
+            low, high = bottom - 0.1 * (top - bottom), top + 0.1 * (top - bottom)
+            axis["range"] = [low, high]
+    data = []
+    for key, label, mode, run_id, steps, difference in curves:
+        idx = decimate_indices(difference, max_points)
+        data.append(line_trace(
+            mode, steps[idx], difference[idx], name=label, legendgroup=key,
+            line={"color": mode_color(mode), "dash": dashes[run_id], "width": 2},
+            hovertemplate=f"{label}<br>step %{{x}}<br>loss − baseline %{{y:.4g}}<extra></extra>"))
+        if low is None:
+            continue
+        edges = ((difference > high, high, "triangle-up"), (difference < low, low, "triangle-down"))
+        for beyond, edge, symbol in edges:
+            if beyond.any():
+                data.append(marker_trace(
+                    mode, steps[beyond], np.full(int(beyond.sum()), edge), f"{label}: beyond the axis",
+                    symbol=symbol, legendgroup=key, showlegend=False, customdata=difference[beyond],
+                    hovertemplate=f"{label}<br>step %{{x}}<br>loss − baseline %{{customdata:.4g}} (beyond the axis)"
+                                  "<extra></extra>"))
+    if low is not None:
+        title += " · ▲▼ beyond the axis"
+    layout = chart_layout(title, "loss − baseline loss", yaxis=axis, hovermode="closest",
+                          legend={"title": {"text": "lane (colour: mode, dash: run)"}}, margin={"t": 50, "b": 40},
+                          height=None)
     return go.Figure({"data": data, "layout": layout})
 
 
@@ -248,13 +407,15 @@ def _number(value: float, spec: str, suffix: str = "") -> str:
     return "—" if value is None or pd.isna(value) else f"{value:{spec}}{suffix}"
 
 
-def format_summary(summary: pd.DataFrame, labels: dict[str, str] | None = None,
-                   baseline: str | None = None) -> pd.DataFrame:
+def format_summary(summary: pd.DataFrame, labels: dict[str, str] | None = None, baseline: str | None = None,
+                   last_k: int = 20) -> pd.DataFrame:
     """`amp_core.summary.summarize` output as the table a person reads: speedup "1.23×", memory in MiB, ratios,
-    signed loss deltas; the baseline lane marked ★."""
+    the latest loss (what the Train page shows), the final loss named by its window ("final loss (mean of last 20)",
+    the figure `last_k` gave summarize) and its signed delta to the baseline; the baseline lane marked ★."""
     labels = labels or {}
     keys = [lane_key(r, int(n)) for r, n in zip(summary["run_id"], summary["lane"], strict=True)]
-    return pd.DataFrame({
+    final = final_loss_column(last_k)
+    columns = {
         "lane": [("★ " if key == baseline else "") + labels.get(key, key) for key in keys],
         "mode": summary["mode"].tolist(),
         "steps": summary["steps"].astype(int).tolist(),
@@ -262,12 +423,19 @@ def format_summary(summary: pd.DataFrame, labels: dict[str, str] | None = None,
         "speedup": [_number(v, ".2f", "×") for v in summary["speedup"]],
         "peak memory": [_number(v, ".3g", " MiB") for v in summary["peak_mib"]],
         "memory ratio": [_number(v, ".2f", "×") for v in summary["mem_ratio"]],
-        "final loss": [_number(v, ".4g") for v in summary["final_loss"]],
-        "loss Δ": [_number(v, "+.3g") for v in summary["loss_delta"]],
+        "latest loss": [_number(v, ".4g") for v in summary["latest_loss"]],
+        final: [_number(v, ".4g") for v in summary["final_loss"]],
+        "final loss Δ": [_number(v, "+.3g") for v in summary["loss_delta"]],
         "skipped steps": summary["skipped_steps"].astype(int).tolist(),
         "diverged": ["💥 yes" if v else "no" for v in summary["diverged"]],
-    }, columns=["lane", "mode", "steps", "median ms/step", "speedup", "peak memory", "memory ratio", "final loss",
-                "loss Δ", "skipped steps", "diverged"])
+    }
+    return pd.DataFrame(columns, columns=list(columns))
+
+
+def final_loss_column(last_k: int) -> str:
+    """The summary table's name for the final loss: it says which steps it averages, so it is never taken for the
+    latest loss."""
+    return f"final loss (mean of last {last_k})"
 
 
 def csv_bytes(frame: pd.DataFrame) -> bytes:

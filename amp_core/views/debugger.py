@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from amp_core.config import FaultSpec
 from amp_core.precision import uses_scaler
@@ -32,6 +31,9 @@ FAULT_FILL = "rgba(148, 103, 189, 0.15)"
 MAX_ANNOTATIONS = 12
 """Scale-change annotations drawn at most (the largest groups); every change still has a hover marker."""
 TIMELINE_EVENT_KINDS = ("scale_growth", "scale_backoff")
+OVERVIEW_SCALES = ("scale now", "scale min", "scale max")
+TIMELINE_DOMAINS = ((0.44, 0.94), (0.0, 0.36))
+"""Vertical extent of the scale timeline's two plots (paper fractions): scale on top, loss below; room for titles."""
 
 
 # ---- format ranges --------------------------------------------------------------------------------------
@@ -118,15 +120,18 @@ def special_counts(stats: GradStats) -> dict[str, int]:
 def fractions_frame(stats: GradStats) -> pd.DataFrame:
     """Per format (fp16, bf16): share of the finite non-zero gradient that becomes 0, subnormal or inf.
 
-    Columns '<what> (unscaled)' and, for a scaled lane, '<what> (x scale)'. From real casts (gradstats).
+    Columns '<what> (unscaled)' and, for a scaled lane, '<what> (x scale)'. From real casts (gradstats); NaN when
+    there is no finite non-zero element to share.
     """
     labels = [("unscaled", "unscaled")] + ([("scaled", f"x {stats.scale:g}")] if stats.scale != 1.0 else [])
+    # No finite non-zero element (a step the overflow turned to NaN): a share of nothing is not 0 %.
+    missing = 0.0 if sum(stats.hist) else math.nan
     rows = []
     for fmt in BAND_FORMATS:
         row: dict[str, Any] = {"format": fmt}
         for key, label in labels:
             for what, title in (("zero", "becomes 0"), ("subnormal", "subnormal"), ("overflow", "overflows to inf")):
-                row[f"{title} ({label})"] = stats.fractions.get(f"{fmt}.{what}.{key}", 0.0)
+                row[f"{title} ({label})"] = stats.fractions.get(f"{fmt}.{what}.{key}", missing)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -151,50 +156,67 @@ def histogram_range(hist: pd.DataFrame) -> tuple[float, float]:
 def gradient_histogram_figure(stats: GradStats, mode: str = "", title: str = "") -> go.Figure:
     """Histogram of log2|g| (and |g| x scale for scaled lanes) over fp16 / bf16 range strips.
 
-    Row 1: bars per log2 bin (unscaled solid in the mode's colour, scaled hatched) on a log count axis, with
-    dotted lines at fp16's edges; rows 2-3: each format's flush-to-zero / subnormal / normal / overflow bands.
+    Axis y (top, 80 %): bars per log2 bin (unscaled solid in the mode's colour, scaled hatched) on a log count axis,
+    with dotted lines at fp16's edges labelled above the plot; axes y2 and y3: each format's flush-to-zero /
+    subnormal / normal / overflow bands. The three share one x axis (x2 and x3 match x).
     """
     hist = histogram_frame(stats)
     color = plots.mode_color(mode)
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.8, 0.1, 0.1], vertical_spacing=0.03)
+    data = []
     for series, frame in hist.groupby("series", sort=False):
         scaled = series == "scaled"
         name = f"|g| x {stats.scale:g} (scaled)" if scaled else "|g| (unscaled)"
-        fig.add_trace(go.Bar(
-            x=(frame["x_lo"] + 0.5).tolist(), y=frame["count"].tolist(), width=[1.0] * len(frame), name=name,
-            marker={"color": color, "opacity": 0.45 if scaled else 0.9,
-                    "pattern": {"shape": "/" if scaled else ""}},
-            customdata=np.column_stack([frame["x_lo"], frame["x_hi"], frame["share"]]).tolist(),
-            hovertemplate=f"{name}<br>2^%{{customdata[0]:.4g}} <= |g| < 2^%{{customdata[1]:.4g}}"
-                          "<br>%{y} elements (%{customdata[2]:.2%})<extra></extra>",
-        ), row=1, col=1)
+        data.append({
+            "type": "bar", "x": (frame["x_lo"] + 0.5).tolist(), "y": frame["count"].tolist(),
+            "width": [1.0] * len(frame), "name": name, "xaxis": "x", "yaxis": "y",
+            "marker": {"color": color, "opacity": 0.45 if scaled else 0.9, "pattern": {"shape": "/" if scaled else ""}},
+            "customdata": np.column_stack([frame["x_lo"], frame["x_hi"], frame["share"]]).tolist(),
+            "hovertemplate": f"{name}<br>2^%{{customdata[0]:.4g}} <= |g| < 2^%{{customdata[1]:.4g}}"
+                             "<br>%{y} elements (%{customdata[2]:.2%})<extra></extra>"})
     bands = format_bands()
     shown: set[str] = set()
-    for row, fmt in enumerate(BAND_FORMATS, start=2):
+    for index, fmt in enumerate(BAND_FORMATS, start=2):
         for band in bands[bands["format"] == fmt].itertuples(index=False):
-            fig.add_trace(go.Bar(
-                y=[fmt], x=[band.hi_log2 - band.lo_log2], base=[band.lo_log2], orientation="h", name=band.region,
-                legendgroup=band.region, showlegend=band.region not in shown,
-                marker={"color": REGION_COLORS[band.region]}, customdata=[[band.rule]],
-                hovertemplate=f"{fmt} {band.region}: %{{customdata[0]}}<extra></extra>",
-            ), row=row, col=1)
+            data.append({
+                "type": "bar", "y": [fmt], "x": [band.hi_log2 - band.lo_log2], "base": [band.lo_log2],
+                "orientation": "h", "name": band.region, "legendgroup": band.region,
+                "showlegend": band.region not in shown, "xaxis": f"x{index}", "yaxis": f"y{index}",
+                "marker": {"color": REGION_COLORS[band.region]}, "customdata": [[band.rule]],
+                "hovertemplate": f"{fmt} {band.region}: %{{customdata[0]}}<extra></extra>"})
             shown.add(band.region)
     fp16 = formats.format_info("fp16")
-    for edge, label in ((math.log2(fp16.smallest_subnormal), "fp16 smallest subnormal 2^-24"),
-                        (math.log2(fp16.smallest_normal), "fp16 smallest normal 2^-14"),
-                        (math.log2(fp16.max), "fp16 max 65504")):
-        fig.add_vline(x=edge, line={"dash": "dot", "color": "rgba(80, 80, 80, 0.7)", "width": 1}, row=1, col=1,
-                      annotation={"text": label, "textangle": -90, "font": {"size": 10}},
-                      annotation_position="top left")
+    # Labels sit above the plot, horizontal, each on the side of its line away from its neighbour: the subnormal
+    # edge's to the left, the normal edge's to the right, max's to the left, so they never cover bars or each other.
+    edges = ((math.log2(fp16.smallest_subnormal), "fp16 smallest subnormal 2^-24", "right"),
+             (math.log2(fp16.smallest_normal), "fp16 smallest normal 2^-14", "left"),
+             (math.log2(fp16.max), "fp16 max 65504", "right"))
+    shapes = [{"type": "line", "xref": "x", "yref": "y domain", "x0": edge, "x1": edge, "y0": 0, "y1": 1,
+               "line": {"dash": "dot", "color": "rgba(80, 80, 80, 0.7)", "width": 1}} for edge, _, _ in edges]
+    annotations = [{"text": label, "xref": "x", "yref": "y domain", "x": edge, "y": 1, "xanchor": side,
+                    "yanchor": "bottom", "showarrow": False, "font": {"size": 10, "color": "#505050"}}
+                   for edge, label, side in edges]
+    if hist.empty:
+        annotations.append({"text": f"no finite non-zero gradient here: {stats.nan:,} NaN, {stats.inf:,} inf, "
+                                    f"{stats.zeros:,} zeros", "xref": "x domain", "yref": "y domain", "x": 0.5,
+                            "y": 0.5, "showarrow": False, "font": {"size": 13}})
     lo, hi = histogram_range(hist)
     ticks, labels = _log2_ticks(lo, hi)
-    fig.update_xaxes(range=[lo, hi], tickvals=ticks, ticktext=labels)
-    fig.update_xaxes(title="log2 |g|  (bin e holds 2^e <= |g| < 2^(e+1))", row=3, col=1)
-    fig.update_yaxes(type="log", title="elements", row=1, col=1)
-    fig.update_layout(barmode="overlay", height=560, title=title or None, bargap=0,
-                      margin={"l": 10, "r": 10, "t": 40 if title else 20, "b": 10},
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.12})
-    return fig
+    axis = {"range": [lo, hi], "tickvals": ticks, "ticktext": labels}
+    layout = {
+        "barmode": "overlay", "bargap": 0, "height": 580, "title": {"text": title},
+        "margin": {"l": 10, "r": 10, "t": 90 if title else 50, "b": 10},
+        "legend": {"orientation": "h", "yanchor": "top", "y": -0.12},
+        "xaxis": {**axis, "anchor": "y", "showticklabels": False},
+        "xaxis2": {**axis, "anchor": "y2", "matches": "x", "showticklabels": False},
+        "xaxis3": {**axis, "anchor": "y3", "matches": "x",
+                   "title": {"text": "log2 |g|  (bin e holds 2^e <= |g| < 2^(e+1))"}},
+        "yaxis": {"domain": [0.23, 1.0], "anchor": "x", "type": "log", "minorloglabels": "complete",
+                  "title": {"text": "elements"}},
+        "yaxis2": {"domain": [0.12, 0.2], "anchor": "x2"},
+        "yaxis3": {"domain": [0.0, 0.08], "anchor": "x3"},
+        "shapes": shapes, "annotations": annotations,
+    }
+    return go.Figure({"data": data, "layout": layout})
 
 
 # ---- scale timeline and skipped steps -------------------------------------------------------------------
@@ -239,22 +261,33 @@ def _params_text(params: list[dict]) -> str:
 
 
 def skipped_steps_table(events: pd.DataFrame, lane: int) -> pd.DataFrame:
-    """Steps of a lane whose gradients held inf/NaN: step, outcome, parameters, inf, nan, scale_before, scale_after.
+    """Steps of a lane whose gradients held inf/NaN: step, outcome (with the scale's change), inf and NaN (elements of
+    the parameters' gradients, after unscaling), and the parameters that held them.
 
-    Skipped steps (GradScaler caught them) and, for lanes without a scaler, steps the optimizer took anyway.
+    Skipped steps (GradScaler caught them) and, for lanes without a scaler, steps the optimizer took anyway. An
+    overflow usually reaches the parameters' gradients as NaN rather than inf: see `NAN_FROM_OVERFLOW`.
     """
     picked = _lane_events(events, lane, ("skipped_step", "nonfinite_grads")).sort_values("step", kind="stable")
     rows = []
     for kind, step, data in zip(picked["kind"], picked["step"], picked["data"], strict=True):
         params = data.get("params") or []
         before, after = data.get("scale_before"), data.get("scale_after")
-        outcome = (f"skipped; scale {before:g} -> {after:g}" if kind == "skipped_step" and before is not None
+        outcome = (f"skipped; scale {before:g} → {after:g}" if kind == "skipped_step" and before is not None
                    else "skipped" if kind == "skipped_step" else "applied: no scaler to catch it")
-        rows.append({"step": int(step), "outcome": outcome, "parameters": _params_text(params),
-                     "inf": sum(int(p.get("inf", 0)) for p in params), "nan": sum(int(p.get("nan", 0)) for p in params),
-                     "scale_before": math.nan if before is None else float(before),
-                     "scale_after": math.nan if after is None else float(after)})
-    return pd.DataFrame(rows, columns=["step", "outcome", "parameters", "inf", "nan", "scale_before", "scale_after"])
+        rows.append({"step": int(step), "outcome": outcome, "inf": sum(int(p.get("inf", 0)) for p in params),
+                     "NaN": sum(int(p.get("nan", 0)) for p in params), "parameters": _params_text(params)})
+    # The parameters go last: the one column that may run long ends the row instead of pushing others off the page.
+    return pd.DataFrame(rows, columns=["step", "outcome", "inf", "NaN", "parameters"])
+
+
+NAN_FROM_OVERFLOW = (
+    "Why NaN rather than inf? The overflow happens inside the fp16 backward, before any parameter gradient exists: "
+    "an activation gradient (e.g. the logits' gradient, cast to fp16 for the last matmul) becomes ±inf. The next "
+    "matmuls then add +inf to -inf and multiply inf by exact zeros (inputs that are 0, ReLU outputs that are 0): "
+    "both give NaN. So most elements reach the parameters' gradients as NaN, some as inf. GradScaler treats both the "
+    "same: it skips the step and backs the scale off.")
+"""The page's explanation, next to a skipped-steps table that counts more NaN than inf (tests/test_debugger.py
+shows it happening in a real fp16 backward)."""
 
 
 def lane_faults(config: dict[str, Any], mode: str) -> list[FaultSpec]:
@@ -295,94 +328,119 @@ def _pow2(value: float) -> str:
 
 def scale_timeline_figure(steps: pd.DataFrame, events: pd.DataFrame, lane: int, mode: str,
                           windows: pd.DataFrame | None = None, max_points: int = plots.MAX_POINTS) -> go.Figure:
-    """Row 1: the lane's GradScaler scale (log2 axis) with skipped steps, growth/backoff markers and annotations.
-    Row 2: loss of every lane of the run (log axis) with their skipped steps. Fault windows are shaded.
+    """Axis y (top): the lane's GradScaler scale (log2 ticks) with skipped steps, growth/backoff markers and
+    annotations. Axis y2 (below, x2 matched to x): loss of every lane of the run (log axis) with their skipped steps.
+    Fault windows are shaded across both.
     """
     # Arrays go in as numpy, not lists: plotly checks a list element by element, which costs a long run's live
     # redraw half a second; numpy arrays travel as binary.
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.6, 0.4], vertical_spacing=0.06,
-                        subplot_titles=(f"GradScaler scale, lane {lane} ({mode})", "loss, every lane"))
     color = plots.mode_color(mode)
+    data: list[dict] = []
+    annotations = [
+        {"text": f"GradScaler scale, lane {lane} ({mode})", "xref": "paper", "yref": "paper", "x": 0.5,
+         "y": TIMELINE_DOMAINS[0][1], "yanchor": "bottom", "showarrow": False, "font": {"size": 14}},
+        {"text": "loss, every lane", "xref": "paper", "yref": "paper", "x": 0.5, "y": TIMELINE_DOMAINS[1][1],
+         "yanchor": "bottom", "showarrow": False, "font": {"size": 14}}]
+    scale_axis: dict[str, Any] = {"domain": list(TIMELINE_DOMAINS[0]), "anchor": "x", "title": {"text": "scale"}}
     timeline = scale_timeline(steps, lane)
     if timeline.empty:
-        fig.add_annotation(text=(f"{mode} has no GradScaler: nothing is scaled, no step is skipped"
-                                 if not uses_scaler(mode) else "no steps yet"),
-                           xref="x domain", yref="y domain", x=0.5, y=0.5, showarrow=False, row=1, col=1)
+        annotations.append({"text": (f"{mode} has no GradScaler: nothing is scaled, no step is skipped"
+                                     if not uses_scaler(mode) else "no steps yet"),
+                            "xref": "x domain", "yref": "y domain", "x": 0.5, "y": 0.5, "showarrow": False})
     else:
         shown = plots.decimate(timeline, "log2_scale", max_points, keep="skipped")
-        fig.add_trace(go.Scatter(
-            x=shown["step"].to_numpy(), y=shown["log2_scale"].to_numpy(), mode="lines", line_shape="hv",
-            line={"color": color, "width": 2}, name=f"scale ({mode})", customdata=shown["scale"].to_numpy(),
-            hovertemplate="step %{x}: scale %{customdata:g}<extra></extra>"), row=1, col=1)
+        data.append({"type": "scatter", "x": shown["step"].to_numpy(), "y": shown["log2_scale"].to_numpy(),
+                     "mode": "lines", "line": {"color": color, "width": 2, "shape": "hv"}, "name": f"scale ({mode})",
+                     "customdata": shown["scale"].to_numpy(),
+                     "hovertemplate": "step %{x}: scale %{customdata:g}<extra></extra>"})
         skipped = timeline[timeline["skipped"]]
-        fig.add_trace(go.Scatter(
-            x=skipped["step"].to_numpy(), y=skipped["log2_scale"].to_numpy(), mode="markers", name="skipped step",
-            marker={"symbol": "x", "size": 9, "color": "#d62728"}, customdata=skipped["scale"].to_numpy(),
-            hovertemplate="step %{x} skipped (scale %{customdata:g})<extra></extra>"), row=1, col=1)
+        data.append({"type": "scatter", "x": skipped["step"].to_numpy(), "y": skipped["log2_scale"].to_numpy(),
+                     "mode": "markers", "name": "skipped step", "customdata": skipped["scale"].to_numpy(),
+                     "marker": {"symbol": "x", "size": 9, "color": "#d62728"},
+                     "hovertemplate": "step %{x} skipped (scale %{customdata:g})<extra></extra>"})
         changes = scale_changes(events, lane)
         markers = (("growth", "triangle-up", "#2ca02c"), ("backoff", "triangle-down", "#ff7f0e"))
         for kind, symbol, marker_color in markers:
             part = changes[changes["kind"] == kind]
-            fig.add_trace(go.Scatter(
-                x=part["step"].to_numpy(), y=np.log2(part["scale_after"].to_numpy(dtype=float)), mode="markers",
-                name=f"scale {kind}", marker={"symbol": symbol, "size": 9, "color": marker_color},
-                customdata=part[["scale_before", "scale_after"]].to_numpy(dtype=float),
-                hovertemplate=f"{kind} after step %{{x}}: %{{customdata[0]:g}} -> %{{customdata[1]:g}}<extra></extra>",
-            ), row=1, col=1)
-        groups = sorted(_change_groups(changes), key=lambda g: -g["count"])[:MAX_ANNOTATIONS]
-        for g in groups:
+            data.append({
+                "type": "scatter", "x": part["step"].to_numpy(),
+                "y": np.log2(part["scale_after"].to_numpy(dtype=float)), "mode": "markers", "name": f"scale {kind}",
+                "marker": {"symbol": symbol, "size": 9, "color": marker_color},
+                "customdata": part[["scale_before", "scale_after"]].to_numpy(dtype=float),
+                "hovertemplate": f"{kind} after step %{{x}}: %{{customdata[0]:g}} -> %{{customdata[1]:g}}"
+                                 "<extra></extra>"})
+        for g in sorted(_change_groups(changes), key=lambda g: -g["count"])[:MAX_ANNOTATIONS]:
             arrow = "↑" if g["kind"] == "growth" else "↓"
             what = f"{g['count']} {g['kind']}s" if g["count"] > 1 else g["kind"]
-            fig.add_annotation(x=g["last_step"], y=math.log2(g["scale_after"]), row=1, col=1, showarrow=True,
-                               arrowhead=2, ax=0, ay=-28 if g["kind"] == "growth" else 28, font={"size": 10},
-                               text=f"{arrow} {what}: {_pow2(g['scale_before'])} → {_pow2(g['scale_after'])}")
+            annotations.append({"x": g["last_step"], "y": math.log2(g["scale_after"]), "xref": "x", "yref": "y",
+                                "showarrow": True, "arrowhead": 2, "ax": 0,
+                                "ay": -28 if g["kind"] == "growth" else 28, "font": {"size": 10},
+                                "text": f"{arrow} {what}: {_pow2(g['scale_before'])} → {_pow2(g['scale_after'])}"})
         lo, hi = float(timeline["log2_scale"].min()), float(timeline["log2_scale"].max())
         ticks, labels = _log2_ticks(lo - 1, hi + 1, max_ticks=10)
-        fig.update_yaxes(tickvals=ticks, ticktext=labels, range=[lo - 1.5, hi + 1.5], title="scale", row=1, col=1)
+        scale_axis.update(tickvals=ticks, ticktext=labels, range=[lo - 1.5, hi + 1.5])
     for lane_index, frame in steps.sort_values("step").groupby("lane", sort=True):
         lane_mode = str(frame["mode"].iloc[0])
         loss = frame.assign(loss=pd.to_numeric(frame["loss"], errors="coerce"))
         shown = plots.decimate(loss, "loss", max_points, keep="skipped")
-        fig.add_trace(go.Scatter(
-            x=shown["step"].to_numpy(), y=shown["loss"].to_numpy(), mode="lines",
-            name=f"loss lane {lane_index} ({lane_mode})", line={"color": plots.mode_color(lane_mode), "width": 1.5},
-            hovertemplate=f"{lane_mode} step %{{x}}: loss %{{y:.4g}}<extra></extra>"), row=2, col=1)
+        data.append({"type": "scatter", "x": shown["step"].to_numpy(), "y": shown["loss"].to_numpy(), "mode": "lines",
+                     "xaxis": "x2", "yaxis": "y2", "name": f"loss lane {lane_index} ({lane_mode})",
+                     "line": {"color": plots.mode_color(lane_mode), "width": 1.5},
+                     "hovertemplate": f"{lane_mode} step %{{x}}: loss %{{y:.4g}}<extra></extra>"})
         skipped = loss[loss["skipped"].astype(bool)]
         if len(skipped):
-            fig.add_trace(go.Scatter(
-                x=skipped["step"].to_numpy(), y=skipped["loss"].to_numpy(), mode="markers", showlegend=False,
-                marker={"symbol": "x", "size": 7, "color": plots.mode_color(lane_mode)},
-                hovertemplate=f"{lane_mode} step %{{x}} skipped<extra></extra>"), row=2, col=1)
-    fig.update_yaxes(type="log", title="loss", row=2, col=1)
-    if windows is not None:
-        for window in windows.itertuples(index=False):
-            fig.add_vrect(x0=window.start - 0.5, x1=window.end - 0.5, fillcolor=FAULT_FILL, line_width=0,
-                          annotation={"text": window.description, "font": {"size": 10}},
-                          annotation_position="top left", row="all", col=1)
-    fig.update_xaxes(title="step", row=2, col=1)
-    fig.update_layout(height=560, margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04})
-    return fig
+            data.append({"type": "scatter", "x": skipped["step"].to_numpy(), "y": skipped["loss"].to_numpy(),
+                         "mode": "markers", "xaxis": "x2", "yaxis": "y2", "showlegend": False,
+                         "marker": {"symbol": "x", "size": 7, "color": plots.mode_color(lane_mode)},
+                         "hovertemplate": f"{lane_mode} step %{{x}} skipped<extra></extra>"})
+    shapes = []
+    for window in (windows.itertuples(index=False) if windows is not None else ()):
+        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": window.start - 0.5, "x1": window.end - 0.5,
+                       "y0": 0, "y1": 1, "fillcolor": FAULT_FILL, "line": {"width": 0}, "layer": "below"})
+        annotations.append({"text": window.description, "xref": "x", "yref": "y domain", "x": window.start - 0.5,
+                            "y": 1, "xanchor": "left", "yanchor": "top", "showarrow": False, "font": {"size": 10}})
+    layout = {
+        "height": 560, "margin": {"l": 10, "r": 10, "t": 40, "b": 10}, "hovermode": "closest",
+        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.04},
+        "xaxis": {"anchor": "y", "matches": "x2", "showticklabels": False},
+        "xaxis2": {"anchor": "y2", "title": {"text": "step"}},
+        "yaxis": scale_axis,
+        "yaxis2": {"domain": list(TIMELINE_DOMAINS[1]), "anchor": "x2", "type": "log", "minorloglabels": "complete",
+                   "title": {"text": "loss"}},
+        "shapes": shapes, "annotations": annotations,
+    }
+    return go.Figure({"data": data, "layout": layout})
 
 
 # ---- what a run did -------------------------------------------------------------------------------------
 
+NO_SCALER = "no scaler"
+"""What a scale cell says for a lane without a GradScaler (bf16, fp32 and 16-true modes)."""
+
+
+def scale_text(value: float, mode: str) -> str:
+    """A scale as a table cell: "65536", "no scaler" for a mode without one, "—" for a scaled lane with no step yet."""
+    if not uses_scaler(mode):
+        return NO_SCALER
+    return f"{value:g}" if math.isfinite(value) else "—"
+
+
 def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: list[dict]) -> pd.DataFrame:
-    """Per lane (lanes from RunManager.run_info): mode, status, steps, skipped steps, non-finite steps, scale."""
+    """Per lane (lanes from RunManager.run_info): mode, status, steps, skipped steps, non-finite steps, and the scale
+    now / min / max as text ("no scaler" for a lane without a GradScaler)."""
     rows = []
     for lane in lanes:
-        index = lane["lane"]
+        index, mode = lane["lane"], lane["mode"]
         frame = steps[steps["lane"] == index]
         scale = pd.to_numeric(frame["scale"], errors="coerce").dropna()
         nonfinite = _lane_events(events, index, ("nonfinite_grads",))
-        rows.append({"lane": index, "mode": lane["mode"], "status": lane["status"], "steps": len(frame),
+        figures = (scale.iloc[-1], scale.min(), scale.max()) if len(scale) else (math.nan,) * 3
+        rows.append({"lane": index, "mode": mode, "status": lane["status"], "steps": len(frame),
                      "skipped steps": int(frame["skipped"].astype(bool).sum()),
                      "steps with inf/NaN applied": len(nonfinite),
-                     "scale now": float(scale.iloc[-1]) if len(scale) else math.nan,
-                     "scale min": float(scale.min()) if len(scale) else math.nan,
-                     "scale max": float(scale.max()) if len(scale) else math.nan})
+                     **{name: scale_text(float(v), mode) for name, v in zip(OVERVIEW_SCALES, figures, strict=True)}})
     return pd.DataFrame(rows, columns=["lane", "mode", "status", "steps", "skipped steps",
-                                       "steps with inf/NaN applied", "scale now", "scale min", "scale max"])
+                                       "steps with inf/NaN applied", *OVERVIEW_SCALES])
 
 
 def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict[str, Any]:
@@ -445,6 +503,16 @@ def stat_step_labels(stat_steps: list[int], steps: pd.DataFrame, lane: int) -> d
     frame = steps[steps["lane"] == lane]
     skipped = set(frame.loc[frame["skipped"].astype(bool), "step"].astype(int))
     return {s: f"step {s} · skipped" if s in skipped else f"step {s}" for s in stat_steps}
+
+
+def default_stat_step(stat_steps: list[int], steps: pd.DataFrame, lane: int) -> int | None:
+    """The sampled step the gradient section opens on: the first skipped one (what a user came to see), else the
+    last one; None when nothing was sampled."""
+    if not stat_steps:
+        return None
+    frame = steps[steps["lane"] == lane]
+    skipped = set(frame.loc[frame["skipped"].astype(bool), "step"].astype(int))
+    return next((step for step in stat_steps if step in skipped), stat_steps[-1])
 
 
 def default_lane(lanes: list[dict]) -> int:

@@ -41,8 +41,9 @@ def lanes(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS
         part = records.iloc[rows].sort_values("step", kind="stable")
         track = TrackRecords(str(part["run_id"].iat[0]), int(part["lane"].iat[0]), str(part["mode"].iat[0]),
                              int(ranks[rows[0]]))
-        track.extend({name: typed(part[name].to_numpy(dtype=np.float64, na_value=np.nan), dtype)
-                      for name, dtype in STEP_COLUMNS.items()})
+        missing = np.full(len(part), np.nan)  # a frame without a figure (an export of an older run): not measured
+        track.extend({name: typed(part[name].to_numpy(dtype=np.float64, na_value=np.nan) if name in part else missing,
+                                  dtype) for name, dtype in STEP_COLUMNS.items()})
         track.seal()
         out.append(read_lane(track, max_points=max_points))
     return out

@@ -1,0 +1,204 @@
+"""Compare, Op inspector, Overflow debugger and Formats in a real browser at 1440 x 900: what a newcomer saw clipped,
+overlapping or mislabelled, checked where Chromium drew it, plus a full-page screenshot of each in artifacts/.
+
+Runs are made beforehand in the server's store (CLI-like, by their own threads); the server then serves them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.records.store import RunStore
+from amp_core.runner import Run
+from tests import streamlit_server
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+VIEWPORT = {"width": 1440, "height": 900}
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason="Debian's chromium is not installed (apt-get install chromium); .ci/run installs it"),
+]
+
+# Every tick label plotly drew on a log axis, with the value it stands for (10^x). Plotly's default writes the
+# in-between ticks as a bare leading digit ("2", "5"), which reads as a number of its own.
+LOG_TICKS = """() => {
+    const out = [];
+    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+        const layout = div._fullLayout;
+        if (!layout) continue;
+        for (const name of Object.keys(layout).filter(k => /^[xy]axis\\d*$/.test(k))) {
+            const axis = layout[name];
+            if (axis.type !== 'log' || !axis._vals) continue;
+            for (const tick of axis._vals) out.push([tick.x, tick.text]);
+        }
+    }
+    return out;
+}"""
+# Screen boxes of the SVG texts whose content starts with one of the prefixes, with their plot's box.
+TEXT_BOXES = """(prefixes) => {
+    const out = [];
+    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+        const plot = div.getBoundingClientRect();
+        for (const text of div.querySelectorAll('text')) {
+            const content = text.textContent;
+            if (!prefixes.some(p => content.startsWith(p))) continue;
+            const box = text.getBoundingClientRect();
+            out.push({text: content, left: box.left, right: box.right, top: box.top, bottom: box.bottom,
+                      plotLeft: plot.left, plotRight: plot.right,
+                      areaTop: plot.top + div._fullLayout.yaxis._offset});  // the top of y's plot area
+        }
+    }
+    return out;
+}"""
+# Glide's scroller inside each st.dataframe: wider content than box means a column is off screen.
+TABLE_OVERFLOW = """() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller'))
+    .map(s => [s.scrollWidth, s.clientWidth])"""
+SI = {"k": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "m": 1e-3, "μ": 1e-6, "n": 1e-9}
+
+
+def tick_value(text: str) -> float:
+    text = text.replace("−", "-").replace(",", "")
+    return float(text[:-1]) * SI[text[-1]] if text[-1] in SI else float(text)
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = tmp_path / "runs.sqlite3"
+    # Two runs for Compare (their 32-true lanes train identically), then the debugger's spike run, newest.
+    for modes in (("32-true", "bf16-mixed"), ("32-true",)):
+        Run(RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16), RunStore(store)).start().join()
+    spike = RunConfig(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), steps=60, gradstats_every=10,
+                      scaler=ScalerConfig(growth_interval=10),
+                      faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
+    Run(spike, RunStore(store)).start().join(120)
+    port = streamlit_server.free_port()
+    proc = streamlit_server.start(port, store)
+    try:
+        streamlit_server.wait_healthy(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        streamlit_server.stop(proc)
+
+
+def open_page(browser, url: str):
+    page = browser.new_page(viewport=VIEWPORT)
+    page.goto(url)
+    page.get_by_role("heading").first.wait_for(timeout=90_000)
+    page.wait_for_timeout(1000)
+    page.wait_for_function(SETTLED, timeout=90_000)
+    page.wait_for_timeout(1500)  # plotly draws after Streamlit settles
+    assert page.locator("[data-testid='stException']").count() == 0
+    return page
+
+
+def screenshot(page, name: str) -> None:
+    """The whole page: Streamlit scrolls inside its main block, so the window grows to its height first."""
+    height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)})
+    page.wait_for_timeout(1500)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    page.set_viewport_size(VIEWPORT)
+
+
+def text_boxes(page, prefixes: list[str], count: int) -> list[dict]:
+    """TEXT_BOXES once plotly has drawn `count` of them (it draws a moment after Streamlit settles)."""
+    page.wait_for_function(f"(prefixes) => ({TEXT_BOXES})(prefixes).length >= {count}", arg=prefixes,
+                           timeout=30_000)
+    return page.evaluate(TEXT_BOXES, prefixes)
+
+
+def eventually(check, page, timeout_s: float = 15.0) -> None:
+    """`check(page)` until it passes: plotly and the data grid draw a moment after Streamlit settles, and redraw
+    when a late rerun lands. The last failure is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check(page)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            page.wait_for_timeout(500)
+
+
+def assert_log_ticks_carry_their_power(page) -> None:
+    ticks = page.evaluate(LOG_TICKS)
+    assert ticks
+    for exponent, text in ticks:
+        assert tick_value(text) == pytest.approx(10**exponent, rel=1e-6), (text, exponent)
+
+
+def assert_tables_fit(page) -> None:
+    tables = page.evaluate(TABLE_OVERFLOW)
+    assert tables, "no table found"
+    for scroll_width, client_width in tables:
+        assert scroll_width <= client_width + 1, "a table column is off screen"
+
+
+def test_my_pages_read_whole_at_1440(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            open_page(browser, server).close()  # the server's first session runs app.py (its layout and sidebar)
+
+            page = open_page(browser, f"{server}/compare")
+            runs = page.locator("[data-testid='stMultiSelect']").first
+            for _ in range(2):  # add the two older runs to the newest one
+                runs.locator("input").click()
+                page.locator("[role='option']").first.click(timeout=10_000)
+                page.keyboard.press("Escape")
+                page.wait_for_timeout(1500)
+                page.wait_for_function(SETTLED, timeout=90_000)
+            page.get_by_text("Loss minus the baseline's").first.wait_for(timeout=60_000)
+            page.wait_for_timeout(1500)
+            page.get_by_text("recorded the same loss, bit for bit").first.wait_for()
+            eventually(assert_log_ticks_carry_their_power, page)
+            eventually(assert_tables_fit, page)
+            screenshot(page, "compare")
+            page.close()
+
+            page = open_page(browser, f"{server}/op_inspector")
+            eventually(assert_tables_fit, page)
+            screenshot(page, "op_inspector")
+            page.close()
+
+            page = open_page(browser, f"{server}/overflow_debugger")
+            step = page.locator("[data-testid='stSelectbox']", has_text="Step").locator("input")
+            assert step.input_value() == "step 20 · skipped"  # opens on the first skipped step
+            page.get_by_role("button", name="Launch demo run").wait_for()  # the fault panel is open
+            eventually(assert_log_ticks_carry_their_power, page)
+            labels = text_boxes(page, ["fp16 smallest", "fp16 max"], 3)
+            assert len(labels) == 3
+            for label in labels:  # horizontal, above the bars, inside the chart
+                assert label["bottom"] <= label["areaTop"] + 1 and label["right"] - label["left"] > 40, label
+                assert label["plotLeft"] <= label["left"] and label["right"] <= label["plotRight"], label
+            for a, b in itertools.pairwise(labels):
+                assert a["right"] <= b["left"] or b["right"] <= a["left"], (a, b)
+            eventually(assert_tables_fit, page)
+            screenshot(page, "overflow_debugger")
+            page.close()
+
+            page = open_page(browser, f"{server}/formats")
+            maxima = text_boxes(page, ["max "], 6)
+            assert len(maxima) == 6
+            for label in maxima:  # the whole label, exponent included, inside the chart
+                assert label["right"] <= label["plotRight"], label
+            texts = [label["text"].replace("\u200b", "") for label in maxima]  # plotly wraps <sup> in zero-widths
+            assert "max 3.403×1038" in texts and "max 65504" in texts, texts
+            eventually(assert_tables_fit, page)
+            screenshot(page, "formats")
+            page.close()
+        finally:
+            browser.close()
