@@ -200,10 +200,11 @@ def main() -> None:
                     runner_syncs = syncs_per_step(lambda c: run_steps(c, None), quiet)
                     bare_syncs = syncs_per_step(lambda c, m=mode: bare_loop(c, m, c.steps), quiet)
                     line += f" | syncs_per_step= runner {runner_syncs:.2f} bare {bare_syncs:.2f}"
-                    if runner_syncs != bare_syncs:
+                    # Counts over N and 2N steps: one sync more or less in a loop moves the figure by 1/N.
+                    if abs(runner_syncs - bare_syncs) >= 0.05:
                         failures.append(f"{key}: the runner makes {runner_syncs:.2f} host syncs per step, "
                                         f"the bare loop {bare_syncs:.2f}")
-                    if mode == "16-mixed" and not args.fused and bare_syncs < 1:
+                    if mode == "16-mixed" and not args.fused and bare_syncs < 0.95:
                         failures.append(f"{key}: the sync counter saw {bare_syncs:.2f} syncs per bare step, but "
                                         "GradScaler.step reads found-inf every step: the counting is broken")
                 print(line, flush=True)

@@ -94,8 +94,10 @@ def test_a_run_makes_the_same_host_syncs_per_step_as_a_bare_loop(mode, fused, ba
                        gradstats_every=0, memory_every=10**9, scaler=ScalerConfig(init_scale=256.0))
     bare = per_step_syncs(lambda steps: bare_loop(config, mode, steps))
     runner = per_step_syncs(lambda steps: finished(RunConfig.from_dict({**config.to_dict(), "steps": steps})))
-    assert bare == bare_syncs  # GradScaler.step reads found-inf unless the optimizer is fused: the counter works
-    assert runner == bare
+    # The counts are integers over 40 and 80 steps: one sync more or less in a whole loop (the caching allocator
+    # growing once, say) moves a per-step figure by 1/40, never by a sync a step.
+    assert bare == pytest.approx(bare_syncs, abs=0.05)  # GradScaler.step reads found-inf unless fused: it counts
+    assert runner == pytest.approx(bare, abs=0.05)
 
 
 def test_a_lanes_memory_is_the_same_alone_and_in_a_three_lane_race():
