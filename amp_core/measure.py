@@ -78,10 +78,6 @@ class InFlight:
     behind the step. Readable once `done` has completed (event.query(): no sync)."""
 
     start: torch.cuda.Event
-    host_started: float = 0.0
-    """perf_counter when the host began issuing the step."""
-    host_ms: float = 0.0
-    """How long the host took to issue the step's work (no wait for the device in it)."""
     end: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     values: torch.Tensor | None = None
@@ -109,12 +105,13 @@ class CudaMeter:
     """A CUDA lane's meter. Nothing here waits for the device except `wait`.
 
     - time: two timing events recorded on the lane device's current stream (where the step's kernels and copies
-      go) around the step, and the host's own time to issue them (perf_counter, no wait). The step's time is the
-      longer of the two: what the step costs when its mode trains on its own, where host and device overlap and the
-      slower one sets the pace. Events alone would not do in a race: behind a slow lane the host runs ahead, a fast
-      lane's kernels wait queued, and its events see only the device's compute, never the host's launch time that a
-      small model is bound by when it trains alone (H100, tiny_transformer large: bf16-mixed 5.2 ms by events in a
-      race, 11.2 ms alone; the longer of the two was 11);
+      go) around the step; their elapsed time is the device's time for the step's work. Where the host is the
+      bottleneck (a model too small to keep the GPU busy) that is not what the mode costs alone: behind a slower lane
+      the host runs ahead, this lane's kernels wait queued and run back to back, and the events see the device's
+      compute only (H100, tiny_transformer large: bf16-mixed 5.2 ms by events in a race, 11.2 ms alone). Taking the
+      host's issue time as well does not mend it: in a race the host also waits on a full launch queue behind the
+      other lanes (at GPT-2-small size that made bf16-mixed read 1.4x where it is 4.8x). At sizes that keep the GPU
+      busy the race agrees with lone runs (tiny_transformer xl: within 4% for tf32 and bf16-mixed);
     - figures: device scalars concatenated into one float32 vector and copied with non_blocking=True into pinned
       memory (pageable memory would make the copy synchronous), followed by an event;
     - memory: the allocator's peak during the lane's own step above the allocation at its start (the step holds
@@ -149,14 +146,12 @@ class CudaMeter:
             flight.scale_before = self._buffer(1)
             flight.scale_before.copy_(scale.reshape(1), non_blocking=True)
         flight.start.record(self._stream)
-        flight.host_started = time.perf_counter()
         return flight
 
     def stop(self, flight: InFlight) -> None:
         """Close the timed window."""
         flight.end = self._event(True)
         flight.end.record(self._stream)
-        flight.host_ms = (time.perf_counter() - flight.host_started) * 1e3
 
     def send(self, flight: InFlight, values: list[torch.Tensor]) -> None:
         """Queue the copy of `values` (0-d or 1-d tensors) to pinned host memory, then the event that says it landed."""
@@ -185,7 +180,7 @@ class CudaMeter:
         buffers go back to the pools."""
         if not flight.done.query():
             raise RuntimeError("the step's figures are not on the host yet")
-        ms = max(flight.start.elapsed_time(flight.end), flight.host_ms)
+        ms = flight.start.elapsed_time(flight.end)
         values = flight.values.tolist()
         scale = None
         if flight.scale_before is not None:

@@ -35,9 +35,9 @@ class StepRecord:
     loss: float = column("float32")
     """The training loss (a float32 or narrower tensor's value: float32 holds it exactly)."""
     step_ms: float = column("float32")
-    """Time of the step's training work: perf_counter on a CPU; on CUDA the longer of the device's time between two
-    events on the lane's stream and the host's time to issue the work (no host sync): what the step costs when its
-    mode trains alone. Sampled probes run outside it (probe_ms)."""
+    """Time of the step's training work: perf_counter on a CPU; on CUDA the device's time between two events on the
+    lane's stream (no host sync; for a model too small to keep the GPU busy, the device's compute, not the host's
+    launch time: see measure.CudaMeter). Sampled probes run outside it (probe_ms)."""
     samples_per_s: float = column("float32")
     lr: float
     """LR the optimizer used on this step (after any LR fault)."""
