@@ -57,6 +57,14 @@ def after_the_probes(at: AppTest) -> AppTest:
     return at
 
 
+def probe_table(at: AppTest) -> pd.DataFrame:
+    """The cost probe's table (Markdown: no data grid on the first view)."""
+    (text,) = [m.value for m in at.markdown if m.value.startswith("| mode |")]
+    header, _, *rows = text.splitlines()
+    cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in [header, *rows]]
+    return pd.DataFrame(cells[1:], columns=cells[0])
+
+
 def lanes_shown(at: AppTest) -> pd.DataFrame:
     """The live view's lanes table (one row per lane, every headline figure)."""
     (table,) = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
@@ -70,7 +78,7 @@ def test_fresh_store_renders_the_form_and_the_cost_probe(app):
     assert app.button(key="train_launch")  # the form is usable while the probe measures
     assert any("Racing the modes through the runner" in caption.value for caption in app.caption)
     after_the_probes(app)
-    (probe,) = [df.value for df in app.dataframe]
+    probe = probe_table(app)
     assert probe["mode"].tolist() == default_modes("cpu")
     assert probe["time vs 32-true"].iloc[0] == "1.00×"
     assert set(probe["measured by"]) == {"cost probe"} and set(probe["steps timed"]) == {"30"}
@@ -210,14 +218,14 @@ def test_a_finished_run_that_disagrees_with_the_probe_replaces_it(app, monkeypat
     stale = {mode: (1000.0, 500) for mode in config.modes}  # as if the machine had been far slower when probed
     assert board.learn_from_run(config, stale, "slow-day")
     app.run()
-    assert set(app.dataframe[0].value["measured by"]) == {"run slow-day"}
+    assert set(probe_table(app)["measured by"]) == {"run slow-day"}
     app.number_input(key="train_steps").set_value(60)
     app.button(key="train_launch").click().run()
     run = manager().runs()[0]
     run.join(120)
     app.run()  # the live view sees it finished and compares its medians with the remembered figures
     app.run()
-    shown = app.dataframe[0].value
+    shown = probe_table(app)
     assert set(shown["measured by"]) == {f"run {run.run_id}"}
     assert float(shown["ms / step"].iloc[0]) < 1000
 
