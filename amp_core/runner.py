@@ -35,6 +35,8 @@ RESOLVE_EVERY_S = 0.25
 """On CUDA, lane steps whose figures have reached the host become records at least this often."""
 RESOLVE_BATCH = 32
 """... and whenever this many lane steps are waiting (a query per step waiting, never a wait)."""
+TEAM_MARGIN = 0.25
+"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step."""
 MAX_IN_FLIGHT = 256
 """At this many lane steps ahead of the device the loop waits for the oldest (see Run._resolve)."""
 
@@ -125,13 +127,16 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
 
 
 def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
-    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: 1 when that is
-    faster for this model, else the process's setting. Says what it chose.
+    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: the process's
+    setting when this model's step is long or one thread is clearly slower (TEAM_MARGIN), else 1. Says what it chose.
 
     On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
     workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
     than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
     only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
+    A team wins little on a quick step and loses much when a core is taken: while a browser, a dashboard or another
+    run uses one of two cores, every parallel op waits for the team's descheduled thread (a CLI run followed by two
+    browser sessions ran 10-100x slower with 2 threads, chosen for 0.24 ms against 0.25 ms with 1).
     """
     if requested:
         pin_intra_op_threads(requested)
@@ -152,14 +157,17 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
             best = min(best, time.perf_counter() - start)
         return best
 
-    multi = forward_backward_s()
-    if multi > 0.05:
-        return f"{default} intra-op threads"
+    # One thread first: its time does not depend on what else the machine runs (a team's does).
     pin_intra_op_threads(1)
     single = forward_backward_s()
-    if single >= multi:
+    if single > 0.05:
         pin_intra_op_threads(default)
+        return f"{default} intra-op threads"
+    pin_intra_op_threads(default)
+    multi = forward_backward_s()
+    if single > multi * (1 + TEAM_MARGIN):
         return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
+    pin_intra_op_threads(1)
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
 

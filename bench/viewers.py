@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 from amp_core.precision import default_modes
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -42,14 +44,28 @@ CHART_DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].some(di
     div._fullData.some(trace => (trace._length || 0) > 0))"""
 
 
+def reader(store: Path) -> RunStore:
+    """A fresh reader of the store (it sees what the writers committed since). A read-write connection opens first:
+    RunStore checks a file read-only, and a read-only open of a WAL file whose index (-shm) the last connection to
+    close removed fails with "disk I/O error" (reported: RunStore then calls the store damaged)."""
+    with closing(sqlite3.connect(store)) as conn:
+        conn.execute("SELECT COUNT(*) FROM runs").fetchone()  # opens the WAL and its index
+    return RunStore(store)
+
+
 def new_run(store: Path, known: set[str], timeout_s: float = 120.0) -> str:
     """The run id of a run not in `known`, once it has records (a run just launched)."""
     deadline = time.monotonic() + timeout_s
-    reader = RunStore(store)
     while time.monotonic() < deadline:
-        for run_id in set(reader.runs()["run_id"]) - known:
-            if any(track["records"] for track in reader.tracks(run_id)):
-                return run_id
+        try:
+            if not store.exists() or store.stat().st_size == 0:  # the server has not created it yet
+                raise StoreError("not there yet")
+            found = reader(store)
+            for run_id in set(found.runs()["run_id"]) - known:
+                if any(track["records"] for track in found.tracks(run_id)):
+                    return run_id
+        except (StoreError, sqlite3.DatabaseError):  # opened while the server creates the file: asked again
+            pass
         time.sleep(0.2)
     raise TimeoutError("no run wrote records")
 
@@ -68,7 +84,7 @@ def watch(browser, url: str) -> list:
 
 def lane_steps_per_s(store: Path, run_id: str, windows: list[tuple[float, float]]) -> list[float]:
     """Per window (t0, t1): lane steps whose records end inside it, per second (every lane, from the records)."""
-    frame = RunStore(store).steps(run_id, strict=False)
+    frame = reader(store).steps(run_id, strict=False)
     ends = frame["t_wall_s"].to_numpy()
     return [float(((ends >= t0) & (ends < t1)).sum()) / (t1 - t0) for t0, t1 in windows]
 
