@@ -1,41 +1,18 @@
-"""AMP Lab: the Streamlit entry point — page router plus the shared frame (what this machine can do)."""
+"""AMP Lab: the Streamlit entry point — page router plus the shared frame (what this machine can do).
+
+The first script run of a server starts the warm-up (torch and the views, imported on a background thread) and draws
+the Train page's form from light data meanwhile; the device facts join the sidebar as soon as they are read.
+"""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from amp_core.precision import MODE_HELP, MODES, availability, device_name, resolve_device, torch_version
-from pages.common import get_manager, store_banner
+from pages.common import device_panel, get_manager, store_banner, warm_up
 
 st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
 
-
-@st.cache_data
-def device_facts() -> dict:
-    device = resolve_device("auto")
-    return {"device": device, "name": device_name(device), "torch": torch_version(),
-            "modes": {mode: availability(mode, device) for mode in MODES}}
-
-
-def sidebar(pages: list) -> None:
-    facts = device_facts()
-    with st.sidebar:
-        # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
-        for page in pages:
-            st.page_link(page)
-        st.divider()
-        st.markdown(f"**Device** · {facts['name']}")
-        st.caption(f"torch {facts['torch']} · runs on `{facts['device']}`")
-        lines = []
-        for mode, (ok, reason) in facts["modes"].items():
-            mark = "✓" if ok else "✗"
-            note = reason if not ok or "slower" in reason or "native" in reason else "ok"
-            lines.append(f"- {mark} `{mode}` — {note}")
-        st.markdown("**Precision modes here**\n" + "\n".join(lines), help="\n\n".join(
-            f"**{m}**: {MODE_HELP[m]}" for m in MODES))
-
-
-manager = get_manager()
+warm = warm_up()
 pages = [
     st.Page("pages/train.py", title="Train", icon=":material/model_training:", default=True),
     st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
@@ -45,6 +22,20 @@ pages = [
     st.Page("pages/formats.py", title="Formats", icon=":material/pin:"),
 ]
 navigation = st.navigation(pages, position="hidden")
-sidebar(pages)
-store_banner(manager)
+# Only the Train page draws before torch is imported; every other page needs it for its first line anyway.
+light_first = navigation.title == "Train" and not warm.done.is_set()
+with st.sidebar:
+    # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
+    for page in pages:
+        st.page_link(page)
+    st.divider()
+    device_slot = st.empty()
+if light_first and not warm.core.is_set():
+    device_slot.caption("Device · checking what this machine runs (PyTorch is loading)…")
+    st.session_state["device_slot"] = device_slot  # the Train page fills it once the facts are read
+else:
+    with device_slot.container():
+        device_panel(warm.device_facts())
+if not light_first:
+    store_banner(get_manager())  # (the Train page says it itself when it draws light first)
 navigation.run()

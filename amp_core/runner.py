@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import dataclasses
@@ -11,13 +10,13 @@ import threading
 import time
 import traceback
 import uuid
-import weakref
 from collections import deque
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
+from amp_core import background
 from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.measure import tensor_bytes
 from amp_core.precision import Precision, get_precision, resolve_device
@@ -36,6 +35,8 @@ RESOLVE_EVERY_S = 0.25
 """On CUDA, lane steps whose figures have reached the host become records at least this often."""
 RESOLVE_BATCH = 32
 """... and whenever this many lane steps are waiting (a query per step waiting, never a wait)."""
+TEAM_MARGIN = 0.25
+"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step."""
 MAX_IN_FLIGHT = 256
 """At this many lane steps ahead of the device the loop waits for the oldest (see Run._resolve)."""
 
@@ -126,13 +127,16 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
 
 
 def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
-    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: 1 when that is
-    faster for this model, else the process's setting. Says what it chose.
+    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: the process's
+    setting when this model's step is long or one thread is clearly slower (TEAM_MARGIN), else 1. Says what it chose.
 
     On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
     workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
     than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
     only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
+    A team wins little on a quick step and loses much when a core is taken: while a browser, a dashboard or another
+    run uses one of two cores, every parallel op waits for the team's descheduled thread (a CLI run followed by two
+    browser sessions ran 10-100x slower with 2 threads, chosen for 0.24 ms against 0.25 ms with 1).
     """
     if requested:
         pin_intra_op_threads(requested)
@@ -153,14 +157,17 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
             best = min(best, time.perf_counter() - start)
         return best
 
-    multi = forward_backward_s()
-    if multi > 0.05:
-        return f"{default} intra-op threads"
+    # One thread first: its time does not depend on what else the machine runs (a team's does).
     pin_intra_op_threads(1)
     single = forward_backward_s()
-    if single >= multi:
+    if single > 0.05:
         pin_intra_op_threads(default)
+        return f"{default} intra-op threads"
+    pin_intra_op_threads(default)
+    multi = forward_backward_s()
+    if single > multi * (1 + TEAM_MARGIN):
         return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
+    pin_intra_op_threads(1)
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
 
@@ -183,6 +190,8 @@ class Run:
         self._resume = threading.Event()
         self._resume.set()
         self._step_lock = threading.RLock()
+        self._control = threading.Lock()
+        """Held while the status changes (see the control methods)."""
         self._thread: threading.Thread | None = None
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._amax_samplers: dict[int, LayerAmaxSampler] = {}
@@ -195,6 +204,8 @@ class Run:
         self.data: Data | None = None
 
     # --- control -------------------------------------------------------------------------------------------
+    # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
+    # a pause that read "running" can never overwrite the "finished" of a run that ended meanwhile.
     def start(self) -> Run:
         """Check the config against this process and device (ConfigError), register the run, start the thread."""
         if self._thread is not None:
@@ -202,27 +213,34 @@ class Run:
         check_launch(self.config)
         self.sink.open(self.config.to_dict(), self.device, torch.__version__)
         self.status = "running"
-        self._thread = threading.Thread(target=self._main, name=f"amp-run-{self.run_id}", daemon=True)
-        self._thread.start()
+        self._thread = background.start(self._main, f"amp-run-{self.run_id}", stop=self._ask_to_stop)
         return self
 
     def pause(self) -> None:
-        if self.status == "running":
-            self._resume.clear()
+        """Pause before the next lane step (the one under way finishes); a run that is not running is left as it is."""
+        with self._control:
+            if self.status != "running":
+                return
             self.status = "paused"
+            self._resume.clear()
             self.sink.event("paused", "paused by the user")
 
     def resume(self) -> None:
-        if self.status == "paused":
+        with self._control:
+            if self.status != "paused":
+                return
             self.status = "running"
             self.sink.event("resumed", "resumed by the user")
             self._resume.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop after the lane step under way and join the thread."""
+        self._ask_to_stop()
+        self.join(timeout)
+
+    def _ask_to_stop(self) -> None:
         self._stop.set()
         self._resume.set()
-        self.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -231,6 +249,11 @@ class Run:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def going(self) -> bool:
+        """Not over yet: about to start, or its thread still going (what counts against RunManager.max_running)."""
+        return self._thread is None or self._thread.is_alive()
 
     @property
     def store_error(self) -> str:
@@ -248,28 +271,32 @@ class Run:
         return list(self.sink.grad_stats)
 
     def snapshot_lane(self, index: int) -> LaneSnapshot:
-        """Copy lane `index` between two steps: its current weights, and the batch of the current step."""
+        """Copy lane `index` between two steps: its current weights, and the batch of the current step. ValueError if
+        the lane holds no model (not started yet, or ended: the thread frees a lane's model when it ends)."""
         lane = self.lanes[index]
         with self._step_lock:
-            if lane.state is None or self._batch is None:
-                raise ValueError(f"lane {index} ({lane.mode}) has not started yet")
-            model = copy.deepcopy(lane.state.model)
+            state = lane.state  # read once: the thread may free the lane the moment the lock is let go
+            if state is None or self._batch is None:
+                why = "has not started yet" if lane.status == "pending" else f"has ended ({lane.status})"
+                raise ValueError(f"lane {index} ({lane.mode}) {why}")
+            model = copy.deepcopy(state.model)
             batch = tuple(t.clone() for t in self._batch)
             step = lane.steps_done
-            scaler = lane.state.scaler
+            scaler = state.scaler
             scale = scaler.get_scale() if scaler.is_enabled() else None  # a device sync, between two steps
         for p in model.parameters():
             p.grad = None
-        return LaneSnapshot(lane.mode, step, model, lane.state.precision, lane.state.workload, batch, scale)
+        return LaneSnapshot(lane.mode, step, model, state.precision, state.workload, batch, scale)
 
     # --- the thread ----------------------------------------------------------------------------------------
     def _main(self) -> None:
+        failure = ""
         try:
             self._setup()
             self._loop()
         except Exception as exc:  # the run failed as a whole (e.g. its data could not load)
-            self.status = "failed"
-            self.sink.event("error", f"{type(exc).__name__}: {exc}", data_traceback=traceback.format_exc(limit=5))
+            failure = f"{type(exc).__name__}: {exc}"
+            self.sink.event("error", failure, data_traceback=traceback.format_exc(limit=5))
             for lane in self.lanes:
                 if lane.status in ("pending", "running"):
                     lane.status, lane.error = "failed", str(exc)
@@ -277,10 +304,16 @@ class Run:
             for lane in self.lanes:
                 lane.state = None  # free the models; records stay
             self._amax_samplers.clear()
-            if self.status not in ("failed", "stopped"):
-                self.status = "finished"
-            self.sink.event(self.status, f"run {self.status}")
-            self.sink.close(self.status, [(lane.index, lane.status, lane.error) for lane in self.lanes])
+            with self._control:
+                if failure or (self.lanes and all(lane.status == "failed" for lane in self.lanes)):
+                    self.status = "failed"
+                elif self._stop.is_set():
+                    self.status = "stopped"
+                else:
+                    self.status = "finished"
+                final = self.status
+            self.sink.event(final, f"run {final}")
+            self.sink.close(final, [(lane.index, lane.status, lane.error) for lane in self.lanes])
 
     def _setup(self) -> None:
         config, workload = self.config, WORKLOADS[self.config.workload]
@@ -329,10 +362,6 @@ class Run:
         for lane in self.lanes:
             if lane.status == "running":
                 lane.status = "stopped" if stopped and lane.steps_done < config.steps else "finished"
-        if stopped:
-            self.status = "stopped"
-        elif all(lane.status == "failed" for lane in self.lanes):
-            self.status = "failed"
 
     def _run_lane_step(self, lane: Lane, step: int) -> None:
         config, state = self.config, lane.state
@@ -427,21 +456,10 @@ class RunLimitError(ConfigError):
     pass
 
 
-_MANAGERS: weakref.WeakSet[RunManager] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_runs_at_exit() -> None:
-    """A server stopping (Ctrl-C) stops its runs cleanly: their last records are flushed and marked stopped."""
-    for manager in list(_MANAGERS):
-        manager.stop_all(timeout=5.0)
-
-
 class RunManager:
     """The process's runs (thread-safe). Pages share one through st.cache_resource."""
 
     def __init__(self, store: RunStore | None = None, max_running: int = 2, keep: int = 20, store_error: str = ""):
-        _MANAGERS.add(self)
         self.store = store
         self.store_error = store_error
         """Why there is no store (the file was damaged or foreign); runs then live in memory only."""
@@ -453,19 +471,25 @@ class RunManager:
         """Per run: what readers of its stored records could not read (a damaged chunk), said once each."""
 
     def launch(self, config: RunConfig) -> Run:
-        """Create and start a run; RunLimitError if `max_running` runs are already going."""
+        """Create and start a run; RunLimitError if `max_running` runs are already going (a run counts from the
+        moment it is created here, so two launches at once cannot both pass the limit)."""
         with self._lock:
             check_launch(config)
-            running = [r for r in self._runs.values() if r.alive]
-            if len(running) >= self.max_running:
-                raise RunLimitError("runs", f"{len(running)} runs are already going (at most {self.max_running}); "
+            going = [r for r in self._runs.values() if r.going]
+            if len(going) >= self.max_running:
+                raise RunLimitError("runs", f"{len(going)} runs are already going (at most {self.max_running}); "
                                             "stop one or wait for it to finish")
             run = Run(config, self.store)
             self._runs[run.run_id] = run
-            finished = [r for r in self._runs.values() if not r.alive and r is not run]
-            for old in finished[: max(0, len(self._runs) - self.keep)]:
+            over = [r for r in self._runs.values() if not r.going]
+            for old in over[: max(0, len(self._runs) - self.keep)]:
                 del self._runs[old.run_id]
-        return run.start()
+        try:
+            return run.start()
+        except BaseException:  # it never started (a store that refused it): it holds no place
+            with self._lock:
+                self._runs.pop(run.run_id, None)
+            raise
 
     def get(self, run_id: str) -> Run | None:
         with self._lock:

@@ -1,26 +1,119 @@
-"""What every page shares: the process-wide RunManager (one per server, every tab sees every run), pickers."""
+"""What every page shares: the server's warm-up (heavy imports off the first paint), the process-wide RunManager and
+cost probes (one per server, every tab sees every run), the device facts, pickers.
+
+Importing this module is light (no torch, pandas or plotly): the Train page draws its form from it and from
+amp_core.catalog while the warm-up imports the rest on a background thread.
+"""
 
 from __future__ import annotations
 
+import gc
+import importlib
+import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import streamlit as st
 
-from amp_core.records.store import RunStore, StoreError
-from amp_core.runner import RunManager
+from amp_core import background
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from amp_core.probes.cost import ProbeBoard
+    from amp_core.runner import RunManager
 
 STATUS_ICONS = {"running": "🟢", "paused": "⏸️", "pending": "⏳", "finished": "✅", "stopped": "⏹️",
                 "failed": "❌", "interrupted": "⚠️", "diverged": "💥"}
+CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
+"""What the Train form needs beyond the light catalog: which modes this device runs (imports torch)."""
+OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.runner", "amp_core.probes.cost",
+                 "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live", "amp_core.views.compare",
+                 "amp_core.views.tables")
+"""The rest of what the Train and Compare pages draw with."""
 
 
-@st.cache_resource
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    """What this machine can do, as the sidebar and the mode picker show it."""
+
+    device: str
+    name: str
+    torch: str
+    modes: dict[str, tuple[bool, str]]
+    """Every mode: (runs here, a note: why not, or a caveat)."""
+    runnable: list[str]
+    defaults: list[str]
+
+
+def read_device_facts() -> DeviceFacts:
+    from amp_core.precision import MODES, availability, default_modes, device_name, resolve_device, torch_version
+
+    device = resolve_device("auto")
+    modes = {mode: availability(mode, device) for mode in MODES}
+    runnable = [mode for mode, (ok, _) in modes.items() if ok]
+    return DeviceFacts(device, device_name(device), torch_version(), modes, runnable,
+                       [mode for mode in default_modes(device) if mode in runnable])
+
+
+class WarmUp:
+    """The server's imports and device facts, made on a background thread that the first script run starts: the
+    first page is drawn from light data meanwhile. `core` is set once the device facts are read (torch imported),
+    `done` once everything is imported. Then the objects imported so far are frozen out of the garbage collector's
+    full passes: each would otherwise walk torch's objects while holding the GIL a training thread needs."""
+
+    def __init__(self):
+        self.core, self.done = threading.Event(), threading.Event()
+        self.facts: DeviceFacts | None = None
+        self.started = time.monotonic()
+        background.start(self._work, "amp-warm-up")
+
+    def _work(self) -> None:
+        try:
+            for name in CORE_MODULES:
+                importlib.import_module(name)
+            self.facts = read_device_facts()
+        finally:
+            self.core.set()
+        try:
+            for name in OTHER_MODULES:
+                importlib.import_module(name)
+            gc.collect()
+            gc.freeze()
+        finally:
+            self.done.set()
+
+    def device_facts(self) -> DeviceFacts:
+        """The facts, once read (waits for the warm-up's first part; reads them here if it failed, to raise why)."""
+        self.core.wait()
+        return self.facts or read_device_facts()
+
+
+@st.cache_resource(show_spinner=False)
+def warm_up() -> WarmUp:
+    """The server's one warm-up, started by the first script run of any session."""
+    return WarmUp()
+
+
+@st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
+    from amp_core.records.store import RunStore, StoreError
+    from amp_core.runner import RunManager
+
     try:
         return RunManager(RunStore())
     except StoreError as exc:  # a damaged or foreign file: keep it untouched, run in memory, say why
         return RunManager(None, store_error=str(exc))
+
+
+@st.cache_resource(show_spinner=False)
+def probe_board() -> ProbeBoard:
+    """The server's cost probes (raced off the page's thread, remembered for the server's life)."""
+    from amp_core.probes.cost import ProbeBoard
+
+    return ProbeBoard()
 
 
 def store_banner(manager: RunManager) -> None:
@@ -29,19 +122,37 @@ def store_banner(manager: RunManager) -> None:
         st.error(f"The run store could not be opened, so runs are kept in memory only: {manager.store_error}")
 
 
-def run_label(row: pd.Series) -> str:
+def device_panel(facts: DeviceFacts) -> None:
+    """The sidebar's device facts: the device, torch, and each mode's note (modes sharing a note on one line)."""
+    from amp_core.precision import MODE_HELP, MODES
+
+    st.markdown(f"**Device** · {facts.name}")
+    st.caption(f"torch {facts.torch} · runs on `{facts.device}`")
+    notes: dict[tuple[bool, str], list[str]] = {}
+    for mode, (ok, reason) in facts.modes.items():
+        note = reason if not ok or "slower" in reason or "native" in reason else "ok"
+        notes.setdefault((ok, note), []).append(f"`{mode}`")
+    lines = [f"- {'✓' if ok else '✗'} {', '.join(modes)} — {note}" for (ok, note), modes in notes.items()]
+    st.markdown("**Precision modes here**\n" + "\n".join(lines),
+                help="\n\n".join(f"**{mode}**: {MODE_HELP[mode]}" for mode in MODES))
+
+
+def run_label(row: pd.Series, status: bool = True) -> str:
+    """A run as pickers list it; `status` False leaves its status out (for a page that shows it live elsewhere)."""
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(row["created_at"]))
     name = f"{row['name']} · " if row.get("name") else ""
-    return (f"{STATUS_ICONS.get(row['status'], '')} {name}{row['workload']} · {', '.join(row['modes'])} · "
-            f"{when} · {row['status']}")
+    head = f"{STATUS_ICONS.get(row['status'], '')} " if status else ""
+    tail = f" · {row['status']}" if status else ""
+    return f"{head}{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
 
 
-def run_picker(manager: RunManager, key: str, label: str = "Run", default: str | None = None) -> str | None:
+def run_picker(manager: RunManager, key: str, label: str = "Run", default: str | None = None,
+               status: bool = True) -> str | None:
     """A selectbox over every run (live and stored, newest first); returns the run_id or None if there are none."""
     runs = manager.list_runs()
     if runs.empty:
         return None
     ids = runs["run_id"].tolist()
-    labels = dict(zip(ids, (run_label(row) for _, row in runs.iterrows()), strict=True))
+    labels = dict(zip(ids, (run_label(row, status) for _, row in runs.iterrows()), strict=True))
     index = ids.index(default) if default in ids else 0
     return st.selectbox(label, ids, index=index, format_func=labels.get, key=key)

@@ -6,7 +6,7 @@ import streamlit as st
 
 from amp_core.records.store import StoreError
 from amp_core.views import compare
-from amp_core.views.summary import default_baseline, lanes, summarize
+from amp_core.views.summary import default_baseline, summarize
 from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
@@ -102,17 +102,22 @@ if live:
                f"this part refreshes every {LIVE_REFRESH_S:g} s.")
 
 
+bands = st.session_state.setdefault("cmp_bands", compare.StepTimeBands())  # finished buckets' step-time figures
+
+
 @st.fragment(run_every=LIVE_REFRESH_S if live else None)
 def comparison() -> None:
+    # Each redraw reads the lanes through their multi-resolution summary (a few thousand points per figure, whatever
+    # their length): every record is gathered only for a download, when it is asked for.
     try:
-        frame = compare.gather_steps(manager, chosen_lanes)
+        series = compare.gather_lanes(manager, chosen_lanes)
         ended = live and not compare.live_run_ids(manager, chosen_runs)
     except StoreError as error:
         st.error(f"The run store could not be read: {error}")
         return
     if ended:
         st.rerun()  # the last live run just ended: redraw once without the timer
-    present = compare.frame_lane_keys(frame)
+    present = compare.lane_keys(series)
     if not present:
         st.info("The chosen lanes have no steps yet. A run just launched writes its first steps within a second "
                 "or two.")
@@ -122,12 +127,11 @@ def comparison() -> None:
         st.warning(f"No steps recorded yet for: {', '.join(missing)}.")
     base = baseline
     if base not in present:
-        base = default_baseline(frame)
+        base = default_baseline(series)
         st.warning(f"The baseline lane {lane_labels[baseline]} has no steps yet; comparing against "
                    f"{lane_labels.get(base, base)} for now.")
 
     st.subheader("Summary")
-    series = lanes(frame)
     summary = summarize(series, base, int(last_k))
     # The lane label already says the mode, and "diverged" says something only when a lane did: columns that
     # would only push the last ones off the page.
@@ -147,7 +151,7 @@ def comparison() -> None:
                "steadier than one step's; Δ: minus the baseline's. " + (
                    "Diverged: the last recorded loss is inf/NaN." if summary["diverged"].any() else
                    "No lane diverged (every last recorded loss is finite)."))
-    if frame["run_id"].nunique() > 1:
+    if len({lane.run_id for lane in series}) > 1:
         st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
                    "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
                    "run (which take turns step by step).")
@@ -155,32 +159,45 @@ def comparison() -> None:
     st.subheader("Charts")
     c1, c2, c3 = st.columns(3)
     log_y = c1.toggle("Log loss axis", value=True, key="cmp_log_y")
-    log_ms = c1.toggle("Log step-time axis", value=True, key="cmp_log_ms",
-                       help="The first steps (warm-up) can take many times longer than the rest.")
+    log_ms = c1.toggle("Log step-time axis", value=False, key="cmp_log_ms",
+                       help="The median and band already keep one slow step from flattening the chart.")
     time_axis = c2.radio("Time axis", list(compare.TIME_AXES), horizontal=True, key="cmp_time_axis",
-                         format_func={"compute": "Σ step time", "wall": "wall clock"}.get,
-                         help="Lanes of one run take turns (A B C A B C), so their wall clocks advance together; "
-                              "the sum of a lane's own step times is what that mode would take on its own.")
-    kind = c3.radio("Step-time chart", compare.DIST_KINDS, horizontal=True, key="cmp_dist_kind")
+                         format_func={"compute": "at median speed", "wall": "wall clock"}.get,
+                         help="At median speed: each lane's running sum of its median step time — what the mode "
+                              "would take on its own at its typical speed (one stalled step adds its step's median, "
+                              "not its own length). Lanes of one run take turns (A B C A B C), so their wall clocks "
+                              "advance together.")
+    raw = c3.toggle("Every step's time", key="cmp_raw_step_times",
+                    help="The step-time chart draws each lane's median and p10-p90 band; this adds the measured "
+                         "step times themselves.")
     figures = {
-        "loss_vs_step": compare.loss_vs_step_figure(frame, lane_labels, log_y=log_y),
-        "loss_vs_time": compare.loss_vs_time_figure(frame, lane_labels, time_axis=time_axis, log_y=log_y),
-        "step_time": compare.step_time_spread_figure(frame, lane_labels, kind=kind, log_y=log_ms),
+        "loss_vs_step": compare.loss_vs_step_figure(series, lane_labels, log_y=log_y),
+        "loss_vs_time": compare.loss_vs_time_figure(series, lane_labels, time_axis=time_axis, log_y=log_y,
+                                                    bands=bands),
+        "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands),
     }
-    for note in compare.overlap_notes(frame, lane_labels):
+    for note in compare.overlap_notes(series, lane_labels):
         st.info(note)
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")
         if name == "loss_vs_step" and len(present) > 1:
-            st.plotly_chart(compare.loss_difference_figure(frame, base, lane_labels),
+            st.plotly_chart(compare.loss_difference_figure(series, base, lane_labels),
                             key="cmp_chart_loss_difference")
+        if name == "loss_vs_time" and time_axis == "compute":
+            st.caption("Time at median speed: each lane's step times are replaced by their rolling median before "
+                       "they are summed, so a stall (a page redrawing, another program) does not stretch a lane.")
 
     st.subheader("Downloads")
-    st.caption(f"{len(frame):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "
-               "plotly.js inside (about 5 MB each; they open offline).")
+    records = sum(lane.stats.records for lane in series)
+    st.caption(f"{records:,} step records of {len(present)} lane(s), gathered when you ask for them. Charts download "
+               "as standalone HTML with plotly.js inside (about 5 MB each; they open offline).")
+
+    def every_record():
+        return compare.gather_steps(manager, chosen_lanes)
+
     downloads = [
-        ("Records · CSV", partial(compare.csv_bytes, frame), "amp_lab_records.csv", "text/csv", "csv"),
-        ("Records · Parquet", partial(compare.parquet_bytes, frame), "amp_lab_records.parquet",
+        ("Records · CSV", lambda: compare.csv_bytes(every_record()), "amp_lab_records.csv", "text/csv", "csv"),
+        ("Records · Parquet", lambda: compare.parquet_bytes(every_record()), "amp_lab_records.parquet",
          "application/vnd.apache.parquet", "parquet"),
         ("Summary · CSV", partial(compare.csv_bytes, summary), "amp_lab_summary.csv", "text/csv", "summary_csv"),
         *((f"{fig.layout.title.text} · HTML", partial(compare.figure_html, fig), f"amp_lab_{name}.html",
@@ -188,7 +205,8 @@ def comparison() -> None:
     ]
     columns = [*st.columns(3), *st.columns(3)]
     for column, (label, data, file_name, mime, key) in zip(columns, downloads, strict=True):
-        # Built only when clicked: three inlined plotly.js pages per refresh would be 15 MB sent for nothing.
+        # Built only when clicked: every record, or three inlined plotly.js pages, per refresh would be sent for
+        # nothing.
         column.download_button(label, data, file_name=file_name, mime=mime, key=f"cmp_download_{key}",
                                on_click="ignore", width="stretch")
 

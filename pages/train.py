@@ -1,34 +1,39 @@
-"""Train page: choose a workload and precision modes, see what each mode costs here, launch, watch the lanes live."""
+"""Train page: choose a workload and precision modes, see what each mode costs here, launch, watch the lanes live.
+
+The form is drawn from light data (amp_core.catalog) before torch is imported; the mode picker, the cost probe and
+the runs follow as the server's warm-up (pages.common.WarmUp) gets there, in the same script run.
+"""
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
+from amp_core import catalog
 from amp_core.config import OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import BASELINE_MODE, MODE_HELP, availability, default_modes, resolve_device, runnable_modes
-from amp_core.probes.cost import SLOW_FACTOR, ProbeBoard, ProbeResult, estimate_step, relative_costs
-from amp_core.records.store import LIVE_STATUSES
-from amp_core.views import plots
-from amp_core.views.live import RecordFollower, format_ratio, format_scale
-from amp_core.views.summary import LaneSeries, lanes, summarize
-from amp_core.workloads import WORKLOADS
-from pages.common import STATUS_ICONS, get_manager, run_picker
+from pages.common import STATUS_ICONS, device_panel, get_manager, probe_board, run_picker, store_banner, warm_up
 
 REFRESH_S = 1.0
-PROBE_STEPS = 5
-PROBE_CAP_S = 2.0
+"""The live view's redraw period while a run goes."""
+PROBE_POLL_S = 0.5
+"""How often the cost panel looks whether its race is done (only while one is under way)."""
 DEFAULT_WORKLOAD = "digits_mlp"
+MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
+LIVE_STATUSES = ("pending", "running", "paused")
+"""A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES)."""
 
-manager = get_manager()
-device = resolve_device("auto")
-available = runnable_modes(device)
+warm = warm_up()
+light_first = not warm.done.is_set()  # this script run draws before everything is imported (a server's first)
 
 
-@st.cache_resource
-def probe_board() -> ProbeBoard:
-    """The server's cost probes (measured off the page's thread, remembered for the server's life)."""
-    return ProbeBoard(steps=PROBE_STEPS, time_cap_s=PROBE_CAP_S)
+def workload_entries() -> dict[str, catalog.WorkloadEntry]:
+    """Workloads by name, sorted by title: the registry's once torch is imported (plugins too), else the catalog's."""
+    if warm.core.is_set():
+        from amp_core.workloads import WORKLOADS
+
+        found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes))
+                 for name, w in WORKLOADS.items()]
+        return {entry.name: entry for entry in sorted(found, key=lambda entry: entry.title.lower())}
+    return {entry.name: entry for entry in catalog.builtin_workloads()}
 
 
 st.title("Train")
@@ -36,16 +41,16 @@ st.caption("Every lane starts from the same weights and sees the same batches; o
            "(A B C A B C …) so the machine's noise hits every lane alike.")
 
 # --- the form: widgets -> one RunConfig --------------------------------------------------------------------------
+entries = workload_entries()
+names = list(entries)
 with st.container(border=True):
     c1, c2, c3 = st.columns([2, 1, 3])
-    workload = c1.selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEFAULT_WORKLOAD),
-                            format_func=lambda name: WORKLOADS[name].title, key="train_workload")
-    size = c2.selectbox("Size", list(WORKLOADS[workload].sizes), key="train_size",
+    workload = c1.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in names else 0,
+                            format_func=lambda name: entries[name].title, key="train_workload")
+    size = c2.selectbox("Size", list(entries[workload].sizes), key="train_size",
                         help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
-    modes = c3.multiselect("Precision modes (one lane each)", available,
-                           default=[m for m in default_modes(device) if m in available], key="train_modes",
-                           help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in available))
-    c1.caption(WORKLOADS[workload].description)
+    modes_slot = c3.empty()
+    c1.caption(entries[workload].description)
     c1, c2, c3, c4, c5, c6 = st.columns(6)
     steps = c1.number_input("Steps", value=300, step=50, key="train_steps")
     batch_size = c2.number_input("Batch size", value=64, step=16, key="train_batch")
@@ -75,6 +80,20 @@ with st.container(border=True):
                                          "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
                                          "`init_scale:1024`.")
         name = m3.text_input("Run name", key="train_name")
+errors_slot = st.empty()
+
+launch_now = launch_drawn = False
+if not warm.core.is_set():
+    # The first paint: Launch is there at once; a press before the device is known waits for it, then launches.
+    launch_now, launch_drawn = st.button("Launch", type="primary", key="train_launch"), True
+    modes_slot.caption("**Precision modes** — checking which modes this machine runs (PyTorch is loading)…")
+facts = warm.device_facts()
+if st.session_state.get("device_slot") is not None:  # app.py left the sidebar's device facts to this page
+    with st.session_state.pop("device_slot").container():
+        device_panel(facts)
+modes = modes_slot.multiselect("Precision modes (one lane each)", facts.runnable, default=facts.defaults,
+                               key="train_modes",
+                               help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in facts.runnable))
 
 config: RunConfig | None = None
 try:
@@ -87,7 +106,46 @@ try:
                             backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),
         faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
 except ConfigError as error:
-    st.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+    errors_slot.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+if not launch_drawn:
+    launch_now = st.button("Launch", type="primary", disabled=config is None, key="train_launch")
+# Below Launch: a table's first draw in a browser loads the grid's code, and what follows it waits for that.
+cost_slot = st.container()
+
+if not warm.done.is_set():
+    with st.spinner("Warming up: loading the charts and the run store…"):
+        warm.done.wait()
+
+import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first paint did not wait for them)
+
+from amp_core.precision import availability  # noqa: E402
+from amp_core.probes.cost import (  # noqa: E402
+    SLOW_FACTOR,
+    TIME_CAP_S,
+    TIMED_STEPS,
+    WARMUP_STEPS,
+    ProbeResult,
+    estimate_step,
+    relative_costs,
+)
+from amp_core.views import plots  # noqa: E402
+from amp_core.views.live import (  # noqa: E402
+    LANE_COLUMNS,
+    RecordFollower,
+    baseline_mode,
+    format_ratio,
+    lane_medians,
+    lanes_table,
+)
+from amp_core.views.summary import lanes  # noqa: E402
+from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
+
+manager = get_manager()
+if light_first:
+    store_banner(manager)
+board = probe_board()
+device = facts.device
+
 
 # --- what each mode costs here, measured before launch -----------------------------------------------------------
 def cost_table(costs: pd.DataFrame) -> None:
@@ -95,15 +153,19 @@ def cost_table(costs: pd.DataFrame) -> None:
         "mode": costs["mode"],
         "ms / step": costs["ms_per_step"].map(lambda v: f"{v:.3g}"),
         f"time vs {BASELINE_MODE}": costs["time_vs_baseline"].map(format_ratio),
-        "steps timed": costs["steps_timed"].astype(str) + costs["capped"].map({True: " (capped)", False: ""}),
+        "steps timed": costs["steps_timed"].map(lambda n: f"{n:,}") + costs["capped"].map({True: " (capped)",
+                                                                                          False: ""}),
+        "measured by": costs["source"],
     })
-    st.dataframe(table, hide_index=True, key="train_probe_table")
+    st.markdown(markdown_table(table))  # text, not a data grid: the first view loads no grid code
     for row in costs[costs["far_slower"]].itertuples():
         st.warning(f"**{row.mode}** takes {row.time_vs_baseline:.1f}× the time of {BASELINE_MODE} per step here "
                    f"({availability(row.mode, device)[1]}).")
-    st.caption(f"Measured on this {device.upper()}: {PROBE_STEPS} steps per mode after a warm-up, at most "
-               f"{PROBE_CAP_S:g} s a mode, remembered per workload, size, batch and mode. Above {SLOW_FACTOR:g}× "
-               "is flagged. A run going at the same time shares the cores and skews these figures.")
+    st.caption(f"Measured on this {device.upper()} as a run measures it: the modes race through the runner "
+               f"(lanes in turn, the run's own threads) for {WARMUP_STEPS} warm-up steps and {TIMED_STEPS} timed "
+               f"steps (at most {TIME_CAP_S:g} s); each figure is its lane's median. Remembered per workload, size, "
+               f"batch and settings; a finished run that disagrees by more than 20% replaces it. Above "
+               f"{SLOW_FACTOR:g}× is flagged.")
 
 
 @st.cache_data(show_spinner="Estimating what a step would take…")
@@ -124,26 +186,29 @@ def step_estimates(workload: str, size: str, batch_size: int, modes: tuple[str, 
     return pd.DataFrame(rows, columns=["mode", "estimated time / step", "basis"])
 
 
-def probe_outcomes(config: RunConfig) -> dict[str, ProbeResult | str | None]:
-    """Each mode's probe (32-true first, as the yardstick): a result, an error text, or None while measuring."""
-    modes = [BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE]
-    board = probe_board()
-    return {mode: board.get((config.workload, config.size, config.batch_size, mode, device)) for mode in modes}
+def draw_costs(outcomes: dict[str, ProbeResult | str]) -> None:
+    for mode, text in outcomes.items():
+        if isinstance(text, str):
+            st.warning(f"The cost probe of {mode} failed: {text}")
+    measured = [r for r in outcomes.values() if isinstance(r, ProbeResult)]
+    if measured:
+        cost_table(relative_costs(measured))
 
 
 if config is not None:
     probe_key = (config.workload, config.size, config.batch_size, device)
     asked = st.session_state.setdefault("train_probed", set())
-    measuring = (config.size == "small" or probe_key in asked) and None in probe_outcomes(config).values()
+    waits_for_user = config.size != "small" and probe_key not in asked
+    busy = any(run.alive for run in manager.runs())
+    known = board.known(config)
+    racing = not waits_for_user and not busy and known is None
 
-    # The timer stays until the next full rerun (any widget, Launch). A st.rerun() from this fragment once the
-    # probes were done left the Launch button hidden (display: none) in a server's first browser session.
-    @st.fragment(run_every=0.5 if measuring else None)
+    @st.fragment(run_every=PROBE_POLL_S if racing else None)
     def cost_panel() -> None:
         with st.container(border=True):
-            st.markdown(f"**What each mode costs here** · {WORKLOADS[config.workload].title}, {config.size}, "
+            st.markdown(f"**What each mode costs here** · {entries[config.workload].title}, {config.size}, "
                         f"batch {config.batch_size}")
-            if config.size != "small" and probe_key not in asked:
+            if waits_for_user:
                 modes = tuple([BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE])
                 st.dataframe(step_estimates(config.workload, config.size, config.batch_size, modes, device),
                              hide_index=True, key="train_estimate_table")
@@ -156,18 +221,22 @@ if config is not None:
                     asked.add(probe_key)
                     st.rerun()
                 return
-            outcomes = probe_outcomes(config)
-            failed = {mode: text for mode, text in outcomes.items() if isinstance(text, str)}
-            for mode, text in failed.items():
-                st.warning(f"The cost probe of {mode} failed: {text}")
-            if None in outcomes.values():
-                st.caption("Timing a few steps of each mode…")
-            else:
-                cost_table(relative_costs([r for r in outcomes.values() if isinstance(r, ProbeResult)]))
+            if busy and known is None:
+                st.caption("Measured once no run is going: a run shares the cores, and would slow the race and be "
+                           "slowed by it.")
+                return
+            outcomes = known if known is not None else board.get(config)
+            if outcomes is None:
+                st.caption(f"Racing the modes through the runner for a few dozen steps (at most {TIME_CAP_S:g} s)…")
+                return
+            if racing:
+                st.rerun()  # the race is done: one full run draws it, with no timer left behind
+            draw_costs(outcomes)
 
-    cost_panel()
+    with cost_slot:
+        cost_panel()
 
-if st.button("Launch", type="primary", disabled=config is None, key="train_launch") and config is not None:
+if launch_now and config is not None:
     try:
         run = manager.launch(config)
     except ConfigError as error:
@@ -179,7 +248,9 @@ if st.button("Launch", type="primary", disabled=config is None, key="train_launc
 
 # --- the run: picker, controls, live view ------------------------------------------------------------------------
 st.divider()
-run_id = run_picker(manager, key="train_run_pick", label="Run", default=st.session_state.get("train_run_id"))
+# The picker leaves the status out: the live view below says it, redrawn with the lanes (one source of truth).
+run_id = run_picker(manager, key="train_run_pick", label="Run", default=st.session_state.get("train_run_id"),
+                    status=False)
 if run_id is None:
     st.info("No runs yet: choose a workload and modes above and press Launch.")
     st.stop()
@@ -194,40 +265,31 @@ followers: dict[str, RecordFollower] = st.session_state.setdefault("train_follow
 live_at_start = is_live(manager.run_info(run_id))
 
 
-def controls() -> None:
+def controls(status: str) -> None:
     """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state)."""
     run = manager.get(run_id)
-    if run is None or not run.alive or run.status not in ("running", "paused"):
+    if run is None or not run.alive or status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
-    if run.status == "paused":
+    if status == "paused":
         b1.button("Resume", key="train_resume", icon="▶️", on_click=run.resume)
     else:
         b1.button("Pause", key="train_pause", icon="⏸️", on_click=run.pause)
     b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
 
 
-def headline_cards(info: dict, series: list[LaneSeries]) -> None:
-    total = info["config"]["steps"]
-    heads = summarize(series).set_index("lane")
-    base = heads.loc[heads["is_baseline"], "mode"].iloc[0] if not heads.empty else BASELINE_MODE
-    columns = st.columns(len(info["lanes"]))
-    for column, lane in zip(columns, info["lanes"], strict=True):
-        with column:
-            done = lane["steps_done"]
-            st.progress(min(1.0, done / total), text=f"**{lane['mode']}** · {lane['status']} · {done}/{total}")
-            if lane["lane"] not in heads.index:
-                continue
-            head = heads.loc[lane["lane"]]
-            m1, m2, m3 = st.columns(3)
-            m1.metric("loss", f"{head['latest_loss']:.4g}")
-            m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
-                      help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
-            m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
-                      help="The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, "
-                           "its step's allocator peak above the step's start (other lanes do not inflate it).")
-            st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
-                       f"scale {format_scale(head['scale'])}")
+def lane_rows(info: dict, series: list) -> None:
+    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
+    table = lanes_table(info, series)
+    base = baseline_mode(series)
+    labels = {"speed": f"speed vs {base}", "memory": f"memory vs {base}"}
+    widths = content_widths(table.drop(columns="progress"), labels)
+    config_columns = {column: st.column_config.Column(labels.get(column, column), width=width,
+                                                      help=LANE_COLUMNS[column]) for column, width in widths.items()}
+    config_columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],
+                                                                 format="percent", min_value=0.0, max_value=1.0,
+                                                                 width=110)
+    st.dataframe(table, hide_index=True, key="train_lanes", column_config=config_columns)
 
 
 def lane_problems(info: dict) -> None:
@@ -235,13 +297,14 @@ def lane_problems(info: dict) -> None:
     the store could not read (a damaged chunk: the rest is shown)."""
     for problem in info.get("problems", []):
         st.warning(problem)
-    lanes = info["lanes"]
-    if lanes and all(lane["status"] == "failed" for lane in lanes) and len({lane["error"] for lane in lanes}) == 1:
-        st.error(f"The run failed: {lanes[0]['error'] or 'see the run events'}")
+    lanes_info = info["lanes"]
+    if lanes_info and all(lane["status"] == "failed" for lane in lanes_info) and len(
+            {lane["error"] for lane in lanes_info}) == 1:
+        st.error(f"The run failed: {lanes_info[0]['error'] or 'see the run events'}")
         return
-    for lane in lanes:
+    for lane in lanes_info:
         if lane["status"] == "failed":
-            others = any(other["status"] != "failed" for other in lanes)
+            others = any(other["status"] != "failed" for other in lanes_info)
             st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}."
                      + (" The other lanes went on." if others else ""))
         elif lane["status"] == "diverged":
@@ -250,36 +313,49 @@ def lane_problems(info: dict) -> None:
             st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
 
 
-def charts(series: list[LaneSeries]) -> None:
-    o1, o2, _ = st.columns([1, 2, 3])
-    log_y = o1.toggle("log-y loss", key="train_log_y")
-    smoothing = o2.slider("loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
-    figures = plots.train_figures(series, log_y=log_y, smoothing=smoothing)
+def charts(series: list, follower: RecordFollower) -> None:
+    o1, o2, o3, _ = st.columns([2, 2, 2, 2])
+    axis = o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
+                    help="auto: log when the loss spans a wide range, else linear with a spike left off the axis "
+                         "(▲ on its edge).")
+    smoothing = o2.slider("Loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
+    raw = o3.toggle("Every step's time", key="train_raw_step_times",
+                    help="The step-time chart draws each lane's median and p10-p90 band (one stall does not flatten "
+                         "it); this adds the measured step times themselves.")
+    figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                  bands=follower.bands)
     left, right = st.columns(2)
     left.plotly_chart(figures["loss"], key="train_chart_loss")
     right.plotly_chart(figures["step_time"], key="train_chart_step_time")
     left.plotly_chart(figures["scale"], key="train_chart_scale")
     right.plotly_chart(figures["memory"], key="train_chart_memory")
-    left.plotly_chart(figures["lr"], key="train_chart_lr")
+    lr = plots.constant_lr(series)
+    if lr is None:
+        left.plotly_chart(figures["lr"], key="train_chart_lr")
+    else:
+        left.markdown(f"**Learning rate** constant at **{lr:.3g}** in every lane (a chart appears when it moves).")
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
 def live_view() -> None:
-    info = manager.run_info(run_id)
+    if run_id not in followers:
+        followers[run_id] = RecordFollower(run_id)
+    follower = followers[run_id]
+    series = lanes(follower.update(manager))  # split once: the table and every chart share it
+    info = manager.run_info(run_id)  # after the records: its steps and statuses are at least as new as they are
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
-    # The picker's label can lag behind in the browser; this line is redrawn with the live view.
     st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
-    controls()
-    follower = followers.setdefault(run_id, RecordFollower(run_id))
-    series = lanes(follower.update(manager))  # split once: the headlines and every chart share it
-    info = manager.run_info(run_id)  # again: lanes may have moved on while the records were read
+    controls(info["status"])
     lane_problems(info)
-    headline_cards(info, series)
-    charts(series)
+    lane_rows(info, series)
+    charts(series, follower)
     with st.expander("Run configuration"):
         st.json(info["config"], expanded=False)
+    if not is_live(info) and info["status"] in ("finished", "stopped"):
+        # The run's own medians correct a remembered cost probe that disagrees with them.
+        board.learn_from_run(RunConfig.from_dict(info["config"]), lane_medians(series), run_id)
     if live_at_start and not is_live(info):
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 

@@ -1,4 +1,5 @@
-"""Shared test set-up: a fresh store per test, Streamlit's shared manager reset, a check that run threads end.
+"""Shared test set-up: a fresh store per test, Streamlit's shared manager and probes reset and every thread the app
+started stopped and joined after each test, a check that run threads end.
 
 The checkout itself is importable through pytest's `pythonpath` setting (pyproject.toml), not by editing sys.path.
 """
@@ -11,35 +12,39 @@ import threading
 import pytest
 from stepped_run import SteppedRun
 
-from amp_core import runner
+from amp_core import background, runner
 
 
 @pytest.fixture(autouse=True)
 def fresh_store(tmp_path, monkeypatch):
-    """Every test gets its own store file, and no RunManager survives from an earlier test."""
+    """Every test gets its own store file, and no RunManager, cost probe or app thread survives from an earlier one
+    (a page's probe still racing would run into the next test, and into its thread checks)."""
     path = tmp_path / "runs.sqlite3"
     monkeypatch.setenv("AMP_LAB_STORE", str(path))
     yield path
-    _reset_streamlit_manager()
+    _reset_streamlit_resources()
+    left = background.stop_all(timeout_s=60)
+    assert not left, f"threads the app started did not stop: {left}"
 
 
-def _reset_streamlit_manager() -> None:
+def _reset_streamlit_resources() -> None:
     if "pages.common" not in sys.modules:
         return
     common = sys.modules["pages.common"]
     try:
-        manager = common.get_manager()
-        manager.stop_all()
+        common.get_manager().stop_all()
     finally:
         common.get_manager.clear()
+        common.probe_board.clear()
 
 
 @pytest.fixture
 def no_leaked_threads():
-    """Fails the test if it leaves run threads behind."""
+    """Fails the test if it leaves run threads behind (a page's cost probe races on: the test's end stops it)."""
     before = set(threading.enumerate())
     yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.name.startswith("amp-run-")]
+    leaked = [t for t in threading.enumerate() if t not in before and t.name.startswith("amp-run-")
+              and not t.name.startswith("amp-run-probe-")]
     assert not leaked, f"threads outlived their runs: {leaked}"
 
 

@@ -129,19 +129,6 @@ def test_a_run_another_process_is_writing_counts_as_live(tmp_path):
     assert len(steps) == page_manager.run_info(run_id)["lanes"][0]["steps_done"]
 
 
-def test_time_columns_per_lane(two_runs):
-    manager, run_a, run_b = two_runs
-    frame = compare.gather_steps(manager, keys_of(run_a, run_b))
-    timed = compare.add_time_columns(frame.sample(frac=1.0, random_state=0))  # order must not matter
-    assert compare.frame_lane_keys(timed) == compare.frame_lane_keys(frame.sample(frac=1.0, random_state=0))
-    for _, lane in timed.groupby(["run_id", "lane"]):
-        np.testing.assert_allclose(lane["compute_s"], lane["step_ms"].cumsum() / 1e3)
-        assert lane["elapsed_s"].iloc[0] == pytest.approx(lane["step_ms"].iloc[0] / 1e3, abs=1e-5)  # unix-time rounding
-        assert (np.diff(lane["elapsed_s"]) > 0).all()
-        # Lanes of one run take turns, so a lane's wall clock runs ahead of its own step time.
-        assert lane["elapsed_s"].iloc[-1] >= lane["compute_s"].iloc[-1] - 1e-6
-
-
 def line_traces(fig) -> list:
     return [t for t in fig.data if t.mode == "lines"]
 
@@ -167,28 +154,44 @@ def test_loss_vs_step_colours_by_mode_and_dashes_by_run(two_runs):
     assert len(markers) == 1 and list(markers[0].customdata) == skipped_steps
 
 
+def lanes_of(manager, keys):
+    return compare.gather_lanes(manager, keys)
+
+
 @pytest.mark.parametrize("time_axis", ["compute", "wall"])
 def test_loss_vs_time_uses_the_chosen_clock(two_runs, time_axis):
     manager, run_a, run_b = two_runs
     frame = compare.gather_steps(manager, keys_of(run_a, run_b))
-    fig = compare.loss_vs_time_figure(frame, time_axis=time_axis, log_y=False)
-    timed = compare.add_time_columns(frame)
-    column = {"compute": "compute_s", "wall": "elapsed_s"}[time_axis]
-    expected = [lane[column].to_numpy() for _, lane in timed.groupby(["run_id", "lane"], sort=False)]
+    fig = compare.loss_vs_time_figure(lanes_of(manager, keys_of(run_a, run_b)), time_axis=time_axis, log_y=False)
     drawn = [np.asarray(t.x) for t in line_traces(fig)]
-    assert len(drawn) == len(expected) == 3
-    for x, want in zip(drawn, expected, strict=True):
-        np.testing.assert_allclose(x, want)
+    assert len(drawn) == 3
+    for x, (_, lane) in zip(drawn, frame.groupby(["run_id", "lane"], sort=False), strict=True):
+        ms = lane["step_ms"].to_numpy()
+        if time_axis == "compute":  # the running sum of the rolling median of the lane's step times
+            median = pd.Series(ms).rolling(25, min_periods=1).median().to_numpy()
+            np.testing.assert_allclose(x, np.cumsum(median) / 1e3, rtol=1e-6)
+        else:  # wall clock since the lane's first step began
+            start = lane["t_wall_s"].iloc[0] - ms[0] / 1e3
+            np.testing.assert_allclose(x, lane["t_wall_s"] - start, rtol=1e-6, atol=1e-5)
+            assert (np.diff(x) > 0).all()
     assert fig.layout.xaxis.title.text == compare.TIME_AXES[time_axis]
 
 
-def test_refuses_an_unknown_time_axis_or_distribution_kind(two_runs):
+def test_time_at_median_speed_is_not_stretched_by_a_stall():
+    lane = long_lane(300)
+    lane["step_ms"] = 2.0
+    lane.loc[150, "step_ms"] = 10_000.0  # one step stalled for ten seconds (a page redrawing, another program)
+    fig = compare.loss_vs_time_figure(lane, time_axis="compute")
+    (line,) = line_traces(fig)
+    assert line.x[-1] == pytest.approx(300 * 2.0 / 1e3)
+    walled = compare.loss_vs_time_figure(lane, time_axis="wall")
+    assert line_traces(walled)[0].x[-1] > 2.9  # the wall clock (t_wall_s here: 0.01 s a step) tells what happened
+
+
+def test_refuses_an_unknown_time_axis(two_runs):
     manager, run_a, _ = two_runs
-    frame = compare.gather_steps(manager, [f"{run_a}/0"])
     with pytest.raises(ValueError, match="time_axis must be one of compute, wall"):
-        compare.loss_vs_time_figure(frame, time_axis="cpu")
-    with pytest.raises(ValueError, match="kind must be one of box, violin"):
-        compare.step_time_spread_figure(frame, kind="histogram")
+        compare.loss_vs_time_figure(lanes_of(manager, [f"{run_a}/0"]), time_axis="cpu")
 
 
 def long_lane(n: int, mode: str = "32-true", run_id: str = "long") -> pd.DataFrame:
@@ -214,22 +217,22 @@ def test_a_20k_step_lane_is_decimated_but_keeps_spikes_and_skips():
     assert list(markers.x) == [7_777]
 
 
-@pytest.mark.parametrize("kind", compare.DIST_KINDS)
-def test_step_time_distribution_of_a_long_lane_keeps_min_max_and_median(kind):
+def test_step_time_chart_is_a_median_and_band_per_lane_even_for_a_long_lane():
     frame = pd.concat([long_lane(20_000), long_lane(300, "bf16-mixed", "short")], ignore_index=True)
-    fig = compare.step_time_spread_figure(frame, {"long/0": "long lane"}, kind=kind, log_y=kind == "violin")
-    assert fig.layout.yaxis.type == ("log" if kind == "violin" else "linear")
-    assert fig.layout.yaxis.minorloglabels == ("complete" if kind == "violin" else None)
-    long_trace, short_trace = fig.data
-    assert long_trace.type == kind and long_trace.name == "long lane" and short_trace.name == "short/0"
-    assert long_trace.marker.color == mode_color("32-true") and short_trace.marker.color == mode_color("bf16-mixed")
-    full = frame.loc[frame["run_id"] == "long", "step_ms"].to_numpy()
-    drawn = np.asarray(long_trace.y)
-    assert len(drawn) == compare.DIST_POINTS
-    assert (drawn.min(), drawn.max()) == (full.min(), full.max())
-    assert np.median(drawn) == pytest.approx(np.median(full))
-    assert np.quantile(drawn, 0.9) == pytest.approx(np.quantile(full, 0.9), rel=1e-3)
-    assert sorted(short_trace.y) == sorted(frame.loc[frame["run_id"] == "short", "step_ms"])  # short lanes: as is
+    frame.loc[frame["step"] == 5_000, "step_ms"] = 5_000.0  # a stall
+    fig = compare.step_time_figure(frame, {"long/0": "long lane"}, log_y=True)
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.minorloglabels == "complete"
+    medians = [t for t in fig.data if t.mode == "lines" and t.line.width]
+    assert [t.name for t in medians] == ["long lane", "short/0"]
+    assert [t.line.color for t in medians] == [mode_color("32-true"), mode_color("bf16-mixed")]
+    long_ms = frame.loc[frame["run_id"] == "long", "step_ms"]
+    assert len(medians[0].x) <= 2_000 and max(medians[0].y) < 3 * long_ms.median()  # the stall moves no median
+    assert len(medians[1].x) == 300  # a short lane: a rolling median over its records
+    bands = [t for t in fig.data if t.fill == "tonexty"]
+    assert [t.name for t in bands] == ["long lane p10-p90", "short/0 p10-p90"]
+    raw = compare.step_time_figure(frame, raw=True)
+    (dots,) = [t for t in raw.data if t.name == "long/0 (each step)"]
+    assert max(dots.y) == 5_000.0  # asked for, every step's time is there, the stall included
 
 
 def test_lanes_that_trained_identically_are_named_as_hiding_each_other(tmp_path):
@@ -280,8 +283,28 @@ def test_near_identical_lanes_are_told_apart_by_the_difference_chart():
         compare.loss_difference_figure(frame, "nope/0")
 
 
-def test_distribution_sample_drops_non_finite_values():
-    assert compare.distribution_sample(np.array([3.0, np.nan, 1.0, np.inf])).tolist() == [3.0, 1.0]
+def test_long_lanes_are_compared_on_bucket_means_and_say_so():
+    base = long_lane(30_000)
+    close = long_lane(30_000, "bf16-mixed", "close").assign(loss=lambda f: f["loss"] * (1 + 3e-3))
+    frame = pd.concat([base, close], ignore_index=True)
+    lanes = summarize_lanes(frame)
+    assert all(lane.raw is None for lane in lanes)
+    (group,) = compare.loss_overlaps(lanes)
+    assert group["lanes"] == ["long/0", "close/0"] and not group["identical"]
+    assert group["max_rel_diff"] == pytest.approx(3e-3, rel=0.05)
+    (note,) = compare.overlap_notes(lanes)
+    assert f"on the mean loss of each {lanes[0].bucket_steps:,}-step bucket, not step by step" in note
+    fig = compare.loss_difference_figure(lanes, "long/0")
+    assert "bucket by bucket" in fig.layout.title.text
+    (line,) = line_traces(fig)
+    _, means, _ = lanes[0].means("loss")
+    np.testing.assert_allclose(line.y, means * 3e-3, rtol=1e-3)  # losses are held in float32
+
+
+def summarize_lanes(frame):
+    from amp_core.views.summary import lanes
+
+    return lanes(frame)
 
 
 def test_format_summary_reads_like_the_issue_asks(two_runs):

@@ -15,7 +15,7 @@ from amp_core.views.plots import mode_color
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "compare.py")
 DOWNLOADS = ["Records · CSV", "Records · Parquet", "Summary · CSV", "Loss vs step · HTML", "Loss vs time · HTML",
-             "Step time per lane · HTML"]
+             "Step time per lane · median and p10-p90 band · HTML"]
 
 
 def tiny(modes, steps=10, **changes) -> RunConfig:
@@ -104,21 +104,24 @@ def test_three_lanes_of_two_runs(fresh_store):
     assert [t["name"] for t in difference["data"] if t["mode"] == "lines"] == table["lane"].tolist()[:2]
     assert len([t for t in loss_vs_time["data"] if t["mode"] == "lines"]) == 3
     assert loss_vs_time["layout"]["yaxis"]["minorloglabels"] == "complete"
-    assert [t["type"] for t in step_time["data"]] == ["box"] * 3
-    assert step_time["layout"]["yaxis"]["type"] == "log"
-    assert step_time["layout"]["yaxis"]["minorloglabels"] == "complete"
+    medians = [t for t in step_time["data"] if t.get("line", {}).get("width")]
+    assert [t["name"] for t in medians] == table["lane"].str.removeprefix("★ ").tolist()
+    assert len([t for t in step_time["data"] if t.get("fill") == "tonexty"]) == 3  # a p10-p90 band per lane
+    assert step_time["layout"]["yaxis"]["type"] == "linear"
+    assert "median" in loss_vs_time["layout"]["xaxis"]["title"]["text"]
     assert downloads(at) == DOWNLOADS
     assert any("different runs" in caption.value for caption in at.caption)
 
     at.toggle(key="cmp_log_y").set_value(False).run()
-    at.radio(key="cmp_dist_kind").set_value("violin").run()
     at.radio(key="cmp_time_axis").set_value("wall").run()
-    at.toggle(key="cmp_log_ms").set_value(False).run()
+    at.toggle(key="cmp_log_ms").set_value(True).run()
+    at.toggle(key="cmp_raw_step_times").set_value(True).run()
     assert not at.exception
     loss_vs_step, _, loss_vs_time, step_time = charts(at)
     assert loss_vs_step["layout"]["yaxis"]["type"] == "linear"
-    assert step_time["layout"]["yaxis"]["type"] == "linear"
-    assert [t["type"] for t in step_time["data"]] == ["violin"] * 3
+    assert step_time["layout"]["yaxis"]["type"] == "log"
+    assert step_time["layout"]["yaxis"]["minorloglabels"] == "complete"
+    assert len([t for t in step_time["data"] if t["name"].endswith("(each step)")]) == 3
     assert "wall clock" in loss_vs_time["layout"]["xaxis"]["title"]["text"]
 
     at.number_input(key="cmp_k").set_value(3).run()
@@ -221,3 +224,18 @@ def test_a_damaged_store_leaves_the_page_working_in_memory(fresh_store):
     fresh_store.write_bytes(b"this is not a database" * 10)
     at = page()
     assert not at.error and any("No runs yet" in info.value for info in at.info)
+
+
+def test_a_redraw_reads_the_lanes_summary_and_every_record_only_for_a_download(fresh_store, monkeypatch):
+    from amp_core.views import compare
+
+    stored_run(fresh_store, ("32-true", "bf16-mixed"))
+    gathered = []
+    every_record = compare.gather_steps
+    monkeypatch.setattr(compare, "gather_steps", lambda *a: gathered.append(a) or every_record(*a))
+    at = page()
+    assert not at.exception and summary_table(at)["steps"].tolist() == [10, 10]
+    at.run()  # what the live timer does
+    assert gathered == []  # the charts and the table read the multi-resolution summary, not every record
+    assert "Records · CSV" in downloads(at)
+    assert "20 step records of 2 lane(s), gathered when you ask for them" in " ".join(c.value for c in at.caption)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sqlite3
-import threading
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from failing_workload import OutOfMemoryAt
 from figure_json import points_by_trace, spec
@@ -47,15 +47,28 @@ def launch(at: AppTest, modes: list[str], steps: int = 12) -> AppTest:
 
 
 def after_the_probes(at: AppTest) -> AppTest:
-    """Rerun the page once the cost probes are measured: wait for their worker thread to end (it measures off the
+    """Rerun the page once the cost probes are measured: wait for their worker thread to end (it races off the
     page's thread; the fragment's timer, which AppTest does not fire, would have redrawn the page then)."""
-    for thread in threading.enumerate():
-        if thread.name == "amp-probe":
-            thread.join(120)
-            assert not thread.is_alive(), "the cost probes did not finish"
+    from pages.common import probe_board
+
+    assert probe_board().wait(120), "the cost probes did not finish"
     at.run()
     assert not at.exception
     return at
+
+
+def probe_table(at: AppTest) -> pd.DataFrame:
+    """The cost probe's table (Markdown: no data grid on the first view)."""
+    (text,) = [m.value for m in at.markdown if m.value.startswith("| mode |")]
+    header, _, *rows = text.splitlines()
+    cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in [header, *rows]]
+    return pd.DataFrame(cells[1:], columns=cells[0])
+
+
+def lanes_shown(at: AppTest) -> pd.DataFrame:
+    """The live view's lanes table (one row per lane, every headline figure)."""
+    (table,) = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
+    return table
 
 
 def test_fresh_store_renders_the_form_and_the_cost_probe(app):
@@ -63,10 +76,12 @@ def test_fresh_store_renders_the_form_and_the_cost_probe(app):
     assert app.multiselect(key="train_modes").value == default_modes("cpu")
     assert any("No runs yet" in info.value for info in app.info)
     assert app.button(key="train_launch")  # the form is usable while the probe measures
+    assert any("Racing the modes through the runner" in caption.value for caption in app.caption)
     after_the_probes(app)
-    (probe,) = [df.value for df in app.dataframe]
+    probe = probe_table(app)
     assert probe["mode"].tolist() == default_modes("cpu")
     assert probe["time vs 32-true"].iloc[0] == "1.00×"
+    assert set(probe["measured by"]) == {"cost probe"} and set(probe["steps timed"]) == {"30"}
     assert manager().list_runs().empty
 
 
@@ -83,9 +98,11 @@ def test_launch_creates_one_lane_per_mode_and_charts_every_lane(app, modes):
     app.run()
     assert not app.exception and not app.error
     figures = charts(app)
-    for key in ("train_chart_loss", "train_chart_step_time", "train_chart_lr", "train_chart_memory"):
+    for key in ("train_chart_loss", "train_chart_step_time", "train_chart_memory"):
         points = points_by_trace(figures[key])
         assert all(points.get(mode, 0) > 0 for mode in modes), (key, points)
+    assert "train_chart_lr" not in figures  # a constant LR is one line
+    assert any("constant at **0.001** in every lane" in text.value for text in app.markdown)
     scale = points_by_trace(figures["train_chart_scale"])
     if "16-mixed" in modes:
         frame = run.frame()
@@ -93,7 +110,10 @@ def test_launch_creates_one_lane_per_mode_and_charts_every_lane(app, modes):
         assert scale == {"16-mixed": 12, **({"16-mixed skipped": skipped} if skipped else {})}
     else:
         assert scale == {}
-    assert [p.value for p in app.get("progress")] == [100] * len(modes)
+    table = lanes_shown(app)
+    assert table["lane"].tolist() == modes and table["status"].tolist() == ["finished"] * len(modes)
+    assert table["progress"].tolist() == [1.0] * len(modes) and table["steps"].tolist() == ["12 / 12"] * len(modes)
+    assert all(table[column].str.len().gt(0).all() for column in ("loss now", "ms/step", "speed", "memory"))
     assert app.selectbox(key="train_run_pick").value == run.run_id
 
 
@@ -113,12 +133,18 @@ def test_no_mode_chosen_is_an_error(app):
 
 
 def test_pause_resume_stop_act_on_the_run(app, no_leaked_threads):
-    launch(app, ["32-true"], steps=100_000)
+    launch(app, ["32-true", "bf16-mixed"], steps=100_000)
     run = manager().runs()[0]
     app.button(key="train_pause").click().run()
     assert run.status == "paused"
+    # One source of truth: the status line and every lane say paused; the picker does not claim a status at all.
+    assert any("Run status: **paused**" in text.value for text in app.markdown)
+    assert lanes_shown(app)["status"].tolist() == ["paused", "paused"]
+    picker = app.selectbox(key="train_run_pick")
+    assert not any(word in picker.format_func(picker.value) for word in ("running", "paused", "🟢"))
     app.button(key="train_resume").click().run()
     assert run.status == "running"
+    assert lanes_shown(app)["status"].tolist() == ["running", "running"]
     app.button(key="train_stop").click().run()
     assert run.status == "stopped" and not run.alive
     app.run()
@@ -161,7 +187,7 @@ def test_run_picker_lists_runs_from_before_a_restart(fresh_store):
     assert not at.exception
     picker = at.selectbox(key="train_run_pick")
     assert picker.value == "old-run"
-    assert "interrupted" in picker.format_func(picker.value)
+    assert any("Run status: **interrupted**" in text.value for text in at.markdown)
     assert sum("interrupted" in warning.value for warning in at.warning) == 2
 
 
@@ -180,3 +206,34 @@ def test_the_size_picker_lists_the_workloads_own_sizes_with_the_gpu_size(app):
     assert "xl" not in app.selectbox(key="train_size").options  # digits_mlp has no GPU size
     app.selectbox(key="train_workload").set_value("tiny_transformer").run()
     assert app.selectbox(key="train_size").options == ["small", "medium", "large", "xl"]
+
+
+def test_a_finished_run_that_disagrees_with_the_probe_replaces_it(app, monkeypatch):
+    from pages.common import probe_board
+
+    app.selectbox(key="train_workload").set_value("mlp_regression").run()
+    after_the_probes(app)
+    config = RunConfig(workload="mlp_regression", modes=tuple(default_modes("cpu")), steps=60, device="cpu")
+    board = probe_board()
+    stale = {mode: (1000.0, 500) for mode in config.modes}  # as if the machine had been far slower when probed
+    assert board.learn_from_run(config, stale, "slow-day")
+    app.run()
+    assert set(probe_table(app)["measured by"]) == {"run slow-day"}
+    app.number_input(key="train_steps").set_value(60)
+    app.button(key="train_launch").click().run()
+    run = manager().runs()[0]
+    run.join(120)
+    app.run()  # the live view sees it finished and compares its medians with the remembered figures
+    app.run()
+    shown = probe_table(app)
+    assert set(shown["measured by"]) == {f"run {run.run_id}"}
+    assert float(shown["ms / step"].iloc[0]) < 1000
+
+
+def test_the_lr_chart_appears_when_the_lr_moves(app):
+    app.toggle(key="train_onecycle").set_value(True)
+    launch(app, ["32-true"], steps=20)
+    manager().runs()[0].join(120)
+    app.run()
+    assert "train_chart_lr" in charts(app)
+    assert not any("constant at" in text.value for text in app.markdown)

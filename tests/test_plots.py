@@ -55,21 +55,89 @@ def test_long_run_traces_are_decimated_but_keep_spike_and_skips():
     assert values(marks["x"]).tolist() == [123, 15_000]
     mixed = trace(loss, "16-mixed")
     assert {123, 15_000} <= set(values(mixed["x"]).tolist())
-    step_time = trace(plots.step_time_figure(frame), "bf16-mixed")
-    assert values(step_time["y"]).max() == 102.0  # the slow step survives decimation
+    dots = [t for t in spec(plots.step_time_figure(frame, raw=True))["data"] if t["name"] == "bf16-mixed (each step)"]
+    assert values(dots[0]["y"]).max() == 102.0  # the slow step survives decimation among the raw points
 
 
-@pytest.mark.parametrize("log_y", [False, True])
-def test_loss_axis_and_smoothing(log_y):
+@pytest.mark.parametrize("axis", ["linear", "log"])
+def test_loss_axis_and_smoothing(axis):
     frame = records(300)
-    plain = plots.loss_figure(frame, log_y=log_y)
-    assert spec(plain)["layout"]["yaxis"]["type"] == ("log" if log_y else "linear")
-    smoothed = plots.loss_figure(frame, log_y=log_y, smoothing=0.9)
+    plain = plots.loss_figure(frame, axis=axis)
+    yaxis = spec(plain)["layout"]["yaxis"]
+    assert yaxis["type"] == axis
+    if axis == "log":
+        assert yaxis["minorloglabels"] == "complete"  # in-between ticks read "200", "0.02", not bare digits
+    smoothed = plots.loss_figure(frame, axis=axis, smoothing=0.9)
     faint = [t for t in spec(smoothed)["data"] if t.get("showlegend") is False]
     assert len(faint) == len(MODES)  # the raw curve stays, faint, behind each smoothed one
     raw_y = values(trace(plain, "bf16-mixed")["y"])
     smooth_y = values(trace(smoothed, "bf16-mixed")["y"])
     assert np.diff(smooth_y).std() < np.diff(raw_y).std()
+
+
+def test_an_automatic_loss_axis_goes_log_when_a_spike_would_flatten_the_rest():
+    calm = spec(plots.loss_figure(records(300)))
+    assert calm["layout"]["yaxis"]["type"] == "linear" and "range" not in calm["layout"]["yaxis"]
+    assert calm["layout"]["title"]["text"] == "Loss"
+    spiked = spec(plots.loss_figure(records(300, spike_at=150)))  # one step at 50 among losses of 1 to 2
+    assert spiked["layout"]["yaxis"]["type"] == "log"
+    assert "log axis: the loss spans 1.7 decades" in spiked["layout"]["title"]["text"]
+
+
+def test_a_spike_among_losses_that_cannot_go_log_sits_on_the_edge_of_a_clipped_axis():
+    frame = records(300, spike_at=150)
+    frame["loss"] -= 1.5  # some losses at or below 0 (a plugin's loss may be): no log axis
+    figure = spec(plots.loss_figure(frame))
+    yaxis = figure["layout"]["yaxis"]
+    assert yaxis["type"] == "linear"
+    _, high = yaxis["range"]
+    assert high < 5 and "a spike is off the axis" in figure["layout"]["title"]["text"]
+    (edge,) = [t for t in figure["data"] if t["name"] == "32-true beyond the axis"]
+    assert values(edge["x"]).tolist() == [150] and values(edge["y"]).tolist() == [high]
+    assert values(edge["customdata"]).tolist() == [48.5]  # the true value, in the hover
+    assert plots.loss_axis(values(trace(figure, "32-true")["y"]), "linear")[2] is None  # asked linear: no clipping
+
+
+def test_the_step_time_median_and_band_ignore_a_stall():
+    frame = records(300)  # every lane stalls 100 ms at step 100
+    figure = spec(plots.step_time_figure(frame))
+    median = values(trace(figure, "bf16-mixed")["y"])
+    assert median.max() == 2.0 and len(median) == 300
+    (band,) = [t for t in figure["data"] if t["name"] == "bf16-mixed p10-p90"]
+    assert values(band["y"]).max() == 2.0 and band["fill"] == "tonexty"
+    assert "median and p10-p90 band" in figure["layout"]["title"]["text"]
+
+
+def test_a_long_lanes_band_is_per_bucket_from_its_records_and_reads_each_finished_bucket_once(monkeypatch):
+    from amp_core.views.summary import lanes
+
+    frame = records(20_000, modes=("32-true",))
+    frame.loc[frame["step"] % 7 == 0, "step_ms"] = 3.0
+    (lane,) = lanes(frame)
+    assert lane.raw is None
+    bands = plots.StepTimeBands()
+    band = bands.band(lane)
+    size = lane.bucket_steps
+    ms = frame["step_ms"].to_numpy()
+    for i in (0, len(band["step"]) // 2, len(band["step"]) - 1):
+        end = int(band["step"][i]) + 1
+        chunk = ms[end - int(band["records"][i]):end]
+        assert (band["p10"][i], band["p50"][i], band["p90"][i]) == tuple(np.quantile(chunk, [0.1, 0.5, 0.9]))
+    assert band["records"].sum() == 20_000 and (band["records"] <= size).all()
+    read = []
+    real = type(lane.source).raw_rows
+    monkeypatch.setattr(type(lane.source), "raw_rows", lambda self, *a, **k: read.append(a) or real(self, *a, **k))
+    again = bands.band(lane)
+    assert read == [] and all((again[key] == band[key]).all() for key in band)  # every bucket was final: kept
+    _, seconds = bands.median_time_s(lane)
+    assert seconds[-1] == pytest.approx(20_000 * 1.0 / 1e3)  # the stall at step 6,666 adds its median, not 100 ms
+
+
+def test_the_lr_is_one_line_when_it_never_moves():
+    assert plots.constant_lr(records(20)) == 1e-3
+    moving = records(20)
+    moving.loc[moving["step"] > 10, "lr"] = 5e-4
+    assert plots.constant_lr(moving) is None
 
 
 def test_smoothing_skips_non_finite_losses():

@@ -1,8 +1,11 @@
-"""A short measured cost probe: what each precision mode costs per step for a workload on this device.
+"""What each precision mode costs per step for a workload on this device, measured the way a run measures it.
 
 The Train page shows it before launch, because the brochure speedups do not hold everywhere: on a CPU without
-native fp16, 16-mixed autocast made a 1x1-conv CNN 62x slower than fp32. The probe runs the real training step
-(the runner's lane set-up and `train_step`) for a few steps per mode, under a time cap.
+native fp16, 16-mixed autocast made a 1x1-conv CNN 62x slower than fp32. The probe is a short race through the runner
+itself: a real Run of the chosen modes (32-true always among them), on the same thread set-up, the lanes interleaved
+as in a run, a few warm-up steps left out, each lane's figure the median of its step times. A probe that timed each
+mode on its own, on another thread, read bf16-mixed anywhere from 0.11x to 3.9x of 32-true where runs showed 0.7-0.8x.
+The figures are remembered; a finished run whose medians disagree by more than AGREEMENT replaces them.
 
 For sizes too slow to probe (a GPU size on a CPU), `estimate_step` says what a step would take before anyone
 launches it: an ESTIMATE, from counted FLOPs and a measured matmul rate, and marked as one wherever it is shown.
@@ -10,23 +13,37 @@ launches it: an ESTIMATE, from counted FLOPs and a measured matmul rate, and mar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import statistics
+import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 
+from amp_core import background
 from amp_core.config import RunConfig, check_launch
 from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
-from amp_core.runner import build_lane_state, choose_threads
-from amp_core.step import resolve_step, train_step
+from amp_core.runner import Run
 from amp_core.workloads import WORKLOADS
 
 SLOW_FACTOR = 1.5
 """A mode taking this many times the baseline's time per step (or more) is flagged as far slower."""
+WARMUP_STEPS = 10
+"""Steps of each lane left out of its figure: first calls, allocator growth, oneDNN picking its kernels."""
+TIMED_STEPS = 30
+"""Steps of each lane the figure is the median of."""
+TIME_CAP_S = 20.0
+"""A race still going after this long is stopped; its lanes' figures come from the steps made so far (capped)."""
+AGREEMENT = 0.20
+"""A finished run whose median ms/step of a mode is more than this far (relative) from the remembered figure
+replaces the remembered figures with its own."""
+MIN_RUN_STEPS = WARMUP_STEPS + TIMED_STEPS
+"""A run teaches the board only if each of its lanes made at least this many steps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,86 +52,119 @@ class ProbeResult:
 
     mode: str
     ms_per_step: float
-    """Median of the timed steps (each step's own measured time: perf_counter on a CPU, CUDA events on a GPU)."""
+    """Median of the lane's timed steps (each step's own measured time, as a run records it)."""
     steps_timed: int
     capped: bool
-    """The time cap cut the probe short (fewer steps than asked)."""
+    """The time cap cut the race short (fewer steps than asked)."""
+    source: str = "cost probe"
+    """What measured it: the cost probe, or a run (its id) whose figures replaced the probe's."""
 
 
-def probe_mode(workload: str, size: str, batch_size: int, mode: str, device: str = "auto", *, steps: int = 5,
-               time_cap_s: float = 2.0, seed: int = 0) -> ProbeResult:
-    """Time `steps` training steps of `mode` after one untimed warm-up step, stopping early at `time_cap_s`.
+def race_modes(config: RunConfig) -> tuple[str, ...]:
+    """The modes a probe of `config` races: 32-true (the yardstick) first, then the config's own."""
+    return (BASELINE_MODE, *[mode for mode in config.modes if mode != BASELINE_MODE])
 
-    If the warm-up alone uses up the cap, its own time is the figure (steps_timed 1, capped): slow enough to
-    warn about, and no more waiting. Raises ConfigError for settings a run would refuse.
-    """
-    config = RunConfig(workload=workload, size=size, batch_size=batch_size, modes=(mode,), device=device, seed=seed)
-    check_launch(config)
-    work = WORKLOADS[workload]
-    data = work.load_data(config)
-    torch.manual_seed(seed)
-    model = work.build_model(size, data)
-    state = build_lane_state(config, 0, mode, model, work, resolve_device(device))
-    generator = torch.Generator().manual_seed(seed)
 
-    def step_ms(step: int) -> float:
-        # The probe needs each step's time now: on CUDA that waits for the step (the probe is no run).
-        return resolve_step(state.meter, train_step(state, data.sample(generator, batch_size), step), wait=True).step_ms
+def cost_key(config: RunConfig) -> tuple:
+    """What a step's cost depends on (not the step count, seed, LR or name): the figures are remembered by it."""
+    return (config.workload, config.size, config.batch_size, resolve_device(config.device), config.data_dir,
+            config.optimizer, config.fused_optimizer, config.scheduler, config.grad_clip > 0, config.memory_every,
+            config.gradstats_every, config.grad_norm_every, config.amax_every, config.intra_op_threads)
 
-    # The same thread choice a run makes, or the probe would time conditions no run trains under.
-    choose_threads(state, data.sample(torch.Generator().manual_seed(seed + 1), batch_size))
-    started = time.perf_counter()
-    warmup_ms = step_ms(0)  # first-call dispatch, allocator costs
-    times = []
-    for step in range(1, steps + 1):
-        if time.perf_counter() - started >= time_cap_s:
-            break
-        times.append(step_ms(step))
-    if not times:
-        return ProbeResult(mode, warmup_ms, 1, True)
-    return ProbeResult(mode, statistics.median(times), len(times), len(times) < steps)
+
+def race(config: RunConfig, *, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS, time_cap_s: float = TIME_CAP_S,
+         on_start=None) -> dict[str, ProbeResult | str]:
+    """Race `config`'s modes (see race_modes) for `warmup` + `steps` steps through a real Run (no store), and give
+    each mode's median step time after the warm-up, or the error text of a lane that failed. ConfigError for
+    settings a run would refuse. `on_start(run)` is called with the Run once it started (to stop it from outside)."""
+    # A lane whose loss goes NaN still costs what a step costs: it steps on, as it would with stop_on_divergence off.
+    probe = dataclasses.replace(config, modes=race_modes(config), steps=warmup + steps, faults=(), name="cost probe",
+                                stop_on_divergence=False)
+    run = Run(probe, run_id=f"probe-{uuid.uuid4().hex[:8]}").start()
+    if on_start is not None:
+        on_start(run)
+    run.join(time_cap_s)
+    capped = run.alive
+    if capped:
+        run.stop()
+    frame = run.frame()
+    out: dict[str, ProbeResult | str] = {}
+    for lane in run.lanes:
+        if lane.status == "failed":
+            out[lane.mode] = lane.error or lane.status
+            continue
+        rows = frame[frame["lane"] == lane.index]
+        timed = rows.loc[rows["step"] >= warmup, "step_ms"].to_numpy(dtype=float)
+        if timed.size == 0:  # the cap came during the warm-up: its steps, slow as they are, are all there is
+            timed = rows["step_ms"].to_numpy(dtype=float)
+        if timed.size == 0:
+            out[lane.mode] = f"no step finished within {time_cap_s:g} s"
+            continue
+        out[lane.mode] = ProbeResult(lane.mode, float(np.median(timed)), int(timed.size), capped or timed.size < steps)
+    return out
 
 
 def relative_costs(results: list[ProbeResult], baseline: str = BASELINE_MODE) -> pd.DataFrame:
-    """mode, ms_per_step, time_vs_baseline (x the baseline's ms/step), far_slower, steps_timed, capped."""
+    """mode, ms_per_step, time_vs_baseline (x the baseline's ms/step), far_slower, steps_timed, capped, source."""
     frame = pd.DataFrame([{"mode": r.mode, "ms_per_step": r.ms_per_step, "steps_timed": r.steps_timed,
-                           "capped": r.capped} for r in results],
-                         columns=["mode", "ms_per_step", "steps_timed", "capped"])
+                           "capped": r.capped, "source": r.source} for r in results],
+                         columns=["mode", "ms_per_step", "steps_timed", "capped", "source"])
     base = frame.loc[frame["mode"] == baseline, "ms_per_step"]
     frame["time_vs_baseline"] = frame["ms_per_step"] / base.iloc[0] if not base.empty else float("nan")
     frame["far_slower"] = frame["time_vs_baseline"] >= SLOW_FACTOR
-    return frame[["mode", "ms_per_step", "time_vs_baseline", "far_slower", "steps_timed", "capped"]]
-
-
-ProbeKey = tuple[str, str, int, str, str]
-"""(workload, size, batch_size, mode, device): what a probe's figure depends on."""
+    return frame[["mode", "ms_per_step", "time_vs_baseline", "far_slower", "steps_timed", "capped", "source"]]
 
 
 class ProbeBoard:
-    """Probes measured on a worker thread, one at a time, and remembered for the life of the process.
+    """Cost probes raced on a worker thread, one at a time, and remembered for the life of the process.
 
-    A page asks with `get` and never waits: the first ask queues the probe and answers None (pending); later asks
-    answer the ProbeResult, or the error text if the probe raised. The worker ends when the queue is empty.
+    A page asks with `get(config)` and never waits: the first ask queues a race and answers None (measuring); later
+    asks answer each mode's ProbeResult, or the error text of a mode that could not run. `learn_from_run` lets a
+    finished run's own figures replace remembered ones that disagree with it. `stop` ends the race under way and
+    forgets the queue (at exit, or when a test ends); a later ask starts again.
     """
 
-    def __init__(self, steps: int = 5, time_cap_s: float = 2.0):
-        self.steps = steps
-        self.time_cap_s = time_cap_s
-        self._results: dict[ProbeKey, ProbeResult | str] = {}
-        self._queue: list[ProbeKey] = []
+    def __init__(self, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS, time_cap_s: float = TIME_CAP_S):
+        self.warmup, self.steps, self.time_cap_s = warmup, steps, time_cap_s
+        self._figures: dict[tuple, dict[str, ProbeResult | str]] = {}
+        """Per cost_key, each mode's figure (or why its lane failed)."""
+        self._refused: dict[tuple, str] = {}
+        """Per (cost_key, race_modes): why a race of exactly those modes could not start."""
+        self._queue: list[RunConfig] = []
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self._racing: Run | None = None
+        self._stopped = False
 
-    def get(self, key: ProbeKey) -> ProbeResult | str | None:
+    def known(self, config: RunConfig) -> dict[str, ProbeResult | str] | None:
+        """Each of the config's modes (race_modes order) as remembered, or None if one is not measured yet."""
         with self._lock:
-            if key in self._results:
-                return self._results[key]
-            if key not in self._queue:
-                self._queue.append(key)
+            return self._known(config)
+
+    def _known(self, config: RunConfig) -> dict[str, ProbeResult | str] | None:
+        figures = self._figures.get(cost_key(config), {})
+        modes = race_modes(config)
+        refused = self._refused.get((cost_key(config), modes))
+        if refused is not None:
+            return dict.fromkeys(modes, refused)
+        return {mode: figures[mode] for mode in modes} if all(mode in figures for mode in modes) else None
+
+    def get(self, config: RunConfig) -> dict[str, ProbeResult | str] | None:
+        """As `known`; when a figure is missing, a race of every mode of the config is queued (None: measuring)."""
+        with self._lock:
+            found = self._known(config)
+            if found is not None:
+                return found
+            self._stopped = False
+            if not any(cost_key(q) == cost_key(config) and race_modes(q) == race_modes(config) for q in self._queue):
+                self._queue.append(config)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="amp-probe", daemon=True)
-                self._worker.start()
+                self._worker = background.start(self._work, "amp-probe", stop=self.stop)
         return None
+
+    def measuring(self) -> bool:
+        with self._lock:
+            return self._worker is not None
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the queue is done (for scripts and tests); False if `timeout_s` ran out first."""
@@ -124,22 +174,64 @@ class ProbeBoard:
             worker.join(timeout_s)
         return not (worker is not None and worker.is_alive())
 
+    def stop(self) -> None:
+        """Forget the queue and stop the race under way (its thread ends within a lane step)."""
+        with self._lock:
+            self._queue.clear()
+            self._stopped = True
+            racing = self._racing
+        if racing is not None:
+            racing.stop(timeout=0)
+
+    def learn_from_run(self, config: RunConfig, medians: dict[str, tuple[float, int]], run_id: str) -> bool:
+        """A run of `config` made `medians` {mode: (median ms/step, steps)}. If a remembered figure of one of its
+        modes is more than AGREEMENT away from the run's, the run's figures replace the remembered ones (and the
+        others of that key, raced beside the stale figures, are forgotten, to be raced again). True if replaced."""
+        usable = {mode: (ms, steps) for mode, (ms, steps) in medians.items()
+                  if steps >= MIN_RUN_STEPS and math.isfinite(ms) and ms > 0}
+        if not usable:
+            return False
+        key = cost_key(config)
+        with self._lock:
+            figures = self._figures.get(key, {})
+            stale = [mode for mode, (ms, _) in usable.items() if isinstance(figures.get(mode), ProbeResult)
+                     and abs(figures[mode].ms_per_step / ms - 1) > AGREEMENT]
+            if not stale:
+                return False
+            self._figures[key] = {mode: ProbeResult(mode, ms, steps, False, f"run {run_id}")
+                                  for mode, (ms, steps) in usable.items()}
+        return True
+
     def _work(self) -> None:
         while True:
             with self._lock:
-                if not self._queue:
+                if not self._queue or self._stopped:
                     self._worker = None
                     return
-                key = self._queue[0]
-            workload, size, batch_size, mode, device = key
+                config = self._queue[0]
+
+            def racing(run: Run) -> None:
+                with self._lock:
+                    self._racing = run
+                    stopped = self._stopped
+                if stopped:
+                    run.stop(timeout=0)
+
+            outcome: dict[str, ProbeResult | str] = {}
+            refused = ""
             try:
-                outcome: ProbeResult | str = probe_mode(workload, size, batch_size, mode, device, steps=self.steps,
-                                                        time_cap_s=self.time_cap_s)
-            except Exception as exc:  # an unrunnable probe is shown as text; it must not kill the worker
-                outcome = f"{type(exc).__name__}: {exc}"
+                outcome = race(config, warmup=self.warmup, steps=self.steps, time_cap_s=self.time_cap_s,
+                               on_start=racing)
+            except Exception as exc:  # an unrunnable config is shown as text; it must not kill the worker
+                refused = f"{type(exc).__name__}: {exc}"
             with self._lock:
-                self._results[key] = outcome
-                self._queue.remove(key)
+                self._racing = None
+                if refused:
+                    self._refused[cost_key(config), race_modes(config)] = refused
+                elif not self._stopped:  # a race cut short by stop() measured nothing worth keeping
+                    self._figures.setdefault(cost_key(config), {}).update(outcome)
+                if self._queue and self._queue[0] is config:
+                    self._queue.pop(0)
 
 
 @dataclass(frozen=True, slots=True)

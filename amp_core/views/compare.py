@@ -7,6 +7,7 @@ every page); dash style says the run, so two 16-mixed lanes from two runs stay a
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,10 +22,14 @@ from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import summary
 from amp_core.views.plots import (
     MAX_POINTS,
+    StepTimeBands,
+    band_traces,
+    bulk_range,
     chart_layout,
-    decimate,
     decimate_indices,
+    edge_markers,
     line_trace,
+    log_axis,
     marker_trace,
     mode_color,
 )
@@ -35,10 +40,7 @@ if TYPE_CHECKING:
 
 RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 """Dash style of the i-th run in a comparison (cycled past six runs)."""
-DIST_POINTS = 2001
-"""Step times drawn per lane in the box/violin; longer lanes are drawn as this many evenly spaced quantiles."""
-DIST_KINDS = ("box", "violin")
-TIME_AXES = {"compute": "time in the lane's own steps (Σ step time, s)",
+TIME_AXES = {"compute": "time at the lane's median speed (Σ median step time, s)",
              "wall": "wall clock since the lane's first step (s)"}
 LANE_TABLE_COLUMNS = ("key", "run_id", "lane", "mode", "status", "live", "label")
 FLOAT_STEP_COLUMNS = ("t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "grad_norm", "probe_ms")
@@ -151,148 +153,151 @@ def frame_lane_keys(frame: pd.DataFrame) -> list[str]:
     return [lane_key(run_id, int(lane)) for run_id, lane in pairs.itertuples(index=False)]
 
 
-def add_time_columns(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` (lanes in order of first appearance, each then ordered by step) plus, per lane, `compute_s` (running
-    sum of its step times) and `elapsed_s` (wall clock since its first step began: its end minus its duration)."""
-    if frame.empty:
-        return frame.assign(compute_s=pd.Series(dtype=float), elapsed_s=pd.Series(dtype=float))
-    order = {key: i for i, key in enumerate(frame_lane_keys(frame))}
-    lane_order = [order[lane_key(r, int(n))] for r, n in zip(frame["run_id"], frame["lane"], strict=True)]
-    frame = frame.assign(_order=lane_order).sort_values(["_order", "step"], kind="stable").drop(columns="_order")
-    groups = frame.groupby(["run_id", "lane"], sort=False)
-    start = groups["t_wall_s"].transform("first") - groups["step_ms"].transform("first") / 1e3
-    return frame.assign(compute_s=groups["step_ms"].cumsum() / 1e3, elapsed_s=frame["t_wall_s"] - start)
+def lane_keys(lanes: list[LaneSeries]) -> list[str]:
+    """The lanes' keys, in order, each once (a lane's ranks share its key)."""
+    return list(dict.fromkeys(lane.key for lane in lanes))
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
 def _y_axis(title: str, log: bool) -> dict:
     """A y axis, log or linear. A log axis labels its in-between ticks in full ("200", "500", "0.02"): plotly's
     default writes them as bare digits ("2, 5, 100, 2, 5"), which read as numbers of their own."""
-    axis = {"title": {"text": title}, "type": "log" if log else "linear"}
-    if log:
-        axis.update(minorloglabels="complete", tickfont={"size": 13})  # plotly draws in-between labels at 3/4 size
-    return axis
+    return log_axis(title) if log else {"title": {"text": title}, "type": "linear"}
 
 
-def run_dashes(frame: pd.DataFrame) -> dict[str, str]:
+def run_dashes(lanes: list[LaneSeries]) -> dict[str, str]:
     """run_id -> dash style, by order of first appearance."""
-    return {run_id: RUN_DASHES[i % len(RUN_DASHES)] for i, run_id in enumerate(frame["run_id"].drop_duplicates())}
+    return {run_id: RUN_DASHES[i % len(RUN_DASHES)] for i, run_id in enumerate(dict.fromkeys(s.run_id for s in lanes))}
 
 
-def _lane_groups(frame: pd.DataFrame, labels: dict[str, str]):
-    """(key, label, mode, run_id, rows ordered by step) per lane, in order of first appearance."""
-    for (run_id, lane), group in frame.groupby(["run_id", "lane"], sort=False):
-        key = lane_key(run_id, int(lane))
-        yield key, labels.get(key, key), group["mode"].iloc[0], run_id, group.sort_values("step")
+def _wall_start(lane: LaneSeries) -> float:
+    """When the lane's first step began (its end minus its duration), from its first record."""
+    first = lane.source.raw_rows(lane.stats.first_step, lane.stats.first_step + 1, ["t_wall_s", "step_ms"])
+    return float(first["t_wall_s"][0] - first["step_ms"][0] / 1e3) if len(first["step"]) else math.nan
 
 
-def _loss_figure(frame: pd.DataFrame, labels: dict[str, str], x: str, x_title: str, title: str, log_y: bool,
-                 max_points: int) -> go.Figure:
+def _loss_figure(lanes: list[LaneSeries], labels: dict[str, str], time_axis: str | None, title: str, log_y: bool,
+                 bands: StepTimeBands | None) -> go.Figure:
     data = []
-    dashes = run_dashes(frame) if not frame.empty else {}
-    for key, label, mode, run_id, group in _lane_groups(frame, labels):
-        drawn = decimate(group, "loss", max_points, keep="skipped")
-        at_x = "" if x == "step" else f"<br>{x_title}: %{{x:.4g}}"
+    dashes = run_dashes(lanes)
+    bands = bands or StepTimeBands()
+    for lane in lanes:
+        label = labels.get(lane.key, lane.key)
+        steps, loss = lane.points("loss")
+        skipped, at_skips = lane.skipped()
+        if time_axis is None:
+            x, at = steps, ""
+        else:
+            if time_axis == "compute":
+                known_steps, seconds = bands.median_time_s(lane)
+            else:
+                known_steps, seconds = lane.points("t_wall_s")
+                seconds = seconds - _wall_start(lane)
+            x = np.interp(steps, known_steps, seconds) if len(known_steps) else np.full(len(steps), np.nan)
+            skipped = np.interp(skipped, known_steps, seconds) if len(known_steps) else skipped
+            at = f"<br>{TIME_AXES[time_axis]}: %{{x:.4g}}"
         data.append(line_trace(
-            mode, drawn[x].to_numpy(), drawn["loss"].to_numpy(), name=label, legendgroup=key,
-            line={"color": mode_color(mode), "dash": dashes[run_id], "width": 2}, customdata=drawn["step"].to_numpy(),
-            hovertemplate=f"{label}<br>step %{{customdata}}{at_x}<br>loss %{{y:.5g}}<extra></extra>"))
-        skipped = drawn[drawn["skipped"]]
-        if not skipped.empty:
+            lane.mode, x, loss, name=label, legendgroup=lane.key,
+            line={"color": mode_color(lane.mode), "dash": dashes[lane.run_id], "width": 2}, customdata=steps,
+            hovertemplate=f"{label}<br>step %{{customdata}}{at}<br>loss %{{y:.5g}}<extra></extra>"))
+        if len(skipped):
             data.append(marker_trace(
-                mode, skipped[x].to_numpy(), skipped["loss"].to_numpy(), f"{label}: skipped steps", legendgroup=key,
-                showlegend=False, customdata=skipped["step"].to_numpy(),
+                lane.mode, skipped, np.asarray(at_skips["loss"], dtype=float), f"{label}: skipped steps",
+                legendgroup=lane.key, showlegend=False, customdata=at_skips["step"],
                 hovertemplate=f"{label}<br>step %{{customdata}} skipped<br>loss %{{y:.5g}}<extra></extra>"))
+    x_title = "step" if time_axis is None else TIME_AXES[time_axis]
     layout = chart_layout(title, "loss", xaxis={"title": {"text": x_title}}, yaxis=_y_axis("loss", log_y),
                           hovermode="closest", legend={"title": {"text": "lane (colour: mode, dash: run)"}},
                           margin={"t": 50, "b": 40}, height=None)
     return go.Figure({"data": data, "layout": layout})
 
 
-def loss_vs_step_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, log_y: bool = False,
-                        max_points: int = MAX_POINTS) -> go.Figure:
-    """Loss against step, one line per lane (colour: mode, dash: run); skipped steps marked ×; long lanes
-    decimated (spikes, non-finite losses and skipped steps kept)."""
-    return _loss_figure(frame, labels or {}, "step", "step", "Loss vs step", log_y, max_points)
-
-
-def loss_vs_time_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, time_axis: str = "compute",
+def loss_vs_step_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
                         log_y: bool = False, max_points: int = MAX_POINTS) -> go.Figure:
-    """Loss against time. `time_axis` "compute": the lane's own step times summed (what the mode would take on
-    its own: lanes of one run take turns, so their wall clocks advance together); "wall": wall clock since the
-    lane's first step (includes the other lanes' turns and pauses)."""
+    """Loss against step, one line per lane (colour: mode, dash: run); skipped steps marked ×; long lanes drawn as
+    their exact min/max envelope (spikes, non-finite losses and skipped steps kept)."""
+    return _loss_figure(summary.lanes(records, max_points), labels or {}, None, "Loss vs step", log_y, None)
+
+
+def loss_vs_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
+                        time_axis: str = "compute", log_y: bool = False, max_points: int = MAX_POINTS,
+                        bands: StepTimeBands | None = None) -> go.Figure:
+    """Loss against time. `time_axis` "compute": the running sum of the lane's median step time (StepTimeBands) —
+    what the mode would take on its own at its typical speed (lanes of one run take turns, so their wall clocks
+    advance together; a stall adds its step's median, not its own length); "wall": wall clock since the lane's
+    first step (includes the other lanes' turns, stalls and pauses)."""
     if time_axis not in TIME_AXES:
         raise ValueError(f"time_axis must be one of {', '.join(TIME_AXES)}, got {time_axis!r}")
-    column = "compute_s" if time_axis == "compute" else "elapsed_s"
-    return _loss_figure(add_time_columns(frame), labels or {}, column, TIME_AXES[time_axis], "Loss vs time", log_y,
-                        max_points)
+    return _loss_figure(summary.lanes(records, max_points), labels or {}, time_axis, "Loss vs time", log_y, bands)
 
 
-def distribution_sample(values: np.ndarray, max_points: int = DIST_POINTS) -> np.ndarray:
-    """The finite `values` as they are if there are at most `max_points`, else `max_points` evenly spaced quantiles
-    of them: a bounded payload with the same min, max and (for an odd `max_points`) median, and the same shape."""
-    values = np.asarray(values, dtype=float)
-    values = values[np.isfinite(values)]
-    if values.size <= max_points:
-        return values
-    return np.quantile(values, np.linspace(0.0, 1.0, max_points))
-
-
-def step_time_spread_figure(frame: pd.DataFrame, labels: dict[str, str] | None = None, kind: str = "box",
-                            log_y: bool = False, max_points: int = DIST_POINTS) -> go.Figure:
-    """Spread of step time (ms) per lane as a box or violin, coloured by mode (mean marked); long lanes are drawn
-    from `distribution_sample`. `log_y` keeps a slow first step (warm-up) from flattening the boxes."""
-    if kind not in DIST_KINDS:
-        raise ValueError(f"kind must be one of {', '.join(DIST_KINDS)}, got {kind!r}")
+def step_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
+                     raw: bool = False, log_y: bool = False, max_points: int = MAX_POINTS,
+                     bands: StepTimeBands | None = None) -> go.Figure:
+    """Step time per lane: its rolling median and p10-p90 band (StepTimeBands: robust to one-off stalls), coloured
+    by mode, dashed by run; `raw` adds each measured step time (their envelope on a long lane), faint."""
+    lanes = summary.lanes(records, max_points)
+    labels, dashes, bands = labels or {}, run_dashes(lanes), bands or StepTimeBands()
     data = []
-    for key, label, mode, _, group in _lane_groups(frame, labels or {}):
-        values = distribution_sample(group["step_ms"].to_numpy(dtype=float), max_points)
-        trace = {"type": kind, "y": values, "name": label, "legendgroup": key, "marker": {"color": mode_color(mode)},
-                 "line": {"color": mode_color(mode)}, "hoverinfo": "y+name", "quartilemethod": "linear"}
-        if kind == "box":
-            trace.update(boxpoints="outliers", boxmean=True)
-        else:
-            trace.update(points=False, box={"visible": True}, meanline={"visible": True}, spanmode="hard")
-        data.append(trace)
-    layout = {"title": {"text": "Step time per lane"}, "yaxis": _y_axis("ms per step", log_y),
-              "showlegend": False, "margin": {"t": 50, "b": 40}}
+    for lane in lanes:
+        label = labels.get(lane.key, lane.key)
+        if raw:
+            steps, ms = lane.points("step_ms")
+            data.append({"type": "scattergl" if len(steps) > 1000 else "scatter", "mode": "markers", "x": steps,
+                         "y": ms, "name": f"{label} (each step)", "legendgroup": lane.key, "showlegend": False,
+                         "marker": {"color": mode_color(lane.mode), "size": 3, "opacity": 0.35},
+                         "hovertemplate": "step %{x}: %{y:.3g} ms<extra>" + label + "</extra>"})
+        data += band_traces(lane.mode, bands.band(lane), label, lane.key, dashes[lane.run_id])
+    axis = _y_axis("ms per step", log_y)
+    if not log_y:
+        axis["rangemode"] = "tozero"
+    layout = chart_layout("Step time per lane · median and p10-p90 band" + (" · dots: each step" if raw else ""),
+                          "ms per step", yaxis=axis, hovermode="closest", margin={"t": 50, "b": 40}, height=None,
+                          legend={"title": {"text": "lane (colour: mode, dash: run)"}})
     return go.Figure({"data": data, "layout": layout})
 
 
 # --- lanes that hide each other -----------------------------------------------------------------------------------
 OVERLAP_TOLERANCE = 0.01
 """Lanes whose losses stay within this relative difference at every common step cover each other on a loss chart."""
-OUTLIER_IQRS = 5.0
-"""The difference chart's bulk: points within this many interquartile ranges of the middle half (Tukey's fences,
-widened)."""
-SPIKE_SPAN = 100.0
-"""The axis leaves the rest out only when they reach this many times farther than the bulk: spikes, not a lane
-that drifts away or a long tail of early steps."""
 
 
-def _every_record(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
-    """Lanes holding every record: overlaps and differences compare losses step by step, not envelopes (a list of
-    LaneSeries must have been read that way)."""
+def _compared(records: pd.DataFrame | list[LaneSeries]) -> list[LaneSeries]:
+    """Lanes to compare loss by loss: a frame's with every record; a list as read (a long lane as bucket means)."""
     return summary.lanes(records, max_points=max(len(records), 1)) if isinstance(records, pd.DataFrame) else records
 
 
-def _aligned_losses(first: LaneSeries, second: LaneSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(common steps, first's losses there, second's losses there)."""
-    a, b = first["step"], second["step"]
+def bucket_note(lanes: list[LaneSeries]) -> str:
+    """"" when every lane holds every record, else how the comparisons below were made."""
+    sizes = sorted({lane.bucket_steps for lane in lanes if lane.bucket_steps > 1})
+    if not sizes:
+        return ""
+    return (f"on the mean loss of each {' / '.join(f'{size:,}' for size in sizes)}-step bucket, not step by step "
+            "(the lanes are long: a comparison reads a few thousand points)")
+
+
+def _aligned_losses(first: LaneSeries, second: LaneSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(steps, first's losses there, second's, exact): the losses (or bucket means) at the steps both have; lanes
+    bucketed differently are compared on the first's steps, the second's interpolated (exact False)."""
+    a, loss_a, _ = first.means("loss")
+    b, loss_b, _ = second.means("loss")
     if len(a) == len(b) and np.array_equal(a, b):  # lanes of one run, or runs of one length: nothing to match
-        return a, first["loss"], second["loss"]
-    steps, i, j = np.intersect1d(a, b, assume_unique=True, return_indices=True)
-    return steps, first["loss"][i], second["loss"][j]
+        return a, loss_a, loss_b, True
+    if first.bucket_steps == second.bucket_steps:
+        steps, i, j = np.intersect1d(a, b, assume_unique=True, return_indices=True)
+        return steps, loss_a[i], loss_b[j], True
+    inside = (a >= b.min()) & (a <= b.max()) if len(b) else np.zeros(len(a), dtype=bool)
+    return a[inside], loss_a[inside], np.interp(a[inside], b, loss_b), False
 
 
 def loss_overlaps(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
                   tolerance: float = OVERLAP_TOLERANCE) -> list[dict]:
     """Groups of lanes whose loss curves lie on top of each other: linked when, at every one of their common steps
-    (at least two), their losses are equal bit for bit, or within `tolerance` of each other (relative; inf/NaN at
-    the same steps). Per group: lanes (labels, in order), steps (fewest common steps of a linked pair), identical
-    (every pair of the group equal bit for bit), same (its pairs that are, as label pairs) and max_rel_diff (the
-    largest relative difference among its pairs)."""
-    lanes = [((labels or {}).get(lane.key, lane.key), lane) for lane in _every_record(records)]
+    (at least two), their losses (bucket means, for long lanes) are equal bit for bit, or within `tolerance` of each
+    other (relative; inf/NaN at the same steps). Per group: lanes (labels, in order), steps (fewest common points of a
+    linked pair), identical (every pair of the group equal bit for bit, step by step), same (its pairs that are, as
+    label pairs) and max_rel_diff (the largest relative difference among its pairs)."""
+    lanes = [((labels or {}).get(lane.key, lane.key), lane) for lane in _compared(records)]
     parent = list(range(len(lanes)))
 
     def root(i: int) -> int:
@@ -303,11 +308,11 @@ def loss_overlaps(records: pd.DataFrame | list[LaneSeries], labels: dict[str, st
     pairs = {}
     for a in range(len(lanes)):
         for b in range(a + 1, len(lanes)):
-            steps, x, y = _aligned_losses(lanes[a][1], lanes[b][1])
+            steps, x, y, exact = _aligned_losses(lanes[a][1], lanes[b][1])
             finite = np.isfinite(x) & np.isfinite(y)
             if len(steps) < 2 or not np.array_equal(np.isfinite(x), np.isfinite(y)) or not finite.any():
                 continue
-            identical = np.array_equal(x, y, equal_nan=True)
+            identical = exact and lanes[a][1].raw is not None and np.array_equal(x, y, equal_nan=True)
             x, y = x[finite], y[finite]
             rel = float(np.max(np.abs(x - y) / np.maximum(np.maximum(np.abs(x), np.abs(y)), 1e-12)))
             pairs[a, b] = (identical, rel, len(steps))
@@ -330,53 +335,51 @@ def _names(labels: list[str]) -> str:
     return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
 
-def overlap_notes(frame: pd.DataFrame, labels: dict[str, str] | None = None) -> list[str]:
-    """One sentence per group of `loss_overlaps`, saying which lines hide which, and by how much they differ."""
+def overlap_notes(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None) -> list[str]:
+    """One sentence per group of `loss_overlaps`, saying which lines hide which, and by how much they differ (and,
+    for long lanes, that this was judged on bucket means)."""
+    how = bucket_note(_compared(records))
     notes = []
-    for group in loss_overlaps(frame, labels):
+    for group in loss_overlaps(records, labels):
         names = _names(group["lanes"])
         if group["identical"]:
             notes.append(f"{names} recorded the same loss, bit for bit, at every one of their {group['steps']:,} "
                          "common steps: their lines lie exactly on top of each other (the last drawn hides the rest).")
         else:
             same = "".join(f" {a} and {b} recorded the same loss, bit for bit." for a, b in group["same"])
-            notes.append(f"{names} stay within {group['max_rel_diff']:.2%} of each other at every common step: at "
-                         f"this scale their lines cover each other.{same} The chart *Loss minus the baseline's* tells "
-                         "them apart.")
+            where = f"at every common point ({how})" if how else "at every common step"
+            notes.append(f"{names} stay within {group['max_rel_diff']:.2%} of each other {where}: at this scale "
+                         f"their lines cover each other.{same} The chart *Loss minus the baseline's* tells them "
+                         "apart.")
     return notes
 
 
 def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: str,
                            labels: dict[str, str] | None = None, max_points: int = MAX_POINTS) -> go.Figure:
-    """Each lane's loss minus the baseline lane's at the same step (common steps only), so lanes whose loss curves
-    cover each other come apart. Points far beyond the bulk (a loss spike in one lane) would flatten the rest: when
-    the points within OUTLIER_IQRS interquartile ranges of the middle half span less than 1/SPIKE_SPAN of all, the
-    axis spans them (and 0) and the others sit on its edge as ▲/▼, their true difference in the hover."""
+    """Each lane's loss minus the baseline lane's at the same step (common steps only; long lanes on their bucket
+    means, said in the title), so lanes whose loss curves cover each other come apart. Points far beyond the bulk (a
+    loss spike in one lane) would flatten the rest: the axis then spans the bulk (`plots.bulk_range`, and 0) and the
+    others sit on its edge as ▲/▼, their true difference in the hover."""
     labels = labels or {}
-    lanes = {lane.key: lane for lane in _every_record(records)}
-    title = f"Loss minus the baseline's ({labels.get(baseline, baseline)}), step by step"
+    lanes = {lane.key: lane for lane in _compared(records)}
+    how = bucket_note(list(lanes.values()))
+    title = f"Loss minus the baseline's ({labels.get(baseline, baseline)}), " + ("bucket by bucket" if how else
+                                                                                 "step by step")
     if baseline not in lanes:
         raise ValueError(f"baseline lane {baseline!r} has no records here")
-    dashes = {run_id: RUN_DASHES[i % len(RUN_DASHES)]
-              for i, run_id in enumerate(dict.fromkeys(lane.run_id for lane in lanes.values()))}
+    dashes = run_dashes(list(lanes.values()))
     curves = []
     for key, lane in lanes.items():
         if key == baseline:
             continue
-        steps, loss, base_loss = _aligned_losses(lane, lanes[baseline])
+        steps, loss, base_loss, _ = _aligned_losses(lane, lanes[baseline])
         with np.errstate(invalid="ignore"):  # two diverged lanes: inf - inf is NaN, and drawn as a gap
             curves.append((key, labels.get(key, key), lane.mode, lane.run_id, steps, loss - base_loss))
     finite = np.concatenate([d[np.isfinite(d)] for *_, d in curves] or [np.array([])])
     axis = {"title": {"text": "loss − baseline loss"}, "zeroline": True}
-    low = high = None
-    if finite.size >= 8:
-        q1, q3 = np.quantile(finite, [0.25, 0.75])
-        reach = OUTLIER_IQRS * (q3 - q1)
-        inside = finite[(finite >= q1 - reach) & (finite <= q3 + reach)]
-        bottom, top = min(float(inside.min()), 0.0), max(float(inside.max()), 0.0)
-        if reach > 0 and finite.max() - finite.min() > SPIKE_SPAN * (top - bottom):
-            low, high = bottom - 0.1 * (top - bottom), top + 0.1 * (top - bottom)
-            axis["range"] = [low, high]
+    clip = bulk_range(finite, include_zero=True)
+    if clip is not None:
+        axis["range"] = list(clip)
     data = []
     for key, label, mode, run_id, steps, difference in curves:
         idx = decimate_indices(difference, max_points)
@@ -384,17 +387,9 @@ def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: s
             mode, steps[idx], difference[idx], name=label, legendgroup=key,
             line={"color": mode_color(mode), "dash": dashes[run_id], "width": 2},
             hovertemplate=f"{label}<br>step %{{x}}<br>loss − baseline %{{y:.4g}}<extra></extra>"))
-        if low is None:
-            continue
-        edges = ((difference > high, high, "triangle-up"), (difference < low, low, "triangle-down"))
-        for beyond, edge, symbol in edges:
-            if beyond.any():
-                data.append(marker_trace(
-                    mode, steps[beyond], np.full(int(beyond.sum()), edge), f"{label}: beyond the axis",
-                    symbol=symbol, legendgroup=key, showlegend=False, customdata=difference[beyond],
-                    hovertemplate=f"{label}<br>step %{{x}}<br>loss − baseline %{{customdata:.4g}} (beyond the axis)"
-                                  "<extra></extra>"))
-    if low is not None:
+        if clip is not None:
+            data += edge_markers(mode, steps, difference, clip, f"{label}: beyond the axis", legendgroup=key)
+    if clip is not None:
         title += " · ▲▼ beyond the axis"
     layout = chart_layout(title, "loss − baseline loss", yaxis=axis, hovermode="closest",
                           legend={"title": {"text": "lane (colour: mode, dash: run)"}}, margin={"t": 50, "b": 40},

@@ -6,8 +6,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 
+from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.views.plots import StepTimeBands
+from amp_core.views.summary import default_baseline, summarize
 
 
 class RecordFollower:
@@ -23,6 +27,8 @@ class RecordFollower:
         self.run_id = run_id
         self.max_points = max_points
         self.series: list[LaneSeries] = []
+        self.bands = StepTimeBands()
+        """The step-time bands of the run's finished buckets, kept between updates."""
         self._sources: list = []
 
     def update(self, manager) -> list[LaneSeries]:
@@ -43,3 +49,59 @@ def format_scale(value: float) -> str:
         return "no scaler"
     exponent = math.log2(value)
     return f"2^{int(exponent)}" if exponent.is_integer() else f"{value:g}"
+
+
+LANE_COLUMNS = {
+    "lane": "The precision mode of the lane.",
+    "status": "What the lane is doing now (a lane of a paused run is paused).",
+    "steps": "Steps done of the steps asked.",
+    "progress": "Steps done of the steps asked.",
+    "loss now": "The loss of the lane's last step (Compare also shows the mean of the last k steps).",
+    "ms/step": "Median time of one step of this lane: one slow step does not move it.",
+    "speed": "The baseline lane's median ms/step ÷ this lane's: above 1× is faster than the baseline.",
+    "memory": "The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, its step's "
+              "allocator peak above the step's start (other lanes do not inflate it).",
+    "skipped": "Optimizer steps the GradScaler skipped (inf/NaN gradients).",
+    "scale": "The GradScaler's loss scale at the last step (only 16-mixed has one).",
+}
+"""The live lanes table's columns, with what each means (the page's help on hover)."""
+
+
+def lane_status(run_status: str, lane_status: str) -> str:
+    """What a lane is doing, in one word: a running lane of a paused run is paused."""
+    return "paused" if run_status == "paused" and lane_status == "running" else lane_status
+
+
+def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
+    """One row per lane of a run (`RunManager.run_info`), its figures from `series`: every figure of the run's
+    headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
+    total = int(info["config"]["steps"])
+    heads = summarize(series).set_index("lane") if series else pd.DataFrame()
+    rows = []
+    for lane in info["lanes"]:
+        done = int(lane["steps_done"])
+        row = {"lane": lane["mode"], "status": lane_status(info["status"], lane["status"]),
+               "steps": f"{done:,} / {total:,}", "progress": min(1.0, done / total) if total else 0.0}
+        head = heads.loc[lane["lane"]] if lane["lane"] in heads.index else None
+        row.update({
+            "loss now": "–" if head is None else f"{head['latest_loss']:.4g}",
+            "ms/step": "–" if head is None else f"{head['median_ms']:.3g}",
+            "speed": "–" if head is None else format_ratio(head["speedup"]),
+            "memory": "–" if head is None else format_ratio(head["mem_ratio"]),
+            "skipped": "–" if head is None else f"{int(head['skipped_steps']):,}",
+            "scale": "–" if head is None else format_scale(head["scale"]),
+        })
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(LANE_COLUMNS))
+
+
+def baseline_mode(series: list[LaneSeries]) -> str:
+    """The mode the speed and memory ratios of a live run are against (its first 32-true lane, else its first)."""
+    key = default_baseline(series)
+    return next((lane.mode for lane in series if lane.key == key), BASELINE_MODE)
+
+
+def lane_medians(series: list[LaneSeries]) -> dict[str, tuple[float, int]]:
+    """{mode: (median ms/step, records)} of a run's lanes (rank 0): what its run teaches the cost probe."""
+    return {lane.mode: (float(lane.stats.median_step_ms), int(lane.stats.records)) for lane in series
+            if lane.rank == 0}

@@ -132,42 +132,222 @@ def empty_figure(title: str, why: str) -> go.Figure:
                                                                    "yref": "paper", "x": 0.5, "y": 0.5}])})
 
 
-def loss_figure(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
+LOG_SPAN = 30.0
+"""An automatic loss axis turns logarithmic when the finite losses span this factor or more (and are all > 0)."""
+OUTLIER_IQRS = 5.0
+"""A figure's bulk: points within this many interquartile ranges of the middle half (Tukey's fences, widened)."""
+SPIKE_SPAN = 100.0
+"""A linear axis leaves the rest out only when they reach this many times farther than the bulk: spikes, not a lane
+that drifts away or a long tail of early steps."""
+LOSS_SPIKE_SPAN = 10.0
+"""The same for the loss axis of the Train page (a curve that falls steadily stays whole: its bulk is wide)."""
+LOSS_AXES = ("auto", "linear", "log")
+BAND_WINDOW = 25
+"""Steps in the rolling window of the step-time median and band while a lane is drawn record by record."""
+
+
+def bulk_range(values: np.ndarray, include_zero: bool = False,
+               spike_span: float = SPIKE_SPAN) -> tuple[float, float] | None:
+    """(low, high) of an axis that leaves spikes out, or None when nothing stands out that far: the points within
+    OUTLIER_IQRS interquartile ranges of the middle half, padded by a tenth, when all the points reach `spike_span`
+    times farther than those."""
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    if finite.size < 8:
+        return None
+    q1, q3 = np.quantile(finite, [0.25, 0.75])
+    reach = OUTLIER_IQRS * (q3 - q1)
+    inside = finite[(finite >= q1 - reach) & (finite <= q3 + reach)]
+    bottom, top = float(inside.min()), float(inside.max())
+    if include_zero:
+        bottom, top = min(bottom, 0.0), max(top, 0.0)
+    if reach <= 0 or finite.max() - finite.min() <= spike_span * (top - bottom):
+        return None
+    pad = 0.1 * (top - bottom)
+    return bottom - pad, top + pad
+
+
+def log_axis(title: str) -> dict:
+    """A log y axis whose in-between ticks carry their power of ten ("200", "0.02"), not bare digits."""
+    return {"title": {"text": title}, "type": "log", "minorloglabels": "complete", "tickfont": {"size": 13}}
+
+
+def loss_axis(values: np.ndarray, choice: str = "auto") -> tuple[dict, str, tuple[float, float] | None]:
+    """(y axis, what it does in words, clipped range or None) for loss values. `choice` "auto": log when the finite
+    losses are all positive and span LOG_SPAN or more, else linear with spikes left off the axis (marked on its
+    edge); "linear" / "log" as asked (log needs positive losses)."""
+    if choice not in LOSS_AXES:
+        raise ValueError(f"loss axis must be one of {', '.join(LOSS_AXES)}, got {choice!r}")
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    positive = finite.size > 0 and finite.min() > 0
+    span = finite.max() / finite.min() if positive else math.nan
+    if choice == "log" or (choice == "auto" and positive and span >= LOG_SPAN):
+        why = f"log axis: the loss spans {math.log10(span):.1f} decades" if choice == "auto" else "log axis"
+        return log_axis("loss"), why, None
+    axis = {"title": {"text": "loss"}, "type": "linear"}
+    clip = bulk_range(finite, spike_span=LOSS_SPIKE_SPAN) if choice == "auto" else None
+    if clip is None:
+        return axis, "", None
+    axis["range"] = list(clip)
+    return axis, "a spike is off the axis (▲ on its edge; hover for its value)", clip
+
+
+def edge_markers(mode: str, steps: np.ndarray, values: np.ndarray, clip: tuple[float, float], name: str,
+                 **extra) -> list[dict]:
+    """Values beyond a clipped axis drawn on its edge (▲ above, ▼ below), their true value in the hover."""
+    low, high = clip
+    out = []
+    for beyond, edge, symbol in ((values > high, high, "triangle-up"), (values < low, low, "triangle-down")):
+        if beyond.any():
+            out.append(marker_trace(mode, steps[beyond], np.full(int(beyond.sum()), edge), name, symbol=symbol,
+                                    showlegend=False, customdata=values[beyond],
+                                    hovertemplate="step %{x}: %{customdata:.4g} (beyond the axis)<extra>" + mode
+                                    + "</extra>", **extra))
+    return out
+
+
+class StepTimeBands:
+    """Per lane, the step time's 10th percentile, median and 90th percentile along the steps: one slow step (a stall,
+    a page redrawing) moves neither the median nor the band much.
+
+    A lane holding every record of its range gets a rolling window of BAND_WINDOW records; an envelope gets one point
+    per bucket, from the step times of that bucket's records. A bucket whose steps are all recorded never changes, so
+    its figures are kept: a live redraw reads only the bucket still filling (a long run's first draw reads them all).
+    """
+
+    def __init__(self, max_kept: int = 20_000):
+        self.max_kept = max_kept
+        self._kept: dict[tuple, tuple[float, float, float]] = {}
+
+    def band(self, lane: LaneSeries) -> dict[str, np.ndarray]:
+        """step, p10, p50, p90 (ms) and records (how many steps each point stands for), by step."""
+        if lane.raw is not None:
+            steps, ms = np.asarray(lane["step"]), lane["step_ms"]
+            rolling = pd.Series(ms).rolling(BAND_WINDOW, min_periods=1)
+            return {"step": steps, "p10": rolling.quantile(0.1).to_numpy(), "p50": rolling.median().to_numpy(),
+                    "p90": rolling.quantile(0.9).to_numpy(), "records": np.ones(len(steps), dtype=np.int64)}
+        size, ids = lane.bucket_steps, np.asarray(lane.buckets["id"], dtype=np.int64)
+        lows = np.maximum(ids * size, lane.start)
+        highs = np.minimum((ids + 1) * size, lane.stop)
+        end = lane.stats.last_step + 1
+        figures = np.full((len(ids), 3), np.nan)
+        missing = []
+        for i, (low, high) in enumerate(zip(lows.tolist(), highs.tolist(), strict=True)):
+            kept = self._kept.get((lane.key, lane.rank, low, high))
+            if kept is None:
+                missing.append(i)
+            else:
+                figures[i] = kept
+        if missing:
+            first, last = int(lows[missing[0]]), int(highs[missing[-1]])
+            rows = lane.source.raw_rows(first, last, ["step_ms"])
+            steps, ms = np.asarray(rows["step"]), np.asarray(rows["step_ms"], dtype=float)
+            if len(self._kept) > self.max_kept:
+                self._kept.clear()
+            for i in missing:
+                low, high = int(lows[i]), int(highs[i])
+                part = ms[np.searchsorted(steps, low):np.searchsorted(steps, high)]
+                part = part[np.isfinite(part)]
+                if part.size:
+                    figures[i] = np.quantile(part, [0.1, 0.5, 0.9])
+                    if high <= end and part.size == high - low:  # every step of the bucket is in: it is final
+                        self._kept[lane.key, lane.rank, low, high] = tuple(figures[i])
+        return {"step": highs - 1, "p10": figures[:, 0], "p50": figures[:, 1], "p90": figures[:, 2],
+                "records": highs - lows}
+
+    def median_time_s(self, lane: LaneSeries) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, seconds): the running sum of the median step time, what the lane would take at its typical speed
+        (a stall adds its step's median, not its own length)."""
+        band = self.band(lane)
+        per_point = np.nan_to_num(band["p50"], nan=0.0) * band["records"]
+        return band["step"], np.cumsum(per_point) / 1e3
+
+
+def band_traces(mode: str, band: dict[str, np.ndarray], name: str, legendgroup: str, dash: str = "solid") -> list:
+    """The p10-p90 band (filled, faint) and the median line of one lane."""
+    color = mode_color(mode)
+    return [
+        {"type": "scatter", "mode": "lines", "x": band["step"], "y": band["p90"], "line": {"width": 0, "color": color},
+         "legendgroup": legendgroup, "showlegend": False, "hoverinfo": "skip", "name": f"{name} p90"},
+        {"type": "scatter", "mode": "lines", "x": band["step"], "y": band["p10"], "line": {"width": 0, "color": color},
+         "fill": "tonexty", "fillcolor": _translucent(color), "legendgroup": legendgroup, "showlegend": False,
+         "name": f"{name} p10-p90", "customdata": np.stack([band["p10"], band["p90"]], axis=1),
+         "hovertemplate": "p10 %{customdata[0]:.3g} ms · p90 %{customdata[1]:.3g} ms<extra>" + name + "</extra>"},
+        line_trace(mode, band["step"], band["p50"], name=name, legendgroup=legendgroup,
+                   line={"color": color, "width": 1.8, "dash": dash},
+                   hovertemplate="step %{x}: median %{y:.3g} ms<extra>" + name + "</extra>"),
+    ]
+
+
+def _translucent(color: str, alpha: float = 0.2) -> str:
+    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red},{green},{blue},{alpha})"
+
+
+def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto", smoothing: float = 0.0,
                 max_points: int = MAX_POINTS) -> go.Figure:
-    """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x."""
+    """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x. The y
+    axis is `loss_axis`'s: by default log when the loss spans a wide range, else linear with spikes off the axis."""
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Loss", "no steps yet")
-    data = []
+    drawn = []
     for lane in series:
-        mode = lane.mode
         steps, raw = lane.points("loss")
         skipped, at_skips = lane.skipped()
         if smoothing > 0:
-            data.append(line_trace(mode, steps, raw, opacity=0.25, showlegend=False, hoverinfo="skip"))
-            steps, shown = smoothed(lane, "loss", smoothing)
-            marks = np.interp(skipped, steps, shown) if len(steps) else np.full(len(skipped), np.nan)
+            shown_steps, shown = smoothed(lane, "loss", smoothing)
+            marks = np.interp(skipped, shown_steps, shown) if len(shown_steps) else np.full(len(skipped), np.nan)
         else:
-            shown, marks = raw, np.asarray(at_skips["loss"], dtype=float)
-        data.append(line_trace(mode, steps, shown))
+            shown_steps, shown, marks = steps, raw, np.asarray(at_skips["loss"], dtype=float)
+        drawn.append((lane.mode, steps, raw, shown_steps, shown, skipped, marks))
+    yaxis, why, clip = loss_axis(np.concatenate([shown for *_, shown, _, _ in drawn]), axis)
+    data = []
+    for mode, steps, raw, shown_steps, shown, skipped, marks in drawn:
+        if smoothing > 0:
+            data.append(line_trace(mode, steps, raw, opacity=0.25, showlegend=False, hoverinfo="skip"))
+        data.append(line_trace(mode, shown_steps, shown))
+        if clip is not None:
+            data += edge_markers(mode, shown_steps, shown, clip, f"{mode} beyond the axis")
         if len(skipped):
             finite = shown[np.isfinite(shown)]
-            top = finite.max() if finite.size else 1.0
-            data.append(marker_trace(mode, skipped, np.where(np.isfinite(marks), marks, top),  # inf/NaN: on top
+            top = clip[1] if clip is not None else finite.max() if finite.size else 1.0
+            at = np.where(np.isfinite(marks), marks, top)  # inf/NaN: on top
+            data.append(marker_trace(mode, skipped, np.minimum(at, top) if clip is not None else at,
                                      f"{mode} skipped"))
-    title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "")
-    return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis={
-        "title": {"text": "loss"}, "type": "log" if log_y else "linear"})})
+    title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "") + (f" · {why}" if why else "")
+    return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis=yaxis)})
 
 
-def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
-    """Measured ms per step per lane (the min/max envelope keeps the slow outliers visible)."""
+def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS, *, raw: bool = False,
+                     bands: StepTimeBands | None = None) -> go.Figure:
+    """Step time per lane as a median line with its p10-p90 band (StepTimeBands: robust to one-off stalls); `raw`
+    adds the measured points themselves (their min/max envelope on a long run), faint, behind."""
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Step time", "no steps yet")
-    data = [line_trace(lane.mode, *lane.points("step_ms")) for lane in series]
-    return go.Figure({"data": data, "layout": chart_layout("Step time", "ms / step", yaxis={
+    bands = bands or StepTimeBands()
+    data = []
+    for lane in series:
+        if raw:
+            steps, ms = lane.points("step_ms")
+            data.append({"type": "scattergl" if len(steps) > 1000 else "scatter", "mode": "markers", "x": steps,
+                         "y": ms, "name": f"{lane.mode} (each step)", "legendgroup": lane.mode, "showlegend": False,
+                         "marker": {"color": mode_color(lane.mode), "size": 3, "opacity": 0.35},
+                         "hovertemplate": "step %{x}: %{y:.3g} ms<extra>" + lane.mode + "</extra>"})
+        data += band_traces(lane.mode, bands.band(lane), lane.mode, lane.mode)
+    title = "Step time · median and p10-p90 band" + (" · dots: each step" if raw else "")
+    return go.Figure({"data": data, "layout": chart_layout(title, "ms / step", hovermode="closest", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
+
+
+def constant_lr(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> float | None:
+    """The LR when every lane used one and the same LR at every step (min = max), else None."""
+    values = [lane.points("lr")[1] for lane in _lanes(records, max_points)]
+    values = np.concatenate(values) if values else np.array([])
+    values = values[np.isfinite(values)]
+    return float(values[0]) if values.size and values.min() == values.max() else None
 
 
 def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
@@ -242,10 +422,12 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     return go.Figure({"data": data, "layout": layout})
 
 
-def train_figures(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
+def train_figures(records: pd.DataFrame | list[LaneSeries], *, loss_axis: str = "auto", smoothing: float = 0.0,
+                  raw_step_times: bool = False, bands: StepTimeBands | None = None,
                   max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
     """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once)."""
     series = _lanes(records, max_points)
-    return {"loss": loss_figure(series, log_y=log_y, smoothing=smoothing, max_points=max_points),
-            "step_time": step_time_figure(series, max_points), "memory": memory_figure(series),
-            "scale": scale_figure(series, max_points), "lr": lr_figure(series, max_points)}
+    return {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points),
+            "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands),
+            "memory": memory_figure(series), "scale": scale_figure(series, max_points),
+            "lr": lr_figure(series, max_points)}

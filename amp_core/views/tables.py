@@ -40,3 +40,14 @@ def content_widths(table: pd.DataFrame, labels: dict[str, str] | None = None, mi
         need = max(text_px(text) for text in texts) + PADDING_PX
         widths[column] = int(min(max_px, max(min_px, round(need))))
     return widths
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    """A small table as Markdown (a pipe table; "|" in a cell escaped): a page draws it as text, which a browser shows
+    without loading the data grid's code (about a megabyte of script, parsed on a page's first table)."""
+    def cell(value) -> str:
+        return _cell_text(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(c) for c in table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines)

@@ -54,8 +54,9 @@ class CropData(Data):
 
 class CheckerboardCNN(Workload):
     name = "checkerboard_cnn"
-    title = "Checkerboard CNN (1x1 conv + BatchNorm, MSE)"
-    description = "EffectivePyTorch's mixed-precision example: learn a checkerboard from pixel coordinates."
+    title = "Checkerboard pattern (a small convolutional network)"
+    description = ("Learns to draw a checkerboard from pixel coordinates with 1x1 convolutions and BatchNorm, "
+                   "squared-error loss: a classic mixed-precision example (EffectivePyTorch's).")
     sizes = {"small": {"image": 64, "crop": 16, "channels": 64},
              "medium": {"image": 128, "crop": 64, "channels": 128},
              "large": {"image": 512, "crop": 512, "channels": 256},

@@ -82,8 +82,9 @@ def load_shipped_digits() -> tuple[np.ndarray, np.ndarray]:
 
 class DigitsMLP(Workload):
     name = "digits_mlp"
-    title = "Digits MLP (fc1-ReLU-fc2, cross-entropy)"
-    description = "The seed notes' MNIST MLP on real handwritten digits (shipped 8x8, or MNIST idx files)."
+    title = "Handwritten digits (a small classifier network)"
+    description = ("Tells which digit (0-9) an 8x8 image of a handwritten digit shows: a two-layer network "
+                   "(fc1, ReLU, fc2) with a cross-entropy loss. The images ship with AMP Lab; MNIST files work too.")
     sizes = {"small": {"hidden": 256}, "medium": {"hidden": 1024}, "large": {"hidden": 4096}}
 
     def check_config(self, config) -> None:

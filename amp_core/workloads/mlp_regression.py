@@ -21,8 +21,9 @@ class MLP(nn.Module):
 
 class MLPRegression(Workload):
     name = "mlp_regression"
-    title = "MLP regression (10-20-1, MSE)"
-    description = "The seed notes' first example: random inputs, targets ~ N(10, 5^2), MSE loss."
+    title = "Regression on random numbers (the smallest network)"
+    description = ("Fits 10 random inputs to a target drawn around 10 (normal, spread 5) with a 10-20-1 network and a "
+                   "squared-error loss: the quickest workload, for a first look.")
     sizes = {"small": {"samples": 1000, "hidden": 20},
              "medium": {"samples": 20_000, "hidden": 512},
              "large": {"samples": 100_000, "hidden": 4096}}

@@ -72,9 +72,9 @@ def _tokens() -> tuple[torch.Tensor, int]:
 
 class TinyTransformer(Workload):
     name = "tiny_transformer"
-    title = "Tiny transformer (char-level causal LM)"
-    description = ("Embedding, causal attention (scaled_dot_product_attention), LayerNorm, GELU MLP; "
-                   "Shakespeare's sonnets.")
+    title = "Tiny transformer (predicts the next letter)"
+    description = ("A small GPT-style language model that learns Shakespeare's sonnets letter by letter: embedding, "
+                   "causal self-attention, LayerNorm and a GELU MLP, cross-entropy loss.")
     sizes = {"small": {"block": 32, "dim": 64, "heads": 4, "layers": 2},
              "medium": {"block": 128, "dim": 128, "heads": 4, "layers": 4},
              "large": {"block": 256, "dim": 384, "heads": 6, "layers": 6},

@@ -1,0 +1,60 @@
+"""What the dashboard lists before torch is imported: the precision modes and the built-in workloads, read from the
+modules that define them (their constants and class attributes, by `ast`) without running them.
+
+Importing torch takes seconds; the Train page's form needs only names, titles and sizes. precision.py and the
+workload modules stay the one place those are written (tests/test_catalog.py checks both readings agree). Plugin
+workloads and what the device can run are known once torch is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PACKAGE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadEntry:
+    """A built-in workload as the form lists it."""
+
+    name: str
+    title: str
+    description: str
+    sizes: tuple[str, ...]
+
+
+def _constants(tree: ast.AST, names: set[str]) -> dict[str, Any]:
+    """Literal values assigned to `names` directly in a module's or class's body."""
+    found = {}
+    for node in getattr(tree, "body", []):
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(
+            node, "target", None) if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id in names and node.value is not None:
+            found[target.id] = ast.literal_eval(node.value)
+    return found
+
+
+@functools.cache
+def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
+    """(MODES, BASELINE_MODE, MODE_HELP) as amp_core/precision.py defines them."""
+    tree = ast.parse((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    found = _constants(tree, {"MODES", "BASELINE_MODE", "MODE_HELP"})
+    return tuple(found["MODES"]), found["BASELINE_MODE"], dict(found["MODE_HELP"])
+
+
+@functools.cache
+def builtin_workloads() -> tuple[WorkloadEntry, ...]:
+    """Every Workload subclass with a literal name in amp_core/workloads/*.py, sorted by title."""
+    entries = []
+    for path in sorted((PACKAGE / "workloads").glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and any(getattr(base, "id", "") == "Workload" for base in node.bases):
+                found = _constants(node, {"name", "title", "description", "sizes"})
+                if found.get("name"):
+                    entries.append(WorkloadEntry(found["name"], found.get("title", found["name"]),
+                                                 found.get("description", ""), tuple(found.get("sizes", {}))))
+    return tuple(sorted(entries, key=lambda entry: entry.title.lower()))

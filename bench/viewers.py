@@ -1,0 +1,177 @@
+"""Does watching slow training? A run's speed with two Chromium sessions watching it, against the same run unwatched.
+
+A real server (`streamlit run app.py`, tests/streamlit_server.py) and Debian's Chromium (Playwright) on one machine.
+Two cases, each one long run measured in alternating windows, so machine noise hits both sides alike:
+- server: a run launched inside the server (the Train page's Launch button);
+- cli: `python3 -m amp_core run ...` in its own process, writing the store the server follows.
+Each round is an unwatched window (no browser session open) and a watched one (two sessions open: the Train page and
+the Compare page, both following the run, each redrawing on its own timer). A window's speed is the lane steps whose
+records end inside it, per second, counted afterwards from the run's own records (t_wall_s), so nothing reads the
+store while the run is measured. The ratio of a case is the median over rounds of watched ÷ unwatched.
+
+    python3 -m bench.viewers [--rounds 3] [--window 8]
+Last line: watched_speed_ratio_min=<the smaller of the two cases' ratios>. Target: >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import tempfile
+import time
+from contextlib import closing
+from pathlib import Path
+
+from amp_core.precision import default_modes
+from amp_core.records.store import RunStore, StoreError
+from tests import streamlit_server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+WORKLOAD = "digits_mlp"
+"""The Train page's default workload; both cases run it in the page's default modes on this CPU."""
+VIEWPORT = {"width": 1440, "height": 900}
+RUN_STEPS = 10_000_000
+"""Steps asked of each run: more than the windows need; the run is stopped after the last window."""
+SETTLE_S = 1.5
+"""Between opening or closing the sessions and the window: the first render of a page, or the sessions' end."""
+CHART_DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].some(div => div._fullData &&
+    div._fullData.some(trace => (trace._length || 0) > 0))"""
+
+
+def reader(store: Path) -> RunStore:
+    """A fresh reader of the store (it sees what the writers committed since). A read-write connection opens first:
+    RunStore checks a file read-only, and a read-only open of a WAL file whose index (-shm) the last connection to
+    close removed fails with "disk I/O error" (reported: RunStore then calls the store damaged)."""
+    with closing(sqlite3.connect(store)) as conn:
+        conn.execute("SELECT COUNT(*) FROM runs").fetchone()  # opens the WAL and its index
+    return RunStore(store)
+
+
+def new_run(store: Path, known: set[str], timeout_s: float = 120.0) -> str:
+    """The run id of a run not in `known`, once it has records (a run just launched)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not store.exists() or store.stat().st_size == 0:  # the server has not created it yet
+                raise StoreError("not there yet")
+            found = reader(store)
+            for run_id in set(found.runs()["run_id"]) - known:
+                if any(track["records"] for track in found.tracks(run_id)):
+                    return run_id
+        except (StoreError, sqlite3.DatabaseError):  # opened while the server creates the file: asked again
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("no run wrote records")
+
+
+def watch(browser, url: str) -> list:
+    """Two sessions (own contexts): the Train page and the Compare page, each following the newest run."""
+    sessions = []
+    for path in ("", "compare"):
+        context = browser.new_context(viewport=VIEWPORT)
+        page = context.new_page()
+        page.goto(f"{url}/{path}")
+        page.wait_for_function(CHART_DRAWN, timeout=120_000)
+        sessions.append(context)
+    return sessions
+
+
+def lane_steps_per_s(store: Path, run_id: str, windows: list[tuple[float, float]]) -> list[float]:
+    """Per window (t0, t1): lane steps whose records end inside it, per second (every lane, from the records)."""
+    frame = reader(store).steps(run_id, strict=False)
+    ends = frame["t_wall_s"].to_numpy()
+    return [float(((ends >= t0) & (ends < t1)).sum()) / (t1 - t0) for t0, t1 in windows]
+
+
+def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: float) -> tuple[list, list]:
+    """Alternate unwatched and watched windows on the run going now; returns their (t0, t1) lists."""
+    quiet, watched = [], []
+    for _ in range(rounds):
+        time.sleep(SETTLE_S)
+        t0 = time.time()
+        time.sleep(window_s)
+        quiet.append((t0, time.time()))
+        sessions = watch(browser, url)
+        time.sleep(SETTLE_S)
+        t0 = time.time()
+        time.sleep(window_s)
+        watched.append((t0, time.time()))
+        for context in sessions:
+            context.close()
+    return quiet, watched
+
+
+def ratio(name: str, store: Path, run_id: str, quiet: list, watched: list) -> float:
+    q, w = lane_steps_per_s(store, run_id, quiet), lane_steps_per_s(store, run_id, watched)
+    ratios = [b / a for a, b in zip(q, w, strict=True)]
+    print(f"{name}_unwatched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in q))
+    print(f"{name}_watched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in w))
+    print(f"{name}_round_ratios=" + ",".join(f"{r:.3f}" for r in ratios))
+    figure = statistics.median(ratios)
+    print(f"{name}_watched_speed_ratio={figure:.3f}")
+    return figure
+
+
+def launch_in_server(browser, url: str) -> None:
+    """Launch a long run of the Train page's default workload and modes (a real click), then close the session."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.goto(url)
+    launch = page.get_by_role("button", name="Launch")
+    launch.wait_for(timeout=120_000)
+    page.get_by_label("Steps", exact=True).fill(str(RUN_STEPS))
+    page.get_by_label("Steps", exact=True).press("Enter")
+    page.wait_for_function("() => document.querySelectorAll('[data-stale=\"true\"]').length === 0")
+    launch.click()
+    page.get_by_role("button", name="Stop").wait_for(timeout=120_000)
+    context.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window", type=float, default=8.0, help="seconds per window")
+    args = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
+        store = Path(folder) / "runs.sqlite3"
+        port = streamlit_server.free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = streamlit_server.start(port, store, output=subprocess.DEVNULL)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            streamlit_server.wait_healthy(port, server)
+            launch_in_server(browser, url)
+            run_id = new_run(store, set())
+            quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window)
+            streamlit_server.stop(server)  # stops its run (its last records flushed)
+            figures["server"] = ratio("server", store, run_id, quiet, watched)
+
+            server = streamlit_server.start(port, store, output=subprocess.DEVNULL)
+            streamlit_server.wait_healthy(port, server)
+            cli = streamlit_server.start_command(
+                ["-m", "amp_core", "run", "--workload", WORKLOAD, "--modes", ",".join(default_modes("cpu")),
+                 "--steps", str(RUN_STEPS)], store, output=subprocess.DEVNULL)
+            try:
+                run_id = new_run(store, {run_id})
+                quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window)
+            finally:
+                cli.send_signal(signal.SIGINT)
+                cli.wait(60)
+            figures["cli"] = ratio("cli", store, run_id, quiet, watched)
+        finally:
+            browser.close()
+            streamlit_server.stop(server)
+    print(f"watched_speed_ratio_min={min(figures.values()):.3f}")
+
+
+if __name__ == "__main__":
+    main()
