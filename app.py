@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from amp_core.precision import MODE_HELP, MODES, availability, device_name, resolve_device, torch_version
+from amp_core.workloads import PLUGIN_ORIGINS, PLUGINS_ENV, PluginProblem, load_plugins, plugin_modules
 from pages.common import get_manager, store_banner
 
 st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
@@ -15,6 +16,12 @@ def device_facts() -> dict:
     device = resolve_device("auto")
     return {"device": device, "name": device_name(device), "torch": torch_version(),
             "modes": {mode: availability(mode, device) for mode in MODES}}
+
+
+@st.cache_resource
+def plugin_problems() -> list[PluginProblem]:
+    """Workload plugins named in $AMP_LAB_WORKLOADS, loaded once per server (never from anything typed here)."""
+    return load_plugins(plugin_modules())
 
 
 def sidebar(pages: list) -> None:
@@ -33,6 +40,12 @@ def sidebar(pages: list) -> None:
             lines.append(f"- {mark} `{mode}` — {note}")
         st.markdown("**Precision modes here**\n" + "\n".join(lines), help="\n\n".join(
             f"**{m}**: {MODE_HELP[m]}" for m in MODES))
+        for problem in plugin_problems():
+            st.error(f"Workload plugin `{problem.module}` was not loaded: {problem.why}. The built-in workloads "
+                     f"and the other plugins work as before (plugins come from `{PLUGINS_ENV}` at start-up).")
+        if PLUGIN_ORIGINS:
+            st.caption("Plugin workloads: " + ", ".join(f"`{name}` ({module})"
+                                                        for name, module in PLUGIN_ORIGINS.items()))
 
 
 manager = get_manager()

@@ -5,8 +5,8 @@ from functools import partial
 import streamlit as st
 
 from amp_core.records.store import StoreError
-from amp_core.views import compare
-from amp_core.views.summary import default_baseline, lanes, summarize
+from amp_core.views import compare, plots
+from amp_core.views.summary import default_baseline, first_rank, lane_key, lanes, rank_table, summarize
 from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
@@ -147,6 +147,19 @@ def comparison() -> None:
                "steadier than one step's; Δ: minus the baseline's. " + (
                    "Diverged: the last recorded loss is inf/NaN." if summary["diverged"].any() else
                    "No lane diverged (every last recorded loss is finite)."))
+    if summary["ranks"].max() > 1:  # torchrun jobs: each rank measured itself
+        ranks = rank_table(series, int(last_k))
+        keys = [lane_key(run_id, lane) for run_id, lane in zip(ranks["run_id"], ranks["lane"], strict=True)]
+        ranks = ranks.drop(columns=["run_id", "lane", "mode"])
+        ranks.insert(0, "lane", [lane_labels.get(key, key) for key in keys])
+        st.dataframe(ranks, hide_index=True, key="cmp_rank_table")
+        st.plotly_chart(plots.rank_step_time_figure(series), key="cmp_chart_ranks")
+        st.caption("Lanes of torchrun jobs: ms/step in the summary is the median of the ranks' medians; each rank "
+                   "is listed here (vs fastest: its median ÷ the fastest rank's). The charts below draw each lane's "
+                   "first rank; the downloads hold every rank's records, with their `rank`.")
+        all_ranks, frame = frame, first_rank(frame)
+    else:
+        all_ranks = frame
     if frame["run_id"].nunique() > 1:
         st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
                    "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
@@ -176,11 +189,11 @@ def comparison() -> None:
                             key="cmp_chart_loss_difference")
 
     st.subheader("Downloads")
-    st.caption(f"{len(frame):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "
+    st.caption(f"{len(all_ranks):,} step records of {len(present)} lane(s). Charts download as standalone HTML with "
                "plotly.js inside (about 5 MB each; they open offline).")
     downloads = [
-        ("Records · CSV", partial(compare.csv_bytes, frame), "amp_lab_records.csv", "text/csv", "csv"),
-        ("Records · Parquet", partial(compare.parquet_bytes, frame), "amp_lab_records.parquet",
+        ("Records · CSV", partial(compare.csv_bytes, all_ranks), "amp_lab_records.csv", "text/csv", "csv"),
+        ("Records · Parquet", partial(compare.parquet_bytes, all_ranks), "amp_lab_records.parquet",
          "application/vnd.apache.parquet", "parquet"),
         ("Summary · CSV", partial(compare.csv_bytes, summary), "amp_lab_summary.csv", "text/csv", "summary_csv"),
         *((f"{fig.layout.title.text} · HTML", partial(compare.figure_html, fig), f"amp_lab_{name}.html",

@@ -10,8 +10,8 @@ from amp_core.precision import BASELINE_MODE, MODE_HELP, availability, default_m
 from amp_core.probes.cost import SLOW_FACTOR, ProbeBoard, ProbeResult, estimate_step, relative_costs
 from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import plots
-from amp_core.views.live import RecordFollower, format_ratio, format_scale
-from amp_core.views.summary import LaneSeries, lanes, summarize
+from amp_core.views.live import RecordFollower, control_note, format_ratio, format_scale, progress
+from amp_core.views.summary import LaneSeries, lanes, rank_table, summarize
 from amp_core.workloads import WORKLOADS
 from pages.common import STATUS_ICONS, get_manager, run_picker
 
@@ -194,9 +194,13 @@ followers: dict[str, RecordFollower] = st.session_state.setdefault("train_follow
 live_at_start = is_live(manager.run_info(run_id))
 
 
-def controls() -> None:
-    """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state)."""
+def controls(info: dict) -> None:
+    """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state); for a run
+    another process writes, why there are none."""
     run = manager.get(run_id)
+    note = control_note(info, run is not None)
+    if note:
+        st.caption(note)
     if run is None or not run.alive or run.status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
@@ -208,14 +212,14 @@ def controls() -> None:
 
 
 def headline_cards(info: dict, series: list[LaneSeries]) -> None:
-    total = info["config"]["steps"]
+    total = info["config"].get("steps", 0)
     heads = summarize(series).set_index("lane")
     base = heads.loc[heads["is_baseline"], "mode"].iloc[0] if not heads.empty else BASELINE_MODE
     columns = st.columns(len(info["lanes"]))
     for column, lane in zip(columns, info["lanes"], strict=True):
         with column:
-            done = lane["steps_done"]
-            st.progress(min(1.0, done / total), text=f"**{lane['mode']}** · {lane['status']} · {done}/{total}")
+            fraction, done = progress(lane["steps_done"], total)
+            st.progress(fraction, text=f"**{lane['mode']}** · {lane['status']} · {done}")
             if lane["lane"] not in heads.index:
                 continue
             head = heads.loc[lane["lane"]]
@@ -261,6 +265,17 @@ def charts(series: list[LaneSeries]) -> None:
     left.plotly_chart(figures["scale"], key="train_chart_scale")
     right.plotly_chart(figures["memory"], key="train_chart_memory")
     left.plotly_chart(figures["lr"], key="train_chart_lr")
+    if "ranks" in figures:  # a torchrun job: each rank's step time
+        right.plotly_chart(figures["ranks"], key="train_chart_ranks")
+        ranks = rank_table(series)
+        st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
+                     column_config={"median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
+                                    "vs_fastest": st.column_config.NumberColumn("vs fastest rank", format="%.2f×"),
+                                    "latest_loss": st.column_config.NumberColumn("latest loss", format="%.4g"),
+                                    "final_loss": st.column_config.NumberColumn("final loss", format="%.4g")})
+        st.caption("Each rank measures itself. Loss and step time above: the median across ranks inside the band "
+                   "from the smallest to the largest rank's value; under DDP the ranks wait for each other in every "
+                   "step's gradient all-reduce, so a slow rank slows them all.")
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
@@ -271,7 +286,7 @@ def live_view() -> None:
         return
     # The picker's label can lag behind in the browser; this line is redrawn with the live view.
     st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
-    controls()
+    controls(info)
     follower = followers.setdefault(run_id, RecordFollower(run_id))
     series = lanes(follower.update(manager))  # split once: the headlines and every chart share it
     info = manager.run_info(run_id)  # again: lanes may have moved on while the records were read

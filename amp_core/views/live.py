@@ -43,3 +43,27 @@ def format_scale(value: float) -> str:
         return "no scaler"
     exponent = math.log2(value)
     return f"2^{int(exponent)}" if exponent.is_integer() else f"{value:g}"
+
+
+def control_note(info: dict, held_here: bool) -> str:
+    """Why a run that is still going offers no pause or stop on this page ('' when it does, or has ended): another
+    process runs it, a Monitor in the user's own script or a CLI run (or a torchrun job of either)."""
+    if held_here or info["status"] not in ("pending", "running", "paused"):
+        return ""
+    config = info["config"]
+    ranks = config.get("world_size", 1)
+    job = f" (a torchrun job of {ranks} ranks)" if ranks > 1 else ""
+    if config.get("source") == "monitor":
+        script = f"`{config['script']}`" if config.get("script") else "a script"
+        where = f", pid {config['pid']} on {config['host']}" if config.get("pid") else ""
+        return (f"Watched live: a Monitor in {script}{where}{job} writes this run. Pause and stop belong to that "
+                "script (its own loop decides), so they are not offered here.")
+    return (f"Watched live: another process{job} writes this run (e.g. `amp-lab run`), so pause and stop are not "
+            "offered here: stop it where it runs (Ctrl-C).")
+
+
+def progress(done: int, total: int) -> tuple[float, str]:
+    """(fraction for a progress bar, 'done/total' or 'done steps') — a Monitor's run may not know its total."""
+    if total and total > 0:
+        return min(1.0, done / total), f"{done}/{total}"
+    return 0.0, f"{done} steps"

@@ -10,12 +10,14 @@ mode looks the same in every chart and page. Figures are built from plain dicts:
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.views.summary import by_lane
 from amp_core.views.summary import lanes as _lanes
 
 # One colour per mode, the same in every chart and page.
@@ -35,6 +37,43 @@ CHART_HEIGHT = 320
 
 def mode_color(mode: str) -> str:
     return MODE_COLORS.get(mode, "#7f7f7f")
+
+
+def _fill(color: str, opacity: float = 0.2) -> str:
+    """A '#rrggbb' colour as a translucent rgba fill."""
+    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red}, {green}, {blue}, {opacity})"
+
+
+def rank_spread(ranks: list[LaneSeries], figure: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, min, median, max) of a figure across one lane's ranks, at the steps (or buckets: their means) every
+    rank has. Non-finite values are left out of a step's spread."""
+    columns = []
+    for lane in ranks:
+        steps, means, _ = lane.means(figure)
+        columns.append(pd.Series(np.where(np.isfinite(means), means, np.nan), index=steps))
+    table = pd.concat(columns, axis=1, join="inner").sort_index()
+    table = table[~table.index.duplicated()]
+    values = table.to_numpy(dtype=float)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step where every rank's value is inf/NaN: a gap
+        return (table.index.to_numpy(), np.nanmin(values, axis=1), np.nanmedian(values, axis=1),
+                np.nanmax(values, axis=1))
+
+
+def spread_traces(ranks: list[LaneSeries], figure: str, unit: str = "") -> list[dict]:
+    """A lane of several ranks drawn as its median across ranks (a line in the mode's colour) inside the band from
+    the smallest to the largest rank's value (min / median / max in the hover)."""
+    mode = ranks[0].mode
+    steps, low, middle, high = rank_spread(ranks, figure)
+    hover = f"step %{{x}}: %{{y:.4g}}{unit}<extra>{mode} · {{}} of {len(ranks)} ranks</extra>"
+    return [line_trace(mode, steps, low, name=f"{mode} · min of {len(ranks)} ranks", showlegend=False,
+                       line={"color": mode_color(mode), "width": 0}, hovertemplate=hover.format("min")),
+            line_trace(mode, steps, high, name=f"{mode} · max of {len(ranks)} ranks", showlegend=False,
+                       line={"color": mode_color(mode), "width": 0}, fill="tonexty", fillcolor=_fill(mode_color(mode)),
+                       hovertemplate=hover.format("max")),
+            line_trace(mode, steps, middle, name=f"{mode} · median of {len(ranks)} ranks",
+                       hovertemplate=hover.format("median"))]
 
 
 def decimate_indices(values: np.ndarray, max_points: int = MAX_POINTS, keep: np.ndarray | None = None) -> np.ndarray:
@@ -126,6 +165,11 @@ def chart_layout(title: str, y_title: str, **extra) -> dict:
     return layout
 
 
+def _rank_zero(series: list[LaneSeries]) -> list[LaneSeries]:
+    """Each lane's first rank (a DDP job's scale and LR are every rank's)."""
+    return [ranks[0] for ranks in by_lane(series).values()]
+
+
 def empty_figure(title: str, why: str) -> go.Figure:
     return go.Figure({"data": [], "layout": chart_layout(title, "", xaxis={"visible": False}, yaxis={"visible": False},
                                                      annotations=[{"text": why, "showarrow": False, "xref": "paper",
@@ -139,8 +183,15 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False
     if not series:
         return empty_figure("Loss", "no steps yet")
     data = []
-    for lane in series:
+    for ranks in by_lane(series).values():
+        lane = ranks[0]
         mode = lane.mode
+        if len(ranks) > 1:  # a torchrun job: the spread across ranks, rank 0's skipped steps (DDP ranks skip alike)
+            data += spread_traces(ranks, "loss")
+            skipped, at_skips = lane.skipped()
+            if len(skipped):
+                data.append(marker_trace(mode, skipped, np.asarray(at_skips["loss"], dtype=float), f"{mode} skipped"))
+            continue
         steps, raw = lane.points("loss")
         skipped, at_skips = lane.skipped()
         if smoothing > 0:
@@ -165,14 +216,37 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Step time", "no steps yet")
-    data = [line_trace(lane.mode, *lane.points("step_ms")) for lane in series]
+    data = []
+    for ranks in by_lane(series).values():
+        data += spread_traces(ranks, "step_ms", " ms") if len(ranks) > 1 else \
+            [line_trace(ranks[0].mode, *ranks[0].points("step_ms"))]
     return go.Figure({"data": data, "layout": chart_layout("Step time", "ms / step", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
 
+def rank_step_time_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
+    """Each rank's median step time, grouped by lane (one bar per rank in the mode's colour): how far the slowest
+    rank is behind the fastest. Lanes of a single rank are left out."""
+    groups = [ranks for ranks in by_lane(_lanes(records)).values() if len(ranks) > 1]
+    if not groups:
+        return empty_figure("Step time by rank", "no lane ran on more than one rank")
+    data = []
+    for ranks in groups:
+        mode = ranks[0].mode
+        medians = np.array([lane.stats.median_step_ms for lane in ranks])
+        fastest = np.nanmin(medians)
+        data.append({"type": "bar", "name": mode, "legendgroup": mode, "x": [f"rank {lane.rank}" for lane in ranks],
+                     "y": medians, "marker": {"color": mode_color(mode)}, "customdata": medians / fastest,
+                     "hovertemplate": "%{x}: %{y:.3g} ms (%{customdata:.2f}× the fastest rank)<extra>" + mode
+                     + "</extra>"})
+    layout = chart_layout("Step time by rank (median)", "ms / step", barmode="group", hovermode="closest",
+                          xaxis={"title": {"text": ""}})
+    return go.Figure({"data": data, "layout": layout})
+
+
 def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
-    series = _lanes(records, max_points)
+    series = _rank_zero(_lanes(records, max_points))
     if not series:
         return empty_figure("Learning rate", "no steps yet")
     data, tops = [], []
@@ -190,7 +264,7 @@ def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_PO
 
 def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
-    scaled = [(lane, *lane.points("scale")) for lane in _lanes(records, max_points)]
+    scaled = [(lane, *lane.points("scale")) for lane in _rank_zero(_lanes(records, max_points))]
     scaled = [(lane, steps, scale) for lane, steps, scale in scaled if not np.isnan(scale).all()]
     if not scaled:
         return empty_figure("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
@@ -219,8 +293,10 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
 
 def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     """Bytes each lane holds at its latest step, by part, one bar per mode; on CUDA also the allocator peak of the
-    lane's own step above its start, and the lane's own peak (held at the start + that)."""
-    series = _lanes(records)
+    lane's own step above its start, and the lane's own peak (held at the start + that). A lane of several ranks
+    shows its largest rank's figures."""
+    series = [max(ranks, key=lambda lane: lane.stats.peak_bytes if np.isfinite(lane.stats.peak_bytes) else -1)
+              for ranks in by_lane(_lanes(records)).values()]
     if not series:
         return empty_figure("Memory", "no steps yet")
     latest = [(lane.mode, lane.stats.latest) for lane in series]
@@ -244,8 +320,13 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
 
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, log_y: bool = False, smoothing: float = 0.0,
                   max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
-    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once)."""
+    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once), and
+    `ranks` (each rank's median step time) when a lane ran on several ranks (a torchrun job): its loss and step
+    time are then drawn as the median across ranks inside a min-max band."""
     series = _lanes(records, max_points)
-    return {"loss": loss_figure(series, log_y=log_y, smoothing=smoothing, max_points=max_points),
-            "step_time": step_time_figure(series, max_points), "memory": memory_figure(series),
-            "scale": scale_figure(series, max_points), "lr": lr_figure(series, max_points)}
+    figures = {"loss": loss_figure(series, log_y=log_y, smoothing=smoothing, max_points=max_points),
+               "step_time": step_time_figure(series, max_points), "memory": memory_figure(series),
+               "scale": scale_figure(series, max_points), "lr": lr_figure(series, max_points)}
+    if any(len(ranks) > 1 for ranks in by_lane(series).values()):
+        figures["ranks"] = rank_step_time_figure(series)
+    return figures
