@@ -208,8 +208,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         run.stop()
         print("stopped", file=sys.stderr)
     run.join()
-    if job is not None and job.rank != 0:
-        return 0 if run.status in ("finished", "stopped") else 1
+    if job is not None:
+        from amp_core.distributed import leave_job
+
+        leave_job()
+        if job.rank != 0:
+            return 0 if run.status in ("finished", "stopped") else 1
     frame = run.frame()
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")

@@ -8,6 +8,7 @@ of any torchrun job running `amp-lab run` takes part (`job_rank` reads torchrun'
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -62,6 +63,15 @@ def init_job(config: RunConfig, job: JobRank) -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", job.local_rank))
     else:
         dist.init_process_group("gloo")
+
+
+def leave_job() -> None:
+    """Leave the process group once the run is over. DDP's reducer sits in reference cycles that keep tensors gloo
+    still points at; collected only as the interpreter shuts down, they abort it now and then ("terminate called
+    without an active exception", a torch issue), so they are collected first."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class LaneDDP(DistributedDataParallel):

@@ -28,7 +28,9 @@ What a step measures, and what it costs:
 - LR: what the optimizer held when its step began (a step pre-hook); on a skipped step, what it held after the
   previous step.
 - gradient norm (fp32) every `grad_norm_every` steps and on skipped steps, gradient statistics every
-  `gradstats_every` steps and on skipped steps (these sync on CUDA: sampled), memory every `memory_every` steps
+  `gradstats_every` steps and on skipped steps while the probes stay within `probe_budget` of the loop's time (they
+  cast every gradient element to fp16 and bf16, and sync on CUDA: a large model's sample takes a while), memory every
+  `memory_every` steps
   (bytes held by parameters, gradients and optimizer state; on CUDA also the allocator's peak of the step above its
   start, which resets the allocator's peak statistics on those steps). Activations are not measured: the Monitor does
   not run the user's forward.
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from amp_core.config import ConfigError
@@ -60,8 +63,8 @@ from amp_core.measure import CudaMeter, HostMeter, InFlight, held_bytes, meter_f
 from amp_core.precision import MODES
 from amp_core.probes import gradstats
 from amp_core.records.ranks import RankSink
-from amp_core.records.schema import StepRecord
-from amp_core.records.sink import FLUSH_EVERY_S, RecordSink
+from amp_core.records.schema import STEP_COLUMNS, typed
+from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore
 from amp_core.step import StepResult, grad_norms, record_step_events, resolve_step
 from amp_core.switches import tf32_enabled
@@ -71,7 +74,18 @@ LANE = 0
 MAX_IN_FLIGHT = 256
 """CUDA: at this many steps whose figures are still on their way, the oldest is waited for (the host is then that far
 ahead of the device, so the wait costs the device nothing)."""
+MONITOR_FLUSH_EVERY_S = 1.0
+"""A Monitor's flush cadence: the dashboard redraws every second, and a flush (a few ms on the loop's own thread) twice
+as often would cost a loop of a few ms per step half a percent."""
 SOURCE = "monitor"
+ROW_FIELDS = ("step", "t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "skipped", "grad_norm",
+              "params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "peak_above_start_bytes",
+              "lane_peak_bytes", "probe_ms")
+"""The StepRecord columns a Monitor's row holds, in this order."""
+PUSH_ROWS = 256
+"""Rows go to the sink at this many, or at half the flush interval, whichever comes first."""
+if set(ROW_FIELDS) - set(STEP_COLUMNS):
+    raise ImportError(f"Monitor rows name columns StepRecord does not have: {set(ROW_FIELDS) - set(STEP_COLUMNS)}")
 """`source` in the config a Monitor saves: how the pages tell a watched script from a run they can control."""
 
 
@@ -100,8 +114,13 @@ class MonitorConfig:
     """Gradient range histograms every N steps (and on every skipped step); 0 turns them off."""
     memory_every: int = 25
     """Measure memory on steps 0, 1 and every N steps; other steps carry the figures."""
-    flush_every_s: float = FLUSH_EVERY_S
-    """The store gets the records at least this often (a kill -9 loses less than this)."""
+    probe_budget: float = 0.005
+    """Gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k parameters on a
+    CPU core) are taken on their sampled and skipped steps only while they have taken at most this share of the
+    loop's own time so far, so that watching a large model does not slow it; 0 lifts the limit."""
+    flush_every_s: float = MONITOR_FLUSH_EVERY_S
+    """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
+    transaction on the loop's thread (a few ms)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not isinstance(self.workload, str):
@@ -113,6 +132,10 @@ class MonitorConfig:
         _whole("grad_norm_every", self.grad_norm_every, 1)
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
+        if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
+                or not 0 <= self.probe_budget < 1:
+            raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
+                                              f"{self.probe_budget!r}")
         if isinstance(self.flush_every_s, bool) or not isinstance(self.flush_every_s, (int, float)) \
                 or not math.isfinite(self.flush_every_s) or self.flush_every_s <= 0:
             raise ConfigError("flush_every_s", f"must be > 0, got {self.flush_every_s!r}")
@@ -192,6 +215,9 @@ class Monitor:
         self.closed = False
         self._opened = False
         self._in_flight: deque[tuple[StepResult, float | None]] = deque()
+        self._rows: list[tuple] = []
+        """Records not yet handed to the sink, each a tuple in ROW_FIELDS order."""
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
         self._stepped = False
         self._lr_used = math.nan
         self._lr_next = float(optimizer.param_groups[0]["lr"])
@@ -207,6 +233,10 @@ class Monitor:
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._autocast_seen: tuple[bool, torch.dtype | None] | None = None
         self._scale_before: float | None = None
+        self._stats_s = self._loop_s = 0.0
+        """Host time gradient statistics have taken so far, and the loop's own host time between step() calls (what
+        probe_budget compares them with: the loop's, not the process's, which may be doing other things)."""
+        self._window_host = time.perf_counter()
         if not self.mode:
             self._forward_hook = model.register_forward_pre_hook(self._see_autocast)
             self._hooks.append(self._forward_hook)
@@ -228,6 +258,7 @@ class Monitor:
         else:
             meter.stop(window)
         began = time.perf_counter()
+        self._loop_s += began - self._window_host
         if not self._opened:
             self._open()
         step, scaler = self.steps_done, self.scaler
@@ -256,7 +287,7 @@ class Monitor:
                 norms, total = grad_norms(grads)
         if meter.immediate:
             result.step_ms = step_ms
-            result.loss = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+            result.loss = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU tensor: no wait
             if scaler is not None:
                 result.scale, result.scale_after = self._scale_before, scaler.get_scale()
             if total is not None:
@@ -272,12 +303,15 @@ class Monitor:
             self._resolve()
         self.steps_done = step + 1
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
+        if len(self._rows) >= PUSH_ROWS or time.monotonic() >= self._push_at:
+            self._push_rows()
         self._sink.flush_if_due()
         self._window = self._start_window()
 
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
         self._resolve()
+        self._push_rows()
         self._sink.flush()
 
     def close(self, status: str = "finished", error: str = "") -> None:
@@ -291,6 +325,7 @@ class Monitor:
         self._resolve(wait=True)
         if not self._opened:
             self._open()
+        self._push_rows()
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
@@ -326,7 +361,8 @@ class Monitor:
         if meter.immediate:
             if scaler is not None:
                 self._scale_before = scaler.get_scale()  # a CPU tensor: nothing to wait for
-            return meter.start()
+            self._window_host = meter.start()
+            return self._window_host
         scale = scaler._get_scale_async() if scaler is not None else None
         # Before the scaler's first step its scale lives on the host: get_scale() answers from there, with no sync.
         self._scale_before = scaler.get_scale() if scaler is not None and scale is None else None
@@ -334,6 +370,7 @@ class Monitor:
         if upcoming == 1 or (upcoming > 1 and upcoming % self.config.memory_every == 0):
             held = sum(held_bytes(self._params, self.optimizer))  # tensor metadata: no sync
             self._memory = (meter.open_memory_window(), held)
+        self._window_host = time.perf_counter()
         return meter.start(scale)
 
     def _send(self, flight: InFlight, result: StepResult, loss, found_inf, total, norms) -> None:
@@ -359,12 +396,15 @@ class Monitor:
         nonfinite = result.grad_norm is not None and not math.isfinite(result.grad_norm)
         if skipped or nonfinite:
             result.bad_params = gradstats.nonfinite_params(_inner(self.model))
-        every = self.config.gradstats_every
-        if (every and step % every == 0) or skipped:
+        every, budget = self.config.gradstats_every, self.config.probe_budget
+        sampled = (every and step % every == 0) or skipped
+        if sampled and (not budget or self._stats_s <= budget * self._loop_s):
+            started = time.perf_counter()
             if result.scaled and result.scale is None:
                 self._meter.wait(result.in_flight)  # a sampled step: the scale it began with, read now (a sync)
                 result.scale = float(result.in_flight.scale_before[0])
             result.grad_stats = gradstats.model_grad_stats(_inner(self.model), result.scale or 1.0)
+            self._stats_s += time.perf_counter() - started
 
     def _resolve(self, wait: bool = False) -> None:
         """CUDA: steps whose figures reached the host become records, oldest first (`wait`: all of them, a sync)."""
@@ -378,24 +418,36 @@ class Monitor:
             self._record(result, samples)
 
     def _record(self, result: StepResult, samples: int | None) -> None:
-        """One resolved step -> its StepRecord and events (memory figures carried between measurements)."""
+        """One resolved step -> a row of its record (memory figures carried between measurements), and its events
+        when it has any. Rows reach the sink as columns now and then (`_push_rows`): building a StepRecord a step
+        costs a loop with a cold cache ~20 us, a tuple ~1 us."""
         if result.held is not None:
             self._held = result.held
         if result.peak_above_start_bytes is not None:
             self._peak_above_start, self._lane_peak = result.peak_above_start_bytes, result.lane_peak_bytes
         params_bytes, grads_bytes, optim_bytes = self._held
         on_cuda = not self._meter.immediate
-        self._sink.step(StepRecord(
-            run_id=self.run_id, lane=LANE, mode=self.mode, step=result.step, t_wall_s=result.t_wall_s,
-            loss=result.loss, step_ms=result.step_ms,
-            samples_per_s=samples / (result.step_ms / 1e3) if samples and result.step_ms > 0 else math.nan,
-            lr=result.lr, scale=result.scale, skipped=bool(result.skipped),
-            grad_norm=math.nan if result.grad_norm is None else result.grad_norm,
-            params_bytes=params_bytes, grads_bytes=grads_bytes, optim_bytes=optim_bytes, activations_bytes=0,
-            peak_above_start_bytes=self._peak_above_start if on_cuda else None,
-            lane_peak_bytes=self._lane_peak if on_cuda else params_bytes + grads_bytes + optim_bytes,
-            probe_ms=result.probe_ms))
-        record_step_events(self._sink, LANE, result)
+        self._rows.append((
+            result.step, result.t_wall_s, result.loss, result.step_ms,
+            samples / (result.step_ms / 1e3) if samples and result.step_ms > 0 else math.nan, result.lr,
+            math.nan if result.scale is None else result.scale, bool(result.skipped),
+            math.nan if result.grad_norm is None else result.grad_norm, params_bytes, grads_bytes, optim_bytes,
+            0, self._peak_above_start if on_cuda else None,
+            self._lane_peak if on_cuda else params_bytes + grads_bytes + optim_bytes, result.probe_ms))
+        if (result.skipped or result.grad_stats or result.bad_params or result.scale_after != result.scale
+                or not math.isfinite(result.loss)):  # what record_step_events writes events for
+            record_step_events(self._sink, LANE, result)
+
+    def _push_rows(self) -> None:
+        """The rows gathered so far to the sink, as columns (a figure the Monitor does not measure is NaN)."""
+        rows, self._rows = self._rows, []
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        if not rows:
+            return
+        matrix = np.array(rows, dtype=np.float64)  # None -> NaN
+        columns = {name: typed(matrix[:, ROW_FIELDS.index(name)] if name in ROW_FIELDS else
+                               np.full(len(rows), np.nan), dtype) for name, dtype in STEP_COLUMNS.items()}
+        self._sink.extend_steps(LANE, self.mode, columns)
 
     # --- the run in the store ---------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -416,7 +468,8 @@ class Monitor:
                  "lr": float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])),
                  "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._fused,
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
-                 "memory_every": config.memory_every, "world_size": self.world_size, "ddp": self._ddp,
+                 "memory_every": config.memory_every, "probe_budget": config.probe_budget,
+                 "world_size": self.world_size, "ddp": self._ddp,
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:
@@ -433,6 +486,7 @@ def _flush_at_exit(ref: weakref.ref) -> None:
         return
     try:
         monitor._resolve(wait=True)
+        monitor._push_rows()
         if isinstance(monitor._sink, RankSink):
             monitor._sink.flush_own()
         else:

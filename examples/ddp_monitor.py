@@ -10,6 +10,7 @@ does). The dashboard's Train and Compare pages show each rank's step times and t
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -54,6 +55,8 @@ def main() -> None:
             monitor.step(loss, samples=args.batch_size)
     if rank == 0:
         print(f"run {monitor.run_id}: {monitor.steps_done} steps on each of {dist.get_world_size()} ranks")
+    del model, optimizer, monitor
+    gc.collect()  # DDP's reducer sits in reference cycles: collected now, not as Python exits (gloo may abort then)
     dist.destroy_process_group()
 
 

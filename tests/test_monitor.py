@@ -131,7 +131,8 @@ def test_bf16_autocast_without_a_scaler(store):
 
 
 def test_sampled_figures_memory_and_gradient_statistics(store):
-    monitor, backed_off, _ = fp16_loop(store, steps=31, gradstats_every=10, grad_norm_every=5, memory_every=15)
+    monitor, backed_off, _ = fp16_loop(store, steps=31, gradstats_every=10, grad_norm_every=5, memory_every=15,
+                                       probe_budget=0)
     frame = store.steps(monitor.run_id).set_index("step")
     params = tensor_bytes(monitor.model.parameters())
     assert (frame["params_bytes"] == params).all() and (frame["grads_bytes"] == params).all()
@@ -147,10 +148,20 @@ def test_sampled_figures_memory_and_gradient_statistics(store):
     assert (frame["probe_ms"] >= 0).all() and (frame["samples_per_s"] > 0).all()
 
 
+def test_gradient_statistics_stay_within_the_probe_budget(store):
+    monitor, backed_off, _ = fp16_loop(store, steps=40, gradstats_every=1, probe_budget=1e-6)
+    assert store.grad_stat_steps(monitor.run_id, 0) == [0]  # the first sample used the whole budget (and more)
+    frame = store.steps(monitor.run_id)
+    assert frame.loc[frame["skipped"], "step"].tolist() == backed_off and len(backed_off) > 1  # skips still exact
+    events = store.events(monitor.run_id)
+    assert all(e["params"] for e in events[events["kind"] == "skipped_step"]["data"])  # and named
+
+
 @pytest.mark.parametrize(("settings", "field"), [({"mode": "fp8"}, "mode"), ({"grad_norm_every": 0}, "grad_norm_every"),
                                                  ({"gradstats_every": -1}, "gradstats_every"),
                                                  ({"flush_every_s": 0}, "flush_every_s"),
-                                                 ({"total_steps": 1.5}, "total_steps")])
+                                                 ({"total_steps": 1.5}, "total_steps"),
+                                                 ({"probe_budget": 1.0}, "probe_budget")])
 def test_bad_settings_are_refused_naming_the_setting(settings, field):
     with pytest.raises(ConfigError, match=f"^{field}: ") as refused:
         MonitorConfig(**settings)

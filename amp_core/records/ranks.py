@@ -22,10 +22,11 @@ from amp_core.records.schema import Event, StepRecord
 from amp_core.records.sink import FLUSH_EVERY_S, RecordSink
 from amp_core.records.store import RunStore
 
-SAME_ON_EVERY_RANK = frozenset({"skipped_step", "scale_backoff", "scale_growth", "started", "finished", "stopped",
-                                "interrupted"})
-"""Events every rank of a DDP job records alike (the scaler sees the same all-reduced gradients; the ranks start and
-end together): written once, from rank 0, when rank 0 has the same one; the skip check says when ranks differ."""
+SAME_ON_EVERY_RANK = frozenset({"skipped_step", "scale_backoff", "scale_growth", "diverged", "started", "finished",
+                                "stopped", "interrupted"})
+"""Events every rank of a DDP job records alike (the scaler sees the same all-reduced gradients; the ranks start, stop
+a lane and end together): written once, from rank 0, when rank 0 has the same one; the skip check says when ranks
+differ."""
 SKIP_MISMATCH_EVENT = "rank_skip_mismatch"
 MAX_CALLS_PER_FLUSH = 100_000
 

@@ -64,16 +64,18 @@ def rank_spread(ranks: list[LaneSeries], figure: str) -> tuple[np.ndarray, np.nd
 def spread_traces(ranks: list[LaneSeries], figure: str, unit: str = "") -> list[dict]:
     """A lane of several ranks drawn as its median across ranks (a line in the mode's colour) inside the band from
     the smallest to the largest rank's value (min / median / max in the hover)."""
-    mode = ranks[0].mode
+    mode, color = ranks[0].mode, mode_color(ranks[0].mode)
     steps, low, middle, high = rank_spread(ranks, figure)
-    hover = f"step %{{x}}: %{{y:.4g}}{unit}<extra>{mode} · {{}} of {len(ranks)} ranks</extra>"
-    return [line_trace(mode, steps, low, name=f"{mode} · min of {len(ranks)} ranks", showlegend=False,
-                       line={"color": mode_color(mode), "width": 0}, hovertemplate=hover.format("min")),
-            line_trace(mode, steps, high, name=f"{mode} · max of {len(ranks)} ranks", showlegend=False,
-                       line={"color": mode_color(mode), "width": 0}, fill="tonexty", fillcolor=_fill(mode_color(mode)),
-                       hovertemplate=hover.format("max")),
-            line_trace(mode, steps, middle, name=f"{mode} · median of {len(ranks)} ranks",
-                       hovertemplate=hover.format("median"))]
+
+    def named(part: str) -> dict:
+        name = f"{mode} · {part} of {len(ranks)} ranks"
+        return {"name": name, "hovertemplate": f"step %{{x}}: %{{y:.4g}}{unit}<extra>{name}</extra>"}
+
+    edge = {"color": color, "width": 0}
+    return [line_trace(mode, steps, low, showlegend=False, line=edge, **named("min")),
+            line_trace(mode, steps, high, showlegend=False, line=edge, fill="tonexty", fillcolor=_fill(color),
+                       **named("max")),
+            line_trace(mode, steps, middle, **named("median"))]
 
 
 def decimate_indices(values: np.ndarray, max_points: int = MAX_POINTS, keep: np.ndarray | None = None) -> np.ndarray:
