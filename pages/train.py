@@ -225,13 +225,20 @@ def headline_cards(info: dict, series: list[LaneSeries]) -> None:
             head = heads.loc[lane["lane"]]
             m1, m2, m3 = st.columns(3)
             m1.metric("loss", f"{head['latest_loss']:.4g}")
-            m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
-                      help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
-            m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
-                      help="The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, "
-                           "its step's allocator peak above the step's start (other lanes do not inflate it).")
-            st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
-                       f"scale {format_scale(head['scale'])}")
+            if len(info["lanes"]) == 1:  # nothing to compare with (a Monitor's run has one lane): its own figures
+                m2.metric("ms / step", f"{head['median_ms']:.3g}", help="Median step time of the lane.")
+                m3.metric("skipped", int(head["skipped_steps"]), help="Optimizer steps the GradScaler skipped.")
+            else:
+                m2.metric(f"speed vs {base}", format_ratio(head["speedup"]),
+                          help="Median ms/step of the baseline lane ÷ this lane's: above 1× is faster.")
+                m3.metric(f"memory vs {base}", format_ratio(head["mem_ratio"]),
+                          help="The lane's own peak memory ÷ the baseline lane's: what the lane holds plus, on CUDA, "
+                               "its step's allocator peak above the step's start (other lanes do not inflate it).")
+            if len(info["lanes"]) == 1:
+                st.caption(f"median of {int(head['steps'])} steps · scale {format_scale(head['scale'])}")
+            else:
+                st.caption(f"{head['median_ms']:.3g} ms/step (median) · {int(head['skipped_steps'])} skipped · "
+                           f"scale {format_scale(head['scale'])}")
 
 
 def lane_problems(info: dict) -> None:
@@ -269,7 +276,8 @@ def charts(series: list[LaneSeries]) -> None:
         right.plotly_chart(figures["ranks"], key="train_chart_ranks")
         ranks = rank_table(series)
         st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
-                     column_config={"median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
+                     column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
+                                    "median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
                                     "vs_fastest": st.column_config.NumberColumn("vs fastest rank", format="%.2f×"),
                                     "latest_loss": st.column_config.NumberColumn("latest loss", format="%.4g"),
                                     "final_loss": st.column_config.NumberColumn("final loss", format="%.4g")})

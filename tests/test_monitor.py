@@ -218,6 +218,7 @@ def test_a_dashboard_follows_a_monitored_script_live_and_its_skips_are_exact(fre
         notes = " ".join(caption.value for caption in page.caption)
         assert "a Monitor in `monitor_script.py`" in notes and "not offered here" in notes
         assert not [b for b in page.button if b.key in ("train_pause", "train_stop")]
+        assert [m.label for m in page.metric] == ["loss", "ms / step", "skipped"]  # one lane: nothing to compare
 
         proc.stdin.write("\n")
         proc.stdin.flush()

@@ -1,6 +1,6 @@
 """Ranks in the views, on hand-made records of a 2-rank job (every figure computed by hand below): one summary row per
 lane, a row per rank, the spread across ranks, each lane's first rank for single-line charts; the Train page's note
-for a run it does not own and its progress for a run of unknown length."""
+for a run it does not own, its progress for a run of unknown length, and memory bars without unmeasured parts."""
 
 from __future__ import annotations
 
@@ -105,3 +105,11 @@ def test_progress_of_a_run_of_unknown_length():
     assert progress(30, 120) == (0.25, "30/120")
     assert progress(130, 120) == (1.0, "130/120")
     assert progress(30, 0) == (0.0, "30 steps")
+
+
+def test_memory_bars_leave_out_activations_nobody_measured():
+    frame = records(5, modes=("16-mixed",))
+    assert "activations" in list(plots.memory_figure(frame).to_plotly_json()["data"][0]["x"])
+    frame["activations_bytes"] = 0  # a Monitor's run: it does not run the user's forward
+    labels = list(plots.memory_figure(frame).to_plotly_json()["data"][0]["x"])
+    assert labels == ["parameters", "gradients", "optimizer state", "total held"]

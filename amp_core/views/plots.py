@@ -294,15 +294,18 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
 
 
 def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
-    """Bytes each lane holds at its latest step, by part, one bar per mode; on CUDA also the allocator peak of the
-    lane's own step above its start, and the lane's own peak (held at the start + that). A lane of several ranks
-    shows its largest rank's figures."""
+    """Bytes each lane holds at its latest step, by part (activations only where measured), one bar per mode; on CUDA
+    also the allocator peak of the lane's own step above its start, and the lane's own peak (held at the start +
+    that). A lane of several ranks shows its largest rank's figures."""
     series = [max(ranks, key=lambda lane: lane.stats.peak_bytes if np.isfinite(lane.stats.peak_bytes) else -1)
               for ranks in by_lane(_lanes(records)).values()]
     if not series:
         return empty_figure("Memory", "no steps yet")
     latest = [(lane.mode, lane.stats.latest) for lane in series]
-    parts = [*MEMORY_PARTS, ("_held", "total held")]
+    # A forward always saves some bytes for backward: none anywhere means nobody measured them (a Monitor, which does
+    # not run the user's forward), and an empty bar would read as "no activations".
+    parts = [part for part in MEMORY_PARTS if part[0] != "activations_bytes" or
+             any(row.get("activations_bytes", 0) for _, row in latest)] + [("_held", "total held")]
     if any(pd.notna(row.get("peak_above_start_bytes")) for _, row in latest):
         parts += [("peak_above_start_bytes", "step peak above its start (CUDA)"),
                   ("lane_peak_bytes", "lane peak (CUDA)")]
