@@ -189,6 +189,18 @@ def test_a_crash_inside_the_with_block_leaves_an_interrupted_run_saying_why(stor
         monitor.step(1.0)
 
 
+def test_a_monitored_run_opens_on_every_page(store):
+    monitor, _, _ = fp16_loop(store, steps=30, overflow_at=(12,), onecycle=True)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=180).run()
+    for page in ("pages/train.py", "pages/compare.py", "pages/op_inspector.py", "pages/layer_numerics.py",
+                 "pages/overflow_debugger.py"):
+        at.switch_page(page).run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+    at.switch_page("pages/train.py").run()
+    assert at.selectbox(key="train_run_pick").value == monitor.run_id
+    assert [p.value for p in at.get("progress")] == [100]  # 30 of OneCycleLR's 30 steps
+
+
 # --- a monitored script in a process of its own -------------------------------------------------------------------
 def start_script(store: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(SCRIPT), "--store", str(store), *args], cwd=ROOT, env=ENV,

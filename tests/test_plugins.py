@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import streamlit as st
 from figure_json import points_by_trace, spec
@@ -23,6 +24,7 @@ from amp_core.probes.optrace import trace_workload
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
 from amp_core.workloads import BUILT_IN, WORKLOADS, load_plugins, param_names
+from tests import streamlit_server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -220,3 +222,16 @@ def test_a_stored_run_of_a_plugin_not_loaded_now_opens_on_every_page(plugin_path
     figures = {chart.key: spec(chart.proto.spec) for chart in at.get("plotly_chart")}
     assert points_by_trace(figures["train_chart_loss"]) == {"32-true": 10, "16-mixed": 10, **(
         {"16-mixed skipped": int(run.frame()["skipped"].sum())} if run.frame()["skipped"].any() else {})}
+
+
+def test_ui_hands_its_plugins_to_the_dashboard(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMP_LAB_WORKLOADS", "plugin_a")
+    port = streamlit_server.free_port()
+    args = ["-m", "amp_core", "ui", "--port", str(port), "--workload-module", "my_workload",
+            "--server.fileWatcherType", "none"]
+    proc = streamlit_server.start_command(args, tmp_path / "runs.sqlite3")
+    try:
+        streamlit_server.wait_healthy(port, proc)
+        assert psutil.Process(proc.pid).environ()["AMP_LAB_WORKLOADS"] == "plugin_a,my_workload"
+    finally:
+        streamlit_server.stop(proc)
