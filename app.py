@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from pages.common import device_panel, get_manager, store_banner, warm_up
+from pages.common import device_panel, get_manager, plugin_panel, store_banner, warm_up
 
 st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
 
@@ -36,6 +36,7 @@ if light_first and not warm.core.is_set():
 else:
     with device_slot.container():
         device_panel(warm.device_facts())
+        plugin_panel(warm)
 if not light_first:
     store_banner(get_manager())  # (the Train page says it itself when it draws light first)
 navigation.run()

@@ -15,7 +15,7 @@ from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES
 from amp_core.records.store import RunStore, StoreError
 from amp_core.views.summary import summarize
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
 APP_FILE = Path(__file__).resolve().parents[1] / "app.py"
 """The dashboard's entry file: beside the amp_core package in a source checkout (`pip install -e .`)."""
@@ -35,8 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="amp-lab", description=__doc__)
     parser.add_argument("--store", default=None, help="SQLite store path (default: $AMP_LAB_STORE or ~/.amp_lab)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plugins = argparse.ArgumentParser(add_help=False)
+    plugins.add_argument("--workload-module", action="append", default=[], metavar="MODULE",
+                         help="import MODULE (e.g. my_pkg.workloads) and add the Workload subclasses it defines "
+                              "(repeatable; $AMP_LAB_WORKLOADS names more, comma-separated)")
 
-    ui = sub.add_parser("ui", help="start the dashboard (streamlit run app.py), on 127.0.0.1 unless --share",
+    ui = sub.add_parser("ui", parents=[plugins],
+                        help="start the dashboard (streamlit run app.py), on 127.0.0.1 unless --share",
                         description="Start the dashboard: `streamlit run app.py` with AMP Lab's defaults. Arguments "
                                     "it does not know (e.g. --server.headless false) go to streamlit as they are.")
     ui.add_argument("--share", action="store_true",
@@ -45,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=None, help="port to listen on (default: Streamlit's, 8501)")
     ui.set_defaults(handler=cmd_ui, takes_extra_args=True)
 
-    run = sub.add_parser("run", help="train one workload in several precision modes side by side")
-    run.add_argument("--workload", default="digits_mlp", help=f"one of {', '.join(WORKLOADS)}")
+    run = sub.add_parser("run", parents=[plugins], help="train one workload in several precision modes side by side")
+    run.add_argument("--workload", default="digits_mlp",
+                     help=f"a built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module)")
     run.add_argument("--modes", default="32-true,bf16-mixed", help=f"comma-separated, from {', '.join(MODES)}")
     run.add_argument("--steps", type=int, default=200)
     run.add_argument("--batch-size", type=int, default=64)
@@ -66,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
                           "lr_scale:10@100+20, init_scale:1024 (repeatable)")
-    run.set_defaults(handler=cmd_run)
+    run.add_argument("--nproc", type=int, default=1, metavar="N",
+                     help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
+                          "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")
+    run.set_defaults(handler=cmd_run, uses_workloads=True)
 
     sub.add_parser("list", help="runs in the store, newest first").set_defaults(handler=cmd_list)
 
@@ -76,22 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.set_defaults(handler=cmd_export)
 
-    trace = sub.add_parser("trace", help="which dtype every op ran in, forward and backward")
+    trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
     trace.add_argument("--mode", default="bf16-mixed")
     trace.add_argument("--size", default="small")
     trace.add_argument("--device", default="cpu")
     trace.add_argument("--csv", default=None, help="write the op table here")
-    trace.set_defaults(handler=cmd_trace)
+    trace.set_defaults(handler=cmd_trace, uses_workloads=True)
 
-    numerics = sub.add_parser("numerics", help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
+    numerics = sub.add_parser("numerics", parents=[plugins],
+                              help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
     numerics.add_argument("--workload", default="digits_mlp")
     numerics.add_argument("--mode", default="16-mixed")
     numerics.add_argument("--size", default="small")
     numerics.add_argument("--batch-size", type=int, default=64)
     numerics.add_argument("--device", default="cpu")
     numerics.add_argument("--csv", default=None, help="write the per-module table here")
-    numerics.set_defaults(handler=cmd_numerics)
+    numerics.set_defaults(handler=cmd_numerics, uses_workloads=True)
     return parser
 
 
@@ -151,8 +161,10 @@ def cmd_ui(args: argparse.Namespace) -> int:
     if address not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: AMP Lab listens on {address}: anyone who can reach this port can launch training runs on "
               "this machine and read every run in its store", file=sys.stderr)
-    if args.store is not None:  # the dashboard reads its store from the environment
+    if args.store is not None:  # the dashboard reads its store and its plugins from the environment
         os.environ["AMP_LAB_STORE"] = args.store
+    if args.workload_module:
+        os.environ[PLUGINS_ENV] = ",".join([*plugin_modules(), *args.workload_module])
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command + extra)
@@ -170,24 +182,51 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from amp_core.runner import Run
+    from amp_core.config import check_launch
+    from amp_core.distributed import job_rank
 
     config = config_from_args(args)
-    run = Run(config, RunStore(args.store)).start()
+    job = job_rank()
+    if args.nproc < 1:
+        raise ConfigError("nproc", f"must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and job is None:
+        check_launch(config)  # a bad setting is said once, here, not by every rank
+        return _run_under_torchrun(args)
+    if job is not None:
+        from amp_core.distributed import DistributedRun, init_job
+
+        init_job(config, job)
+        run = DistributedRun(config, RunStore(args.store) if job.rank == 0 else None).start()
+    else:
+        from amp_core.runner import Run
+
+        run = Run(config, RunStore(args.store)).start()
     try:
-        _progress(run)
+        if job is None or job.rank == 0:
+            _progress(run)
     except KeyboardInterrupt:
         run.stop()
         print("stopped", file=sys.stderr)
     run.join()
+    if job is not None:
+        from amp_core.distributed import leave_job
+
+        leave_job()
+        if job.rank != 0:
+            return 0 if run.status in ("finished", "stopped") else 1
     frame = run.frame()
-    print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device})")
+    ranks = f", {job.world_size} ranks" if job is not None else ""
+    print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
     header = f"{'lane':<12}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}{'skipped':>9}"
-    print(header)
+    print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
     for row in summarize(frame).to_dict("records"):
         lane = run.lanes[row["lane"]]
-        print(f"{row['mode']:<12}{lane.status:<10}{_fmt(row['median_ms'], '.2f'):>10}{_fmt(row['speedup'], '.2f'):>9}"
-              f"{_fmt(row['peak_mib'], '.2f'):>10}{_fmt(row['final_loss'], '.4g'):>12}{row['skipped_steps']:>9}")
+        line = (f"{row['mode']:<12}{lane.status:<10}{_fmt(row['median_ms'], '.2f'):>10}"
+                f"{_fmt(row['speedup'], '.2f'):>9}{_fmt(row['peak_mib'], '.2f'):>10}"
+                f"{_fmt(row['final_loss'], '.4g'):>12}{row['skipped_steps']:>9}")
+        if job is not None:
+            line += f"{row['ranks']:>7}{_fmt(row['rank_imbalance'], '.2f'):>17}"
+        print(line)
         if lane.error:
             print(f"  {lane.mode}: {lane.error}")
     for event in run.events():
@@ -196,6 +235,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     if run.store_error:
         print(f"warning: records not saved: {run.store_error}", file=sys.stderr)
     return 0 if run.status in ("finished", "stopped") else 1
+
+
+def _run_under_torchrun(args: argparse.Namespace) -> int:
+    """This same command in `--nproc` processes under torchrun (each worker sees torchrun's environment and joins
+    the job); torchrun's exit status."""
+    import subprocess
+
+    from amp_core.distributed import torchrun_command
+
+    argv = _without_flag(args.argv, "--nproc")
+    try:
+        return subprocess.run(torchrun_command(argv, args.nproc), check=False).returncode
+    except KeyboardInterrupt:  # torchrun passes the signal on to its workers
+        return 130
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """`argv` without `flag` and its value (`--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 def _fmt(value, spec: str) -> str:
@@ -242,7 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "takes_extra_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if getattr(args, "uses_workloads", False):
+            problems = load_plugins([*plugin_modules(), *args.workload_module])
+            for problem in problems:
+                print(f"error: {problem.message()}", file=sys.stderr)
+            if problems:
+                return 2
         return args.handler(args)
     except (ConfigError, StoreError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

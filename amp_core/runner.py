@@ -422,16 +422,19 @@ class Run:
         lane.steps_done = step + 1
         record_step_events(self.sink, lane.index, result)
         if not math.isfinite(result.loss) and self.config.stop_on_divergence and lane.status == "running":
-            dropped = [entry for entry in self._in_flight if entry[0] is lane]
-            self._in_flight = deque(entry for entry in self._in_flight if entry[0] is not lane)
-            hint = divergence_hint(self.config, state.precision)
-            lane.status, lane.error = "diverged", f"loss became {result.loss} at step {step}{hint}"
-            lane.state = None
-            self._amax_samplers.pop(lane.index, None)
-            self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step,
-                            steps_run_after=len(dropped))
+            self._stop_diverged(lane, f"loss became {result.loss} at step {step}", step)
         elif lane.steps_done >= self.config.steps and lane.status == "running":
             lane.status = "finished"
+
+    def _stop_diverged(self, lane: Lane, why: str, step: int) -> None:
+        """Stop a lane whose loss went non-finite; its steps still queued are dropped. (Under torchrun the ranks
+        stop a lane together: amp_core.distributed.DistributedRun.)"""
+        dropped = [entry for entry in self._in_flight if entry[0] is lane]
+        self._in_flight = deque(entry for entry in self._in_flight if entry[0] is not lane)
+        lane.status, lane.error = "diverged", why + divergence_hint(self.config, lane.state.precision)
+        lane.state = None
+        self._amax_samplers.pop(lane.index, None)
+        self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step, steps_run_after=len(dropped))
 
     def _sample_layer_amax(self, lane: Lane, step: int) -> None:
         """Per-module abs max on a shadow copy of the lane (its weights after this step, this step's batch), taken

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 STATUS_ICONS = {"running": "🟢", "paused": "⏸️", "pending": "⏳", "finished": "✅", "stopped": "⏹️",
                 "failed": "❌", "interrupted": "⚠️", "diverged": "💥"}
 CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
-"""What the Train form needs beyond the light catalog: which modes this device runs (imports torch)."""
+"""What the Train form needs beyond the light catalog: which modes this device runs (imports torch), and the workload
+plugins named in $AMP_LAB_WORKLOADS (loaded once per server, never from anything typed on a page)."""
 OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.runner", "amp_core.probes.cost",
                  "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live", "amp_core.views.compare",
                  "amp_core.views.tables")
@@ -66,6 +67,8 @@ class WarmUp:
     def __init__(self):
         self.core, self.done = threading.Event(), threading.Event()
         self.facts: DeviceFacts | None = None
+        self.plugin_problems: list = []
+        """PluginProblem of each plugin module that did not load (the built-ins and other plugins still work)."""
         self.started = time.monotonic()
         background.start(self._work, "amp-warm-up")
 
@@ -73,6 +76,9 @@ class WarmUp:
         try:
             for name in CORE_MODULES:
                 importlib.import_module(name)
+            from amp_core.workloads import load_plugins, plugin_modules
+
+            self.plugin_problems = load_plugins(plugin_modules())
             self.facts = read_device_facts()
         finally:
             self.core.set()
@@ -135,6 +141,17 @@ def device_panel(facts: DeviceFacts) -> None:
     lines = [f"- {'✓' if ok else '✗'} {', '.join(modes)} — {note}" for (ok, note), modes in notes.items()]
     st.markdown("**Precision modes here**\n" + "\n".join(lines),
                 help="\n\n".join(f"**{mode}**: {MODE_HELP[mode]}" for mode in MODES))
+
+
+def plugin_panel(warm: WarmUp) -> None:
+    """The sidebar's word on workload plugins: each that failed to load and why, the ones that joined."""
+    from amp_core.workloads import PLUGIN_ORIGINS, PLUGINS_ENV
+
+    for problem in warm.plugin_problems:
+        st.error(f"Workload plugin `{problem.module}` was not loaded: {problem.why}. The built-in workloads and the "
+                 f"other plugins work as before (plugins come from `{PLUGINS_ENV}` at start-up).")
+    if PLUGIN_ORIGINS:
+        st.caption("Plugin workloads: " + ", ".join(f"`{name}` ({module})" for name, module in PLUGIN_ORIGINS.items()))
 
 
 def run_label(row: pd.Series, status: bool = True) -> str:

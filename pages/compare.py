@@ -5,8 +5,8 @@ from functools import partial
 import streamlit as st
 
 from amp_core.records.store import StoreError
-from amp_core.views import compare
-from amp_core.views.summary import default_baseline, summarize
+from amp_core.views import compare, plots
+from amp_core.views.summary import by_lane, default_baseline, lane_key, rank_table, summarize
 from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
@@ -118,6 +118,7 @@ def comparison() -> None:
     if ended:
         st.rerun()  # the last live run just ended: redraw once without the timer
     present = compare.lane_keys(series)
+    records = sum(lane.stats.records for lane in series)  # every rank's
     if not present:
         st.info("The chosen lanes have no steps yet. A run just launched writes its first steps within a second "
                 "or two.")
@@ -151,6 +152,17 @@ def comparison() -> None:
                "steadier than one step's; Δ: minus the baseline's. " + (
                    "Diverged: the last recorded loss is inf/NaN." if summary["diverged"].any() else
                    "No lane diverged (every last recorded loss is finite)."))
+    if summary["ranks"].max() > 1:  # torchrun jobs: each rank measured itself
+        ranks = rank_table(series, int(last_k))
+        keys = [lane_key(run_id, lane) for run_id, lane in zip(ranks["run_id"], ranks["lane"], strict=True)]
+        ranks = ranks.drop(columns=["run_id", "lane", "mode"])
+        ranks.insert(0, "lane", [lane_labels.get(key, key) for key in keys])
+        st.dataframe(ranks, hide_index=True, key="cmp_rank_table")
+        st.plotly_chart(plots.rank_step_time_figure(series), key="cmp_chart_ranks")
+        st.caption("Lanes of torchrun jobs: ms/step in the summary is the median of the ranks' medians; each rank "
+                   "is listed here (vs fastest: its median ÷ the fastest rank's). The charts below draw each lane's "
+                   "first rank; the downloads hold every rank's records, with their `rank`.")
+        series = [ranks_of_lane[0] for ranks_of_lane in by_lane(series).values()]
     if len({lane.run_id for lane in series}) > 1:
         st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
                    "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
@@ -188,7 +200,6 @@ def comparison() -> None:
                        "they are summed, so a stall (a page redrawing, another program) does not stretch a lane.")
 
     st.subheader("Downloads")
-    records = sum(lane.stats.records for lane in series)
     st.caption(f"{records:,} step records of {len(present)} lane(s), gathered when you ask for them. Charts download "
                "as standalone HTML with plotly.js inside (about 5 MB each; they open offline).")
 

@@ -10,7 +10,16 @@ import streamlit as st
 
 from amp_core import catalog
 from amp_core.config import OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
-from pages.common import STATUS_ICONS, device_panel, get_manager, probe_board, run_picker, store_banner, warm_up
+from pages.common import (
+    STATUS_ICONS,
+    device_panel,
+    get_manager,
+    plugin_panel,
+    probe_board,
+    run_picker,
+    store_banner,
+    warm_up,
+)
 
 REFRESH_S = 1.0
 """The live view's redraw period while a run goes."""
@@ -91,6 +100,7 @@ facts = warm.device_facts()
 if st.session_state.get("device_slot") is not None:  # app.py left the sidebar's device facts to this page
     with st.session_state.pop("device_slot").container():
         device_panel(facts)
+        plugin_panel(warm)
 modes = modes_slot.multiselect("Precision modes (one lane each)", facts.runnable, default=facts.defaults,
                                key="train_modes",
                                help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in facts.runnable))
@@ -133,11 +143,12 @@ from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
     RecordFollower,
     baseline_mode,
+    control_note,
     format_ratio,
     lane_medians,
     lanes_table,
 )
-from amp_core.views.summary import lanes  # noqa: E402
+from amp_core.views.summary import lanes, rank_table  # noqa: E402
 from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
 
 manager = get_manager()
@@ -265,9 +276,14 @@ followers: dict[str, RecordFollower] = st.session_state.setdefault("train_follow
 live_at_start = is_live(manager.run_info(run_id))
 
 
-def controls(status: str) -> None:
-    """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state)."""
+def controls(info: dict) -> None:
+    """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state); for a run
+    another process writes, why there are none."""
     run = manager.get(run_id)
+    note = control_note(info, run is not None)
+    if note:
+        st.caption(note)
+    status = info["status"]
     if run is None or not run.alive or status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
@@ -334,6 +350,18 @@ def charts(series: list, follower: RecordFollower) -> None:
         left.plotly_chart(figures["lr"], key="train_chart_lr")
     else:
         left.markdown(f"**Learning rate** constant at **{lr:.3g}** in every lane (a chart appears when it moves).")
+    if "ranks" in figures:  # a torchrun job: each rank's step time
+        right.plotly_chart(figures["ranks"], key="train_chart_ranks")
+        ranks = rank_table(series)
+        st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
+                     column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
+                                    "median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
+                                    "vs_fastest": st.column_config.NumberColumn("vs fastest rank", format="%.2f×"),
+                                    "latest_loss": st.column_config.NumberColumn("latest loss", format="%.4g"),
+                                    "final_loss": st.column_config.NumberColumn("final loss", format="%.4g")})
+        st.caption("Each rank measures itself. Loss and step time above: the median across ranks inside the band "
+                   "from the smallest to the largest rank's value; under DDP the ranks wait for each other in every "
+                   "step's gradient all-reduce, so a slow rank slows them all.")
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
@@ -347,7 +375,7 @@ def live_view() -> None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
     st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
-    controls(info["status"])
+    controls(info)
     lane_problems(info)
     lane_rows(info, series)
     charts(series, follower)

@@ -75,19 +75,21 @@ def lane_status(run_status: str, lane_status: str) -> str:
 def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
     """One row per lane of a run (`RunManager.run_info`), its figures from `series`: every figure of the run's
     headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
-    total = int(info["config"]["steps"])
+    total = int(info["config"].get("steps") or 0)
+    alone = len(info["lanes"]) == 1
     heads = summarize(series).set_index("lane") if series else pd.DataFrame()
     rows = []
     for lane in info["lanes"]:
-        done = int(lane["steps_done"])
+        fraction, done = progress(int(lane["steps_done"]), total)
         row = {"lane": lane["mode"], "status": lane_status(info["status"], lane["status"]),
-               "steps": f"{done:,} / {total:,}", "progress": min(1.0, done / total) if total else 0.0}
+               "steps": done, "progress": fraction}
         head = heads.loc[lane["lane"]] if lane["lane"] in heads.index else None
         row.update({
             "loss now": "–" if head is None else f"{head['latest_loss']:.4g}",
             "ms/step": "–" if head is None else f"{head['median_ms']:.3g}",
-            "speed": "–" if head is None else format_ratio(head["speedup"]),
-            "memory": "–" if head is None else format_ratio(head["mem_ratio"]),
+            # One lane (a Monitor's run) has nothing to compare with: no 1.00× against itself.
+            "speed": "–" if head is None or alone else format_ratio(head["speedup"]),
+            "memory": "–" if head is None or alone else format_ratio(head["mem_ratio"]),
             "skipped": "–" if head is None else f"{int(head['skipped_steps']):,}",
             "scale": "–" if head is None else format_scale(head["scale"]),
         })
@@ -105,3 +107,27 @@ def lane_medians(series: list[LaneSeries]) -> dict[str, tuple[float, int]]:
     """{mode: (median ms/step, records)} of a run's lanes (rank 0): what its run teaches the cost probe."""
     return {lane.mode: (float(lane.stats.median_step_ms), int(lane.stats.records)) for lane in series
             if lane.rank == 0}
+
+
+def control_note(info: dict, held_here: bool) -> str:
+    """Why a run that is still going offers no pause or stop on this page ('' when it does, or has ended): another
+    process runs it, a Monitor in the user's own script or a CLI run (or a torchrun job of either)."""
+    if held_here or info["status"] not in ("pending", "running", "paused"):
+        return ""
+    config = info["config"]
+    ranks = config.get("world_size", 1)
+    job = f" (a torchrun job of {ranks} ranks)" if ranks > 1 else ""
+    if config.get("source") == "monitor":
+        script = f"`{config['script']}`" if config.get("script") else "a script"
+        where = f", pid {config['pid']} on {config['host']}" if config.get("pid") else ""
+        return (f"Watched live: a Monitor in {script}{where}{job} writes this run. Pause and stop belong to that "
+                "script (its own loop decides), so they are not offered here.")
+    return (f"Watched live: another process{job} writes this run (e.g. `amp-lab run`), so pause and stop are not "
+            "offered here: stop it where it runs (Ctrl-C).")
+
+
+def progress(done: int, total: int) -> tuple[float, str]:
+    """(fraction for a progress bar, 'done/total' or 'done steps') — a Monitor's run may not know its total."""
+    if total and total > 0:
+        return min(1.0, done / total), f"{done:,} / {total:,}"
+    return 0.0, f"{done:,} steps"

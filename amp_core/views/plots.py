@@ -10,12 +10,14 @@ mode looks the same in every chart and page. Figures are built from plain dicts:
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.views.summary import by_lane
 from amp_core.views.summary import lanes as _lanes
 
 # One colour per mode, the same in every chart and page.
@@ -35,6 +37,45 @@ CHART_HEIGHT = 320
 
 def mode_color(mode: str) -> str:
     return MODE_COLORS.get(mode, "#7f7f7f")
+
+
+def _fill(color: str, opacity: float = 0.2) -> str:
+    """A '#rrggbb' colour as a translucent rgba fill."""
+    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red}, {green}, {blue}, {opacity})"
+
+
+def rank_spread(ranks: list[LaneSeries], figure: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, min, median, max) of a figure across one lane's ranks, at the steps (or buckets: their means) every
+    rank has. Non-finite values are left out of a step's spread."""
+    columns = []
+    for lane in ranks:
+        steps, means, _ = lane.means(figure)
+        columns.append(pd.Series(np.where(np.isfinite(means), means, np.nan), index=steps))
+    table = pd.concat(columns, axis=1, join="inner").sort_index()
+    table = table[~table.index.duplicated()]
+    values = table.to_numpy(dtype=float)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step where every rank's value is inf/NaN: a gap
+        return (table.index.to_numpy(), np.nanmin(values, axis=1), np.nanmedian(values, axis=1),
+                np.nanmax(values, axis=1))
+
+
+def spread_traces(ranks: list[LaneSeries], figure: str, unit: str = "") -> list[dict]:
+    """A lane of several ranks drawn as its median across ranks (a line in the mode's colour) inside the band from
+    the smallest to the largest rank's value (min / median / max in the hover)."""
+    mode, color = ranks[0].mode, mode_color(ranks[0].mode)
+    steps, low, middle, high = rank_spread(ranks, figure)
+
+    def named(part: str) -> dict:
+        name = f"{mode} · {part} of {len(ranks)} ranks"
+        return {"name": name, "hovertemplate": f"step %{{x}}: %{{y:.4g}}{unit}<extra>{name}</extra>"}
+
+    edge = {"color": color, "width": 0}
+    return [line_trace(mode, steps, low, showlegend=False, line=edge, **named("min")),
+            line_trace(mode, steps, high, showlegend=False, line=edge, fill="tonexty", fillcolor=_fill(color),
+                       **named("max")),
+            line_trace(mode, steps, middle, **named("median"))]
 
 
 def decimate_indices(values: np.ndarray, max_points: int = MAX_POINTS, keep: np.ndarray | None = None) -> np.ndarray:
@@ -124,6 +165,11 @@ def chart_layout(title: str, y_title: str, **extra) -> dict:
               "legend": {"orientation": "h", "y": -0.2}, "hovermode": "x unified"}
     layout.update(extra)
     return layout
+
+
+def _rank_zero(series: list[LaneSeries]) -> list[LaneSeries]:
+    """Each lane's first rank (a DDP job's scale and LR are every rank's)."""
+    return [ranks[0] for ranks in by_lane(series).values()]
 
 
 def empty_figure(title: str, why: str) -> go.Figure:
@@ -292,8 +338,16 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Loss", "no steps yet")
-    drawn = []
-    for lane in series:
+    drawn, spread = [], []
+    for ranks in by_lane(series).values():
+        lane = ranks[0]
+        if len(ranks) > 1:  # a torchrun job: the spread across ranks, rank 0's skipped steps (DDP ranks skip alike)
+            spread += spread_traces(ranks, "loss")
+            skipped, at_skips = lane.skipped()
+            if len(skipped):
+                spread.append(marker_trace(lane.mode, skipped, np.asarray(at_skips["loss"], dtype=float),
+                                           f"{lane.mode} skipped"))
+            continue
         steps, raw = lane.points("loss")
         skipped, at_skips = lane.skipped()
         if smoothing > 0:
@@ -302,8 +356,9 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
         else:
             shown_steps, shown, marks = steps, raw, np.asarray(at_skips["loss"], dtype=float)
         drawn.append((lane.mode, steps, raw, shown_steps, shown, skipped, marks))
-    yaxis, why, clip = loss_axis(np.concatenate([shown for *_, shown, _, _ in drawn]), axis)
-    data = []
+    shown_all = [shown for *_, shown, _, _ in drawn] or [np.asarray(t["y"], dtype=float) for t in spread]
+    yaxis, why, clip = loss_axis(np.concatenate(shown_all) if shown_all else np.array([]), axis)
+    data = spread
     for mode, steps, raw, shown_steps, shown, skipped, marks in drawn:
         if smoothing > 0:
             data.append(line_trace(mode, steps, raw, opacity=0.25, showlegend=False, hoverinfo="skip"))
@@ -329,7 +384,11 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
         return empty_figure("Step time", "no steps yet")
     bands = bands or StepTimeBands()
     data = []
-    for lane in series:
+    for ranks in by_lane(series).values():
+        if len(ranks) > 1:  # a torchrun job: the median across ranks inside the min-max band
+            data += spread_traces(ranks, "step_ms", " ms")
+            continue
+        lane = ranks[0]
         if raw:
             steps, ms = lane.points("step_ms")
             data.append({"type": "scattergl" if len(steps) > 1000 else "scatter", "mode": "markers", "x": steps,
@@ -350,9 +409,29 @@ def constant_lr(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_
     return float(values[0]) if values.size and values.min() == values.max() else None
 
 
+def rank_step_time_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
+    """Each rank's median step time, grouped by lane (one bar per rank in the mode's colour): how far the slowest
+    rank is behind the fastest. Lanes of a single rank are left out."""
+    groups = [ranks for ranks in by_lane(_lanes(records)).values() if len(ranks) > 1]
+    if not groups:
+        return empty_figure("Step time by rank", "no lane ran on more than one rank")
+    data = []
+    for ranks in groups:
+        mode = ranks[0].mode
+        medians = np.array([lane.stats.median_step_ms for lane in ranks])
+        fastest = np.nanmin(medians)
+        data.append({"type": "bar", "name": mode, "legendgroup": mode, "x": [f"rank {lane.rank}" for lane in ranks],
+                     "y": medians, "marker": {"color": mode_color(mode)}, "customdata": medians / fastest,
+                     "hovertemplate": "%{x}: %{y:.3g} ms (%{customdata:.2f}× the fastest rank)<extra>" + mode
+                     + "</extra>"})
+    layout = chart_layout("Step time by rank (median)", "ms / step", barmode="group", hovermode="closest",
+                          xaxis={"title": {"text": ""}})
+    return go.Figure({"data": data, "layout": layout})
+
+
 def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """The LR each lane's optimizer used (it differs between lanes only under an LR fault)."""
-    series = _lanes(records, max_points)
+    series = _rank_zero(_lanes(records, max_points))
     if not series:
         return empty_figure("Learning rate", "no steps yet")
     data, tops = [], []
@@ -370,7 +449,7 @@ def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_PO
 
 def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
     """GradScaler scale per scaled lane on a log2 axis (ticks at powers of two); skipped steps as x."""
-    scaled = [(lane, *lane.points("scale")) for lane in _lanes(records, max_points)]
+    scaled = [(lane, *lane.points("scale")) for lane in _rank_zero(_lanes(records, max_points))]
     scaled = [(lane, steps, scale) for lane, steps, scale in scaled if not np.isnan(scale).all()]
     if not scaled:
         return empty_figure("GradScaler scale", "no lane uses a GradScaler (only 16-mixed does)")
@@ -398,13 +477,18 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
 
 
 def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
-    """Bytes each lane holds at its latest step, by part, one bar per mode; on CUDA also the allocator peak of the
-    lane's own step above its start, and the lane's own peak (held at the start + that)."""
-    series = _lanes(records)
+    """Bytes each lane holds at its latest step, by part (activations only where measured), one bar per mode; on CUDA
+    also the allocator peak of the lane's own step above its start, and the lane's own peak (held at the start +
+    that). A lane of several ranks shows its largest rank's figures."""
+    series = [max(ranks, key=lambda lane: lane.stats.peak_bytes if np.isfinite(lane.stats.peak_bytes) else -1)
+              for ranks in by_lane(_lanes(records)).values()]
     if not series:
         return empty_figure("Memory", "no steps yet")
     latest = [(lane.mode, lane.stats.latest) for lane in series]
-    parts = [*MEMORY_PARTS, ("_held", "total held")]
+    # A forward always saves some bytes for backward: none anywhere means nobody measured them (a Monitor, which does
+    # not run the user's forward), and an empty bar would read as "no activations".
+    parts = [part for part in MEMORY_PARTS if part[0] != "activations_bytes" or
+             any(row.get("activations_bytes", 0) for _, row in latest)] + [("_held", "total held")]
     if any(pd.notna(row.get("peak_above_start_bytes")) for _, row in latest):
         parts += [("peak_above_start_bytes", "step peak above its start (CUDA)"),
                   ("lane_peak_bytes", "lane peak (CUDA)")]
@@ -425,9 +509,14 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, loss_axis: str = "auto", smoothing: float = 0.0,
                   raw_step_times: bool = False, bands: StepTimeBands | None = None,
                   max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
-    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once)."""
+    """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once), and
+    `ranks` (each rank's median step time) when a lane ran on several ranks (a torchrun job): its loss and step
+    time are then drawn as the median across ranks inside a min-max band."""
     series = _lanes(records, max_points)
-    return {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points),
-            "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands),
-            "memory": memory_figure(series), "scale": scale_figure(series, max_points),
-            "lr": lr_figure(series, max_points)}
+    figures = {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points),
+               "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands),
+               "memory": memory_figure(series), "scale": scale_figure(series, max_points),
+               "lr": lr_figure(series, max_points)}
+    if any(len(ranks) > 1 for ranks in by_lane(series).values()):
+        figures["ranks"] = rank_step_time_figure(series)
+    return figures

@@ -1,8 +1,9 @@
 """Lanes and their summary (pure pandas/numpy): records split per lane once, then speed, memory, final loss and skips
 against a baseline lane. The Train page's headline cards, the Compare table and the CLI all read `summarize`.
 
-A lane is a `LaneSeries` (amp_core.records.query): read from a run's tracks through the multi-resolution summary, or
-split here from a DataFrame of records; either way its totals are exact."""
+A lane is a `LaneSeries` (amp_core.records.query) per track: read from a run's tracks through the multi-resolution
+summary, or split here from a DataFrame of records; either way its totals are exact. A lane of a torchrun job has one
+track per rank: `summarize` gives the lane one row (its ranks together), `rank_table` one row per rank."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from amp_core.records.tracks import TrackRecords
 
 MEMORY_COLUMNS = HELD_PARTS
 SUMMARY_COLUMNS = ("run_id", "lane", "mode", "steps", "median_ms", "speedup", "peak_bytes", "peak_mib", "mem_ratio",
-                   "final_loss", "loss_delta", "latest_loss", "skipped_steps", "scale", "diverged", "is_baseline")
+                   "final_loss", "loss_delta", "latest_loss", "skipped_steps", "scale", "diverged", "is_baseline",
+                   "ranks", "rank_imbalance")
+RANK_COLUMNS = ("run_id", "lane", "mode", "rank", "steps", "median_ms", "vs_fastest", "skipped_steps", "latest_loss",
+                "final_loss")
 
 
 def lane_key(run_id: str, lane: int) -> str:
@@ -47,6 +51,48 @@ def lanes(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS
         track.seal()
         out.append(read_lane(track, max_points=max_points))
     return out
+
+
+def by_lane(series: list[LaneSeries]) -> dict[str, list[LaneSeries]]:
+    """Tracks grouped by lane key ("run_id/lane"), lanes in order of first appearance, each lane's ranks in order."""
+    grouped: dict[str, list[LaneSeries]] = {}
+    for lane in series:
+        grouped.setdefault(lane.key, []).append(lane)
+    return {key: sorted(ranks, key=lambda lane: lane.rank) for key, ranks in grouped.items()}
+
+
+def first_rank(frame: pd.DataFrame) -> pd.DataFrame:
+    """The records of each lane's first rank (all of them outside torchrun): what a chart of one line per lane draws
+    (lanes of a DDP job share their steps, skips and scale)."""
+    if frame.empty or "rank" not in frame or not frame["rank"].any():
+        return frame
+    lowest = frame.groupby(["run_id", "lane"])["rank"].transform("min")
+    return frame[frame["rank"] == lowest].reset_index(drop=True)
+
+
+def _mean_finite(values) -> float:
+    """Mean of the finite values; the first value itself (inf/NaN) when none is finite."""
+    values = np.asarray(values, dtype=float)
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else float(values[0]) if values.size else np.nan
+
+
+def rank_table(records: pd.DataFrame | list[LaneSeries], last_k: int = 20) -> pd.DataFrame:
+    """One row per rank of every lane that has more than one: its steps, median ms/step and how that compares with
+    the lane's fastest rank (vs_fastest: 1.0 is the fastest), skipped steps, latest and final loss (mean of its last
+    `last_k` steps). Empty when no lane has several ranks."""
+    rows = []
+    for ranks in by_lane(lanes(records)).values():
+        if len(ranks) < 2:
+            continue
+        fastest = min(lane.stats.median_step_ms for lane in ranks)
+        rows += [{"run_id": lane.run_id, "lane": lane.lane, "mode": lane.mode, "rank": lane.rank,
+                  "steps": lane.stats.records, "median_ms": lane.stats.median_step_ms,
+                  "vs_fastest": lane.stats.median_step_ms / fastest if fastest > 0 else np.nan,
+                  "skipped_steps": lane.stats.skipped_steps,
+                  "latest_loss": float(lane.stats.latest.get("loss", np.nan)),
+                  "final_loss": lane.final_loss(last_k)} for lane in ranks]
+    return pd.DataFrame(rows, columns=list(RANK_COLUMNS))
 
 
 def peak_bytes(frame: pd.DataFrame) -> pd.Series:
@@ -85,6 +131,9 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
     - skipped_steps: optimizer steps the GradScaler skipped; scale: the GradScaler scale at the last step (NaN
       without one); diverged: the lane's last recorded loss is inf/NaN (it never came back: a transient inf loss on
       a skipped step does not count); is_baseline: the row is the baseline lane.
+    - A lane of a torchrun job (ranks > 1 tracks): median_ms is the median of its ranks' medians, rank_imbalance the
+      slowest rank's median ÷ the fastest's (NaN with one rank); the losses are means over its ranks (each rank
+      trains on its own batches); peak_bytes the largest rank's; steps, skips and scale are rank 0's.
 
     Raises ValueError if `last_k` < 1 or `baseline` names a lane that has no records.
     """
@@ -95,15 +144,20 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     baseline = baseline or default_baseline(series)
     rows = []
-    for lane in series:
-        stats = lane.stats
-        latest_loss = float(stats.latest.get("loss", np.nan))
+    for ranks in by_lane(series).values():
+        first = ranks[0]  # rank 0: the steps, skips and scale of a DDP job are every rank's
+        stats = first.stats
+        latest = np.array([lane.stats.latest.get("loss", np.nan) for lane in ranks], dtype=float)
+        medians = np.array([lane.stats.median_step_ms for lane in ranks], dtype=float)
         rows.append({
-            "run_id": lane.run_id, "lane": lane.lane, "mode": lane.mode, "steps": stats.records,
-            "median_ms": stats.median_step_ms, "peak_bytes": stats.peak_bytes,
-            "final_loss": lane.final_loss(last_k), "latest_loss": latest_loss,
-            "skipped_steps": stats.skipped_steps, "scale": float(stats.latest.get("scale", np.nan)),
-            "diverged": bool(not np.isfinite(latest_loss)), "is_baseline": lane.key == baseline,
+            "run_id": first.run_id, "lane": first.lane, "mode": first.mode, "steps": stats.records,
+            "median_ms": float(np.median(medians)), "peak_bytes": max(lane.stats.peak_bytes for lane in ranks),
+            "final_loss": _mean_finite([lane.final_loss(last_k) for lane in ranks]),
+            "latest_loss": _mean_finite(latest), "skipped_steps": stats.skipped_steps,
+            "scale": float(stats.latest.get("scale", np.nan)), "diverged": bool(not np.isfinite(latest).all()),
+            "is_baseline": first.key == baseline, "ranks": len(ranks),
+            "rank_imbalance": float(medians.max() / medians.min()) if len(ranks) > 1 and medians.min() > 0 else
+            np.nan,
         })
     out = pd.DataFrame(rows)
     base = out[out["is_baseline"]]

@@ -1,8 +1,19 @@
-"""Workload registry: name -> Workload (model + data + loss). One file per workload."""
+"""Workload registry: name -> Workload (model + data + loss). Built-ins one file each; plugins are modules named at
+start-up (`AMP_LAB_WORKLOADS=pkg.module,...` or the CLI's `--workload-module pkg.module`), never anything typed into
+the browser."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from amp_core.workloads.base import Data, Workload
+from amp_core.config import SIZES
+from amp_core.workloads.base import Data, Workload, contract_problems
 from amp_core.workloads.checkerboard_cnn import CheckerboardCNN
 from amp_core.workloads.digits_mlp import DigitsMLP
 from amp_core.workloads.mlp_regression import MLPRegression
@@ -11,7 +22,88 @@ from amp_core.workloads.tiny_transformer import TinyTransformer
 WORKLOADS: dict[str, Workload] = {
     w.name: w for w in (MLPRegression(), DigitsMLP(), CheckerboardCNN(), TinyTransformer())
 }
+"""Every workload of this process, built-ins first, then plugins in the order they were loaded. Modules that read it
+hold this one dict: plugins are added to it in place."""
+BUILT_IN: frozenset[str] = frozenset(WORKLOADS)
+PLUGINS_ENV = "AMP_LAB_WORKLOADS"
+"""Comma-separated module names whose Workload subclasses join the registry when the app or the CLI starts."""
+PLUGIN_ORIGINS: dict[str, str] = {}
+"""Plugin workload name -> the module that defined it."""
 
+
+@dataclass(frozen=True, slots=True)
+class PluginProblem:
+    """A plugin module that could not be loaded, or one of its classes that breaks the contract."""
+
+    module: str
+    why: str
+
+    def message(self) -> str:
+        return f"workload plugin {self.module!r} not loaded: {self.why}"
+
+
+def plugin_modules(environ: dict[str, str] | None = None) -> list[str]:
+    """The module names in AMP_LAB_WORKLOADS (empty entries ignored)."""
+    text = (os.environ if environ is None else environ).get(PLUGINS_ENV, "")
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def load_plugins(modules: Iterable[str]) -> list[PluginProblem]:
+    """Import each module by name and register the Workload subclasses it defines (public ones: a name not starting
+    with `_`). A module that fails to import, defines none, or whose class breaks the contract is a PluginProblem
+    saying why; the built-ins and every other plugin stay. Loading a module again changes nothing."""
+    problems = []
+    for module_name in dict.fromkeys(modules):
+        problems += _load_module(module_name)
+    return problems
+
+
+def _load_module(module_name: str) -> list[PluginProblem]:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return [PluginProblem(module_name, f"no module named {exc.name!r} on the Python path (install the "
+                                               "package that holds it, or add its folder to PYTHONPATH)")]
+        return [PluginProblem(module_name, f"importing it failed: {type(exc).__name__}: {exc}")]
+    except (Exception, SystemExit) as exc:  # a plugin's own error must not stop the app or the CLI
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.lineno:
+            where = f" (line {exc.lineno})"
+        return [PluginProblem(module_name, f"importing it failed: {type(exc).__name__}: {exc}{where}")]
+    classes = [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+               if issubclass(cls, Workload) and cls.__module__ == module.__name__ and not cls.__name__.startswith("_")]
+    if not classes:
+        return [PluginProblem(module_name, "it defines no Workload subclass (class MyWorkload(Workload): ... from "
+                                           "amp_core.workloads)")]
+    problems = []
+    for cls in classes:
+        why = _register(cls, module_name)
+        if why:
+            problems.append(PluginProblem(module_name, f"class {cls.__name__}: {why}"))
+    return problems
+
+
+def _register(cls: type[Workload], module_name: str) -> str:
+    """Register one plugin class; '' on success, else why not."""
+    try:
+        workload = cls()
+    except Exception as exc:
+        return f"cannot be created without arguments ({type(exc).__name__}: {exc})"
+    problems = contract_problems(workload, SIZES)
+    if problems:
+        return "; ".join(problems)
+    name = workload.name
+    if name in BUILT_IN:
+        return f"its name {name!r} is a built-in workload's; choose another"
+    known = WORKLOADS.get(name)
+    if known is not None:
+        if PLUGIN_ORIGINS.get(name) == module_name and type(known).__qualname__ == cls.__qualname__:
+            return ""  # loaded before
+        return f"its name {name!r} is taken by {type(known).__qualname__} from {PLUGIN_ORIGINS.get(name, '?')}"
+    WORKLOADS[name] = workload
+    PLUGIN_ORIGINS[name] = module_name
+    return ""
 
 
 def param_names(workload: str, size: str = "small") -> list[str]:
@@ -27,4 +119,5 @@ def param_names(workload: str, size: str = "small") -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
-__all__ = ["WORKLOADS", "Data", "Workload", "param_names"]
+__all__ = ["BUILT_IN", "PLUGINS_ENV", "WORKLOADS", "Data", "PluginProblem", "Workload", "load_plugins",
+           "param_names", "plugin_modules"]

@@ -1,7 +1,10 @@
-"""The workload contract: a model, its data, a loss, and a batch sampler every lane shares."""
+"""The workload contract: a model, its data, a loss, and a batch sampler every lane shares; what a plugin's Workload
+must hold to join the registry (`contract_problems`)."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +12,9 @@ import torch
 
 if TYPE_CHECKING:
     from amp_core.config import RunConfig
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+"""A workload name is typed on command lines and saved with runs: letters, digits, `_`, `.`, `-`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +31,12 @@ class Data:
 
 
 class Workload:
-    """Base class: one subclass per file in this package, registered in WORKLOADS."""
+    """Base class of every workload: the built-ins (one file each in this package) and plugins (a module named at
+    start-up that defines subclasses; see amp_core.workloads.load_plugins).
+
+    A subclass sets `name`, `title`, `description` and `sizes`, and defines `load_data(config)`,
+    `build_model(size, data)` and `loss(output, target)`; it is created with no arguments.
+    """
 
     name: str = ""
     title: str = ""
@@ -51,3 +62,41 @@ class Workload:
     def samples_in(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         """How many samples a batch holds (for samples/s)."""
         return int(batch[0].shape[0])
+
+
+REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
+    "load_data": ("config",), "build_model": ("size", "data"), "loss": ("output", "target")}
+"""The methods a workload must define, with the arguments the runner passes them (positionally)."""
+
+
+def contract_problems(workload: Workload, allowed_sizes: tuple[str, ...]) -> list[str]:
+    """What keeps `workload` (an instance) from being used like a built-in, one sentence each; [] when nothing does.
+    Checked without running anything of the plugin's but its attributes: building its data or model is left to a
+    launch (where a failure is that run's error)."""
+    problems = []
+    name = getattr(workload, "name", None)
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        problems.append(f"`name` must be a non-empty string of letters, digits, _ . - (got {name!r})")
+    for text in ("title", "description"):
+        if not isinstance(getattr(workload, text, None), str):
+            problems.append(f"`{text}` must be a string (got {getattr(workload, text, None)!r})")
+    sizes = getattr(workload, "sizes", None)
+    if not isinstance(sizes, dict) or not sizes:
+        problems.append(f"`sizes` must be a non-empty dict of size name -> settings (got {sizes!r})")
+    else:
+        unknown = [size for size in sizes if size not in allowed_sizes]
+        if unknown:
+            problems.append(f"`sizes` names {', '.join(map(repr, unknown))}; a size is one of "
+                            f"{', '.join(allowed_sizes)}")
+    for method, arguments in REQUIRED_METHODS.items():
+        bound = getattr(workload, method, None)
+        if getattr(type(workload), method, None) is getattr(Workload, method) or not callable(bound):
+            problems.append(f"it does not define {method}({', '.join(arguments)})")
+            continue
+        try:
+            inspect.signature(bound).bind(*arguments)
+        except TypeError as exc:
+            problems.append(f"{method} cannot be called as {method}({', '.join(arguments)}): {exc}")
+        except ValueError:  # a builtin without a signature: it will be called as it is
+            pass
+    return problems
