@@ -381,8 +381,9 @@ def live_view() -> None:
     charts(series, follower)
     with st.expander("Run configuration"):
         st.json(info["config"], expanded=False)
-    if not is_live(info) and info["status"] in ("finished", "stopped"):
-        # The run's own medians correct a remembered cost probe that disagrees with them.
+    if not is_live(info) and info["status"] in ("finished", "stopped") and "source" not in info["config"]:
+        # The run's own medians correct a remembered cost probe that disagrees with them (a run of the runner's;
+        # a Monitor's run trained the user's own loop, which the probe does not measure).
         board.learn_from_run(RunConfig.from_dict(info["config"]), lane_medians(series), run_id)
     if live_at_start and not is_live(info):
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away

@@ -198,7 +198,9 @@ def test_a_monitored_run_opens_on_every_page(store):
         assert not at.exception, (page, [e.value for e in at.exception])
     at.switch_page("pages/train.py").run()
     assert at.selectbox(key="train_run_pick").value == monitor.run_id
-    assert [p.value for p in at.get("progress")] == [100]  # 30 of OneCycleLR's 30 steps
+    lanes = at.dataframe[0].value  # the lanes table
+    assert lanes["progress"].tolist() == [1.0] and lanes["steps"].tolist() == ["30 / 30"]  # OneCycleLR's 30 steps
+    assert lanes["speed"].tolist() == ["–"]  # one lane: no 1.00× against itself
 
 
 # --- a monitored script in a process of its own -------------------------------------------------------------------
@@ -230,7 +232,8 @@ def test_a_dashboard_follows_a_monitored_script_live_and_its_skips_are_exact(fre
         notes = " ".join(caption.value for caption in page.caption)
         assert "a Monitor in `monitor_script.py`" in notes and "not offered here" in notes
         assert not [b for b in page.button if b.key in ("train_pause", "train_stop")]
-        assert [m.label for m in page.metric] == ["loss", "ms / step", "skipped"]  # one lane: nothing to compare
+        (row,) = page.dataframe[0].value.to_dict("records")  # the lanes table: one lane, nothing to compare with
+        assert row["ms/step"] != "–" and row["speed"] == "–" and row["memory"] == "–"
 
         proc.stdin.write("\n")
         proc.stdin.flush()
