@@ -21,14 +21,12 @@ from pages.common import (
     warm_up,
 )
 
-REFRESH_S = 1.0
-"""The live view's redraw period while a run goes."""
-PROBE_POLL_S = 0.5
-"""How often the cost panel looks whether its race is done (only while one is under way)."""
+REFRESH_S = 1.0  # the live view's redraw period while a run goes
+PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULT_WORKLOAD = "digits_mlp"
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
+# A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES).
 LIVE_STATUSES = ("pending", "running", "paused")
-"""A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES)."""
 
 warm = warm_up()
 light_first = not warm.done.is_set()  # this script run draws before everything is imported (a server's first)
@@ -297,6 +295,8 @@ def controls(info: dict) -> None:
 def lane_rows(info: dict, series: list) -> None:
     """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
     table = lanes_table(info, series)
+    if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
+        table = table.drop(columns=["speed", "memory"])
     base = baseline_mode(series)
     labels = {"speed": f"speed vs {base}", "memory": f"memory vs {base}"}
     widths = content_widths(table.drop(columns="progress"), labels)

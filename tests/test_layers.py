@@ -92,3 +92,15 @@ def test_importing_the_engine_loads_no_plotly_or_streamlit():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_page_scripts_hold_no_bare_strings_that_magic_would_draw():
+    """Streamlit's "magic" draws a bare expression in a page script: a constant's docstring there appears on the
+    page as text (it did, above the Train page's title). Only the module docstring may stand alone."""
+    drawn = []
+    scripts = [path for path in sorted((ROOT / "pages").glob("*.py")) if path.name != "common.py"]  # (a module)
+    for path in [ROOT / "app.py", *scripts]:
+        for node in ast.parse(path.read_text(), str(path)).body[1:]:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                drawn.append(f"{path.name}:{node.lineno}: {str(node.value.value)[:50]}")
+    assert not drawn

@@ -82,7 +82,7 @@ def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
     for lane in info["lanes"]:
         fraction, done = progress(int(lane["steps_done"]), total)
         row = {"lane": lane["mode"], "status": lane_status(info["status"], lane["status"]),
-               "steps": done, "progress": fraction}
+               "steps": done, "progress": fraction if total > 0 else None}  # an unknown length: no bar
         head = heads.loc[lane["lane"]] if lane["lane"] in heads.index else None
         row.update({
             "loss now": "–" if head is None else f"{head['latest_loss']:.4g}",
