@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,49 +26,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/numerics.py` from anywhere
 
 from amp_core.config import RunConfig
-from amp_core.precision import get_precision
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, probe_step
 from amp_core.runner import Run
-from amp_core.workloads import WORKLOADS
+from bench.one_step import one_step, time_ms
 
 WORKLOADS_TIMED = ("digits_mlp", "tiny_transformer")
 
 
-def time_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Run each function `repeats` times, alternating between them; the times of each in milliseconds."""
-    for fn in fns.values():
-        fn()  # warm-up: first-call dispatch and allocator costs are not the steady state
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def numerics_ratio(workload_name: str, mode: str, batch_size: int, repeats: int) -> float:
-    config = RunConfig(workload=workload_name, modes=(mode,), batch_size=batch_size, device="cpu")
-    workload = WORKLOADS[workload_name]
-    precision = get_precision(mode, "cpu")
-    data = workload.load_data(config)
-    torch.manual_seed(config.seed)
-    model = precision.prepare_module(workload.build_model(config.size, data))
-    batch = data.sample(torch.Generator().manual_seed(config.seed), config.batch_size)
-    inputs, target = (precision.prepare_input(t) for t in batch)
-    scaler = precision.make_scaler()
-
-    def untraced() -> None:
-        model.zero_grad(set_to_none=True)
-        with precision.forward_context():
-            loss = workload.loss(model(inputs), target)
-        scaler.scale(loss).backward()
+    step = one_step(workload_name, mode, batch_size)
 
     def probed() -> None:
-        probe_step(model, precision, workload.loss, batch)
+        probe_step(step.model, step.precision, step.workload.loss, step.batch)
 
-    times = time_ms({"untraced": untraced, "probed": probed}, repeats)
-    modules = len(probe_step(model, precision, workload.loss, batch).modules)
+    times = time_ms({"untraced": step.untraced, "probed": probed}, repeats)
+    modules = len(probe_step(step.model, step.precision, step.workload.loss, step.batch).modules)
     ratio = min(times["probed"]) / min(times["untraced"])
     print(f"workload={workload_name} mode={mode} batch={batch_size} module_calls={modules} repeats={repeats}")
     for name, values in times.items():

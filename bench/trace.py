@@ -13,30 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
-from amp_core.config import RunConfig
-from amp_core.precision import get_precision
 from amp_core.probes.optrace import trace_step
-from amp_core.workloads import WORKLOADS
+from bench.one_step import one_step, time_ms
 
 WORKLOAD = "digits_mlp"
-
-
-def time_ms(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Run each function `repeats` times, alternating between them; the times of each in milliseconds."""
-    for fn in fns.values():
-        fn()  # warm-up: first-call dispatch and allocator costs are not the steady state
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def main() -> None:
@@ -46,28 +29,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
 
-    config = RunConfig(workload=WORKLOAD, modes=(args.mode,), batch_size=args.batch_size, device="cpu")
-    workload = WORKLOADS[WORKLOAD]
-    precision = get_precision(args.mode, "cpu")
-    data = workload.load_data(config)
-    torch.manual_seed(config.seed)
-    model = precision.prepare_module(workload.build_model(config.size, data))
-    batch = data.sample(torch.Generator().manual_seed(config.seed), config.batch_size)
-    inputs, target = (precision.prepare_input(t) for t in batch)
-    scaler = precision.make_scaler()
-
-    def untraced() -> None:
-        model.zero_grad(set_to_none=True)
-        with precision.forward_context():
-            loss = workload.loss(model(inputs), target)
-        scaler.scale(loss).backward()
+    step = one_step(WORKLOAD, args.mode, args.batch_size)
 
     def traced() -> None:
-        trace_step(model, precision, workload.loss, batch)
+        trace_step(step.model, step.precision, step.workload.loss, step.batch)
 
     torch.set_num_threads(1)  # both sides on one thread, so the ratio is not thread-scheduling noise
-    times = time_ms({"untraced": untraced, "traced": traced}, args.repeats)
-    ops = trace_step(model, precision, workload.loss, batch).summary().ops
+    times = time_ms({"untraced": step.untraced, "traced": traced}, args.repeats)
+    ops = trace_step(step.model, step.precision, step.workload.loss, step.batch).summary().ops
     print(f"workload={WORKLOAD} mode={args.mode} batch={args.batch_size} ops={ops} repeats={args.repeats}")
     for name, values in times.items():
         print(f"{name}_step_ms fastest={min(values):.3f} median={statistics.median(values):.3f}")

@@ -3,10 +3,8 @@ TF32 per lane under two concurrent runs, fp32 norms in 16-true. Skipped without 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-import warnings
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from amp_core.runner import Run, build_lane_state
 from amp_core.step import grad_norms, resolve_step, train_step
 from amp_core.workloads import WORKLOADS
 from amp_core.workloads.digits_mlp import DigitsMLP
+from bench.overhead import counting_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,28 +29,6 @@ def finished(config: RunConfig, timeout: float = 300) -> Run:
     run.join(timeout)
     assert run.status == "finished", [e.message for e in run.events() if e.kind == "error"]
     return run
-
-
-@contextlib.contextmanager
-def counting_syncs():
-    """Host syncs (torch.cuda.set_sync_debug_mode's warnings) on any thread while the block runs."""
-    count = [0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        shown = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" in str(message):
-                count[0] += 1
-            else:
-                shown(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield count
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
 
 
 def per_step_syncs(loop) -> float:
