@@ -7,6 +7,7 @@ from amp_core.config import SIZES, ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
 from amp_core.views import numerics as numerics_views
+from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import get_manager, run_picker
 
@@ -14,6 +15,18 @@ DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
 PERCENT = st.column_config.NumberColumn(format="percent")
 SCIENTIFIC = st.column_config.NumberColumn(format="%.3e")
+# The ranges table's short headers (the tensor is chosen above it); RANGE_HELP says each in full.
+RANGE_LABELS = {"abs_max": "abs max", "min_nonzero": "min ≠ 0", "range_log2": "log2 span",
+                "ref_abs_max": "fp32 abs max", "fp16_overflow": "fp16 inf", "fp16_subnormal": "fp16 subn.",
+                "fp16_zero": "fp16 → 0", "bf16_zero": "bf16 → 0"}
+RANGE_HELP = {
+    "abs_max": "Largest |value| of the mode's own tensor.", "min_nonzero": "Smallest non-zero |value| of it.",
+    "range_log2": "log2(abs max / min ≠ 0): how many binades the values span.",
+    "inf": "Elements that are inf in the mode's tensor.", "nan": "Elements that are NaN in the mode's tensor.",
+    "ref_abs_max": "Largest |value| of the fp32 copy's tensor.",
+    "fp16_overflow": "Share of the fp32 values (finite, non-zero) that become inf when cast to fp16 (> 65504).",
+    "fp16_subnormal": "Share that land in fp16's subnormal range (below 2^-14: fewer significant bits).",
+    "fp16_zero": "Share that become 0 in fp16 (below about 3e-8).", "bf16_zero": "Share that become 0 in bf16."}
 NEWCOMER = """
 **What is probed.** One batch goes through two copies of the model, forward and backward, with no optimizer step:
 one copy in the mode you pick, one in plain fp32 (`32-true`) with the same weights and the same batch. Your model
@@ -122,12 +135,22 @@ def show_report(report: numerics.NumericsReport) -> None:
     st.plotly_chart(numerics_views.range_figure(report, tensor), key="lnum_range_chart")
     prefix = numerics_views.TENSORS[tensor]
     shown = ["module", "dtype", *(c for c in modules.columns if c.startswith(f"{prefix}_"))]
-    st.dataframe(modules[shown], hide_index=True, key="lnum_ranges",
-                 column_config={c: PERCENT if c.endswith(numerics.SHARES) else SCIENTIFIC
-                                for c in shown if c.endswith(("abs_max", "min_nonzero", *numerics.SHARES))})
-    st.caption("`abs_max`, `min_nonzero`, `inf`, `nan` are the mode's own tensors; `ref_abs_max` and the shares "
-               "(`fp16_overflow`, `fp16_subnormal`, `fp16_zero`, `bf16_zero`: of the finite non-zero values) are "
-               "what really casting the fp32 values does" + (f" (gradients times the scale {report.scale:g})"
+    # Headers without the tensor's prefix (the radio says it), each column as wide as its text: 12 columns fit.
+    table = modules[shown].rename(columns=lambda c: c.removeprefix(f"{prefix}_"))
+    shares = [c for c in table.columns if c.endswith(numerics.SHARES)]
+    scientific = [c for c in table.columns if c.endswith(("abs_max", "min_nonzero"))]
+    labels = {c: RANGE_LABELS.get(c, c) for c in table.columns}
+    as_text = table.assign(**{c: table[c].map("{:.3e}".format) for c in scientific},
+                           **{c: table[c].map("{:.2%}".format) for c in shares})
+    widths = content_widths(as_text, labels, max_px=260)
+    st.dataframe(table, hide_index=True, key="lnum_ranges", column_config={
+        c: st.column_config.NumberColumn(labels[c], width=widths[c], help=RANGE_HELP.get(c),
+                                         format="percent" if c in shares else "%.3e" if c in scientific else None)
+        if c not in ("module", "dtype") else st.column_config.Column(labels[c], width=widths[c])
+        for c in table.columns})
+    st.caption("*abs max*, *min ≠ 0*, *log2 span*, *inf*, *nan* are the mode's own tensors; *fp32 abs max* and the "
+               "shares (*fp16 inf*, *fp16 subn.* (subnormal), *fp16 → 0*, *bf16 → 0*: of the finite non-zero values) "
+               "are ""what really casting the fp32 values does" + (f" (gradients times the scale {report.scale:g})"
                                                               if report.scale else "") + ".")
     st.download_button("Download the per-module table (CSV)", modules.to_csv(index=False),
                        file_name=f"numerics_{report.label.replace(' · ', '_').replace(' ', '_')}.csv",

@@ -1,5 +1,6 @@
-"""Compare, Op inspector, Overflow debugger and Formats in a real browser at 1440 x 900: what a newcomer saw clipped,
-overlapping or mislabelled, checked where Chromium drew it, plus a full-page screenshot of each in artifacts/.
+"""Train, Compare, Op inspector, Layer numerics, Overflow debugger and Formats in a real browser at 1440 x 900: what
+a newcomer saw clipped, overlapping or mislabelled, checked where Chromium drew it, plus a full-page screenshot of
+each in artifacts/.
 
 Runs are made beforehand in the server's store (CLI-like, by their own threads); the server then serves them.
 """
@@ -151,7 +152,12 @@ def test_my_pages_read_whole_at_1440(server):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            open_page(browser, server).close()  # the server's first session runs app.py (its layout and sidebar)
+            page = open_page(browser, server)  # Train: the newest run's lanes table and charts
+            page.get_by_text("Run status: finished").wait_for(timeout=90_000)
+            page.get_by_text("What each mode costs here").wait_for()
+            eventually(assert_tables_fit, page)
+            screenshot(page, "train")
+            page.close()
 
             page = open_page(browser, f"{server}/compare")
             runs = page.locator("[data-testid='stMultiSelect']").first
@@ -188,6 +194,12 @@ def test_my_pages_read_whole_at_1440(server):
                 assert a["right"] <= b["left"] or b["right"] <= a["left"], (a, b)
             eventually(assert_tables_fit, page)
             screenshot(page, "overflow_debugger")
+            page.close()
+
+            page = open_page(browser, f"{server}/layer_numerics")
+            page.locator(".js-plotly-plot").first.wait_for(timeout=90_000)
+            screenshot(page, "layer_numerics")
+            eventually(assert_tables_fit, page)
             page.close()
 
             page = open_page(browser, f"{server}/formats")
