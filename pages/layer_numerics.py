@@ -150,8 +150,8 @@ def show_report(report: numerics.NumericsReport) -> None:
         for c in table.columns})
     st.caption("*abs max*, *min ≠ 0*, *log2 span*, *inf*, *nan* are the mode's own tensors; *fp32 abs max* and the "
                "shares (*fp16 inf*, *fp16 subn.* (subnormal), *fp16 → 0*, *bf16 → 0*: of the finite non-zero values) "
-               "are ""what really casting the fp32 values does" + (f" (gradients times the scale {report.scale:g})"
-                                                              if report.scale else "") + ".")
+               "are what really casting the fp32 values does" + (
+                   f" (gradients times the scale {report.scale:g})" if report.scale else "") + ".")
     st.download_button("Download the per-module table (CSV)", modules.to_csv(index=False),
                        file_name=f"numerics_{report.label.replace(' · ', '_').replace(' ', '_')}.csv",
                        mime="text/csv", key="lnum_csv")
