@@ -154,6 +154,29 @@ def plugin_panel(warm: WarmUp) -> None:
         st.caption("Plugin workloads: " + ", ".join(f"`{name}` ({module})" for name, module in PLUGIN_ORIGINS.items()))
 
 
+def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
+    """Widgets to probe a running lane of a live run in this process (`verb` "trace" / "probe", `what` says what the
+    click does): `probe(run, lane_index)` on the click, kept in session state under `state_key`; returns the result
+    of the last click, or None. A lane that ends meanwhile, or a probe that fails, gets a message, not a traceback."""
+    from amp_core.config import ConfigError
+
+    lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
+             for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}
+    if not lanes:
+        st.info(f"No live runs: launch one on the Train page, then {verb} any of its running lanes here "
+                "(a finished lane has freed its model).")
+        return None
+    choice = st.selectbox("Lane", list(lanes), key=f"{prefix}_lane")
+    if st.button(f"{verb.capitalize()} this lane now", key=f"{prefix}_{verb}_lane",
+                 help=f"{what} The lane's parameters, gradients, optimizer and scaler are not touched."):
+        run, index = lanes[choice]
+        try:
+            st.session_state[state_key] = probe(run, index)
+        except (ConfigError, ValueError, LookupError, RuntimeError) as error:
+            st.error(f"Cannot {verb} this lane: {str(error).splitlines()[0]}")
+    return st.session_state.get(state_key)
+
+
 def run_label(row: pd.Series, status: bool = True) -> str:
     """A run as pickers list it; `status` False leaves its status out (for a page that shows it live elsewhere)."""
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(row["created_at"]))

@@ -9,7 +9,7 @@ from amp_core.probes import numerics
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager, run_picker
+from pages.common import get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -76,22 +76,8 @@ def workload_report() -> numerics.NumericsReport | None:
 
 def lane_report() -> numerics.NumericsReport | None:
     """Widgets to probe a lane of a live run; the report made on the last click, or None."""
-    lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
-             for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}
-    if not lanes:
-        st.info("No live runs: launch one on the Train page (or below), then probe any of its running lanes here "
-                "(a finished lane has freed its model).")
-        return None
-    choice = st.selectbox("Lane", list(lanes), key="lnum_lane")
-    if st.button("Probe this lane now", key="lnum_probe_lane",
-                 help="Copies the lane's current weights, batch and loss scale, and probes one forward + backward "
-                      "against fp32. The lane's parameters, gradients, optimizer and scaler are not touched."):
-        run, index = lanes[choice]
-        try:
-            st.session_state.lnum_lane_report = numerics.probe_lane(run, index)
-        except (ConfigError, ValueError, LookupError, RuntimeError) as error:
-            st.error(f"Cannot probe this lane: {str(error).splitlines()[0]}")
-    return st.session_state.get("lnum_lane_report")
+    return live_lane_probe("lnum", "probe", "Copies the lane's current weights, batch and loss scale, and probes one "
+                           "forward + backward against fp32.", numerics.probe_lane, "lnum_lane_report")
 
 
 def show_first_nonfinite(report: numerics.NumericsReport) -> None:

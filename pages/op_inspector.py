@@ -8,7 +8,7 @@ from amp_core.probes import optrace
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager
+from pages.common import live_lane_probe
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
@@ -66,22 +66,8 @@ def workload_traces() -> list[optrace.OpTrace]:
 
 def lane_trace() -> list[optrace.OpTrace]:
     """Widgets to trace a lane of a run; the trace made on the last click, or []."""
-    lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
-             for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}
-    if not lanes:
-        st.info("No live runs: launch one on the Train page, then trace any of its running lanes here "
-                "(a finished lane has freed its model).")
-        return []
-    choice = st.selectbox("Lane", list(lanes), key="opi_lane")
-    if st.button("Trace this lane now", key="opi_trace_lane",
-                 help="Copies the lane's current weights and traces one forward + backward of its latest batch. "
-                      "The lane's parameters, gradients, optimizer and scaler are not touched."):
-        run, index = lanes[choice]
-        try:
-            st.session_state.opi_lane_trace = optrace.trace_lane(run, index)
-        except (ConfigError, ValueError, LookupError, RuntimeError) as error:
-            st.error(f"Cannot trace this lane: {str(error).splitlines()[0]}")
-    trace = st.session_state.get("opi_lane_trace")
+    trace = live_lane_probe("opi", "trace", "Copies the lane's current weights and traces one forward + backward of "
+                            "its latest batch.", optrace.trace_lane, "opi_lane_trace")
     return [trace] if trace is not None else []
 
 

@@ -704,12 +704,7 @@ def probe_workload(workload: str | Workload, mode: str, size: str = "small", dev
     if spec.sizes and size not in spec.sizes:
         raise ConfigError("size", f"{config.workload} has sizes {', '.join(spec.sizes)}, not {size!r}")
     precision = get_precision(mode, device)
-    data = spec.load_data(config)
-    # Seeded like a run, without moving the process's global RNG (a training thread may be using it).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = spec.build_model(size, data)
-    batch = data.sample(torch.Generator().manual_seed(seed), batch_size)
+    model, batch = spec.seeded_model_and_batch(config)
     return probe_step(model, precision, spec.loss, batch, copy_model=False, label=f"{config.workload} · {mode}")
 
 

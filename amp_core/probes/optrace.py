@@ -418,12 +418,7 @@ def trace_workload(workload: str, mode: str, size: str = "small", device: str = 
     check_launch(config)
     spec = WORKLOADS[workload]
     precision = get_precision(mode, config.device)
-    data = spec.load_data(config)
-    # Seeded like a run, without moving the process's global RNG (a training thread may be using it).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = spec.build_model(size, data)
-    batch = data.sample(torch.Generator().manual_seed(seed), batch_size)
+    model, batch = spec.seeded_model_and_batch(config)
     return trace_step(model, precision, spec.loss, batch, copy_model=False, label=f"{workload} · {mode}")
 
 

@@ -53,6 +53,15 @@ class Workload:
     def load_data(self, config: RunConfig) -> Data:
         raise NotImplementedError
 
+    def seeded_model_and_batch(self, config: RunConfig) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+        """A fresh model of `config.size` and its first batch of `config.batch_size`, seeded as a run seeds them
+        (`config.seed`), without moving the process's global RNG (a training thread may be using it)."""
+        data = self.load_data(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = self.build_model(config.size, data)
+        return model, data.sample(torch.Generator().manual_seed(config.seed), config.batch_size)
+
     def build_model(self, size: str, data: Data) -> torch.nn.Module:
         raise NotImplementedError
 
