@@ -27,6 +27,7 @@ from torch import nn
 
 from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.precision import BASELINE_MODE, Precision, availability, get_precision
+from amp_core.probes import write_csv_for_cli
 from amp_core.workloads import WORKLOADS, Workload
 
 ROOT = "(root)"
@@ -843,13 +844,5 @@ def cli_numerics(workload: str, mode: str, csv_path: str | None, size: str = "sm
     print(report.first_line())
     if report.first_nonfinite:
         print(f"  why: {report.first_nonfinite.why}")
-    if csv_path is None:
-        print(f"\n(pass --csv PATH to write all {len(MODULE_COLUMNS)} columns)")
-        return 0
-    try:
-        report.module_frame().to_csv(csv_path, index=False)
-    except OSError as error:
-        print(f"error: cannot write {csv_path}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    print(f"\nper-module table: {len(report.modules)} rows written to {csv_path}")
-    return 0
+    return write_csv_for_cli(report.module_frame(), csv_path, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} "
+                             "columns)", f"per-module table: {len(report.modules)} rows")

@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.precision import Precision, get_precision
+from amp_core.probes import write_csv_for_cli
 from amp_core.workloads import WORKLOADS
 
 ROOT = "(root)"
@@ -513,13 +514,5 @@ def cli_trace(workload: str, mode: str, csv_path: str | None, size: str = "small
     modules = modules[modules["ops"] > 0]
     print()
     print(modules[["module", "forward_dtype", "backward_dtype", "ops", "casts", "flops"]].to_string(index=False))
-    if csv_path is None:
-        print(f"\n(pass --csv PATH to write the {summary.ops}-row op table)")
-        return 0
-    try:
-        trace.to_frame().to_csv(csv_path, index=False)
-    except OSError as error:
-        print(f"error: cannot write {csv_path}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    print(f"\nop table: {summary.ops} rows written to {csv_path}")
-    return 0
+    return write_csv_for_cli(trace.to_frame(), csv_path, f"(pass --csv PATH to write the {summary.ops}-row op table)",
+                             f"op table: {summary.ops} rows")
