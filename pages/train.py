@@ -379,6 +379,10 @@ def live_view() -> None:
     lane_problems(info)
     lane_rows(info, series)
     charts(series, follower)
+    if info["config"].get("device") == "cuda":
+        st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
+                   "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
+                   "behind each other and that host time is hidden: compare such a lane with a run of it alone.")
     with st.expander("Run configuration"):
         st.json(info["config"], expanded=False)
     if not is_live(info) and info["status"] in ("finished", "stopped") and "source" not in info["config"]:
