@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grad-clip", type=float, default=0.0)
     run.add_argument("--init-scale", type=float, default=2.0**16)
     run.add_argument("--growth-interval", type=int, default=2000)
+    run.add_argument("--amax-every", type=int, default=0, metavar="N",
+                     help="sample every module's output and gradient abs max every N steps, off the timed step "
+                          "(the Layer numerics page's heatmap); 0: off")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
                           "lr_scale:10@100+20, init_scale:1024 (repeatable)")
@@ -112,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         fused_optimizer=args.fused_optimizer, scheduler=args.scheduler,
         seed=args.seed, size=args.size, device=args.device, data_dir=args.data_dir, grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
-        faults=tuple(FaultSpec.parse(text) for text in args.fault))
+        faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every)
 
 
 class _LogLines:

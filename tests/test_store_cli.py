@@ -130,7 +130,16 @@ def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
     assert len(csv) == len(parquet) == 5 and list(csv.columns) == list(STEP_FIELDS)
 
 
+def test_cli_run_samples_layer_amax_when_asked(fresh_store, capsys):
+    assert main(["run", "--workload", "mlp_regression", "--modes", "16-mixed", "--steps", "12",
+                 "--amax-every", "5"]) == 0
+    run_id = capsys.readouterr().out.split()[1].rstrip(":")
+    sampled = RunStore().events(run_id).query("kind == 'layer_amax'")
+    assert sampled["step"].tolist() == [0, 5, 10]  # after steps 0, 5 and 10 of the one lane
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["run", "--amax-every", "-1"], "error: amax_every: must be"),
     (["run", "--lr", "0"], "error: lr: must be > 0, got 0.0"),
     (["run", "--steps", "-5"], "error: steps: must be > 0, got -5"),
     (["run", "--modes", "32-true,fp7"], "error: modes: unknown mode 'fp7'"),
