@@ -344,11 +344,10 @@ class Run:
         first = self.lanes[0].state
         threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
                                                          config.batch_size), config.intra_op_threads)
-        replicates = f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})" if config.seeds > 1 \
-            else ""
-        self.sink.event("started", f"{config.workload} x {', '.join(config.modes)}{replicates} on {self.device}; "
-                        f"{threads}",
-                        intra_op_threads=torch.get_num_threads())
+        lanes = f"{config.workload} x {', '.join(config.modes)}"
+        if config.seeds > 1:
+            lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}", intra_op_threads=torch.get_num_threads())
 
     def _loop(self) -> None:
         config = self.config

@@ -67,7 +67,8 @@ with st.container(border=True):
     lr = c4.number_input("Learning rate", value=1e-3, step=1e-4, format="%.2e", key="train_lr",
                          help="The peak LR when OneCycleLR is on.")
     seed = c5.number_input("Seed", value=0, step=1, key="train_seed",
-                           help="Seeds the initial weights and the batch order, the same in every lane.")
+                           help="Seeds the initial weights and the batch order, the same in every lane (with "
+                                "several seeds per mode: the first seed).")
     seeds = c6.number_input("Seeds per mode", value=1, min_value=1, max_value=MAX_SEEDS, step=1, key="train_seeds",
                             help="Seed replicates: each mode trains once per seed (seed, seed+1, …; every mode of a "
                                  "seed starts from that seed's weights and sees its batches). Charts then show each "
@@ -144,6 +145,7 @@ from amp_core.probes.cost import (  # noqa: E402
     relative_costs,
 )
 from amp_core.views import plots  # noqa: E402
+from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
     RecordFollower,
@@ -345,8 +347,6 @@ def lane_problems(info: dict) -> None:
 
 def replicates(series: list, seeds: dict[str, int]) -> None:
     """Each mode across its seeds, and whether two modes differ by more than the spread across seeds."""
-    from amp_core.views.compare import format_replicates
-
     table = replicate_table(series, seeds)
     st.markdown("**Across seeds** — each mode's seed replicates together")
     st.dataframe(format_replicates(table), hide_index=True, key="train_replicates")
@@ -412,8 +412,14 @@ def live_view() -> None:
     with st.expander("Run configuration"):
         st.json(info["config"], expanded=False)
     if not is_live(info) and info["status"] in ("finished", "stopped"):
-        # The run's own medians correct a remembered cost probe that disagrees with them.
-        board.learn_from_run(RunConfig.from_dict(info["config"]), lane_medians(series), run_id)
+        # The run's own medians correct a remembered cost probe that disagrees with them; a Monitor's run (its
+        # config is the user's loop, not a RunConfig) has nothing to teach it.
+        try:
+            learned = RunConfig.from_dict(info["config"])
+        except (ConfigError, TypeError):
+            learned = None
+        if learned is not None:
+            board.learn_from_run(learned, lane_medians(series), run_id)
     if live_at_start and not is_live(info):
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 
