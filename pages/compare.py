@@ -16,6 +16,7 @@ from amp_core.views.summary import (
     rank_table,
     replicate_differences,
     replicate_table,
+    replicated_keys,
     summarize,
 )
 from amp_core.views.tables import content_widths
@@ -211,7 +212,9 @@ def comparison() -> None:
                                                     bands=bands, seeds=seeds),
         "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands, seeds=seeds),
     }
-    for note in compare.overlap_notes(series, lane_labels):
+    # Lanes inside a seed band are not drawn as lines of their own: none of them can hide another.
+    banded = replicated_keys(series, seeds)
+    for note in compare.overlap_notes([lane for lane in series if lane.key not in banded], lane_labels):
         st.info(note)
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")

@@ -257,4 +257,6 @@ def test_compare_page_groups_a_seeded_run_by_mode(fresh_store):
     charts = page_charts(at)
     for key in ("cmp_chart_loss_vs_step", "cmp_chart_loss_vs_time", "cmp_chart_step_time"):
         assert bands(charts[key]) == [f"{mode} · {short} · mean of 2 seeds (min-max band)" for mode in MODES], key
+    # Seed lanes are inside bands, not lines that could hide each other: no overlap note about them.
+    assert not [info.value for info in at.info if "each other" in info.value]
     assert "Report · HTML" in [element.proto.label for element in at.get("download_button")]

@@ -223,6 +223,12 @@ def has_replicates(series: list[LaneSeries], seeds: dict[str, int] | None) -> bo
     return any(len(group) > 1 for group in seed_groups(series, seeds).values())
 
 
+def replicated_keys(series: list[LaneSeries], seeds: dict[str, int] | None) -> set[str]:
+    """Keys of the lanes drawn as part of a mode's seed band (a group of two or more seeds), not as lines of their
+    own."""
+    return {ranks[0].key for group in seed_groups(series, seeds).values() if len(group) > 1 for ranks in group}
+
+
 def seed_spread(columns: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                         np.ndarray]:
     """(steps, min, mean, max) across seeds of (steps, values) pairs, at the steps every seed has; a value that is
