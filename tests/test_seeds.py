@@ -260,3 +260,11 @@ def test_compare_page_groups_a_seeded_run_by_mode(fresh_store):
     # Seed lanes are inside bands, not lines that could hide each other: no overlap note about them.
     assert not [info.value for info in at.info if "each other" in info.value]
     assert "Report · HTML" in [element.proto.label for element in at.get("download_button")]
+
+
+def test_each_mode_is_told_against_the_baseline_mode_wherever_it_is():
+    frame, seeds = constructed({"bf16-mixed": [1.0, 1.1], "32-true": [1.0, 1.2], "16-mixed": [3.0, 3.1]})
+    differences = summary.replicate_differences(summary.replicate_table(summary.lanes(frame), seeds))
+    assert set(differences["mode_a"]) == {"32-true"}
+    assert differences["mode_b"].tolist() == ["bf16-mixed", "bf16-mixed", "16-mixed", "16-mixed"]
+    assert differences["verdict"].tolist()[::2] == ["within the spread", "different"]  # final loss

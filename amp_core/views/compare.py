@@ -519,9 +519,10 @@ def figure_html(fig: go.Figure) -> bytes:
 
 
 def _mean_sd_text(mean: float, sd: float, spec: str) -> str:
+    """"mean ± sd", the sd to two significant digits (it is known no better from a few seeds)."""
     if mean is None or pd.isna(mean):
         return "—"
-    return f"{mean:{spec}}" + ("" if sd is None or pd.isna(sd) else f" ± {sd:{spec}}")
+    return f"{mean:{spec}}" + ("" if sd is None or pd.isna(sd) else f" ± {sd:.2g}")
 
 
 def format_replicates(table: pd.DataFrame, last_k: int = 20, several_runs: bool = False) -> pd.DataFrame:

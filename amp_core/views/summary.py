@@ -286,24 +286,26 @@ def difference_verdict(mean_a: float, sd_a: float, n_a: int, mean_b: float, sd_b
 
 
 def replicate_differences(table: pd.DataFrame, sds: float = DIFFERENCE_SDS) -> pd.DataFrame:
-    """For every two modes of one run in a `replicate_table` (in table order), and for the final loss and the median
-    ms/step: the difference of their means across seeds (b - a), the threshold of DIFFERENCE_RULE and the verdict:
-    "different" (the gap is larger than the spread across seeds), "within the spread", or "cannot tell" (a mode has
-    fewer than 2 seeds with a finite figure)."""
+    """Each mode of a run in a `replicate_table` against the run's baseline mode (its 32-true, else its first mode),
+    for the final loss and the median ms/step: the difference of their means across seeds (b - a, a the baseline),
+    the threshold of DIFFERENCE_RULE and the verdict: "different" (the gap is larger than the spread across seeds),
+    "within the spread", or "cannot tell" (a mode has fewer than 2 seeds with a finite figure)."""
     rows = []
     figures = (("final loss", "final_loss"), ("median ms/step", "median_ms"))
     for run_id, part in table.groupby("run_id", sort=False):
         records = part.to_dict("records")
-        for i, a in enumerate(records):
-            for b in records[i + 1:]:
-                for figure, column in figures:
-                    verdict, threshold = difference_verdict(a[f"{column}_mean"], a[f"{column}_sd"], a[f"{column}_n"],
-                                                            b[f"{column}_mean"], b[f"{column}_sd"], b[f"{column}_n"],
-                                                            sds)
-                    rows.append({"run_id": run_id, "figure": figure, "mode_a": a["mode"], "mode_b": b["mode"],
-                                 "mean_a": a[f"{column}_mean"], "mean_b": b[f"{column}_mean"],
-                                 "difference": b[f"{column}_mean"] - a[f"{column}_mean"], "threshold": threshold,
-                                 "seeds_a": a[f"{column}_n"], "seeds_b": b[f"{column}_n"], "verdict": verdict})
+        a = next((row for row in records if row["mode"] == BASELINE_MODE), records[0])
+        for b in records:
+            if b is a:
+                continue
+            for figure, column in figures:
+                verdict, threshold = difference_verdict(a[f"{column}_mean"], a[f"{column}_sd"], a[f"{column}_n"],
+                                                        b[f"{column}_mean"], b[f"{column}_sd"], b[f"{column}_n"],
+                                                        sds)
+                rows.append({"run_id": run_id, "figure": figure, "mode_a": a["mode"], "mode_b": b["mode"],
+                             "mean_a": a[f"{column}_mean"], "mean_b": b[f"{column}_mean"],
+                             "difference": b[f"{column}_mean"] - a[f"{column}_mean"], "threshold": threshold,
+                             "seeds_a": a[f"{column}_n"], "seeds_b": b[f"{column}_n"], "verdict": verdict})
     return pd.DataFrame(rows, columns=list(DIFFERENCE_COLUMNS))
 
 
