@@ -441,8 +441,9 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
                          "marker": {"color": mode_color(lane.mode), "size": 3, "opacity": 0.35},
                          "hovertemplate": "step %{x}: %{y:.3g} ms<extra>" + lane.mode + "</extra>"})
         data += band_traces(lane.mode, bands.band(lane), lane.mode, lane.mode)
-    title = "Step time · median and p10-p90 band" + (" · dots: each step" if raw else "") + (
-        " · several seeds: mean of their medians, min-max band" if replicated else "")
+    # Several seeds: each mode's line is the mean of its seeds' medians, its band their min-max (not p10-p90).
+    title = ("Step time · seeds' mean median · min-max band" if replicated else
+             "Step time · median and p10-p90 band") + (" · dots: each step" if raw else "")
     return go.Figure({"data": data, "layout": chart_layout(title, "ms / step", hovermode="closest", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
