@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fused Adam/AdamW kernel (with a GradScaler: no host sync in GradScaler.step)")
     run.add_argument("--scheduler", default="none", help="none | onecycle")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seeds", type=int, default=1, metavar="S",
+                     help="seed replicates per mode (lanes = modes x S; replicate s uses seed + s): the summary then "
+                          "says whether two modes differ by more than the spread across seeds")
     run.add_argument("--size", default="small", help="small | medium | large | xl (a GPU size; not every workload)")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     run.add_argument("--data-dir", default="", help="MNIST idx folder for digits_mlp")
@@ -82,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="runs in the store, newest first").set_defaults(handler=cmd_list)
 
-    export = sub.add_parser("export", help="write a run's step records to CSV or Parquet")
+    export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
+                                           "self-contained HTML report (charts, summary, config, events)")
     export.add_argument("run_id")
-    export.add_argument("--format", choices=("csv", "parquet"), default="csv")
-    export.add_argument("--out", required=True)
+    export.add_argument("--format", choices=("csv", "parquet", "html"), default="csv")
+    export.add_argument("--out", "-o", default=None, help="file to write (default: RUN_ID.FORMAT here)")
     export.set_defaults(handler=cmd_export)
 
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
@@ -113,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         workload=args.workload, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eps=args.eps, optimizer=args.optimizer,
         fused_optimizer=args.fused_optimizer, scheduler=args.scheduler,
-        seed=args.seed, size=args.size, device=args.device, data_dir=args.data_dir, grad_clip=args.grad_clip,
+        seed=args.seed, seeds=args.seeds, size=args.size, device=args.device, data_dir=args.data_dir,
+        grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
         faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every)
 
@@ -220,24 +225,53 @@ def cmd_run(args: argparse.Namespace) -> int:
     frame = run.frame()
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
-    header = f"{'lane':<12}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}{'skipped':>9}"
+    width = 17 if config.seeds > 1 else 12
+    header = (f"{'lane':<{width}}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}"
+              f"{'skipped':>9}")
     print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
     for row in summarize(frame).to_dict("records"):
         lane = run.lanes[row["lane"]]
-        line = (f"{row['mode']:<12}{lane.status:<10}{_fmt(row['median_ms'], '.2f'):>10}"
+        label = f"{row['mode']} seed {lane.seed}" if config.seeds > 1 else row["mode"]
+        line = (f"{label:<{width}}{lane.status:<10}{_fmt(row['median_ms'], '.2f'):>10}"
                 f"{_fmt(row['speedup'], '.2f'):>9}{_fmt(row['peak_mib'], '.2f'):>10}"
                 f"{_fmt(row['final_loss'], '.4g'):>12}{row['skipped_steps']:>9}")
         if job is not None:
             line += f"{row['ranks']:>7}{_fmt(row['rank_imbalance'], '.2f'):>17}"
         print(line)
         if lane.error:
-            print(f"  {lane.mode}: {lane.error}")
+            print(f"  {label}: {lane.error}")
+    if config.seeds > 1:
+        _print_replicates(run)
     for event in run.events():
         if event.kind == "error" and event.lane is None:
             print(f"error: {event.message}", file=sys.stderr)
     if run.store_error:
         print(f"warning: records not saved: {run.store_error}", file=sys.stderr)
     return 0 if run.status in ("finished", "stopped") else 1
+
+
+def _print_replicates(run) -> None:
+    """Each mode across its seeds (mean ± sd of the final loss and the median ms/step), and whether two modes differ
+    by more than the spread across seeds (the rule said once)."""
+    from amp_core.views.summary import (
+        DIFFERENCE_RULE,
+        difference_sentences,
+        lane_key,
+        lanes,
+        replicate_differences,
+        replicate_table,
+    )
+
+    seeds = {lane_key(run.run_id, lane.index): lane.seed for lane in run.lanes}
+    table = replicate_table(lanes(run.frame()), seeds)
+    print(f"\nacross {run.config.seeds} seeds per mode (mean ± sd):")
+    for row in table.to_dict("records"):
+        print(f"  {row['mode']:<12} final loss {_fmt(row['final_loss_mean'], '.4g')} ± "
+              f"{_fmt(row['final_loss_sd'], '.2g')}   ms/step {_fmt(row['median_ms_mean'], '.3g')} ± "
+              f"{_fmt(row['median_ms_sd'], '.2g')}")
+    for sentence in difference_sentences(replicate_differences(table)):
+        print("  " + sentence.replace("**", ""))
+    print(f"  rule: {DIFFERENCE_RULE}")
 
 
 def _run_under_torchrun(args: argparse.Namespace) -> int:
@@ -288,7 +322,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = RunStore(args.store)
     if store.run(args.run_id) is None:
         raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
-    print(store.export(args.run_id, args.format, args.out))
+    out = args.out or f"{args.run_id}.{args.format}"
+    if args.format == "html":
+        from amp_core.views.report import run_report_html
+
+        Path(out).write_text(run_report_html(store, args.run_id), encoding="utf-8")
+        print(Path(out).resolve())
+        return 0
+    print(store.export(args.run_id, args.format, out))
     return 0
 
 

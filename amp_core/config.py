@@ -24,6 +24,8 @@ SIZES = ("small", "medium", "large", "xl")
 """Every size a workload may offer; each workload lists its own (Workload.sizes). xl is a GPU size."""
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale")
+MAX_SEEDS = 8
+"""At most this many seeds per mode: lanes = modes x seeds all train in one process, interleaved."""
 
 
 def _positive(name: str, value: Any, kind: type = float) -> None:
@@ -130,7 +132,7 @@ class FaultSpec:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
-    """One launch: one workload, one seed, one lane per precision mode."""
+    """One launch: one workload, one lane per precision mode and seed (lanes = modes x seeds)."""
 
     workload: str = "digits_mlp"
     """Registered workload name (see amp_core.workloads.WORKLOADS)."""
@@ -152,7 +154,12 @@ class RunConfig:
     scheduler: str = "none"
     """none | onecycle (OneCycleLR over `steps`)."""
     seed: int = 0
-    """Seeds the initial weights and the batch order, identical in every lane."""
+    """Seeds the initial weights and the batch order, identical in every lane (with `seeds` > 1: the first seed)."""
+    seeds: int = 1
+    """Seed replicates per mode (1 to MAX_SEEDS): replicate s starts every mode from the weights of seed `seed + s`
+    and feeds them the batches of that seed, so lanes of one seed differ only by mode and lanes of one mode only by
+    seed. The views then draw each mode as its mean across seeds with a band, and tell whether two modes differ by
+    more than the spread across seeds."""
     size: str = "small"
     """Workload size: small (seconds on a laptop CPU) | medium | large (the seed notes' full size) | xl (for a GPU:
     tiny_transformer at GPT-2 small's shape). Each workload lists the sizes it has."""
@@ -212,6 +219,9 @@ class RunConfig:
             if value not in allowed:
                 raise ConfigError(name, f"unknown value {value!r}; choose from {', '.join(allowed)}")
         _whole("seed", self.seed)
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or not 1 <= self.seeds <= MAX_SEEDS:
+            raise ConfigError("seeds", f"must be a whole number from 1 to {MAX_SEEDS} (seeds per mode), got "
+                                       f"{self.seeds!r}")
         if not isinstance(self.grad_clip, (int, float)) or not math.isfinite(self.grad_clip) or self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
         _positive("memory_every", self.memory_every, int)
@@ -223,6 +233,10 @@ class RunConfig:
             raise ConfigError("fused_optimizer", f"must be true or false, got {self.fused_optimizer!r}")
         if self.fused_optimizer and self.optimizer == "sgd":
             raise ConfigError("fused_optimizer", "a fused kernel is offered for adam and adamw, not sgd")
+
+    def lanes(self) -> tuple[tuple[str, int], ...]:
+        """(mode, seed) of every lane, in lane order: each seed's modes together (seed, then mode order)."""
+        return tuple((mode, self.seed + s) for s in range(self.seeds) for mode in self.modes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (saved with every run)."""

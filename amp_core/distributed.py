@@ -96,6 +96,9 @@ class DistributedRun(Run):
         if config.amax_every:
             raise ConfigError("amax_every", "layer amax sampling is not offered with --nproc (it samples a shadow "
                                             "copy of one process's model)")
+        if config.seeds > 1:
+            raise ConfigError("seeds", "seed replicates are not offered with --nproc (each rank already trains on "
+                                       "batches of its own)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         super().__init__(config, store if self.rank == 0 else None, run_id)
         self.sink = RankSink(self.run_id, store if self.rank == 0 else None, check_skips=True,
@@ -108,7 +111,7 @@ class DistributedRun(Run):
         device_ids = [torch.cuda.current_device()] if self.device.startswith("cuda") else None
         for lane in self.lanes:  # the same order on every rank: DDP's construction is a collective
             lane.state.model = LaneDDP(lane.state.model, device_ids=device_ids)
-        self._generator = torch.Generator().manual_seed(self.config.seed + self.rank * RANK_SEED_STRIDE)
+        self._generators = [torch.Generator().manual_seed(self.config.seed + self.rank * RANK_SEED_STRIDE)]
         if self.rank == 0:
             self.sink.event("job", f"torchrun job of {self.world_size} ranks: each lane's model in DDP "
                             f"({dist.get_backend()}), each rank its own batches", ranks=self.world_size)

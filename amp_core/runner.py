@@ -1,4 +1,5 @@
-"""Run: one thread steps K precision lanes interleaved (A B C A B C ...); RunManager: the process's runs."""
+"""Run: one thread steps K precision lanes interleaved (A B C A B C ...), per mode one lane per seed replicate;
+RunManager: the process's runs."""
 
 from __future__ import annotations
 
@@ -65,11 +66,15 @@ class HeldBytes:
 
 
 class Lane:
-    """One precision mode inside a run: its training state and its status."""
+    """One precision mode (and seed replicate) inside a run: its training state and its status."""
 
-    def __init__(self, index: int, mode: str):
+    def __init__(self, index: int, mode: str, seed: int = 0, replicate: int = 0):
         self.index = index
         self.mode = mode
+        self.seed = seed
+        """The seed of the lane's initial weights and batches (RunConfig.seed + replicate)."""
+        self.replicate = replicate
+        """Which seed replicate of its mode the lane is (0 .. RunConfig.seeds - 1)."""
         self.status = "pending"
         """pending | running | finished | stopped | diverged | failed."""
         self.error = ""
@@ -172,7 +177,7 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
 
 
 class Run:
-    """A launch: one workload, one seed, one lane per mode, driven by one background thread.
+    """A launch: one workload, one lane per mode and seed replicate, driven by one background thread.
 
     Run owns control (start, pause, resume, stop) and the loop; what the loop produces goes through its RecordSink.
     """
@@ -182,7 +187,7 @@ class Run:
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.sink = RecordSink(self.run_id, store)
         self.device = resolve_device(config.device)
-        self.lanes = [Lane(i, mode) for i, mode in enumerate(config.modes)]
+        self.lanes = [Lane(i, mode, seed, seed - config.seed) for i, (mode, seed) in enumerate(config.lanes())]
         self.status = "pending"
         """pending | running | paused | finished | stopped | failed."""
         self.created_at = time.time()
@@ -193,7 +198,10 @@ class Run:
         self._control = threading.Lock()
         """Held while the status changes (see the control methods)."""
         self._thread: threading.Thread | None = None
+        self._batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """This step's batch of each seed replicate (every lane of a seed trains on its seed's)."""
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The batch of the lane stepping now (its seed's)."""
         self._amax_samplers: dict[int, LayerAmaxSampler] = {}
         """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self._samples = 0
@@ -211,7 +219,9 @@ class Run:
         if self._thread is not None:
             raise RuntimeError("a run starts once")
         check_launch(self.config)
-        self.sink.open(self.config.to_dict(), self.device, torch.__version__)
+        self.sink.open(self.config.to_dict(), self.device, torch.__version__,
+                       lane_meta=[{"seed": lane.seed} for lane in self.lanes],
+                       lane_modes=[lane.mode for lane in self.lanes])
         self.status = "running"
         self._thread = background.start(self._main, f"amp-run-{self.run_id}", stop=self._ask_to_stop)
         return self
@@ -276,11 +286,11 @@ class Run:
         lane = self.lanes[index]
         with self._step_lock:
             state = lane.state  # read once: the thread may free the lane the moment the lock is let go
-            if state is None or self._batch is None:
+            if state is None or not self._batches:
                 why = "has not started yet" if lane.status == "pending" else f"has ended ({lane.status})"
                 raise ValueError(f"lane {index} ({lane.mode}) {why}")
             model = copy.deepcopy(state.model)
-            batch = tuple(t.clone() for t in self._batch)
+            batch = tuple(t.clone() for t in self._batches[lane.replicate])
             step = lane.steps_done
             scaler = state.scaler
             scale = scaler.get_scale() if scaler.is_enabled() else None  # a device sync, between two steps
@@ -318,29 +328,33 @@ class Run:
     def _setup(self) -> None:
         config, workload = self.config, WORKLOADS[self.config.workload]
         self.data = workload.load_data(config)
-        torch.manual_seed(config.seed)
-        base = workload.build_model(config.size, self.data)
+        bases = []
+        for replicate in range(config.seeds):  # every mode of a seed starts from that seed's weights
+            torch.manual_seed(config.seed + replicate)
+            bases.append(workload.build_model(config.size, self.data))
         for fault in config.faults:
             if fault.kind in ("grad_inf", "grad_nan"):
-                param_by_name(base, fault.param)  # an unknown name fails the run now, not at the fault's step
+                param_by_name(bases[0], fault.param)  # an unknown name fails the run now, not at the fault's step
         for lane in self.lanes:
-            lane.state = build_lane_state(config, lane.index, lane.mode, base, workload, self.device)
+            lane.state = build_lane_state(config, lane.index, lane.mode, bases[lane.replicate], workload, self.device)
             lane.status = "running"
             params_bytes = tensor_bytes(lane.state.model.parameters())
             lane.held = HeldBytes(params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._generators = [torch.Generator().manual_seed(config.seed + r) for r in range(config.seeds)]
         first = self.lanes[0].state
         threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
                                                          config.batch_size), config.intra_op_threads)
-        self.sink.event("started", f"{config.workload} x {', '.join(config.modes)} on {self.device}; {threads}",
-                        intra_op_threads=torch.get_num_threads())
+        lanes = f"{config.workload} x {', '.join(config.modes)}"
+        if config.seeds > 1:
+            lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}", intra_op_threads=torch.get_num_threads())
 
     def _loop(self) -> None:
         config = self.config
         for step in range(config.steps):
-            # Every lane sees this same batch, in the same order.
-            self._batch = self.data.sample(self._generator, config.batch_size)
-            self._samples = WORKLOADS[config.workload].samples_in(self._batch)
+            # Every lane of a seed sees this same batch, in the same order.
+            self._batches = [self.data.sample(generator, config.batch_size) for generator in self._generators]
+            self._samples = WORKLOADS[config.workload].samples_in(self._batches[0])
             stepped = False
             for lane in self.lanes:
                 if not self._resume.is_set():
@@ -350,6 +364,7 @@ class Run:
                 if self._stop.is_set():
                     break
                 if lane.status == "running":
+                    self._batch = self._batches[lane.replicate]
                     self._run_lane_step(lane, step)
                     stepped = True
                 if self._in_flight and (len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at):
@@ -571,7 +586,8 @@ class RunManager:
         if run is not None:
             return {"run_id": run_id, "config": run.config.to_dict(), "status": run.status, "live": run.alive,
                     "lanes": [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "error": lane.error,
-                               "steps_done": lane.steps_done, "meta": {}} for lane in run.lanes],
+                               "steps_done": lane.steps_done, "meta": {"seed": lane.seed}}
+                              for lane in run.lanes],
                     "problems": []}
         if self.store is None:
             return None

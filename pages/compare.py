@@ -5,8 +5,20 @@ from functools import partial
 import streamlit as st
 
 from amp_core.records.store import StoreError
-from amp_core.views import compare, plots
-from amp_core.views.summary import by_lane, default_baseline, lane_key, rank_table, summarize
+from amp_core.views import compare, plots, report
+from amp_core.views.summary import (
+    DIFFERENCE_RULE,
+    by_lane,
+    default_baseline,
+    difference_sentences,
+    has_replicates,
+    lane_key,
+    rank_table,
+    replicate_differences,
+    replicate_table,
+    replicated_keys,
+    summarize,
+)
 from amp_core.views.tables import content_widths
 from pages.common import get_manager, run_label
 
@@ -80,6 +92,7 @@ if not chosen_runs or not chosen_lanes:
     st.stop()
 
 chosen_table = table[table["key"].isin(chosen_lanes)]
+seeds = compare.table_seeds(chosen_table)  # lanes of one mode and several seeds are drawn as a mean and a band
 # The baseline follows the default (first 32-true lane) as lanes come and go, until the user picks one.
 if not st.session_state.get("cmp_baseline_pinned") or st.session_state.get("cmp_baseline") not in chosen_lanes:
     st.session_state["cmp_baseline"] = default_baseline(chosen_table)
@@ -152,6 +165,17 @@ def comparison() -> None:
                "steadier than one step's; Δ: minus the baseline's. " + (
                    "Diverged: the last recorded loss is inf/NaN." if summary["diverged"].any() else
                    "No lane diverged (every last recorded loss is finite)."))
+    if has_replicates(series, seeds):
+        several_runs = len({lane.run_id for lane in series}) > 1
+        replicates = replicate_table(series, seeds, int(last_k))
+        st.markdown("**Across seeds** — each mode's seed replicates together")
+        st.dataframe(compare.format_replicates(replicates, int(last_k), several_runs), hide_index=True,
+                     key="cmp_replicates")
+        for sentence in difference_sentences(replicate_differences(replicates), several_runs):
+            st.markdown(f"- {sentence}")
+        st.caption(f"Mean ± sample standard deviation across the seeds of each mode. Two modes are told apart when "
+                   f"the gap is larger than the spread across seeds: {DIFFERENCE_RULE}. The charts draw each such "
+                   f"mode as its mean across seeds inside the band from the lowest to the highest seed.")
     if summary["ranks"].max() > 1:  # torchrun jobs: each rank measured itself
         ranks = rank_table(series, int(last_k))
         keys = [lane_key(run_id, lane) for run_id, lane in zip(ranks["run_id"], ranks["lane"], strict=True)]
@@ -183,12 +207,14 @@ def comparison() -> None:
                     help="The step-time chart draws each lane's median and p10-p90 band; this adds the measured "
                          "step times themselves.")
     figures = {
-        "loss_vs_step": compare.loss_vs_step_figure(series, lane_labels, log_y=log_y),
+        "loss_vs_step": compare.loss_vs_step_figure(series, lane_labels, log_y=log_y, seeds=seeds),
         "loss_vs_time": compare.loss_vs_time_figure(series, lane_labels, time_axis=time_axis, log_y=log_y,
-                                                    bands=bands),
-        "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands),
+                                                    bands=bands, seeds=seeds),
+        "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands, seeds=seeds),
     }
-    for note in compare.overlap_notes(series, lane_labels):
+    # Lanes inside a seed band are not drawn as lines of their own: none of them can hide another.
+    banded = replicated_keys(series, seeds)
+    for note in compare.overlap_notes([lane for lane in series if lane.key not in banded], lane_labels):
         st.info(note)
     for name, fig in figures.items():
         st.plotly_chart(fig, key=f"cmp_chart_{name}")
@@ -201,7 +227,9 @@ def comparison() -> None:
 
     st.subheader("Downloads")
     st.caption(f"{records:,} step records of {len(present)} lane(s), gathered when you ask for them. Charts download "
-               "as standalone HTML with plotly.js inside (about 5 MB each; they open offline).")
+               "as standalone HTML with plotly.js inside (about 5 MB each; they open offline). A report is one "
+               "self-contained HTML file per run: every chart, the summary, the configuration and the events, "
+               "plotly.js inlined once; it opens offline and can be shared as it is.")
 
     def every_record():
         return compare.gather_steps(manager, chosen_lanes)
@@ -213,13 +241,21 @@ def comparison() -> None:
         ("Summary · CSV", partial(compare.csv_bytes, summary), "amp_lab_summary.csv", "text/csv", "summary_csv"),
         *((f"{fig.layout.title.text} · HTML", partial(compare.figure_html, fig), f"amp_lab_{name}.html",
            "text/html", f"html_{name}") for name, fig in figures.items()),
+        *((f"Report · HTML · {compare.short_run_id(run_id)}" if len(chosen_runs) > 1 else "Report · HTML",
+           partial(report_bytes, run_id), f"amp_lab_report_{run_id}.html", "text/html", f"report_{run_id}")
+          for run_id in dict.fromkeys(lane.run_id for lane in series)),
     ]
-    columns = [*st.columns(3), *st.columns(3)]
+    columns = [column for _ in range(0, len(downloads), 3) for column in st.columns(3)][:len(downloads)]
     for column, (label, data, file_name, mime, key) in zip(columns, downloads, strict=True):
         # Built only when clicked: every record, or three inlined plotly.js pages, per refresh would be sent for
         # nothing.
         column.download_button(label, data, file_name=file_name, mime=mime, key=f"cmp_download_{key}",
                                on_click="ignore", width="stretch")
+
+
+def report_bytes(run_id: str) -> bytes:
+    """A run's self-contained HTML report (built when its button is clicked)."""
+    return report.run_report_html(manager, run_id).encode()
 
 
 comparison()

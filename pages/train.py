@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 
 from amp_core import catalog
-from amp_core.config import OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import MAX_SEEDS, OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from pages.common import (
     STATUS_ICONS,
     device_panel,
@@ -58,15 +58,21 @@ with st.container(border=True):
                         help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
     modes_slot = c3.empty()
     c1.caption(entries[workload].description)
-    c1, c2, c3, c4, c5, c6 = st.columns(6)
+    c1, c2, c3, c4, c5, c6, c7 = st.columns(7)
     steps = c1.number_input("Steps", value=300, step=50, key="train_steps")
     batch_size = c2.number_input("Batch size", value=64, step=16, key="train_batch")
     optimizer = c3.selectbox("Optimizer", OPTIMIZERS, key="train_optimizer")
     lr = c4.number_input("Learning rate", value=1e-3, step=1e-4, format="%.2e", key="train_lr",
                          help="The peak LR when OneCycleLR is on.")
     seed = c5.number_input("Seed", value=0, step=1, key="train_seed",
-                           help="Seeds the initial weights and the batch order, the same in every lane.")
-    onecycle = c6.toggle("OneCycleLR", key="train_onecycle")
+                           help="Seeds the initial weights and the batch order, the same in every lane (with "
+                                "several seeds per mode: the first seed).")
+    seeds = c6.number_input("Seeds per mode", value=1, min_value=1, max_value=MAX_SEEDS, step=1, key="train_seeds",
+                            help="Seed replicates: each mode trains once per seed (seed, seed+1, …; every mode of a "
+                                 "seed starts from that seed's weights and sees its batches). Charts then show each "
+                                 "mode's mean across seeds with a min-max band, and the summary says whether two "
+                                 "modes differ by more than the spread across seeds.")
+    onecycle = c7.toggle("OneCycleLR", key="train_onecycle")
     with st.expander("GradScaler settings (16-mixed only)"):
         g1, g2, g3, g4 = st.columns(4)
         init_scale = g1.number_input("Initial scale", value=2.0**16, format="%g", key="train_init_scale")
@@ -108,7 +114,7 @@ try:
     config = RunConfig(
         workload=workload, size=size, modes=tuple(modes), steps=int(steps), batch_size=int(batch_size),
         optimizer=optimizer, lr=float(lr), eps=float(eps), fused_optimizer=bool(fused),
-        scheduler="onecycle" if onecycle else "none", seed=int(seed),
+        scheduler="onecycle" if onecycle else "none", seed=int(seed), seeds=int(seeds),
         grad_clip=float(grad_clip), name=name.strip(),
         scaler=ScalerConfig(init_scale=float(init_scale), growth_factor=float(growth_factor),
                             backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),
@@ -137,6 +143,7 @@ from amp_core.probes.cost import (  # noqa: E402
     relative_costs,
 )
 from amp_core.views import plots  # noqa: E402
+from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
     RecordFollower,
@@ -146,7 +153,16 @@ from amp_core.views.live import (  # noqa: E402
     lane_medians,
     lanes_table,
 )
-from amp_core.views.summary import lanes, rank_table  # noqa: E402
+from amp_core.views.summary import (  # noqa: E402
+    DIFFERENCE_RULE,
+    difference_sentences,
+    has_replicates,
+    lane_seeds,
+    lanes,
+    rank_table,
+    replicate_differences,
+    replicate_table,
+)
 from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
 
 manager = get_manager()
@@ -329,7 +345,18 @@ def lane_problems(info: dict) -> None:
             st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
 
 
-def charts(series: list, follower: RecordFollower) -> None:
+def replicates(series: list, seeds: dict[str, int]) -> None:
+    """Each mode across its seeds, and whether two modes differ by more than the spread across seeds."""
+    table = replicate_table(series, seeds)
+    st.markdown("**Across seeds** — each mode's seed replicates together")
+    st.dataframe(format_replicates(table), hide_index=True, key="train_replicates")
+    for sentence in difference_sentences(replicate_differences(table)):
+        st.markdown(f"- {sentence}")
+    st.caption(f"Mean ± sample standard deviation across seeds; {DIFFERENCE_RULE}. The loss and step-time charts "
+               "draw each mode as its mean across seeds inside the band from the lowest to the highest seed.")
+
+
+def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> None:
     o1, o2, o3, _ = st.columns([2, 2, 2, 2])
     axis = o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
                     help="auto: log when the loss spans a wide range, else linear with a spike left off the axis "
@@ -339,7 +366,7 @@ def charts(series: list, follower: RecordFollower) -> None:
                     help="The step-time chart draws each lane's median and p10-p90 band (one stall does not flatten "
                          "it); this adds the measured step times themselves.")
     figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                  bands=follower.bands)
+                                  bands=follower.bands, seeds=seeds)
     left, right = st.columns(2)
     left.plotly_chart(figures["loss"], key="train_chart_loss")
     right.plotly_chart(figures["step_time"], key="train_chart_step_time")
@@ -378,7 +405,10 @@ def live_view() -> None:
     controls(info)
     lane_problems(info)
     lane_rows(info, series)
-    charts(series, follower)
+    seeds = lane_seeds(run_id, info["lanes"])
+    if has_replicates(series, seeds):
+        replicates(series, seeds)
+    charts(series, follower, seeds)
     if info["config"].get("device") == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "

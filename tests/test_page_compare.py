@@ -70,7 +70,7 @@ def test_one_lane(fresh_store):
     assert table["speedup"].tolist() == ["1.00×"] and table["lane"].iloc[0].startswith("★ bf16-mixed · ")
     assert at.selectbox(key="cmp_baseline").value == f"{run_id}/1"
     assert len(charts(at)) == 3  # one lane: no difference chart
-    assert downloads(at) == DOWNLOADS
+    assert downloads(at) == [*DOWNLOADS, "Report · HTML"]
     assert not any("different runs" in caption.value for caption in at.caption)
 
 
@@ -109,7 +109,7 @@ def test_three_lanes_of_two_runs(fresh_store):
     assert len([t for t in step_time["data"] if t.get("fill") == "tonexty"]) == 3  # a p10-p90 band per lane
     assert step_time["layout"]["yaxis"]["type"] == "linear"
     assert "median" in loss_vs_time["layout"]["xaxis"]["title"]["text"]
-    assert downloads(at) == DOWNLOADS
+    assert downloads(at) == [*DOWNLOADS, f"Report · HTML · {second[-6:]}", f"Report · HTML · {first[-6:]}"]
     assert any("different runs" in caption.value for caption in at.caption)
 
     at.toggle(key="cmp_log_y").set_value(False).run()

@@ -98,10 +98,11 @@ class RankSink:
     def write_seconds(self) -> float:
         return self.local.write_seconds
 
-    def open(self, config: dict, device: str, torch_version: str, lane_meta: list[dict] | None = None) -> None:
+    def open(self, config: dict, device: str, torch_version: str, lane_meta: list[dict] | None = None,
+             lane_modes: list[str] | None = None) -> None:
         """Rank 0 registers the run (StoreError if the store cannot take it); other ranks have nothing to open."""
         if self.rank == 0:
-            self.local.open(config, device, torch_version, lane_meta)
+            self.local.open(config, device, torch_version, lane_meta, lane_modes)
 
     def step(self, record: StepRecord) -> None:
         record.rank = self.rank

@@ -76,10 +76,10 @@ class RecordSink:
         self._last_flush = time.monotonic()
 
     def open(self, config: dict[str, Any], device: str, torch_version: str,
-             lane_meta: list[dict] | None = None) -> None:
+             lane_meta: list[dict] | None = None, lane_modes: list[str] | None = None) -> None:
         """Register the run in the store (StoreError if the store cannot take it: nothing is started then)."""
         if self.store is not None:
-            self.store.create_run(self.run_id, config, device, torch_version, lane_meta)
+            self.store.create_run(self.run_id, config, device, torch_version, lane_meta, lane_modes)
 
     def step(self, record: StepRecord) -> None:
         """One lane step's record (the training thread: a tuple appended, nothing more)."""

@@ -272,12 +272,14 @@ class RunStore:
 
     # --- writing -------------------------------------------------------------------------------------------
     def create_run(self, run_id: str, config: dict[str, Any], device: str, torch_version: str,
-                   lane_meta: list[dict] | None = None) -> None:
-        """Register a run and its lanes (one per mode; `lane_meta`: extra facts per lane, e.g. a seed)."""
+                   lane_meta: list[dict] | None = None, lane_modes: list[str] | None = None) -> None:
+        """Register a run and its lanes: one per mode, or one per entry of `lane_modes` (a run of seed replicates has
+        several lanes per mode); `lane_meta`: extra facts per lane, e.g. its seed."""
         modes = list(config["modes"])
+        lanes = list(lane_modes) if lane_modes is not None else modes
         host, pid, started, namespace = _process_identity()
         now = time.time()
-        meta = lane_meta or [{} for _ in modes]
+        meta = lane_meta or [{} for _ in lanes]
         with self._write() as conn:
             conn.execute(
                 "INSERT INTO runs (run_id, name, workload, modes, status, config, device, torch_version, host, pid, "
@@ -287,7 +289,7 @@ class RunStore:
                  torch_version, host, pid, now, started, namespace, now))
             conn.executemany("INSERT INTO lanes (run_id, lane, mode, status, error, meta) "
                              "VALUES (?, ?, ?, 'running', '', ?)",
-                             [(run_id, i, mode, json.dumps(m)) for i, (mode, m) in enumerate(zip(modes, meta,
+                             [(run_id, i, mode, json.dumps(m)) for i, (mode, m) in enumerate(zip(lanes, meta,
                                                                                                    strict=True))])
 
     def set_run_status(self, run_id: str, status: str, ended: bool = False) -> None:

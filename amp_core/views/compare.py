@@ -1,7 +1,8 @@
 """Compare lanes across runs (pure pandas/plotly): pick lanes, gather their records, chart them, export them.
 
 A lane is named by its key "run_id/lane" (`amp_core.summary.lane_key`). Colour says the mode (the same as on
-every page); dash style says the run, so two 16-mixed lanes from two runs stay apart.
+every page); dash style says the run, so two 16-mixed lanes from two runs stay apart. The lanes of one mode of a run
+with several seeds per mode (RunConfig.seeds) are drawn together: their mean across seeds inside a min-max band.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from amp_core.views.plots import (
     log_axis,
     marker_trace,
     mode_color,
+    seed_band_traces,
 )
-from amp_core.views.summary import lane_key
+from amp_core.views.summary import group_key, lane_key, seed_groups, seed_spread
 
 if TYPE_CHECKING:
     from amp_core.runner import RunManager
@@ -42,7 +44,7 @@ RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 """Dash style of the i-th run in a comparison (cycled past six runs)."""
 TIME_AXES = {"compute": "time at the lane's median speed (Σ median step time, s)",
              "wall": "wall clock since the lane's first step (s)"}
-LANE_TABLE_COLUMNS = ("key", "run_id", "lane", "mode", "status", "live", "label")
+LANE_TABLE_COLUMNS = ("key", "run_id", "lane", "mode", "seed", "status", "live", "label")
 FLOAT_STEP_COLUMNS = ("t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "grad_norm", "probe_ms")
 BYTE_STEP_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "peak_above_start_bytes",
                      "lane_peak_bytes")
@@ -64,32 +66,48 @@ def split_lane_key(key: str) -> tuple[str, int]:
 
 
 def _run_lanes(manager: RunManager, run_id: str) -> tuple[list[dict], bool] | None:
-    """[{lane, mode, status}] of a run and whether it is held live here; None if unknown. Cheaper than
+    """[{lane, mode, status, meta}] of a run and whether it is held live here; None if unknown. Cheaper than
     `RunManager.run_info` for a stored run (which counts every step record)."""
     run = manager.get(run_id)
     if run is not None:
-        return [{"lane": lane.index, "mode": lane.mode, "status": lane.status} for lane in run.lanes], run.alive
+        return [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "meta": {"seed": lane.seed}}
+                for lane in run.lanes], run.alive
     row = manager.store.run(run_id) if manager.store is not None else None
     return (row["lanes"], False) if row is not None else None
 
 
 def lane_table(manager: RunManager, run_ids: Iterable[str]) -> pd.DataFrame:
-    """The lanes of `run_ids` (live or stored), in run then lane order: key, run_id, lane, mode, status, live,
-    label ("mode · short id"). Runs the manager does not know are left out."""
+    """The lanes of `run_ids` (live or stored), in run then lane order: key, run_id, lane, mode, seed (None where the
+    run did not record one), status, live, label ("mode · short id", "mode · seed N · short id" in a run with several
+    seeds per mode). Runs the manager does not know are left out."""
     rows = []
     for run_id in dict.fromkeys(run_ids):
         found = _run_lanes(manager, run_id)
         if found is None:
             continue
         lanes, live = found
+        seeds = [(lane.get("meta") or {}).get("seed") for lane in lanes]
+        replicated = len({lane["mode"] for lane in lanes}) < len(lanes)
         rows.extend({"key": lane_key(run_id, int(lane["lane"])), "run_id": run_id, "lane": int(lane["lane"]),
-                     "mode": lane["mode"], "status": lane["status"], "live": live,
-                     "label": f"{lane['mode']} · {short_run_id(run_id)}"} for lane in lanes)
+                     "mode": lane["mode"], "seed": seed, "status": lane["status"], "live": live,
+                     "label": f"{lane['mode']}{f' · seed {seed}' if replicated and seed is not None else ''} · "
+                              f"{short_run_id(run_id)}"} for lane, seed in zip(lanes, seeds, strict=True))
     table = pd.DataFrame(rows, columns=list(LANE_TABLE_COLUMNS))
     # Two runs whose ids end alike (or a foreign run id) must still give distinct labels.
     repeated = table["label"].duplicated(keep=False)
     table.loc[repeated, "label"] = table.loc[repeated, "mode"] + " · " + table.loc[repeated, "key"]
     return table
+
+
+def table_seeds(table: pd.DataFrame) -> dict[str, int]:
+    """Lane key -> seed of a `lane_table`'s lanes that recorded one (what the charts group seed replicates by)."""
+    known = table[table["seed"].notna()]
+    return {key: int(seed) for key, seed in zip(known["key"], known["seed"], strict=True)}
+
+
+def group_label(run_id: str, mode: str, seeds: int) -> str:
+    """The legend name of a mode's seed replicates: "mode · short id · mean of S seeds"."""
+    return f"{mode} · {short_run_id(run_id)} · mean of {seeds} seeds"
 
 
 def live_run_ids(manager: RunManager, run_ids: Iterable[str]) -> list[str]:
@@ -176,25 +194,62 @@ def _wall_start(lane: LaneSeries) -> float:
     return float(first["t_wall_s"][0] - first["step_ms"][0] / 1e3) if len(first["step"]) else math.nan
 
 
+def _time_of(lane: LaneSeries, time_axis: str, bands: StepTimeBands, steps: np.ndarray) -> np.ndarray:
+    """The x of `steps` on a time axis (TIME_AXES)."""
+    if time_axis == "compute":
+        known_steps, seconds = bands.median_time_s(lane)
+    else:
+        known_steps, seconds = lane.points("t_wall_s")
+        seconds = seconds - _wall_start(lane)
+    return np.interp(steps, known_steps, seconds) if len(known_steps) else np.full(len(steps), np.nan)
+
+
+def _seed_loss_traces(members: list[LaneSeries], labels: dict[str, str], time_axis: str | None, dash: str,
+                      bands: StepTimeBands) -> list[dict]:
+    """One mode's seed replicates on a loss chart: the mean loss across seeds inside their min-max band (on a time
+    axis at the seeds' mean time of each step), and each seed's skipped steps."""
+    first = members[0]
+    name = labels.get(group_key(first.run_id, first.mode), group_label(first.run_id, first.mode, len(members)))
+    curves = [lane.means("loss")[:2] for lane in members]
+    steps, low, mean, high = seed_spread(curves)
+    at = ""
+    x = steps
+    if time_axis is not None:
+        _, _, x, _ = seed_spread([(s, _time_of(lane, time_axis, bands, s)) for lane, (s, _) in zip(members, curves,
+                                                                                                    strict=True)])
+        at = f"<br>{TIME_AXES[time_axis]}: %{{x:.4g}}"
+    data = seed_band_traces(first.mode, x, low, mean, high, len(members), name=name, dash=dash, customdata=steps,
+                            hover=f"{name}<br>step %{{customdata}}{at}<br>loss")
+    for lane in members:
+        skipped, at_skips = lane.skipped()
+        if len(skipped):
+            label = labels.get(lane.key, lane.key)
+            data.append(marker_trace(
+                lane.mode, skipped if time_axis is None else _time_of(lane, time_axis, bands, skipped),
+                np.asarray(at_skips["loss"], dtype=float), f"{label}: skipped steps", legendgroup=name,
+                showlegend=False, customdata=at_skips["step"],
+                hovertemplate=f"{label}<br>step %{{customdata}} skipped<br>loss %{{y:.5g}}<extra></extra>"))
+    return data
+
+
 def _loss_figure(lanes: list[LaneSeries], labels: dict[str, str], time_axis: str | None, title: str, log_y: bool,
-                 bands: StepTimeBands | None) -> go.Figure:
+                 bands: StepTimeBands | None, seeds: dict[str, int] | None = None) -> go.Figure:
     data = []
     dashes = run_dashes(lanes)
     bands = bands or StepTimeBands()
-    for lane in lanes:
+    replicates = [[ranks[0] for ranks in group] for group in seed_groups(lanes, seeds).values() if len(group) > 1]
+    for members in replicates:
+        data += _seed_loss_traces(members, labels, time_axis, dashes[members[0].run_id], bands)
+    grouped = {lane.key for members in replicates for lane in members}
+    for lane in (lane for lane in lanes if lane.key not in grouped):
         label = labels.get(lane.key, lane.key)
         steps, loss = lane.points("loss")
         skipped, at_skips = lane.skipped()
         if time_axis is None:
             x, at = steps, ""
         else:
-            if time_axis == "compute":
-                known_steps, seconds = bands.median_time_s(lane)
-            else:
-                known_steps, seconds = lane.points("t_wall_s")
-                seconds = seconds - _wall_start(lane)
-            x = np.interp(steps, known_steps, seconds) if len(known_steps) else np.full(len(steps), np.nan)
-            skipped = np.interp(skipped, known_steps, seconds) if len(known_steps) else skipped
+            x = _time_of(lane, time_axis, bands, steps)
+            skipped = _time_of(lane, time_axis, bands, skipped)
             at = f"<br>{TIME_AXES[time_axis]}: %{{x:.4g}}"
         data.append(line_trace(
             lane.mode, x, loss, name=label, legendgroup=lane.key,
@@ -213,33 +268,46 @@ def _loss_figure(lanes: list[LaneSeries], labels: dict[str, str], time_axis: str
 
 
 def loss_vs_step_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
-                        log_y: bool = False, max_points: int = MAX_POINTS) -> go.Figure:
+                        log_y: bool = False, max_points: int = MAX_POINTS,
+                        seeds: dict[str, int] | None = None) -> go.Figure:
     """Loss against step, one line per lane (colour: mode, dash: run); skipped steps marked ×; long lanes drawn as
-    their exact min/max envelope (spikes, non-finite losses and skipped steps kept)."""
-    return _loss_figure(summary.lanes(records, max_points), labels or {}, None, "Loss vs step", log_y, None)
+    their exact min/max envelope (spikes, non-finite losses and skipped steps kept). A mode with several seed
+    replicates (`seeds`: lane key -> seed) is one line, its mean loss across seeds, inside their min-max band."""
+    return _loss_figure(summary.lanes(records, max_points), labels or {}, None, "Loss vs step", log_y, None, seeds)
 
 
 def loss_vs_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
                         time_axis: str = "compute", log_y: bool = False, max_points: int = MAX_POINTS,
-                        bands: StepTimeBands | None = None) -> go.Figure:
+                        bands: StepTimeBands | None = None, seeds: dict[str, int] | None = None) -> go.Figure:
     """Loss against time. `time_axis` "compute": the running sum of the lane's median step time (StepTimeBands) —
     what the mode would take on its own at its typical speed (lanes of one run take turns, so their wall clocks
     advance together; a stall adds its step's median, not its own length); "wall": wall clock since the lane's
-    first step (includes the other lanes' turns, stalls and pauses)."""
+    first step (includes the other lanes' turns, stalls and pauses). Seed replicates (`seeds`) as in
+    `loss_vs_step_figure`, each step at the seeds' mean time."""
     if time_axis not in TIME_AXES:
         raise ValueError(f"time_axis must be one of {', '.join(TIME_AXES)}, got {time_axis!r}")
-    return _loss_figure(summary.lanes(records, max_points), labels or {}, time_axis, "Loss vs time", log_y, bands)
+    return _loss_figure(summary.lanes(records, max_points), labels or {}, time_axis, "Loss vs time", log_y, bands,
+                        seeds)
 
 
 def step_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
                      raw: bool = False, log_y: bool = False, max_points: int = MAX_POINTS,
-                     bands: StepTimeBands | None = None) -> go.Figure:
+                     bands: StepTimeBands | None = None, seeds: dict[str, int] | None = None) -> go.Figure:
     """Step time per lane: its rolling median and p10-p90 band (StepTimeBands: robust to one-off stalls), coloured
-    by mode, dashed by run; `raw` adds each measured step time (their envelope on a long lane), faint."""
+    by mode, dashed by run; `raw` adds each measured step time (their envelope on a long lane), faint. A mode with
+    several seed replicates (`seeds`) is the mean of its seeds' median lines inside the min-max band of those."""
     lanes = summary.lanes(records, max_points)
     labels, dashes, bands = labels or {}, run_dashes(lanes), bands or StepTimeBands()
     data = []
-    for lane in lanes:
+    replicates = [[ranks[0] for ranks in group] for group in seed_groups(lanes, seeds).values() if len(group) > 1]
+    for members in replicates:
+        first = members[0]
+        name = labels.get(group_key(first.run_id, first.mode), group_label(first.run_id, first.mode, len(members)))
+        medians = [(band["step"], band["p50"]) for band in (bands.band(lane) for lane in members)]
+        data += seed_band_traces(first.mode, *seed_spread(medians), len(members), name=name, unit=" ms",
+                                 dash=dashes[first.run_id])
+    grouped = {lane.key for members in replicates for lane in members}
+    for lane in (lane for lane in lanes if lane.key not in grouped):
         label = labels.get(lane.key, lane.key)
         if raw:
             steps, ms = lane.points("step_ms")
@@ -251,7 +319,8 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str,
     axis = _y_axis("ms per step", log_y)
     if not log_y:
         axis["rangemode"] = "tozero"
-    layout = chart_layout("Step time per lane · median and p10-p90 band" + (" · dots: each step" if raw else ""),
+    layout = chart_layout("Step time per lane · median and p10-p90 band" + (" · dots: each step" if raw else "")
+                          + (" · several seeds: mean of their medians, min-max band" if replicates else ""),
                           "ms per step", yaxis=axis, hovermode="closest", margin={"t": 50, "b": 40}, height=None,
                           legend={"title": {"text": "lane (colour: mode, dash: run)"}})
     return go.Figure({"data": data, "layout": layout})
@@ -447,3 +516,26 @@ def figure_html(fig: go.Figure) -> bytes:
     """A standalone HTML page of `fig` with plotly.js inlined (opens offline, about 4.5 MB)."""
     return fig.to_html(include_plotlyjs=True, full_html=True).encode()
 
+
+
+def _mean_sd_text(mean: float, sd: float, spec: str) -> str:
+    """"mean ± sd", the sd to two significant digits (it is known no better from a few seeds)."""
+    if mean is None or pd.isna(mean):
+        return "—"
+    return f"{mean:{spec}}" + ("" if sd is None or pd.isna(sd) else f" ± {sd:.2g}")
+
+
+def format_replicates(table: pd.DataFrame, last_k: int = 20, several_runs: bool = False) -> pd.DataFrame:
+    """`summary.replicate_table` as the table a person reads: per mode (of a run), its seeds and, across them, the
+    final loss and median ms/step as "mean ± sd" (sample standard deviation; no ± with one seed)."""
+    columns = {
+        "mode": [f"{mode} · {short_run_id(run_id)}" if several_runs else mode
+                 for run_id, mode in zip(table["run_id"], table["mode"], strict=True)],
+        "seeds": [", ".join(str(seed) for seed in seeds) for seeds in table["seeds"]],
+        f"{final_loss_column(last_k)}, mean ± sd": [_mean_sd_text(m, s, ".4g") for m, s in
+                                                    zip(table["final_loss_mean"], table["final_loss_sd"], strict=True)],
+        "median ms/step, mean ± sd": [_mean_sd_text(m, s, ".3g") for m, s in
+                                      zip(table["median_ms_mean"], table["median_ms_sd"], strict=True)],
+        "diverged seeds": table["diverged"].astype(int).tolist(),
+    }
+    return pd.DataFrame(columns, columns=list(columns))

@@ -52,7 +52,7 @@ def format_scale(value: float) -> str:
 
 
 LANE_COLUMNS = {
-    "lane": "The precision mode of the lane.",
+    "lane": "The precision mode of the lane (and its seed, in a run with several seeds per mode).",
     "status": "What the lane is doing now (a lane of a paused run is paused).",
     "steps": "Steps done of the steps asked.",
     "progress": "Steps done of the steps asked.",
@@ -77,11 +77,14 @@ def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
     headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
     total = int(info["config"].get("steps") or 0)
     alone = len(info["lanes"]) == 1
+    replicated = len({lane["mode"] for lane in info["lanes"]}) < len(info["lanes"])
     heads = summarize(series).set_index("lane") if series else pd.DataFrame()
     rows = []
     for lane in info["lanes"]:
         fraction, done = progress(int(lane["steps_done"]), total)
-        row = {"lane": lane["mode"], "status": lane_status(info["status"], lane["status"]),
+        seed = (lane.get("meta") or {}).get("seed")
+        label = f"{lane['mode']} · seed {seed}" if replicated and seed is not None else lane["mode"]
+        row = {"lane": label, "status": lane_status(info["status"], lane["status"]),
                "steps": done, "progress": fraction if total > 0 else None}  # an unknown length: no bar
         head = heads.loc[lane["lane"]] if lane["lane"] in heads.index else None
         row.update({

@@ -17,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.records.query import MAX_POINTS, LaneSeries
-from amp_core.views.summary import by_lane
+from amp_core.views.summary import by_lane, seed_groups, seed_spread
 from amp_core.views.summary import lanes as _lanes
 
 # One colour per mode, the same in every chart and page.
@@ -76,6 +76,30 @@ def spread_traces(ranks: list[LaneSeries], figure: str, unit: str = "") -> list[
             line_trace(mode, steps, high, showlegend=False, line=edge, fill="tonexty", fillcolor=_fill(color),
                        **named("max")),
             line_trace(mode, steps, middle, **named("median"))]
+
+
+SEED_BAND = "band: min to max across seeds"
+"""What the band of a mode drawn from several seed replicates spans (said in the legend and captions)."""
+
+
+def seed_band_traces(mode: str, steps: np.ndarray, low: np.ndarray, mean: np.ndarray, high: np.ndarray, seeds: int,
+                     *, name: str | None = None, legendgroup: str | None = None, dash: str = "solid", unit: str = "",
+                     customdata: np.ndarray | None = None, hover: str = "step %{x}") -> list[dict]:
+    """One mode of several seed replicates: its mean across seeds (a line in the mode's colour) inside the band from
+    the smallest to the largest seed's value, one legend entry ("mode · mean of S seeds")."""
+    color = mode_color(mode)
+    name = name or f"{mode} · mean of {seeds} seeds"
+    group = legendgroup or name
+    edge = {"color": color, "width": 0}
+    extra = {} if customdata is None else {"customdata": customdata}
+    return [
+        line_trace(mode, steps, low, name=f"{name} (min)", legendgroup=group, showlegend=False, line=edge,
+                   hoverinfo="skip"),
+        line_trace(mode, steps, high, name=f"{name} (min-max band)", legendgroup=group, showlegend=False, line=edge,
+                   fill="tonexty", fillcolor=_fill(color), hoverinfo="skip"),
+        line_trace(mode, steps, mean, name=name, legendgroup=group, line={"color": color, "width": 2, "dash": dash},
+                   hovertemplate=f"{hover}: mean %{{y:.4g}}{unit} ({SEED_BAND})<extra>{name}</extra>", **extra),
+    ]
 
 
 def decimate_indices(values: np.ndarray, max_points: int = MAX_POINTS, keep: np.ndarray | None = None) -> np.ndarray:
@@ -332,14 +356,28 @@ def _translucent(color: str, alpha: float = 0.2) -> str:
 
 
 def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto", smoothing: float = 0.0,
-                max_points: int = MAX_POINTS) -> go.Figure:
+                max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None) -> go.Figure:
     """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x. The y
-    axis is `loss_axis`'s: by default log when the loss spans a wide range, else linear with spikes off the axis."""
+    axis is `loss_axis`'s: by default log when the loss spans a wide range, else linear with spikes off the axis.
+    A mode with several seed replicates (`seeds`: lane key -> seed) is one mean line across its seeds inside their
+    min-max band, each seed's skipped steps marked."""
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Loss", "no steps yet")
     drawn, spread = [], []
-    for ranks in by_lane(series).values():
+    for group in seed_groups(series, seeds).values():
+        if len(group) > 1:
+            replicas = [ranks[0] for ranks in group]
+            curves = [smoothed(lane, "loss", smoothing) if smoothing > 0 else lane.means("loss")[:2]
+                      for lane in replicas]
+            spread += seed_band_traces(replicas[0].mode, *seed_spread(curves), len(replicas))
+            for lane in replicas:
+                skipped, at_skips = lane.skipped()
+                if len(skipped):
+                    spread.append(marker_trace(lane.mode, skipped, np.asarray(at_skips["loss"], dtype=float),
+                                               f"{lane.mode} skipped", showlegend=False))
+            continue
+        ranks = group[0]
         lane = ranks[0]
         if len(ranks) > 1:  # a torchrun job: the spread across ranks, rank 0's skipped steps (DDP ranks skip alike)
             spread += spread_traces(ranks, "loss")
@@ -376,15 +414,22 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
 
 
 def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS, *, raw: bool = False,
-                     bands: StepTimeBands | None = None) -> go.Figure:
+                     bands: StepTimeBands | None = None, seeds: dict[str, int] | None = None) -> go.Figure:
     """Step time per lane as a median line with its p10-p90 band (StepTimeBands: robust to one-off stalls); `raw`
-    adds the measured points themselves (their min/max envelope on a long run), faint, behind."""
+    adds the measured points themselves (their min/max envelope on a long run), faint, behind. A mode with several
+    seed replicates (`seeds`) is the mean of its seeds' median lines inside the min-max band of those medians."""
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Step time", "no steps yet")
     bands = bands or StepTimeBands()
-    data = []
-    for ranks in by_lane(series).values():
+    data, replicated = [], False
+    for group in seed_groups(series, seeds).values():
+        if len(group) > 1:
+            replicated = True
+            medians = [(band["step"], band["p50"]) for band in (bands.band(ranks[0]) for ranks in group)]
+            data += seed_band_traces(group[0][0].mode, *seed_spread(medians), len(group), unit=" ms")
+            continue
+        ranks = group[0]
         if len(ranks) > 1:  # a torchrun job: the median across ranks inside the min-max band
             data += spread_traces(ranks, "step_ms", " ms")
             continue
@@ -396,7 +441,9 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
                          "marker": {"color": mode_color(lane.mode), "size": 3, "opacity": 0.35},
                          "hovertemplate": "step %{x}: %{y:.3g} ms<extra>" + lane.mode + "</extra>"})
         data += band_traces(lane.mode, bands.band(lane), lane.mode, lane.mode)
-    title = "Step time · median and p10-p90 band" + (" · dots: each step" if raw else "")
+    # Several seeds: each mode's line is the mean of its seeds' medians, its band their min-max (not p10-p90).
+    title = ("Step time · seeds' mean median · min-max band" if replicated else
+             "Step time · median and p10-p90 band") + (" · dots: each step" if raw else "")
     return go.Figure({"data": data, "layout": chart_layout(title, "ms / step", hovermode="closest", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
@@ -508,15 +555,19 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
 
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, loss_axis: str = "auto", smoothing: float = 0.0,
                   raw_step_times: bool = False, bands: StepTimeBands | None = None,
-                  max_points: int = MAX_POINTS) -> dict[str, go.Figure]:
+                  max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None) -> dict[str, go.Figure]:
     """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once), and
     `ranks` (each rank's median step time) when a lane ran on several ranks (a torchrun job): its loss and step
-    time are then drawn as the median across ranks inside a min-max band."""
+    time are then drawn as the median across ranks inside a min-max band. With several seeds per mode (`seeds`: lane
+    key -> seed) loss and step time draw each mode as its mean across seeds inside a min-max band; the memory, scale
+    and LR charts draw each mode's first seed (every seed of a mode holds the same bytes and steps the same LR; the
+    scale of each seed is in the lanes table)."""
     series = _lanes(records, max_points)
-    figures = {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points),
-               "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands),
-               "memory": memory_figure(series), "scale": scale_figure(series, max_points),
-               "lr": lr_figure(series, max_points)}
+    firsts = [lane for group in seed_groups(series, seeds).values() for lane in group[0]]  # each mode's first seed
+    figures = {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points, seeds=seeds),
+               "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands, seeds=seeds),
+               "memory": memory_figure(firsts), "scale": scale_figure(firsts, max_points),
+               "lr": lr_figure(firsts, max_points)}
     if any(len(ranks) > 1 for ranks in by_lane(series).values()):
         figures["ranks"] = rank_step_time_figure(series)
     return figures

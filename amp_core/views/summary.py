@@ -3,9 +3,17 @@ against a baseline lane. The Train page's headline cards, the Compare table and 
 
 A lane is a `LaneSeries` (amp_core.records.query) per track: read from a run's tracks through the multi-resolution
 summary, or split here from a DataFrame of records; either way its totals are exact. A lane of a torchrun job has one
-track per rank: `summarize` gives the lane one row (its ranks together), `rank_table` one row per rank."""
+track per rank: `summarize` gives the lane one row (its ranks together), `rank_table` one row per rank.
+
+Seed replicates (RunConfig.seeds): a run with several seeds per mode has one lane per mode and seed; `seed_groups`
+puts the lanes of one mode of one run together (their seeds from the run's lane metadata, `lane_seeds`),
+`replicate_table` gives each group the mean and standard deviation across seeds of its final loss and median step
+time, and `replicate_differences` says whether two modes differ by more than that spread (DIFFERENCE_RULE)."""
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -19,6 +27,17 @@ MEMORY_COLUMNS = HELD_PARTS
 SUMMARY_COLUMNS = ("run_id", "lane", "mode", "steps", "median_ms", "speedup", "peak_bytes", "peak_mib", "mem_ratio",
                    "final_loss", "loss_delta", "latest_loss", "skipped_steps", "scale", "diverged", "is_baseline",
                    "ranks", "rank_imbalance")
+REPLICATE_COLUMNS = ("run_id", "mode", "group", "lanes", "seeds", "final_loss_mean", "final_loss_sd", "final_loss_n",
+                     "median_ms_mean", "median_ms_sd", "median_ms_n", "diverged")
+DIFFERENCE_COLUMNS = ("run_id", "figure", "mode_a", "mode_b", "mean_a", "mean_b", "difference", "threshold", "seeds_a",
+                      "seeds_b", "verdict")
+DIFFERENCE_SDS = 2.0
+"""Two modes differ when their means are more than this many standard errors of the difference apart."""
+DIFFERENCE_RULE = ("different when |mean_a − mean_b| > 2 × √(sd_a²/S_a + sd_b²/S_b) (S: seeds with a finite "
+                   "figure, sd: their sample standard deviation; a Welch-style two-sided rule, about 95% when the "
+                   "figures are normal); with fewer than 2 seeds a mode has no spread and the rule cannot tell")
+"""The rule `replicate_differences` applies, in words (shown with its verdicts)."""
+VERDICTS = ("different", "within the spread", "cannot tell")
 RANK_COLUMNS = ("run_id", "lane", "mode", "rank", "steps", "median_ms", "vs_fastest", "skipped_steps", "latest_loss",
                 "final_loss")
 
@@ -170,3 +189,140 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
     out["mem_ratio"] = out["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else float("nan")
     out["loss_delta"] = out["final_loss"] - base["final_loss"]
     return out[list(SUMMARY_COLUMNS)]
+
+
+# --- seed replicates -----------------------------------------------------------------------------------------------
+def lane_seeds(run_id: str, lanes_info: list[dict]) -> dict[str, int]:
+    """Lane key -> seed, from a run's lanes as `RunManager.run_info` gives them (`meta["seed"]`); lanes without one
+    (runs from before seed replicates, a Monitor's) are left out."""
+    return {lane_key(run_id, int(lane["lane"])): int(lane["meta"]["seed"]) for lane in lanes_info
+            if isinstance(lane.get("meta"), dict) and lane["meta"].get("seed") is not None}
+
+
+def group_key(run_id: str, mode: str) -> str:
+    """The key of a run's lanes of one mode ("run_id/mode"), what a seed group is named by."""
+    return f"{run_id}/{mode}"
+
+
+def seed_groups(series: list[LaneSeries], seeds: dict[str, int] | None = None) -> dict[str, list[list[LaneSeries]]]:
+    """Lanes (each a list of its ranks, as `by_lane`) grouped for drawing, in order of first appearance: the lanes of
+    one mode of one run whose seed is known (`seeds`: lane key -> seed) form one group ("run_id/mode"), one lane per
+    seed; any other lane is a group of its own (keyed by its lane key). A group of two or more lanes is drawn as its
+    mean across seeds inside a band."""
+    seeds = seeds or {}
+    groups: dict[str, list[list[LaneSeries]]] = {}
+    for key, ranks in by_lane(series).items():
+        first = ranks[0]
+        seeded = key in seeds and len(ranks) == 1
+        groups.setdefault(group_key(first.run_id, first.mode) if seeded else key, []).append(ranks)
+    return groups
+
+
+def has_replicates(series: list[LaneSeries], seeds: dict[str, int] | None) -> bool:
+    """Whether some mode of some run has lanes of several seeds here."""
+    return any(len(group) > 1 for group in seed_groups(series, seeds).values())
+
+
+def replicated_keys(series: list[LaneSeries], seeds: dict[str, int] | None) -> set[str]:
+    """Keys of the lanes drawn as part of a mode's seed band (a group of two or more seeds), not as lines of their
+    own."""
+    return {ranks[0].key for group in seed_groups(series, seeds).values() if len(group) > 1 for ranks in group}
+
+
+def seed_spread(columns: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                        np.ndarray]:
+    """(steps, min, mean, max) across seeds of (steps, values) pairs, at the steps every seed has; a value that is
+    not finite is left out of its step (a step where none is finite is NaN: a gap)."""
+    table = pd.concat([pd.Series(np.where(np.isfinite(v), v, np.nan), index=s).loc[lambda x: ~x.index.duplicated()]
+                       for s, v in columns], axis=1, join="inner").sort_index()
+    values = table.to_numpy(dtype=float)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return (table.index.to_numpy(), np.nanmin(values, axis=1), np.nanmean(values, axis=1),
+                np.nanmax(values, axis=1))
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float, int]:
+    """(mean, sample standard deviation, n) of the finite values (sd NaN below two)."""
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    if not finite.size:
+        return np.nan, np.nan, 0
+    return float(finite.mean()), float(finite.std(ddof=1)) if finite.size > 1 else np.nan, int(finite.size)
+
+
+def replicate_table(series: list[LaneSeries], seeds: dict[str, int] | None, last_k: int = 20) -> pd.DataFrame:
+    """One row per mode of a run (`seed_groups`, lanes of one seed each), in order of first appearance: how many
+    lanes (seeds) it has, the mean and sample standard deviation across them of the final loss (mean of each lane's
+    last `last_k` losses) and of the median ms/step, with n (the seeds whose figure is finite: a diverged lane's
+    final loss is left out, and counted in `diverged`). Lanes of several ranks are left out (a torchrun job has no
+    seed replicates)."""
+    if last_k < 1:
+        raise ValueError(f"last_k must be at least 1, got {last_k}")
+    rows = []
+    for key, group in seed_groups(series, seeds).items():
+        if any(len(ranks) > 1 for ranks in group):
+            continue
+        lanes_ = [ranks[0] for ranks in group]
+        loss_mean, loss_sd, loss_n = _mean_sd([lane.final_loss(last_k) for lane in lanes_])
+        ms_mean, ms_sd, ms_n = _mean_sd([lane.stats.median_step_ms for lane in lanes_])
+        latest = [lane.stats.latest.get("loss", np.nan) for lane in lanes_]
+        rows.append({"run_id": lanes_[0].run_id, "mode": lanes_[0].mode, "group": key, "lanes": len(lanes_),
+                     "seeds": sorted({(seeds or {}).get(lane.key, -1) for lane in lanes_}),
+                     "final_loss_mean": loss_mean, "final_loss_sd": loss_sd, "final_loss_n": loss_n,
+                     "median_ms_mean": ms_mean, "median_ms_sd": ms_sd, "median_ms_n": ms_n,
+                     "diverged": int(sum(not np.isfinite(v) for v in latest))})
+    return pd.DataFrame(rows, columns=list(REPLICATE_COLUMNS))
+
+
+def difference_verdict(mean_a: float, sd_a: float, n_a: int, mean_b: float, sd_b: float, n_b: int,
+                       sds: float = DIFFERENCE_SDS) -> tuple[str, float]:
+    """(verdict, threshold) of DIFFERENCE_RULE: "different" when |mean_a - mean_b| > sds × √(sd_a²/n_a + sd_b²/n_b),
+    "within the spread" when not, "cannot tell" (threshold NaN) when a side has fewer than 2 finite figures."""
+    if n_a < 2 or n_b < 2 or not all(np.isfinite([mean_a, sd_a, mean_b, sd_b])):
+        return "cannot tell", np.nan
+    threshold = sds * math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b)
+    return ("different" if abs(mean_a - mean_b) > threshold else "within the spread"), threshold
+
+
+def replicate_differences(table: pd.DataFrame, sds: float = DIFFERENCE_SDS) -> pd.DataFrame:
+    """Each mode of a run in a `replicate_table` against the run's baseline mode (its 32-true, else its first mode),
+    for the final loss and the median ms/step: the difference of their means across seeds (b - a, a the baseline),
+    the threshold of DIFFERENCE_RULE and the verdict: "different" (the gap is larger than the spread across seeds),
+    "within the spread", or "cannot tell" (a mode has fewer than 2 seeds with a finite figure)."""
+    rows = []
+    figures = (("final loss", "final_loss"), ("median ms/step", "median_ms"))
+    for run_id, part in table.groupby("run_id", sort=False):
+        records = part.to_dict("records")
+        a = next((row for row in records if row["mode"] == BASELINE_MODE), records[0])
+        for b in records:
+            if b is a:
+                continue
+            for figure, column in figures:
+                verdict, threshold = difference_verdict(a[f"{column}_mean"], a[f"{column}_sd"], a[f"{column}_n"],
+                                                        b[f"{column}_mean"], b[f"{column}_sd"], b[f"{column}_n"],
+                                                        sds)
+                rows.append({"run_id": run_id, "figure": figure, "mode_a": a["mode"], "mode_b": b["mode"],
+                             "mean_a": a[f"{column}_mean"], "mean_b": b[f"{column}_mean"],
+                             "difference": b[f"{column}_mean"] - a[f"{column}_mean"], "threshold": threshold,
+                             "seeds_a": a[f"{column}_n"], "seeds_b": b[f"{column}_n"], "verdict": verdict})
+    return pd.DataFrame(rows, columns=list(DIFFERENCE_COLUMNS))
+
+
+def difference_sentences(differences: pd.DataFrame, several_runs: bool = False) -> list[str]:
+    """Each row of `replicate_differences` as a sentence a person reads (the run's short id first when
+    `several_runs`)."""
+    out = []
+    for row in differences.to_dict("records"):
+        where = f"run …{row['run_id'][-6:]}: " if several_runs else ""
+        pair = f"{row['mode_b']} vs {row['mode_a']}"
+        if row["verdict"] == "cannot tell":
+            out.append(f"{where}{pair}, {row['figure']}: cannot tell (needs at least 2 seeds with a finite figure "
+                       f"per mode; has {row['seeds_b']} and {row['seeds_a']}).")
+            continue
+        larger = row["verdict"] == "different"
+        out.append(f"{where}{pair}, {row['figure']}: {row['mean_b']:.4g} vs {row['mean_a']:.4g}, a difference of "
+                   f"{row['difference']:+.3g}; the spread across seeds allows ±{row['threshold']:.3g}: "
+                   + ("**larger than the spread — a real difference**." if larger else
+                      "within the spread — not told apart by these seeds."))
+    return out
