@@ -102,6 +102,8 @@ class Scenario:
     """A table the scenario shows beside its checks (per-layer lost updates, the per-op table), or None."""
     table_title: str = ""
     """What the table is."""
+    charts: tuple[str, ...] = ("loss", "scale")
+    """Which of the Train page's charts tell the story (keys of views.plots.train_figures)."""
 
     def configs(self, device: str = "auto") -> tuple[RunConfig, ...]:
         """The runs for `device` ('auto': CUDA when there is a GPU, else the CPU)."""
@@ -658,7 +660,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
             Check("fp32 weights keep their updates", "under 1% lost in 32-true (24 significant bits)",
                   _fp32_keeps_updates),
         ),
-        table=lost_update_table, table_title="Share of updates lost, per parameter (mean over sampled steps)"),
+        table=lost_update_table, table_title="Share of updates lost, per parameter (mean over sampled steps)",
+        charts=("loss",)),
     Scenario(
         name="autocast-policy", title="Autocast's op policy",
         watch="Autocast does not cast everything: `x @ y` runs in 16 bits, `x + y` stays fp32, and the loss is "
@@ -677,7 +680,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
             Check("One step of this run", "every matmul FLOP of a mixed lane in 16 bits, the loss's ops in fp32",
                   _step_policy),
         ),
-        table=op_table, table_title="Every op of one step (forward and backward), views left out"),
+        table=op_table, table_title="Every op of one step (forward and backward), views left out",
+        charts=("loss", "step_time")),
     Scenario(
         name="speed", title="Is mixed precision faster here?",
         watch="The same race runs twice on this device, first at a small size and then at a large one. Watch the "
@@ -697,7 +701,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                   "slower where it has not", _faster_at_large("bf16-mixed")),
             Check("16-mixed at the large size", "faster than 32-true where the device has native fp16 math, "
                   "slower where it has not", _faster_at_large("16-mixed")),
-        )),
+        ),
+        charts=("step_time",)),
     Scenario(
         name="scale-collapse", title="Scale collapse: what GradScaler can and cannot do",
         watch="16-mixed starts at scale 2^40, far too high, and from step 60 its model makes a NaN gradient every "
