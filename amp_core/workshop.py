@@ -132,10 +132,11 @@ class Part:
         return self.info["lanes"][self.lane_index(mode)]
 
     def lane(self, mode: str, *, at_least: int = 1) -> pd.DataFrame:
-        """The lane's step records by step; Waiting until it has `at_least` of them (or has stopped)."""
+        """The lane's step records by step; Waiting until it has `at_least` of them (a lane that diverged or failed
+        has what it has: its early end is what a check reads)."""
         frame = self.steps[self.steps["lane"] == self.lane_index(mode)].sort_values("step").reset_index(drop=True)
-        stopped = self.lane_status(mode)["status"] not in ("pending", "running")
-        if len(frame) < at_least and not (stopped and len(frame)):
+        ended_early = self.lane_status(mode)["status"] in ("diverged", "failed")
+        if len(frame) < at_least and not (ended_early and len(frame)):
             raise Waiting(f"{at_least} steps of {mode}")
         return frame
 
