@@ -39,10 +39,11 @@ def launch(name: str) -> None:
 # --- the scenarios ------------------------------------------------------------------------------------------------
 if presenter:  # fewer controls: one picker and one button
     picked_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
-    picked = picked_col.selectbox("Scenario", list(SCENARIOS), format_func=lambda n: SCENARIOS[n].title,
+    picked_col.selectbox("Scenario", list(SCENARIOS), format_func=lambda n: SCENARIOS[n].title,
                                   key="workshop_pick")
-    button_col.button("Launch", type="primary", key="workshop_launch_presenter", on_click=launch, args=(picked,),
-                      use_container_width=True)
+    # The picker's value when the button is pressed (a change and a press can reach the server together).
+    button_col.button("Launch", type="primary", key="workshop_launch_presenter", width="stretch",
+                      on_click=lambda: launch(st.session_state["workshop_pick"]))
 else:
     st.caption("Each scenario is a prepared race that makes one point. Launch one: the page says what to watch, draws "
                "the run live, and checks from the run's own records whether the point showed on this device. The "
