@@ -186,6 +186,8 @@ PRESENTER_CSS = """<style>
 .stMain h2, .stMain h3 { font-size: 2.3rem; }
 .stMain [data-testid="stTable"] td, .stMain [data-testid="stTable"] th { font-size: 1.25rem; }
 .stMain button p { font-size: 1.35rem; }
+.stMain [data-testid="stSelectbox"] input { font-size: 1.35rem; }
+.stMain [data-testid="stCaptionContainer"] { font-size: 1.1rem; }
 </style>"""
 """The presenter view's page styling: large text, no sidebar, the page as wide as a 1280-px projector."""
 

@@ -12,7 +12,7 @@ from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
 from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate
-from pages.common import PRESENTER_KEY, STATUS_ICONS, get_manager, presenter_style
+from pages.common import PRESENTER_KEY, get_manager, presenter_style
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
 CARDS_PER_ROW = 3
@@ -28,6 +28,7 @@ st.title("Workshop")
 
 
 def launch(name: str) -> None:
+    st.session_state["workshop_pick"] = name  # the presenter view's picker shows what runs
     try:
         st.session_state["workshop_launch"] = ScenarioLaunch(manager, SCENARIOS[name])
     except ConfigError as error:
@@ -82,6 +83,8 @@ def draw_charts(run_id: str) -> None:
     figures = plots.train_figures(series, bands=follower.bands)
     for chart in scenario.charts:
         figure = figures[chart]
+        if chart == "loss":
+            views.distinguish_lanes(figure)
         if presenter:
             views.presenter_figure(figure)
         st.plotly_chart(figure, key=f"workshop_chart_{run_id}_{chart}")
@@ -112,13 +115,16 @@ def draw_table(evidence) -> None:
 def live_view() -> None:
     evidence = current.evidence()
     results = evaluate(scenario, evidence)
-    statuses = ", ".join(f"{STATUS_ICONS.get(part.info['status'], '')} {part.config.size}: {part.info['status']}"
-                         for part in evidence.parts)
+    statuses = ", ".join(f"{part.config.size}: {part.info['status']}" for part in evidence.parts)
     st.caption(f"Runs {', '.join(f'`{run_id}`' for run_id in current.run_ids)} · {statuses}"
                + (f" · run {len(evidence.parts) + 1} of {evidence.expected_parts} starts when this one ends"
                   if len(evidence.parts) < evidence.expected_parts else ""))
     if current.error:
         st.error(current.error)
+    for part in evidence.parts:  # a lane that stopped early draws little or nothing: say so in words
+        for lane in part.info["lanes"]:
+            if lane["status"] in ("diverged", "failed"):
+                st.warning(f"Lane **{lane['mode']}** {lane['status']}: {lane['error']}")
     if presenter:  # one column: the story, then the checks
         for part in evidence.parts:
             if len(evidence.parts) > 1:

@@ -47,9 +47,9 @@ def test_launch_draws_the_run_and_its_checks_turn_final(app):
     app.run()  # the fragment's timer does not fire under AppTest: a rerun draws what the run recorded
     assert not app.exception
     assert [s.value for s in app.subheader] == ["3 of 3 checks held"]
-    checks = [text for text in markdown_texts(app) if text[:1] in "✓✗⏳"]
+    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", "⏳"))]
     assert [text.split(" **")[1].split("**")[0] for text in checks] == [c.title for c in scenario.checks]
-    assert all(text.startswith("✓") for text in checks)
+    assert all(text.startswith(":green[✓]") for text in checks)
     assert "back at 2^20" in checks[2]
     charts = {chart.key: spec(chart.proto.spec) for chart in app.get("plotly_chart")}
     run_id = launch.run_ids[0]
