@@ -333,11 +333,13 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     print(f"{scenario.title}\n{scenario.watch}\n")
     launch = ScenarioLaunch(manager, scenario, args.device)
     try:
-        while not launch.wait(0.2):  # short waits: a Ctrl-C lands between them, not inside Thread.join
-            pass
+        while launch.going:
+            # A tick, not a join: a Ctrl-C landing inside Thread.join marks a running thread as ended (see _progress).
+            time.sleep(0.2)
     except KeyboardInterrupt:
         launch.stop()
         print("stopped", file=sys.stderr)
+    launch.wait()
     for run_id in launch.run_ids:
         info = manager.run_info(run_id)
         print(f"run {run_id}: {info['status']} ({info['config']['workload']}, {info['config']['size']})")

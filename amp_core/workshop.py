@@ -129,7 +129,7 @@ class Part:
         raise KeyError(f"run {self.run_id} has no {mode} lane")
 
     def lane_status(self, mode: str) -> dict:
-        return self.info["lanes"][self.lane_index(mode)]
+        return next(lane for lane in self.info["lanes"] if lane["mode"] == mode)
 
     def lane(self, mode: str, *, at_least: int = 1) -> pd.DataFrame:
         """The lane's step records by step; Waiting until it has `at_least` of them (a lane that diverged or failed
@@ -164,8 +164,9 @@ class Evidence:
 
 
 def gather(manager, run_ids: list[str], expected_parts: int | None = None, going: bool | None = None) -> Evidence:
-    """The evidence of runs `run_ids` (a scenario's, in order) as the manager holds them now; `going` says whether
-    more is to come (default: whether any of the runs is still going)."""
+    """The evidence of runs `run_ids` (a scenario's, in order) as the manager holds them now. `going` says whether
+    more is to come (a ScenarioLaunch knows: a run still to start, or none when it was stopped); by default, whether
+    any of the runs is still going or fewer than `expected_parts` exist."""
     parts = []
     for run_id in run_ids:
         info = manager.run_info(run_id)
@@ -173,10 +174,11 @@ def gather(manager, run_ids: list[str], expected_parts: int | None = None, going
             continue
         steps = manager.steps(run_id)  # before the status: the records are at least as new as it is
         parts.append(Part(run_id, RunConfig.from_dict(info["config"]), info, steps, manager.events(run_id)))
-    if going is None:
-        going = any(p.info["live"] or p.info["status"] in ("pending", "running", "paused") for p in parts)
     expected = len(run_ids) if expected_parts is None else expected_parts
-    return Evidence(manager, parts, expected, ended=not going and len(parts) >= expected)
+    if going is None:
+        going = len(parts) < expected or any(p.info["live"] or p.info["status"] in ("pending", "running", "paused")
+                                             for p in parts)
+    return Evidence(manager, parts, expected, ended=not going)
 
 
 def evaluate(scenario: Scenario, evidence: Evidence) -> list[CheckResult]:
@@ -790,9 +792,9 @@ class ScenarioLaunch:
                 run.stop()
 
     def evidence(self) -> Evidence:
-        going = self.going
-        return gather(self.manager, list(self.run_ids), len(self.configs) if going or not self.error else
-                      len(self.run_ids), going=going)
+        """What the runs recorded so far; ended once every run has ended and no other is to start (a launch that was
+        stopped, or whose next run could not start, has ended with fewer runs: its checks say so)."""
+        return gather(self.manager, list(self.run_ids), len(self.configs), going=self.going)
 
     def results(self) -> list[CheckResult]:
         return evaluate(self.scenario, self.evidence())

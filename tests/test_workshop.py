@@ -237,3 +237,17 @@ def test_each_scenario_builds_valid_runs_for_both_devices(name):
     assert len(scenario.checks) >= 3
     sentences = [s for s in re.split(r"(?<=[.!?])\s+", scenario.watch) if s]
     assert len(sentences) == 2, scenario.watch
+
+
+def test_a_stopped_launch_ends_and_its_checks_say_what_never_came(tmp_path, stepped_launches):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    launch = ScenarioLaunch(manager, SCENARIOS["speed"], "cpu")
+    first = manager.get(launch.run_ids[0])
+    first.wait_until(lambda run: run.lane_steps >= 6)
+    launch.stop()
+    assert launch.wait(60) and not launch.going
+    assert len(launch.run_ids) == 1  # the large run never started
+    results = launch.results()
+    assert all(result.final and not result.held for result in results)
+    assert {result.figure for result in results[1:]} == {"the run ended before run 2 of 2 to start"}
+    assert manager.run_info(launch.run_ids[0])["status"] == "stopped"
