@@ -104,3 +104,26 @@ def test_a_launch_the_manager_refuses_is_a_message(app):
     assert not app.exception
     assert any("already going" in error.value and "Nothing was launched" in error.value for error in app.error)
     assert "workshop_launch" not in app.session_state
+
+
+def test_checks_are_drawn_as_they_stand_while_the_run_goes_then_final(app, stepped_launches, monkeypatch):
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({50}))  # the run parks itself after step 49
+    app.button(key="workshop_launch_spike-recovery").click().run()
+    launch = app.session_state["workshop_launch"]
+    run = get_run(launch.run_ids[0])
+    run.wait_until(lambda r: r.parked())
+    app.run()
+    assert not app.exception
+    assert [s.value for s in app.subheader] == ["so far 2 of 3 checks hold"]  # the spike (steps 40-43) is behind it
+    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", "⏳"))]
+    assert [text[:1] for text in checks[2:]] == ["⏳"] and "waiting for the scale to climb back" in checks[2]
+    run.resume()
+    assert launch.wait(120)
+    app.run()
+    assert [s.value for s in app.subheader] == ["3 of 3 checks held"]
+
+
+def get_run(run_id: str):
+    from pages.common import get_manager
+
+    return get_manager().get(run_id)
