@@ -1,10 +1,11 @@
 """Workshop scenarios: prepared races that make one point each, launched through the RunManager, and checks that read
 the run's own records to say whether the point showed on this device.
 
-A check states its expectation, measures it from the records (steps, events, gradient statistics; for the op policy
-one traced step of the run's lane) and, when it does not hold, says why in words that do not mislead. Nothing here
-hard-codes an outcome: where the answer depends on the device (is mixed precision faster?) the expectation is
-derived from what the device has (native 16-bit math or not), and the figure is whatever the run measured.
+A check states its expectation, measures it from the records (step records, lane statuses, gradient statistics;
+for the op policy one traced step of the run's lane) and, when it does not hold, says why in words that do not
+mislead. Nothing here hard-codes an outcome: where the answer depends on the device (is mixed precision faster?) the
+expectation is derived from what the device has (native 16-bit math or not), and the figure is whatever the run
+measured.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ class Part:
     run_id: str
     config: RunConfig
     info: dict
+    """RunManager.run_info: status, lanes (status, error)."""
     steps: pd.DataFrame
-    events: pd.DataFrame
+    """Every step record of the run so far."""
 
     def lane_index(self, mode: str) -> int:
         for lane in self.info["lanes"]:
@@ -143,7 +145,8 @@ class Part:
 
 @dataclass(slots=True)
 class Evidence:
-    """A scenario's runs read through a RunManager: each part's config, status, step records and events."""
+    """A scenario's runs read through a RunManager: each part's config, status and step records; gradient statistics
+    on demand."""
 
     manager: object
     parts: list[Part]
@@ -172,8 +175,8 @@ def gather(manager, run_ids: list[str], expected_parts: int | None = None, going
         info = manager.run_info(run_id)
         if info is None:
             continue
-        steps = manager.steps(run_id)  # before the status: the records are at least as new as it is
-        parts.append(Part(run_id, RunConfig.from_dict(info["config"]), info, steps, manager.events(run_id)))
+        steps = manager.steps(run_id)  # after the status: a run it calls ended has every record here
+        parts.append(Part(run_id, RunConfig.from_dict(info["config"]), info, steps))
     expected = len(run_ids) if expected_parts is None else expected_parts
     if going is None:
         going = len(parts) < expected or any(p.info["live"] or p.info["status"] in ("pending", "running", "paused")
