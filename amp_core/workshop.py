@@ -279,8 +279,9 @@ def _pure_fp16_fails(evidence: Evidence) -> tuple[bool, str, str]:
     held = gap >= STALL_GAP
     figure = f"16-true final loss {final_loss(lane):.4g} vs 32-true {ref:.4g} ({gap:+.1%})"
     return held, figure, "" if held else ("16-true trained about as well as 32-true here: with this optimizer and LR "
-                                          "its updates were large enough for fp16 weights. That is luck of the "
-                                          "setting, not a property of fp16.")
+                                          "its updates were large enough for fp16 weights to hold. Smaller ones (a "
+                                          "lower LR, later in training) round away: see \"Pure 16-bit weights lose "
+                                          "updates\".")
 
 
 def _scale_lifts_underflow(evidence: Evidence) -> tuple[bool, str, str]:
