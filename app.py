@@ -15,6 +15,7 @@ st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
 warm = warm_up()
 pages = [
     st.Page("pages/train.py", title="Train", icon=":material/model_training:", default=True),
+    st.Page("pages/workshop.py", title="Workshop", icon=":material/school:"),
     st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("pages/op_inspector.py", title="Op inspector", icon=":material/biotech:"),
     st.Page("pages/layer_numerics.py", title="Layer numerics", icon=":material/stacked_bar_chart:"),

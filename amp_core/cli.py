@@ -109,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     numerics.add_argument("--device", default="cpu")
     numerics.add_argument("--csv", default=None, help="write the per-module table here")
     numerics.set_defaults(handler=cmd_numerics, uses_workloads=True)
+
+    workshop = sub.add_parser("workshop", help="guided scenarios: list them, or run one and check what it showed")
+    workshop_sub = workshop.add_subparsers(dest="workshop_command", metavar="{list,run}", required=True,
+                                             parser_class=_Parser)
+    workshop_sub.add_parser("list", help="one scenario per line, its name first").set_defaults(handler=cmd_workshop)
+    workshop_run = workshop_sub.add_parser("run", help="run a scenario into the store and print its checks (exit 0 "
+                                                       "when every check held, 1 when one did not)")
+    workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
+    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="SQLite store path (as the global --store)")
+    workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    workshop_run.set_defaults(handler=cmd_workshop)
     return parser
 
 
@@ -344,6 +355,54 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 
     return cli_numerics(args.workload, args.mode, args.csv, size=args.size, device=args.device,
                         batch_size=args.batch_size)
+
+
+def cmd_workshop(args: argparse.Namespace) -> int:
+    """`workshop list` and `workshop run NAME`: a scenario's runs through a RunManager on the store, then its checks."""
+    from amp_core.workshop import SCENARIOS, ScenarioLaunch, unknown_scenario
+
+    if args.workshop_command == "list":
+        for scenario in SCENARIOS.values():
+            print(f"{scenario.name:<16}{scenario.title}")
+        return 0
+    scenario = SCENARIOS.get(args.name)
+    if scenario is None:
+        print(f"error: {unknown_scenario(args.name)}", file=sys.stderr)
+        return 2
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
+    from amp_core.runner import RunManager
+
+    manager = RunManager(RunStore(args.store))
+    print(f"{scenario.title}\n{scenario.watch}\n")
+    launch = ScenarioLaunch(manager, scenario, args.device)
+    try:
+        while launch.going:
+            # A tick, not a join: a Ctrl-C landing inside Thread.join marks a running thread as ended (see _progress).
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        launch.stop()
+        print("stopped", file=sys.stderr)
+    launch.wait()
+    for run_id in launch.run_ids:
+        info = manager.run_info(run_id)
+        print(f"run {run_id}: {info['status']} ({info['config']['workload']}, {info['config']['size']})")
+        for lane in info["lanes"]:
+            if lane["error"]:
+                print(f"  {lane['mode']} {lane['status']}: {lane['error']}")
+    if launch.error:
+        print(f"error: {launch.error}", file=sys.stderr)
+    results = launch.results()
+    print()
+    for result in results:
+        print(f"{result.mark} {result.title}: {result.figure}")
+        print(f"    expected: {result.expectation}")
+        if result.explanation:
+            print(f"    {'why not' if not result.held else 'note'}: {result.explanation}")
+    print(f"\n{scenario.caveat}")
+    held = sum(result.held for result in results)
+    print(f"\n{held} of {len(results)} checks held")
+    return 0 if held == len(results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,3 +196,29 @@ def run_picker(manager: RunManager, key: str, label: str = "Run", default: str |
     labels = dict(zip(ids, (run_label(row, status) for _, row in runs.iterrows()), strict=True))
     index = ids.index(default) if default in ids else 0
     return st.selectbox(label, ids, index=index, format_func=labels.get, key=key)
+
+
+PRESENTER_KEY = "presenter"
+"""Session state: the presenter view is on (the Workshop page's toggle sets it; any page may honour it)."""
+PRESENTER_CSS = """<style>
+[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"] { display: none; }
+.stMain .block-container { max-width: 1320px; padding-top: 1.5rem; }
+.stMain [data-testid="stMarkdownContainer"] p, .stMain [data-testid="stMarkdownContainer"] li,
+.stMain [data-testid="stAlertContentInfo"] p, .stMain label p { font-size: 1.45rem; line-height: 1.45; }
+.stMain h1 { font-size: 3rem; }
+.stMain h2, .stMain h3 { font-size: 2.3rem; }
+.stMain [data-testid="stTable"] td, .stMain [data-testid="stTable"] th { font-size: 1.25rem; }
+.stMain button p { font-size: 1.35rem; }
+.stMain [data-testid="stSelectbox"] input { font-size: 1.35rem; }
+.stMain [data-testid="stCaptionContainer"] { font-size: 1.1rem; }
+</style>"""
+"""The presenter view's page styling: large text, no sidebar, the page as wide as a 1280-px projector."""
+
+
+def presenter_on() -> bool:
+    return bool(st.session_state.get(PRESENTER_KEY, False))
+
+
+def presenter_style() -> None:
+    """Apply the presenter view's styling to this page (call once per script run while it is on)."""
+    st.html(PRESENTER_CSS)

@@ -9,7 +9,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parents[1]
-TITLES = {"pages/train.py": "Train", "pages/compare.py": "Compare", "pages/op_inspector.py": "Op inspector",
+TITLES = {"pages/train.py": "Train", "pages/workshop.py": "Workshop", "pages/compare.py": "Compare",
+          "pages/op_inspector.py": "Op inspector",
           "pages/layer_numerics.py": "Layer numerics", "pages/overflow_debugger.py": "Overflow debugger",
           "pages/formats.py": "Formats"}
 PAGES = list(TITLES)

@@ -1,0 +1,253 @@
+"""Workshop scenarios on real runs: every scenario through `amp_core workshop run` in real processes (exit 0 here),
+its checks re-read from the stored records, checks that turn ✗ when a run does not show their point, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_core.cli import main
+from amp_core.config import RunConfig, ScalerConfig
+from amp_core.precision import cpu_has_native
+from amp_core.records.store import RunStore
+from amp_core.runner import RunManager
+from amp_core.workshop import (
+    SCENARIOS,
+    Check,
+    Evidence,
+    ScenarioLaunch,
+    Waiting,
+    _no_skips,
+    evaluate,
+    gather,
+    native_16bit,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT_S = 240
+
+
+def workshop_cli(*args: str, store: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m amp_core workshop ARGS` in a process of its own."""
+    command = [sys.executable, "-m", "amp_core", "workshop", *args]
+    if store is not None:
+        command += ["--store", str(store)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every scenario run once by the CLI, each into a store of its own. The speed scenario runs alone (its step
+    times are its point); the others two at a time (this machine has two cores)."""
+    folder = tmp_path_factory.mktemp("workshop")
+
+    def one(name: str) -> tuple[str, tuple[subprocess.CompletedProcess, Path]]:
+        store = folder / f"{name}.sqlite3"
+        return name, (workshop_cli("run", name, store=store), store)
+
+    results = dict([one("speed")])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results.update(pool.map(one, [name for name in SCENARIOS if name != "speed"]))
+    return results
+
+
+def run_ids(output: str) -> list[str]:
+    return re.findall(r"^run (\S+): ", output, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_scenario_passes_workshop_run_on_this_cpu(cli_runs, name):
+    done, _ = cli_runs[name]
+    scenario = SCENARIOS[name]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    for check in scenario.checks:
+        assert f"✓ {check.title}: " in done.stdout
+    assert f"{len(scenario.checks)} of {len(scenario.checks)} checks held" in done.stdout
+    assert len(run_ids(done.stdout)) == len(scenario.configs("cpu"))
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
+    """A scenario run by another process, read back from its store (steps, events, gradient statistics): the checks
+    hold there too, final, with the figures the CLI printed."""
+    done, store = cli_runs[name]
+    manager = RunManager(RunStore(store))
+    evidence = gather(manager, run_ids(done.stdout))
+    assert evidence.ended and len(evidence.parts) == len(SCENARIOS[name].configs("cpu"))
+    for part in evidence.parts:
+        assert part.info["status"] == "finished"
+        assert part.config.name.startswith("workshop: ")
+    results = evaluate(SCENARIOS[name], evidence)
+    for result in results:
+        assert result.held and result.final and not result.waiting, result
+        assert f"✓ {result.title}: {result.figure}" in done.stdout
+
+
+def test_list_names_every_scenario_first_on_its_line(capsys):
+    assert main(["workshop", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(SCENARIOS)
+    for line, scenario in zip(lines, SCENARIOS.values(), strict=True):
+        assert scenario.title in line
+
+
+def exit_code(argv: list[str]) -> int:
+    """main()'s exit code: returned, or raised by argparse as SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["workshop", "run"], "the following arguments are required: name"),
+    (["workshop", "frobnicate"], "invalid choice: 'frobnicate'"),
+    (["workshop"], "the following arguments are required: {list,run}"),
+    (["workshop", "run", "speed", "--device", "tpu"], "device: unknown value 'tpu'"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert exit_code(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_scenario_in_a_real_process_is_one_line_and_exit_2(tmp_path):
+    done = workshop_cli("run", "no-such-scenario", store=tmp_path / "runs.sqlite3")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("error: no scenario 'no-such-scenario'; choose from " + ", ".join(SCENARIOS))
+
+
+# --- checks that fail when the run does not show their point ---------------------------------------------------
+def launched(scenario, tmp_path: Path) -> Evidence:
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    launch = ScenarioLaunch(manager, scenario, "cpu")
+    assert launch.wait(120)
+    return launch.evidence()
+
+
+def with_config(name: str, **changes):
+    """A scenario whose runs are built with `changes` (a setting that should make one of its checks fail)."""
+    scenario = SCENARIOS[name]
+    return dataclasses.replace(scenario, build=lambda device: tuple(dataclasses.replace(config, **changes)
+                                                                    for config in scenario.build(device)))
+
+
+def result_of(results, title: str):
+    return next(result for result in results if result.title == title)
+
+
+def test_a_scale_that_cannot_grow_back_in_time_fails_the_regrowth_check(tmp_path):
+    scenario = with_config("spike-recovery", scaler=ScalerConfig(growth_interval=2000))
+    results = evaluate(scenario, launched(scenario, tmp_path))
+    regrowth = result_of(results, "Grow back")
+    assert not regrowth.held and regrowth.final
+    assert regrowth.figure == "the scale stayed below 2^16 to the end"
+    assert "4 × 2000 clean steps" in regrowth.explanation
+    assert result_of(results, "Skip").held  # the spike itself was skipped as before
+
+
+def test_no_skips_fails_for_a_lane_that_skipped(tmp_path):
+    evidence = launched(SCENARIOS["bf16-no-skip"], tmp_path)
+    held, figure, explanation = _no_skips("16-mixed")(evidence)
+    assert not held and figure.startswith("16-mixed: 3 of 150 steps skipped") and explanation
+
+
+def test_a_pure_fp16_lane_that_trains_fine_fails_the_stall_check(tmp_path):
+    # SGD at this LR moves fp16 weights enough: 16-true keeps up, and the check must say so, not pass.
+    scenario = with_config("fp16-scaler", optimizer="sgd", lr=0.05)
+    results = evaluate(scenario, launched(scenario, tmp_path))
+    stall = result_of(results, "16-true stalls or diverges")
+    assert not stall.held
+    assert "trained about as well as 32-true" in stall.explanation
+    assert result_of(results, "16-mixed keeps up with 32-true").held
+
+
+def test_fp32_loses_updates_at_a_vanishing_lr(tmp_path):
+    scenario = with_config("lost-updates", lr=1e-12)
+    results = evaluate(scenario, launched(scenario, tmp_path))
+    fp32 = result_of(results, "fp32 weights keep their updates")
+    assert not fp32.held and "tiny next to the weights" in fp32.explanation
+
+
+def test_an_initial_scale_that_fits_fails_the_too_high_check(tmp_path):
+    scenario = SCENARIOS["scale-collapse"]
+    low = dataclasses.replace(scenario, build=lambda device: tuple(
+        dataclasses.replace(config, faults=tuple(dataclasses.replace(fault, factor=2.0**10)
+                                                 if fault.kind == "init_scale" else fault for fault in config.faults))
+        for config in scenario.build(device)))
+    results = evaluate(low, launched(low, tmp_path))
+    settles = result_of(results, "A too-high initial scale costs a few steps")
+    assert not settles.held and "No step was skipped" in settles.explanation
+    assert result_of(results, "NaN from the model collapses the scale").held
+
+
+def test_sizes_in_the_wrong_order_fail_the_gains_with_size_check(tmp_path):
+    scenario = SCENARIOS["speed"]
+    reversed_sizes = dataclasses.replace(scenario, build=lambda device: scenario.build(device)[::-1])
+    evidence = launched(reversed_sizes, tmp_path)
+    assert [part.config.size for part in evidence.parts] == ["large", "small"]
+    gains = result_of(evaluate(reversed_sizes, evidence), "bf16-mixed gains with size")
+    assert not gains.held and gains.explanation
+
+
+def test_checks_wait_for_records_and_fail_when_the_run_ended_without_them(tmp_path):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    scenario = SCENARIOS["spike-recovery"]
+    before = evaluate(scenario, Evidence(manager, [], 1, ended=False))
+    assert all(r.waiting and not r.held and not r.final and r.figure.startswith("waiting for run 1 of 1")
+               for r in before)
+    # A run stopped before its spike: the checks that need the spike say the run ended first.
+    short = dataclasses.replace(scenario, build=lambda device: (
+        dataclasses.replace(scenario.build(device)[0], steps=30),))
+    launch = ScenarioLaunch(manager, short, "cpu")
+    assert launch.wait(60)
+    for result in evaluate(short, launch.evidence()):
+        assert not result.held and result.final
+        assert result.figure.startswith("the run ended before")
+
+
+def test_a_check_that_raises_waiting_is_reported_as_waiting():
+    check = Check("t", "e", lambda evidence: (_ for _ in ()).throw(Waiting("step 5")))
+    result = check.evaluate(Evidence(None, [], 1, ended=False))
+    assert (result.held, result.waiting, result.figure) == (False, True, "waiting for step 5")
+
+
+def test_the_device_expectation_follows_the_cpu():
+    for dtype in (torch.float16, torch.bfloat16):
+        native, words = native_16bit(dtype, "cpu")
+        assert native == cpu_has_native(dtype)
+        assert ("native" in words) and (("no native" in words) != native)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_each_scenario_builds_valid_runs_for_both_devices(name):
+    scenario = SCENARIOS[name]
+    for device in ("cpu", "cuda"):
+        configs = scenario.configs(device)
+        assert configs and all(isinstance(config, RunConfig) and config.device == device for config in configs)
+        assert all(config.name.startswith("workshop: ") for config in configs)
+    assert len(scenario.checks) >= 3
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", scenario.watch) if s]
+    assert len(sentences) == 2, scenario.watch
+
+
+def test_a_stopped_launch_ends_and_its_checks_say_what_never_came(tmp_path, stepped_launches):
+    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    launch = ScenarioLaunch(manager, SCENARIOS["speed"], "cpu")
+    first = manager.get(launch.run_ids[0])
+    first.wait_until(lambda run: run.lane_steps >= 6)
+    launch.stop()
+    assert launch.wait(60) and not launch.going
+    assert len(launch.run_ids) == 1  # the large run never started
+    results = launch.results()
+    assert all(result.final and not result.held for result in results)
+    assert {result.figure for result in results[1:]} == {"the run ended before run 2 of 2 to start"}
+    assert manager.run_info(launch.run_ids[0])["status"] == "stopped"
