@@ -9,7 +9,7 @@ the Compare page, both following the run, each redrawing on its own timer). A wi
 records end inside it, per second, counted afterwards from the run's own records (t_wall_s), so nothing reads the
 store while the run is measured. The ratio of a case is the median over rounds of watched ÷ unwatched.
 
-    python3 -m bench.viewers [--rounds 3] [--window 8]
+    python3 -m bench.viewers [--rounds 3] [--window 8] [--screenshot artifacts/train_two_sessions.png]
 Last line: watched_speed_ratio_min=<the smaller of the two cases' ratios>. Target: >= 0.8.
 """
 
@@ -40,6 +40,12 @@ RUN_STEPS = 10_000_000
 """Steps asked of each run: more than the windows need; the run is stopped after the last window."""
 SETTLE_S = 1.5
 """Between opening or closing the sessions and the window: the first render of a page, or the sessions' end."""
+SCROLL_TO_TOP = """label => {
+    label.scrollIntoView({block: 'start'});
+    let box = label.parentElement;  // the page's scrolling box: scrolled back by the header that covers its top
+    while (box && box.scrollHeight <= box.clientHeight) box = box.parentElement;
+    if (box) box.scrollTop -= 110;
+}"""
 CHART_DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].some(div => div._fullData &&
     div._fullData.some(trace => (trace._length || 0) > 0))"""
 
@@ -89,10 +95,12 @@ def lane_steps_per_s(store: Path, run_id: str, windows: list[tuple[float, float]
     return [float(((ends >= t0) & (ends < t1)).sum()) / (t1 - t0) for t0, t1 in windows]
 
 
-def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: float) -> tuple[list, list]:
-    """Alternate unwatched and watched windows on the run going now; returns their (t0, t1) lists."""
+def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: float,
+            screenshot: Path | None = None) -> tuple[list, list]:
+    """Alternate unwatched and watched windows on the run going now; returns their (t0, t1) lists. `screenshot`: after
+    the last watched window, the Train page's session saves what it shows there (its live view scrolled into view)."""
     quiet, watched = [], []
-    for _ in range(rounds):
+    for round_ in range(rounds):
         time.sleep(SETTLE_S)
         t0 = time.time()
         time.sleep(window_s)
@@ -102,9 +110,20 @@ def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: 
         t0 = time.time()
         time.sleep(window_s)
         watched.append((t0, time.time()))
+        if screenshot is not None and round_ == rounds - 1:
+            save_screenshot(sessions[0].pages[0], screenshot)
         for context in sessions:
             context.close()
     return quiet, watched
+
+
+def save_screenshot(page, path: Path) -> None:
+    """The Train page's live view as a user sees it (the viewport, the run's picker at its top)."""
+    page.get_by_text("Run status:").first.wait_for()
+    page.get_by_text("Run", exact=True).first.evaluate(SCROLL_TO_TOP)
+    page.wait_for_function(CHART_DRAWN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))
 
 
 def ratio(name: str, store: Path, run_id: str, quiet: list, watched: list) -> float:
@@ -137,6 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=8.0, help="seconds per window")
+    parser.add_argument("--screenshot", type=Path, help="save the Train page watching the server's run here (PNG)")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -151,7 +171,7 @@ def main() -> None:
             streamlit_server.wait_healthy(port, server)
             launch_in_server(browser, url)
             run_id = new_run(store, set())
-            quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window)
+            quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window, args.screenshot)
             streamlit_server.stop(server)  # stops its run (its last records flushed)
             figures["server"] = ratio("server", store, run_id, quiet, watched)
 

@@ -11,7 +11,6 @@ import streamlit as st
 from amp_core import catalog
 from amp_core.config import OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from pages.common import (
-    STATUS_ICONS,
     device_panel,
     get_manager,
     plugin_panel,
@@ -27,6 +26,12 @@ PROBE_POLL_S = 0.5
 """How often the cost panel looks whether its race is done (only while one is under way)."""
 DEFAULT_WORKLOAD = "digits_mlp"
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
+STATUS_SYMBOLS = {"running": ":material/play_circle:", "paused": ":material/pause_circle:",
+                  "pending": ":material/hourglass_empty:", "finished": ":material/check_circle:",
+                  "stopped": ":material/stop_circle:", "failed": ":material/error:",
+                  "interrupted": ":material/warning:", "diverged": ":material/bolt:"}
+"""The live view's status mark, in Streamlit's own icon font: an emoji needs an emoji font, which a browser may lack
+(headless Chromium here drew each as an empty box)."""
 LIVE_STATUSES = ("pending", "running", "paused")
 """A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES)."""
 
@@ -288,10 +293,10 @@ def controls(info: dict) -> None:
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":
-        b1.button("Resume", key="train_resume", icon="▶️", on_click=run.resume)
+        b1.button("Resume", key="train_resume", icon=":material/play_arrow:", on_click=run.resume)
     else:
-        b1.button("Pause", key="train_pause", icon="⏸️", on_click=run.pause)
-    b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
+        b1.button("Pause", key="train_pause", icon=":material/pause:", on_click=run.pause)
+    b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
 def lane_rows(info: dict, series: list) -> None:
@@ -374,7 +379,7 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
-    st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
+    st.markdown(f"{STATUS_SYMBOLS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls(info)
     lane_problems(info)
     lane_rows(info, series)
