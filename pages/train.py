@@ -135,6 +135,7 @@ import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first pa
 
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.cost import (  # noqa: E402
+    MIN_TIMED_S,
     SLOW_FACTOR,
     TIME_CAP_S,
     TIMED_STEPS,
@@ -179,7 +180,8 @@ def cost_table(costs: pd.DataFrame) -> None:
                    f"({availability(row.mode, device)[1]}).")
     st.caption(f"Measured on this {device.upper()} as a run measures it: the modes race through the runner "
                f"(lanes in turn, the run's own threads) for {WARMUP_STEPS} warm-up steps and {TIMED_STEPS} timed "
-               f"steps (at most {TIME_CAP_S:g} s); each figure is its lane's median. Remembered per workload, size, "
+               f"steps, raced again for longer where those took under {MIN_TIMED_S:g} s (at most {TIME_CAP_S:g} s in "
+               f"all); each figure is its lane's median. Remembered per workload, size, "
                f"batch and settings; a finished run that disagrees by more than 20% replaces it. Above "
                f"{SLOW_FACTOR:g}× is flagged.")
 
