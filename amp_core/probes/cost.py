@@ -93,12 +93,16 @@ def race(config: RunConfig, *, warmup: int = WARMUP_STEPS, steps: int = TIMED_ST
     longer = min(math.ceil(min_timed_s / round_s), int(left_s / 2 / round_s) - warmup)
     if longer <= steps:
         return out
-    return _race_once(config, warmup, longer, deadline - time.monotonic(), on_start)[0]
+    again, _, _ = _race_once(config, warmup, longer, deadline - time.monotonic(), on_start, enough=steps)
+    # Cut by the cap before it timed as many steps as the short race (the machine slowed down): the short one stands.
+    return out if any(isinstance(result, ProbeResult) and result.capped for result in again.values()) else again
 
 
-def _race_once(config: RunConfig, warmup: int, steps: int, time_cap_s: float,
-               on_start) -> tuple[dict[str, ProbeResult | str], float, str]:
-    """One race (see `race`): each mode's figure, the seconds its timed steps took in all lanes, how the Run ended."""
+def _race_once(config: RunConfig, warmup: int, steps: int, time_cap_s: float, on_start,
+               enough: int | None = None) -> tuple[dict[str, ProbeResult | str], float, str]:
+    """One race (see `race`): each mode's figure, the seconds its timed steps took in all lanes, how the Run ended.
+    A figure of fewer than `enough` timed steps (default: `steps`) is marked capped."""
+    enough = steps if enough is None else enough
     # A lane whose loss goes NaN still costs what a step costs: it steps on, as it would with stop_on_divergence off.
     probe = dataclasses.replace(config, modes=race_modes(config), steps=warmup + steps, faults=(), name="cost probe",
                                 stop_on_divergence=False)
@@ -124,7 +128,7 @@ def _race_once(config: RunConfig, warmup: int, steps: int, time_cap_s: float,
             out[lane.mode] = f"no step finished within {time_cap_s:g} s"
             continue
         timed_s += float(timed.sum()) / 1e3
-        out[lane.mode] = ProbeResult(lane.mode, float(np.median(timed)), int(timed.size), capped or timed.size < steps)
+        out[lane.mode] = ProbeResult(lane.mode, float(np.median(timed)), int(timed.size), timed.size < enough)
     return out, timed_s, "capped" if capped else run.status
 
 
