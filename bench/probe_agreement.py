@@ -7,7 +7,7 @@ steps) and watches the run to its end. The run's figures are its lanes' median m
 afterwards (views.summary.summarize, the figure the headline cards and Compare show). Per mode other than 32-true:
 ratio = the mode's ms/step ÷ 32-true's, error = |probe ratio ÷ run ratio − 1|.
 
-    python3 -m bench.probe_agreement [--starts 5]
+    python3 -m bench.probe_agreement [--starts 5] [--steps N]
 Prints `start=i mode=… probe=… run=… error=…` per start and mode; last line: probe_vs_run_max_error=<the largest
 error>. Target: <= 0.20.
 """
@@ -37,11 +37,13 @@ COST_TABLE = """() => {
     return null;
 }"""
 RUN_FINISHED = "() => document.body.innerText.includes('Run status: finished')"
+SETTLED = "() => document.querySelectorAll('[data-stale=\"true\"]').length === 0"
 TIMEOUT_MS = 300_000
 
 
-def probe_and_run(browser, url: str) -> dict[str, float]:
-    """Open the Train page, read the probe's ms/step per mode, launch the default run and wait for its end."""
+def probe_and_run(browser, url: str, steps: int | None) -> dict[str, float]:
+    """Open the Train page, read the probe's ms/step per mode, launch the default run (`steps`: that many steps) and
+    wait for its end."""
     context = browser.new_context(viewport=VIEWPORT)
     try:
         page = context.new_page()
@@ -50,6 +52,10 @@ def probe_and_run(browser, url: str) -> dict[str, float]:
         sources = {row["by"] for row in rows}
         if sources != {"cost probe"}:  # a fresh server has no run to learn from: the figures must be the probe's
             raise RuntimeError(f"the cost table's figures were measured by {sources}, not the cost probe")
+        if steps is not None:
+            page.get_by_label("Steps", exact=True).fill(str(steps))
+            page.get_by_label("Steps", exact=True).press("Enter")
+            page.wait_for_function(SETTLED, timeout=TIMEOUT_MS)
         page.get_by_role("button", name="Launch").click()
         page.wait_for_function(RUN_FINISHED, timeout=TIMEOUT_MS)
         return {row["mode"]: float(row["ms"]) for row in rows}
@@ -65,7 +71,7 @@ def run_medians(store: Path) -> dict[str, float]:
     return dict(zip(summary["mode"], summary["median_ms"].astype(float), strict=True))
 
 
-def one_start(browser) -> tuple[dict[str, float], dict[str, float]]:
+def one_start(browser, steps: int | None) -> tuple[dict[str, float], dict[str, float]]:
     """(probe ms/step, run median ms/step) per mode, on a fresh server with an empty store."""
     with tempfile.TemporaryDirectory() as folder:
         store = Path(folder) / "runs.sqlite3"
@@ -73,7 +79,7 @@ def one_start(browser) -> tuple[dict[str, float], dict[str, float]]:
         server = streamlit_server.start(port, store, output=subprocess.DEVNULL)
         try:
             streamlit_server.wait_healthy(port, server)
-            probe = probe_and_run(browser, f"http://127.0.0.1:{port}")
+            probe = probe_and_run(browser, f"http://127.0.0.1:{port}", steps)
         finally:
             streamlit_server.stop(server)  # its run's records are all flushed by now
         return probe, run_medians(store)
@@ -82,6 +88,8 @@ def one_start(browser) -> tuple[dict[str, float], dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--starts", type=int, default=5)
+    parser.add_argument("--steps", type=int, help="steps of the run (default: the Train page's, what a user launches "
+                        "first; its run is then over in a second or so, and a moment of noise moves its medians)")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -90,7 +98,7 @@ def main() -> None:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for start in range(args.starts):
-                probe, run = one_start(browser)
+                probe, run = one_start(browser, args.steps)
                 print(f"start={start} probe_ms=" + ",".join(f"{mode}:{ms:.3g}" for mode, ms in probe.items())
                       + " run_ms=" + ",".join(f"{mode}:{ms:.3g}" for mode, ms in run.items()), flush=True)
                 for mode in probe:
