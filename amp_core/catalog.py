@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent
+PLUGINS_ENV = "AMP_LAB_WORKLOADS"
+"""The environment variable naming workload plugin modules (comma-separated), loaded at start-up."""
+
+
+def plugins_named() -> bool:
+    """Whether $AMP_LAB_WORKLOADS names any plugin module (then the workload list waits for them to load)."""
+    return any(name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(","))
 
 
 @dataclass(frozen=True, slots=True)

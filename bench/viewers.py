@@ -7,9 +7,11 @@ Two cases, each one long run measured in alternating windows, so machine noise h
 Each round is an unwatched window (no browser session open) and a watched one (two sessions open: the Train page and
 the Compare page, both following the run, each redrawing on its own timer). A window's speed is the lane steps whose
 records end inside it, per second, counted afterwards from the run's own records (t_wall_s), so nothing reads the
-store while the run is measured. The ratio of a case is the median over rounds of watched ÷ unwatched.
+store while the run is measured. The ratio of a case is the median over rounds of watched ÷ unwatched. Beside it,
+per window, the cores each process kept busy (CPU seconds per second: the run's process, the server, Chromium), to
+tell whether a watched run lost its core to the server's page work or to the browser drawing on the same machine.
 
-    python3 -m bench.viewers [--rounds 3] [--window 8]
+    python3 -m bench.viewers [--rounds 3] [--window 8] [--screenshot artifacts/train_two_sessions.png]
 Last line: watched_speed_ratio_min=<the smaller of the two cases' ratios>. Target: >= 0.8.
 """
 
@@ -26,6 +28,8 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import psutil
+
 from amp_core.precision import default_modes
 from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
@@ -40,6 +44,12 @@ RUN_STEPS = 10_000_000
 """Steps asked of each run: more than the windows need; the run is stopped after the last window."""
 SETTLE_S = 1.5
 """Between opening or closing the sessions and the window: the first render of a page, or the sessions' end."""
+SCROLL_TO_TOP = """label => {
+    label.scrollIntoView({block: 'start'});
+    let box = label.parentElement;  // the page's scrolling box: scrolled back by the header that covers its top
+    while (box && box.scrollHeight <= box.clientHeight) box = box.parentElement;
+    if (box) box.scrollTop -= 110;
+}"""
 CHART_DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].some(div => div._fullData &&
     div._fullData.some(trace => (trace._length || 0) > 0))"""
 
@@ -89,26 +99,77 @@ def lane_steps_per_s(store: Path, run_id: str, windows: list[tuple[float, float]
     return [float(((ends >= t0) & (ends < t1)).sum()) / (t1 - t0) for t0, t1 in windows]
 
 
-def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: float) -> tuple[list, list]:
-    """Alternate unwatched and watched windows on the run going now; returns their (t0, t1) lists."""
+def cpu_seconds(roles: dict[str, int]) -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) so far of each process: every role's process and its children (role: pid), and
+    Chromium's (this process's descendants named chrom*)."""
+    found: dict[tuple[str, int], float] = {}
+    tree = [("chromium", p) for p in psutil.Process().children(recursive=True) if "chrom" in p.name().lower()]
+    for role, pid in roles.items():
+        try:
+            root = psutil.Process(pid)
+            tree += [(role, p) for p in [root, *root.children(recursive=True)]]
+        except psutil.NoSuchProcess:
+            continue
+    for role, process in tree:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:  # ended meanwhile
+            continue
+        found[role, process.pid] = times.user + times.system
+    return found
+
+
+def cores_busy(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Per role: CPU seconds spent between the two snapshots per second of wall time (1.0: one core busy). A process
+    that started in between counts from 0; one that ended in between is left out."""
+    busy: dict[str, float] = {}
+    for (role, pid), spent in after.items():
+        busy[role] = busy.get(role, 0.0) + (spent - before.get((role, pid), 0.0)) / seconds
+    return busy
+
+
+def measure(browser, url: str, store: Path, run_id: str, rounds: int, window_s: float, roles: dict[str, int],
+            screenshot: Path | None = None) -> tuple[list, list, dict]:
+    """Alternate unwatched and watched windows on the run going now; returns their (t0, t1) lists and, per kind of
+    window, the cores each role kept busy in each (roles: name -> pid, see cpu_seconds). `screenshot`: after the last
+    watched window, the Train page's session saves what it shows there (its live view scrolled into view)."""
     quiet, watched = [], []
-    for _ in range(rounds):
-        time.sleep(SETTLE_S)
-        t0 = time.time()
+    busy: dict[str, list] = {"unwatched": [], "watched": []}
+
+    def window(kind: str, into: list) -> None:
+        before, t0 = cpu_seconds(roles), time.time()
         time.sleep(window_s)
-        quiet.append((t0, time.time()))
+        into.append((t0, time.time()))
+        busy[kind].append(cores_busy(before, cpu_seconds(roles), into[-1][1] - t0))
+
+    for round_ in range(rounds):
+        time.sleep(SETTLE_S)
+        window("unwatched", quiet)
         sessions = watch(browser, url)
         time.sleep(SETTLE_S)
-        t0 = time.time()
-        time.sleep(window_s)
-        watched.append((t0, time.time()))
+        window("watched", watched)
+        if screenshot is not None and round_ == rounds - 1:
+            save_screenshot(sessions[0].pages[0], screenshot)
         for context in sessions:
             context.close()
-    return quiet, watched
+    return quiet, watched, busy
 
 
-def ratio(name: str, store: Path, run_id: str, quiet: list, watched: list) -> float:
+def save_screenshot(page, path: Path) -> None:
+    """The Train page's live view as a user sees it (the viewport, the run's picker at its top)."""
+    page.get_by_text("Run status:").first.wait_for()
+    page.get_by_text("Run", exact=True).first.evaluate(SCROLL_TO_TOP)
+    page.wait_for_function(CHART_DRAWN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))
+
+
+def ratio(name: str, store: Path, run_id: str, quiet: list, watched: list, busy: dict) -> float:
     q, w = lane_steps_per_s(store, run_id, quiet), lane_steps_per_s(store, run_id, watched)
+    for kind, windows in busy.items():  # where the 2 cores went: the run's process, the server, the browser
+        roles = sorted({role for found in windows for role in found})
+        print(f"{name}_{kind}_cores_busy=" + ",".join(
+            f"{role}:" + "/".join(f"{found.get(role, 0.0):.2f}" for found in windows) for role in roles))
     ratios = [b / a for a, b in zip(q, w, strict=True)]
     print(f"{name}_unwatched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in q))
     print(f"{name}_watched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in w))
@@ -137,6 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=8.0, help="seconds per window")
+    parser.add_argument("--screenshot", type=Path, help="save the Train page watching the server's run here (PNG)")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -151,9 +213,10 @@ def main() -> None:
             streamlit_server.wait_healthy(port, server)
             launch_in_server(browser, url)
             run_id = new_run(store, set())
-            quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window)
+            quiet, watched, busy = measure(browser, url, store, run_id, args.rounds, args.window,
+                                           {"server_and_run": server.pid}, args.screenshot)
             streamlit_server.stop(server)  # stops its run (its last records flushed)
-            figures["server"] = ratio("server", store, run_id, quiet, watched)
+            figures["server"] = ratio("server", store, run_id, quiet, watched, busy)
 
             server = streamlit_server.start(port, store, output=subprocess.DEVNULL)
             streamlit_server.wait_healthy(port, server)
@@ -162,11 +225,12 @@ def main() -> None:
                  "--steps", str(RUN_STEPS)], store, output=subprocess.DEVNULL)
             try:
                 run_id = new_run(store, {run_id})
-                quiet, watched = measure(browser, url, store, run_id, args.rounds, args.window)
+                quiet, watched, busy = measure(browser, url, store, run_id, args.rounds, args.window,
+                                               {"server": server.pid, "cli_run": cli.pid})
             finally:
                 cli.send_signal(signal.SIGINT)
                 cli.wait(60)
-            figures["cli"] = ratio("cli", store, run_id, quiet, watched)
+            figures["cli"] = ratio("cli", store, run_id, quiet, watched, busy)
         finally:
             browser.close()
             streamlit_server.stop(server)

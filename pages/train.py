@@ -11,7 +11,6 @@ import streamlit as st
 from amp_core import catalog
 from amp_core.config import MAX_SEEDS, OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from pages.common import (
-    STATUS_ICONS,
     device_panel,
     get_manager,
     plugin_panel,
@@ -25,6 +24,12 @@ REFRESH_S = 1.0  # the live view's redraw period while a run goes
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULT_WORKLOAD = "digits_mlp"
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
+# The live view's status mark, in Streamlit's own icon font: an emoji needs an emoji font, which a browser may lack
+# (headless Chromium here drew each as an empty box).
+STATUS_SYMBOLS = {"running": ":material/play_circle:", "paused": ":material/pause_circle:",
+                  "pending": ":material/hourglass_empty:", "finished": ":material/check_circle:",
+                  "stopped": ":material/stop_circle:", "failed": ":material/error:",
+                  "interrupted": ":material/warning:", "diverged": ":material/bolt:"}
 # A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES).
 LIVE_STATUSES = ("pending", "running", "paused")
 
@@ -33,8 +38,10 @@ light_first = not warm.done.is_set()  # this script run draws before everything 
 
 
 def workload_entries() -> dict[str, catalog.WorkloadEntry]:
-    """Workloads by name, sorted by title: the registry's once torch is imported (plugins too), else the catalog's."""
-    if warm.core.is_set():
+    """Workloads by name, sorted by title: the registry's once torch is imported (plugins too), else the catalog's.
+    A server started with plugins waits for them: a first list without the user's own workload would mislead."""
+    if warm.core.is_set() or catalog.plugins_named():
+        warm.core.wait()
         from amp_core.workloads import WORKLOADS
 
         found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes))
@@ -134,6 +141,7 @@ import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first pa
 
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.cost import (  # noqa: E402
+    MIN_TIMED_S,
     SLOW_FACTOR,
     TIME_CAP_S,
     TIMED_STEPS,
@@ -188,7 +196,8 @@ def cost_table(costs: pd.DataFrame) -> None:
                    f"({availability(row.mode, device)[1]}).")
     st.caption(f"Measured on this {device.upper()} as a run measures it: the modes race through the runner "
                f"(lanes in turn, the run's own threads) for {WARMUP_STEPS} warm-up steps and {TIMED_STEPS} timed "
-               f"steps (at most {TIME_CAP_S:g} s); each figure is its lane's median. Remembered per workload, size, "
+               f"steps, raced again for longer where those took under {MIN_TIMED_S:g} s (at most {TIME_CAP_S:g} s in "
+               f"all); each figure is its lane's median. Remembered per workload, size, "
                f"batch and settings; a finished run that disagrees by more than 20% replaces it. Above "
                f"{SLOW_FACTOR:g}× is flagged.")
 
@@ -302,10 +311,10 @@ def controls(info: dict) -> None:
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":
-        b1.button("Resume", key="train_resume", icon="▶️", on_click=run.resume)
+        b1.button("Resume", key="train_resume", icon=":material/play_arrow:", on_click=run.resume)
     else:
-        b1.button("Pause", key="train_pause", icon="⏸️", on_click=run.pause)
-    b2.button("Stop", key="train_stop", icon="⏹️", on_click=run.stop)
+        b1.button("Pause", key="train_pause", icon=":material/pause:", on_click=run.pause)
+    b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
 def lane_rows(info: dict, series: list) -> None:
@@ -401,7 +410,7 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
-    st.markdown(f"{STATUS_ICONS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
+    st.markdown(f"{STATUS_SYMBOLS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls(info)
     lane_problems(info)
     lane_rows(info, series)

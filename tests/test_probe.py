@@ -20,12 +20,22 @@ def config(modes=("bf16-mixed",), **kwargs) -> RunConfig:
 
 
 def test_a_race_times_every_mode_after_its_warm_up():
-    results = race(config(tuple(CPU_MODES)), warmup=3, steps=5, time_cap_s=120)
+    results = race(config(tuple(CPU_MODES)), warmup=3, steps=5, time_cap_s=120, min_timed_s=0)
     assert tuple(results) == race_modes(config(tuple(CPU_MODES))) == tuple(CPU_MODES)  # 32-true first
     for mode, result in results.items():
         assert isinstance(result, ProbeResult), result
         assert (result.mode, result.steps_timed, result.capped, result.source) == (mode, 5, False, "cost probe")
         assert 0 < result.ms_per_step < 30_000
+
+
+def test_a_race_too_short_to_tell_races_again_for_longer():
+    """5 steps of a small MLP last milliseconds: a moment of another process would move the figure. The race goes
+    again, for as many steps as fill min_timed_s at the pace the short one showed."""
+    results = race(config(), warmup=2, steps=5, time_cap_s=120, min_timed_s=0.5)
+    (timed,) = {result.steps_timed for result in results.values()}  # both lanes, stepped in turn, to the end
+    assert timed > 5 and not any(result.capped for result in results.values())
+    long_enough = race(config(), warmup=2, steps=5, time_cap_s=120, min_timed_s=1e-9)
+    assert {result.steps_timed for result in long_enough.values()} == {5}
 
 
 def test_the_baseline_races_beside_the_chosen_modes():
@@ -58,7 +68,7 @@ def test_relative_costs_against_32_true():
 
 
 def test_board_measures_off_the_callers_thread_and_remembers():
-    board = ProbeBoard(warmup=2, steps=3, time_cap_s=60)
+    board = ProbeBoard(warmup=2, steps=3, time_cap_s=60, min_timed_s=0)
     good, bad = config(), config(("tf32",))
     assert board.get(good) is None and board.get(bad) is None  # queued, nobody waits
     assert board.wait(120)

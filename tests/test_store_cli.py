@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pandas as pd
@@ -171,3 +172,24 @@ def test_cli_refuses_a_damaged_store(tmp_path, capsys):
     bad.write_bytes(b"garbage" * 100)
     assert main(["--store", str(bad), "list"]) == 2
     assert "not a SQLite database" in capsys.readouterr().err
+
+
+def test_opening_the_store_again_keeps_the_locks_of_this_process(tmp_path):
+    """A process that reads the store opens it again (a fresh RunStore): its first connection must keep its lock on
+    the file. Closing any other descriptor of the file drops all of a process's POSIX locks on it; another process's
+    connection then took itself for the last one and removed the WAL under the first (a reader's next write left the
+    file malformed). Here the other process closes its connection: the WAL must stay, and everything still reads."""
+    path = tmp_path / "runs.sqlite3"
+    store = RunStore(path)
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=5), store).start()
+    run.join(60)
+    assert len(store.steps(run.run_id)) == 5  # this thread's connection is open, in WAL mode
+    RunStore(path)  # opened again, as a reader following the store does
+    other = subprocess.run([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+                            "c.execute('SELECT COUNT(*) FROM runs').fetchone(); c.close()", str(path)],
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    assert Path(f"{path}-wal").exists(), "another process's close took the WAL away from this process's connection"
+    assert len(store.steps(run.run_id)) == 5
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)

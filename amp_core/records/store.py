@@ -38,7 +38,6 @@ from amp_core.records.tracks import TrackRecords
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
 SCHEMA_VERSION = 2
-SQLITE_HEADER = b"SQLite format 3\x00"
 LIVE_STATUSES = ("pending", "running", "paused")
 STALE_AFTER_S = 60.0
 """A run written from another host or pid namespace is interrupted once its writer has not flushed for this long."""
@@ -152,17 +151,19 @@ class RunStore:
             return 0
         if self.path.is_dir():
             raise StoreError(f"{self.path} is a folder, not a store file")
-        with open(self.path, "rb") as f:
-            header = f.read(len(SQLITE_HEADER))
-        if header != SQLITE_HEADER:
-            raise StoreError(f"{self.path} is not a SQLite database (damaged or another kind of file); "
-                             "AMP Lab left it untouched. Move it away or set AMP_LAB_STORE to another path.")
+        # SQLite reads the header, never open(): closing any other descriptor of the file drops every POSIX lock
+        # this process's connections hold on it (sqlite.org/howtocorrupt.html, 2.2); a writer in another process then
+        # took itself for the last connection, checkpointed and removed the WAL under a reader here, whose next write
+        # left the file malformed (a bench that opened a fresh RunStore while a server's run wrote).
         try:
             with closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)) as conn:
                 app_id = conn.execute("PRAGMA application_id").fetchone()[0]
                 tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as exc:
+            if exc.sqlite_errorcode == sqlite3.SQLITE_NOTADB:
+                raise StoreError(f"{self.path} is not a SQLite database (damaged or another kind of file); AMP Lab "
+                                 "left it untouched. Move it away or set AMP_LAB_STORE to another path.") from None
             raise StoreError(f"{self.path} is damaged ({exc}); AMP Lab left it untouched. "
                              "Move it away or set AMP_LAB_STORE to another path.") from None
         if app_id != APPLICATION_ID and tables:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.catalog import PLUGINS_ENV
 from amp_core.config import SIZES
 from amp_core.workloads.base import Data, Workload, contract_problems
 from amp_core.workloads.checkerboard_cnn import CheckerboardCNN
@@ -25,8 +26,6 @@ WORKLOADS: dict[str, Workload] = {
 """Every workload of this process, built-ins first, then plugins in the order they were loaded. Modules that read it
 hold this one dict: plugins are added to it in place."""
 BUILT_IN: frozenset[str] = frozenset(WORKLOADS)
-PLUGINS_ENV = "AMP_LAB_WORKLOADS"
-"""Comma-separated module names whose Workload subclasses join the registry when the app or the CLI starts."""
 PLUGIN_ORIGINS: dict[str, str] = {}
 """Plugin workload name -> the module that defined it."""
 
