@@ -37,8 +37,11 @@ from amp_core.records.levels import (
 )
 from amp_core.records.schema import HELD_PARTS, OPTIONAL_COLUMNS, STEP_COLUMNS
 
-MAX_POINTS = 2000
-"""At most about this many points per trace (a browser stays smooth; spikes and skipped steps survive)."""
+MAX_POINTS = 1200
+"""At most about this many points per trace: 400 envelope buckets, one per 1-3 pixels of a chart at 1440 px wide. A
+live page redraws each chart every second in every session watching, and on a small machine the browser drawing them
+takes cores from the training run (bench/viewers.py, two sessions watching: Chromium kept 0.53 of a core busy with
+1200 points against 0.6 with 2000). Spikes and skipped steps survive any count."""
 POINTS_PER_BUCKET = 3
 """An envelope bucket draws its min, its max and its last value."""
 RAW_BUCKETING_SPAN = 4
