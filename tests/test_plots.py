@@ -84,6 +84,20 @@ def test_an_automatic_loss_axis_goes_log_when_a_spike_would_flatten_the_rest():
     assert "log axis: the loss spans 1.7 decades" in spiked["layout"]["title"]["text"]
 
 
+def test_losses_of_exactly_zero_keep_a_log_axis_and_sit_on_its_bottom_edge():
+    frame = records(300)
+    frame["loss"] = np.where(frame["step"] < 100, 2.0, 1e-9)  # trains to a tiny loss...
+    frame.loc[frame["step"].isin([200, 201]), "loss"] = 0.0  # ... that underflows to 0 on two steps
+    figure = spec(plots.loss_figure(frame))
+    assert figure["layout"]["yaxis"]["type"] == "log"  # not a linear axis of 0..1e-8 with the start off its top
+    assert (f"9.3 decades; {2 * len(MODES)} losses of exactly 0 ▼ on its bottom edge"
+            in figure["layout"]["title"]["text"])  # two steps of every lane
+    (edge,) = [t for t in figure["data"] if t["name"] == "32-true beyond the axis"]
+    assert values(edge["x"]).tolist() == [200, 201] and values(edge["y"]).tolist() == pytest.approx([1e-9, 1e-9])
+    mostly_zero = np.where(np.arange(300) < 100, 2.0, 0.0)
+    assert plots.loss_axis(mostly_zero)[0]["type"] == "linear"  # most losses 0: a log axis would hide the run
+
+
 def test_a_spike_among_losses_that_cannot_go_log_sits_on_the_edge_of_a_clipped_axis():
     frame = records(300, spike_at=150)
     frame["loss"] -= 1.5  # some losses at or below 0 (a plugin's loss may be): no log axis

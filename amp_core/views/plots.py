@@ -244,17 +244,24 @@ def log_axis(title: str) -> dict:
 
 def loss_axis(values: np.ndarray, choice: str = "auto") -> tuple[dict, str, tuple[float, float] | None]:
     """(y axis, what it does in words, clipped range or None) for loss values. `choice` "auto": log when the finite
-    losses are all positive and span LOG_SPAN or more, else linear with spikes left off the axis (marked on its
-    edge); "linear" / "log" as asked (log needs positive losses)."""
+    losses are none negative, their positive ones span LOG_SPAN or more and at most half are exactly 0, else linear
+    with spikes left off the axis (marked on its edge); "linear" / "log" as asked (log needs positive losses). A log
+    axis has no 0: losses of exactly 0 (a confident classifier's cross-entropy underflows to it) are then marked on
+    its bottom edge, the returned range's low end."""
     if choice not in LOSS_AXES:
         raise ValueError(f"loss axis must be one of {', '.join(LOSS_AXES)}, got {choice!r}")
     finite = np.asarray(values, dtype=float)
     finite = finite[np.isfinite(finite)]
-    positive = finite.size > 0 and finite.min() > 0
-    span = finite.max() / finite.min() if positive else math.nan
-    if choice == "log" or (choice == "auto" and positive and span >= LOG_SPAN):
+    positive = finite[finite > 0]
+    zeros = int((finite == 0).sum())
+    loggable = positive.size > 0 and finite.min() >= 0 and zeros <= finite.size // 2
+    span = positive.max() / positive.min() if positive.size else math.nan
+    if positive.size and (choice == "log" or (choice == "auto" and loggable and span >= LOG_SPAN)):
         why = f"log axis: the loss spans {math.log10(span):.1f} decades" if choice == "auto" else "log axis"
-        return log_axis("loss"), why, None
+        if not zeros:
+            return log_axis("loss"), why, None
+        return (log_axis("loss"), f"{why}; {zeros:,} losses of exactly 0 ▼ on its bottom edge",
+                (float(positive.min()), float(positive.max())))
     axis = {"title": {"text": "loss"}, "type": "linear"}
     clip = bulk_range(finite, spike_span=LOSS_SPIKE_SPAN) if choice == "auto" else None
     if clip is None:
