@@ -59,7 +59,7 @@ def page_view(manager: RunManager, follower: RecordFollower, run_id: str) -> int
     series = lanes(follower.update(manager))
     manager.run_info(run_id)
     summarize(series)
-    figures = plots.train_figures(series, smoothing=0.6)
+    figures = plots.train_figures(series, smoothing=0.6, bands=follower.bands)  # as the Train page draws
     specs = [pio.to_json(return_figure_from_figure_or_data(figure, True), validate=False)
              for figure in figures.values()]
     assert all(specs)

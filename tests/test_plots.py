@@ -199,3 +199,16 @@ def test_empty_records_give_empty_figures_with_a_note():
 def test_lr_axis_starts_at_zero_and_shows_a_constant_lr():
     yaxis = spec(plots.lr_figure(records(20)))["layout"]["yaxis"]
     assert yaxis["range"] == [0, pytest.approx(1.15e-3)]
+
+
+def test_row_quantiles_are_numpys_for_every_row_with_records_missing():
+    rng = np.random.default_rng(0)
+    matrix = rng.exponential(size=(50, 37))
+    matrix[rng.random(matrix.shape) < 0.3] = np.nan  # steps with no record
+    matrix[3], matrix[4, 1:] = np.nan, np.nan  # a bucket with no record, one with a single record
+    quantiles, counts = plots.row_quantiles(matrix, (0.1, 0.5, 0.9))
+    for row, values_ in enumerate(matrix):
+        finite = values_[np.isfinite(values_)]
+        expected = np.quantile(finite, [0.1, 0.5, 0.9]) if finite.size else np.full(3, np.nan)
+        assert counts[row] == finite.size
+        np.testing.assert_allclose(quantiles[row], expected, equal_nan=True)
