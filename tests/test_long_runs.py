@@ -30,7 +30,7 @@ from amp_core.records.levels import FIELD_INDEX, FLAG_FIELDS, SUMMARY_FIELDS, le
 from amp_core.records.query import MAX_POINTS, aggregate, read_lane
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import SCHEMA_VERSION, RunStore, StoreError
-from amp_core.records.tracks import TrackRecords
+from amp_core.records.tracks import TrackRecords, marked
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare
 from amp_core.views.live import RecordFollower
@@ -562,3 +562,16 @@ def test_the_sink_times_what_storing_costs_the_run(fresh_store):
     unstored = Run(config).start()
     unstored.join()
     assert 0 < stored.sink.write_seconds < elapsed / 10 and unstored.sink.write_seconds == 0
+
+
+def test_a_grad_norm_not_measured_marks_no_record_and_an_infinite_one_does():
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=60, grad_norm_every=25,
+                        gradstats_every=0)).start()
+    run.join(120)
+    frame = run.frame()
+    assert frame["grad_norm"].isna().sum() >= 50  # measured on sampled steps only
+    (track,) = run.sink.records.tracks()
+    assert track.mark_rows.count == 0  # "not measured" is not a non-finite figure: nothing is kept apart
+    columns = {name: np.zeros(3, dtype=dtype) for name, dtype in STEP_COLUMNS.items()}
+    columns["grad_norm"] = np.array([np.nan, np.inf, 1.0], dtype=np.float32)
+    assert marked(columns).tolist() == [1]

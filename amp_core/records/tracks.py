@@ -27,7 +27,15 @@ from amp_core.records.levels import (
     level_steps,
     merge,
 )
-from amp_core.records.schema import MARK_COLUMNS, STEP_COLUMNS, StepRecord, empty_steps_frame, steps_frame, typed
+from amp_core.records.schema import (
+    MARK_COLUMNS,
+    SAMPLED_COLUMNS,
+    STEP_COLUMNS,
+    StepRecord,
+    empty_steps_frame,
+    steps_frame,
+    typed,
+)
 
 FOLD_ROWS = 256
 """Pending rows become numpy columns this many at a time (a list append is all a step pays)."""
@@ -48,6 +56,8 @@ def marked(columns: dict[str, np.ndarray]) -> np.ndarray:
     mask = np.asarray(columns["skipped"], dtype=bool).copy()
     for name in MARK_COLUMNS:
         mask |= ~np.isfinite(columns[name])
+    for name in SAMPLED_COLUMNS:
+        mask |= np.isinf(columns[name])
     return np.flatnonzero(mask)
 
 
