@@ -212,3 +212,21 @@ def test_row_quantiles_are_numpys_for_every_row_with_records_missing():
         expected = np.quantile(finite, [0.1, 0.5, 0.9]) if finite.size else np.full(3, np.nan)
         assert counts[row] == finite.size
         np.testing.assert_allclose(quantiles[row], expected, equal_nan=True)
+
+
+def test_a_band_over_a_very_long_run_is_estimated_from_the_summary_and_agrees_with_every_record(tmp_path):
+    from amp_core.records.store import RunStore
+    from amp_core.runner import RunManager
+    from bench.scale import write_synthetic
+
+    path = tmp_path / "runs.sqlite3"
+    write_synthetic(path, "long", 1_000_000, modes=("32-true",))
+    (lane,) = RunManager(RunStore(path)).lane_series("long")
+    assert lane.bucket_steps >= plots.LEVEL_BASE * plots.BAND_SAMPLES  # sampled from the summary
+    estimated = plots.StepTimeBands().band(lane)
+    rows = lane.source.raw_rows(lane.start, lane.stop, ["step_ms"])  # every record, for the exact figures
+    steps, ms = np.asarray(rows["step"]), np.asarray(rows["step_ms"], dtype=float)
+    at = np.searchsorted(estimated["step"], steps)  # the bucket each record falls in (steps: each bucket's last)
+    for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9)):
+        exact = np.array([np.quantile(ms[at == i], q) for i in range(len(estimated["step"]))])
+        assert np.nanmedian(np.abs(estimated[name] / exact - 1)) < 0.05, name

@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.records.levels import FIELD_INDEX, LEVEL_BASE
+from amp_core.records.query import MAX_POINTS, LaneSeries, level_buckets
 from amp_core.views.summary import by_lane, seed_groups, seed_spread
 from amp_core.views.summary import lanes as _lanes
 
@@ -212,6 +213,8 @@ that drifts away or a long tail of early steps."""
 LOSS_SPIKE_SPAN = 10.0
 """The same for the loss axis of the Train page (a curve that falls steadily stays whole: its bulk is wide)."""
 LOSS_AXES = ("auto", "linear", "log")
+BAND_SAMPLES = 64
+"""A step-time band point of at least this many level-1 summary buckets is estimated from their last step times."""
 BAND_WINDOW = 25
 """Steps in the rolling window of the step-time median and band while a lane is drawn record by record."""
 
@@ -305,8 +308,10 @@ class StepTimeBands:
     a page redrawing) moves neither the median nor the band much.
 
     A lane holding every record of its range gets a rolling window of BAND_WINDOW records; an envelope gets one point
-    per bucket, from the step times of that bucket's records. A bucket whose steps are all recorded never changes, so
-    its figures are kept: a live redraw reads only the bucket still filling (a long run's first draw reads them all).
+    per bucket, from the step times of that bucket's records, or, for buckets of BAND_SAMPLES x LEVEL_BASE steps or
+    more (a run of about a million steps), from every LEVEL_BASE-th step's time (the summary's level-1 buckets' last
+    records): a first view then reads the summary, not every record. A bucket whose steps are all recorded never
+    changes, so its figures are kept: a live redraw reads only the bucket still filling.
     """
 
     def __init__(self, max_kept: int = 20_000):
@@ -334,21 +339,29 @@ class StepTimeBands:
                 figures[i] = kept
         if missing:
             first, last = int(lows[missing[0]]), int(highs[missing[-1]])
-            rows = lane.source.raw_rows(first, last, ["step_ms"])
-            steps, ms = np.asarray(rows["step"], dtype=np.int64), np.asarray(rows["step_ms"], dtype=float)
+            # A bucket of BAND_SAMPLES level-1 summary buckets or more: its quantiles from those buckets' last
+            # records (every LEVEL_BASE-th step time, a systematic sample), not from every record of the run.
+            every = LEVEL_BASE if size >= LEVEL_BASE * BAND_SAMPLES else 1
+            if every > 1:
+                sampled = level_buckets(lane.source, 1, first // every, -(-last // every))
+                steps = np.asarray(sampled["last_step"], dtype=np.int64)
+                ms = np.asarray(sampled["last"][:, FIELD_INDEX["step_ms"]], dtype=float)
+            else:
+                rows = lane.source.raw_rows(first, last, ["step_ms"])
+                steps, ms = np.asarray(rows["step"], dtype=np.int64), np.asarray(rows["step_ms"], dtype=float)
             if len(self._kept) > self.max_kept:
                 self._kept.clear()
             todo = np.asarray(missing)
             # Every missing bucket at once: a row per bucket, its steps' times in their columns (NaN: no record).
             at = np.searchsorted(lows[todo], steps, side="right") - 1
             inside = (at >= 0) & (steps < highs[todo][np.maximum(at, 0)]) & np.isfinite(ms)
-            matrix = np.full((len(todo), int(size)), np.nan)
-            matrix[at[inside], steps[inside] - lows[todo][at[inside]]] = ms[inside]
+            matrix = np.full((len(todo), -(-int(size) // every)), np.nan)
+            matrix[at[inside], (steps[inside] - lows[todo][at[inside]]) // every] = ms[inside]
             quantiles, counts = row_quantiles(matrix, (0.1, 0.5, 0.9))
             figures[todo] = quantiles
             for row, i in enumerate(missing):
                 low, high = int(lows[i]), int(highs[i])
-                if high <= end and counts[row] == high - low:  # every step of the bucket is in: it is final
+                if high <= end and counts[row] == -(-(high - low) // every):  # every step (sample) is in: final
                     self._kept[lane.key, lane.rank, low, high] = tuple(quantiles[row])
         return {"step": highs - 1, "p10": figures[:, 0], "p50": figures[:, 1], "p90": figures[:, 2],
                 "records": highs - lows}
