@@ -36,8 +36,12 @@ RESOLVE_EVERY_S = 0.25
 """On CUDA, lane steps whose figures have reached the host become records at least this often."""
 RESOLVE_BATCH = 32
 """... and whenever this many lane steps are waiting (a query per step waiting, never a wait)."""
-TEAM_MARGIN = 0.25
-"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step."""
+TEAM_MARGIN = 0.5
+"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
+team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
+a CLI run that chose 2 threads kept 0.36-0.67 of its speed with two browser sessions watching, 0.82-0.86 with 1)."""
+MEASURE_ROUNDS = 3
+"""choose_threads times one thread and the team alternately this many times and keeps the best of each."""
 MAX_IN_FLIGHT = 256
 """At this many lane steps ahead of the device the loop waits for the oldest (see Run._resolve)."""
 
@@ -168,9 +172,15 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
     if single > 0.05:
         pin_intra_op_threads(default)
         return f"{default} intra-op threads"
-    pin_intra_op_threads(default)
-    multi = forward_backward_s()
+    # Then both in turn, best of each: a moment of load (a page drawing as the run starts) must not decide it.
+    multi = math.inf
+    for _ in range(MEASURE_ROUNDS):
+        pin_intra_op_threads(default)
+        multi = min(multi, forward_backward_s())
+        pin_intra_op_threads(1)
+        single = min(single, forward_backward_s())
     if single > multi * (1 + TEAM_MARGIN):
+        pin_intra_op_threads(default)
         return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
     pin_intra_op_threads(1)
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
