@@ -90,8 +90,7 @@ def test_losses_of_exactly_zero_keep_a_log_axis_and_sit_on_its_bottom_edge():
     frame.loc[frame["step"].isin([200, 201]), "loss"] = 0.0  # ... that underflows to 0 on two steps
     figure = spec(plots.loss_figure(frame))
     assert figure["layout"]["yaxis"]["type"] == "log"  # not a linear axis of 0..1e-8 with the start off its top
-    assert (f"9.3 decades; {2 * len(MODES)} losses of exactly 0 ▼ on its bottom edge"
-            in figure["layout"]["title"]["text"])  # two steps of every lane
+    assert figure["layout"]["title"]["text"] == f"Loss · log axis, 9.3 decades; {2 * len(MODES)} at 0 ▼"  # 2 per lane
     (edge,) = [t for t in figure["data"] if t["name"] == "32-true beyond the axis"]
     assert values(edge["x"]).tolist() == [200, 201] and values(edge["y"]).tolist() == pytest.approx([1e-9, 1e-9])
     mostly_zero = np.where(np.arange(300) < 100, 2.0, 0.0)
