@@ -18,7 +18,9 @@ opens and redraws a long run, lists runs.
    flush-sized pieces as a writer would).
 4. list_runs_ms: RunManager.list_runs over a store holding 200 runs.
 
-Medians of repeated rounds. Each figure on its own line `name=value`.
+Medians of repeated rounds. Each figure on its own line `name=value`; the last line counts the targets met
+(`scale_targets_met=K/N`: open_ms <= 150, redraw_ms <= 50, ram_bytes_per_step <= 200, store_bytes_per_step <= 100,
+write_overhead >= 0.98, first_view_ms <= 100, open_1m_ms <= 300, list_runs_ms <= 50).
 
     python3 -m bench.scale [--steps 100000] [--rounds 6] [--skip-real]   (from the repository root)
 """
@@ -51,6 +53,12 @@ REAL_MODES = ("32-true", "bf16-mixed", "16-mixed")
 SYNTHETIC_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 FLUSH_RECORDS = 2000
 """Records per lane per flush for synthetic runs (what a fast runner gathers in 0.5 s)."""
+
+
+TARGETS = {"open_ms": (False, 150, 1), "redraw_ms": (False, 50, 1), "ram_bytes_per_step": (False, 200, 1),
+           "store_bytes_per_step": (False, 100, 1), "write_overhead": (True, 0.98, 3),
+           "first_view_ms": (False, 100, 1), "open_1m_ms": (False, 300, 1), "list_runs_ms": (False, 50, 1)}
+"""Each figure's target: (at least rather than at most, the bound, digits printed)."""
 
 
 def page_view(manager: RunManager, follower: RecordFollower, run_id: str) -> int:
@@ -223,10 +231,12 @@ def main() -> None:
               f"{store_bytes(folder / '1m.sqlite3') / 4e6:.1f} B/record")
         figures["open_1m_ms"] = first_view_ms(folder / "1m.sqlite3", "bench-1m", args.repeats, "4 x 1,000,000")
         figures["list_runs_ms"] = many_runs_ms(folder, 200, args.repeats)
-    for name in ("open_ms", "redraw_ms", "ram_bytes_per_step", "store_bytes_per_step", "write_overhead",
-                 "first_view_ms", "open_1m_ms", "list_runs_ms"):
+    for name, (_, _, digits) in TARGETS.items():
         if name in figures:
-            print(f"{name}={figures[name]:.3f}" if name == "write_overhead" else f"{name}={figures[name]:.1f}")
+            print(f"{name}={figures[name]:.{digits}f}")
+    met = [name for name, (above, bound, _) in TARGETS.items()
+           if name in figures and (figures[name] >= bound if above else figures[name] <= bound)]
+    print(f"scale_targets_met={len(met)}/{len([name for name in TARGETS if name in figures])}")
 
 
 if __name__ == "__main__":
