@@ -375,8 +375,9 @@ class Monitor:
 
     def _send(self, flight: InFlight, result: StepResult, loss, found_inf, total, norms) -> None:
         """CUDA: the step's device figures to pinned host memory behind it (no sync); read by `_resolve`."""
-        loss_value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        values = [loss_value.to(self.device)]
+        # A float loss is filled in on the device: a copy from pageable host memory would wait for the step.
+        values = [loss.detach().to(self.device) if isinstance(loss, torch.Tensor)
+                  else torch.full((), float(loss), device=self.device)]
         if self.scaler is not None:
             result.scale = self._scale_before  # None: it comes from the window's pinned copy
             values += (found_inf if self._fused and found_inf is not None else self._no_flag,

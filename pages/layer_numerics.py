@@ -3,7 +3,7 @@ layer's ranges against fp16, and a run's per-layer abs max over steps."""
 
 import streamlit as st
 
-from amp_core.config import SIZES, ConfigError, RunConfig
+from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
 from amp_core.views import numerics as numerics_views
@@ -58,7 +58,7 @@ def workload_report() -> numerics.NumericsReport | None:
     first, second, third, fourth = st.columns([3, 2, 2, 2])
     workload = first.selectbox("Workload", names, index=names.index("tiny_transformer"), key="lnum_workload",
                                format_func=lambda name: WORKLOADS[name].title)
-    size = second.selectbox("Size", SIZES, key="lnum_size")
+    size = second.selectbox("Size", list(WORKLOADS[workload].sizes), key="lnum_size")
     batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
                                     value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
                                     help="Ranges depend on the batch: a larger one reaches further into the tails.")

@@ -30,8 +30,6 @@ STATUS_SYMBOLS = {"running": ":material/play_circle:", "paused": ":material/paus
                   "pending": ":material/hourglass_empty:", "finished": ":material/check_circle:",
                   "stopped": ":material/stop_circle:", "failed": ":material/error:",
                   "interrupted": ":material/warning:", "diverged": ":material/bolt:"}
-# A run in the store with one of these is still being written (amp_core.records.store.LIVE_STATUSES).
-LIVE_STATUSES = ("pending", "running", "paused")
 
 warm = warm_up()
 light_first = not warm.done.is_set()  # this script run draws before everything is imported (a server's first)
@@ -150,6 +148,7 @@ from amp_core.probes.cost import (  # noqa: E402
     estimate_step,
     relative_costs,
 )
+from amp_core.records.store import LIVE_STATUSES  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402

@@ -12,13 +12,13 @@ from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
 from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate
-from pages.common import PRESENTER_KEY, get_manager, presenter_style
+from pages.common import PRESENTER_KEY, get_manager, presenter_on, presenter_style
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
 CARDS_PER_ROW = 3
 
 manager = get_manager()
-presenter = st.toggle("Presenter view", value=st.session_state.get(PRESENTER_KEY, False), key="workshop_presenter",
+presenter = st.toggle("Presenter view", value=presenter_on(), key="workshop_presenter",
                       help="Large fonts, one column, fewer controls, charts sized for a 1280×720 projector. It stays "
                            "on while you move between pages.")
 st.session_state[PRESENTER_KEY] = presenter

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from amp_core.workshop import SCENARIOS
-from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED, server  # noqa: F401  (the real server fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "workshop_presenter.png"
@@ -35,18 +34,7 @@ CHART_FONT = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
     .map(div => div._fullLayout && div._fullLayout.font.size)"""
 
 
-@pytest.fixture
-def server(tmp_path):
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, tmp_path / "runs.sqlite3")
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
-
-
-def test_a_scenario_end_to_end_in_the_presenter_view(server):
+def test_a_scenario_end_to_end_in_the_presenter_view(server):  # noqa: F811  (the fixture)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

@@ -3,7 +3,6 @@ across-seeds statistics and their rule; the charts' one band per mode; the Train
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -21,22 +20,10 @@ from amp_core.records import STEP_FIELDS
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare, plots, summary
+from tests.test_runner import RecordingRun
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("32-true", "bf16-mixed")
-
-
-class RecordingRun(Run):
-    """A real Run that also keeps each lane's initial weights and every batch it fed (test instrumentation)."""
-
-    def _setup(self):
-        super()._setup()
-        self.initial = [copy.deepcopy(lane.state.model.state_dict()) for lane in self.lanes]
-        self.fed = []
-
-    def _run_lane_step(self, lane, step):
-        self.fed.append((lane.index, step, [t.clone() for t in self._batch]))
-        super()._run_lane_step(lane, step)
 
 
 def seeded(seeds: int = 3, steps: int = 6, seed: int = 0, store: RunStore | None = None,

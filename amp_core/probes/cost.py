@@ -325,6 +325,8 @@ def matmul_flops_per_s(mode: str, device: str = "auto", side: int = 512, min_tim
     with precision.step_context():
         for _ in range(warmup):
             a @ b
+        if cuda:
+            torch.cuda.synchronize()  # the warm-up's kernels are not the first timed matmul's
         while spent < min_time_s or best == float("inf"):
             started = time.perf_counter()
             a @ b

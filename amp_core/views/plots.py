@@ -382,18 +382,13 @@ def band_traces(mode: str, band: dict[str, np.ndarray], name: str, legendgroup: 
         {"type": "scatter", "mode": "lines", "x": band["step"], "y": band["p90"], "line": {"width": 0, "color": color},
          "legendgroup": legendgroup, "showlegend": False, "hoverinfo": "skip", "name": f"{name} p90"},
         {"type": "scatter", "mode": "lines", "x": band["step"], "y": band["p10"], "line": {"width": 0, "color": color},
-         "fill": "tonexty", "fillcolor": _translucent(color), "legendgroup": legendgroup, "showlegend": False,
+         "fill": "tonexty", "fillcolor": _fill(color), "legendgroup": legendgroup, "showlegend": False,
          "name": f"{name} p10-p90", "customdata": np.stack([band["p10"], band["p90"]], axis=1),
          "hovertemplate": "p10 %{customdata[0]:.3g} ms · p90 %{customdata[1]:.3g} ms<extra>" + name + "</extra>"},
         line_trace(mode, band["step"], band["p50"], name=name, legendgroup=legendgroup,
                    line={"color": color, "width": 1.8, "dash": dash},
                    hovertemplate="step %{x}: median %{y:.3g} ms<extra>" + name + "</extra>"),
     ]
-
-
-def _translucent(color: str, alpha: float = 0.2) -> str:
-    red, green, blue = (int(color[i:i + 2], 16) for i in (1, 3, 5))
-    return f"rgba({red},{green},{blue},{alpha})"
 
 
 def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto", smoothing: float = 0.0,
