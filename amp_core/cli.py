@@ -14,7 +14,7 @@ from tqdm import tqdm
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES
 from amp_core.records.store import RunStore, StoreError
-from amp_core.views.summary import summarize
+from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
 APP_FILE = Path(__file__).resolve().parents[1] / "app.py"
@@ -233,14 +233,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         leave_job()
         if job.rank != 0:
             return 0 if run.status in ("finished", "stopped") else 1
-    frame = run.frame()
+    series = lanes(run.frame())  # split once: the table and the across-seeds summary share it
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
     width = 17 if config.seeds > 1 else 12
     header = (f"{'lane':<{width}}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}"
               f"{'skipped':>9}")
     print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
-    for row in summarize(frame).to_dict("records"):
+    for row in summarize(series).to_dict("records"):
         lane = run.lanes[row["lane"]]
         label = f"{row['mode']} seed {lane.seed}" if config.seeds > 1 else row["mode"]
         line = (f"{label:<{width}}{lane.status:<10}{_fmt(row['median_ms'], '.2f'):>10}"
@@ -252,7 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if lane.error:
             print(f"  {label}: {lane.error}")
     if config.seeds > 1:
-        _print_replicates(run)
+        _print_replicates(run, series)
     for event in run.events():
         if event.kind == "error" and event.lane is None:
             print(f"error: {event.message}", file=sys.stderr)
@@ -261,20 +261,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if run.status in ("finished", "stopped") else 1
 
 
-def _print_replicates(run) -> None:
+def _print_replicates(run, series: list) -> None:
     """Each mode across its seeds (mean ± sd of the final loss and the median ms/step), and whether two modes differ
     by more than the spread across seeds (the rule said once)."""
     from amp_core.views.summary import (
         DIFFERENCE_RULE,
         difference_sentences,
         lane_key,
-        lanes,
         replicate_differences,
         replicate_table,
     )
 
     seeds = {lane_key(run.run_id, lane.index): lane.seed for lane in run.lanes}
-    table = replicate_table(lanes(run.frame()), seeds)
+    table = replicate_table(series, seeds)
     print(f"\nacross {run.config.seeds} seeds per mode (mean ± sd):")
     for row in table.to_dict("records"):
         print(f"  {row['mode']:<12} final loss {_fmt(row['final_loss_mean'], '.4g')} ± "

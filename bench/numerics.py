@@ -54,16 +54,17 @@ def run_figures(config: RunConfig) -> dict:
     and the wall time between consecutive step records of its first lane, split by whether a sample fell in it."""
     run = Run(config).start()
     run.join()
-    frame = run.frame()
+    frame, events = run.frame(), run.events()
     if run.status != "finished":
-        raise RuntimeError(f"bench run ended {run.status}: {[e.message for e in run.events()][-3:]}")
-    sampled = {e.step for e in run.events() if e.kind == LAYER_AMAX_EVENT}
+        raise RuntimeError(f"bench run ended {run.status}: {[e.message for e in events][-3:]}")
+    samples = [e for e in events if e.kind == LAYER_AMAX_EVENT]
+    sampled = {e.step for e in samples}
     lane = frame[frame["lane"] == 0].sort_values("step")
     gaps = lane["t_wall_s"].diff().to_numpy()[1:] * 1e3
     after_sample = lane["step"].to_numpy()[:-1]  # the gap from step s to s + 1 holds the sample taken after step s
     return {"wall_ms": (frame["t_wall_s"].iloc[-1] - frame["t_wall_s"].iloc[0]) * 1e3 / (len(frame) - 1),
             "step_ms": float(frame["step_ms"].median()),
-            "sample_ms": [e.data["sample_ms"] for e in run.events() if e.kind == LAYER_AMAX_EVENT],
+            "sample_ms": [e.data["sample_ms"] for e in samples],
             "gaps_with": [g for g, s in zip(gaps, after_sample, strict=True) if s in sampled],
             "gaps_without": [g for g, s in zip(gaps, after_sample, strict=True) if s not in sampled]}
 

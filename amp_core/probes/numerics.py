@@ -836,7 +836,8 @@ def cli_numerics(workload: str, mode: str, csv_path: str | None, size: str = "sm
           f"against {report.reference_mode} on the same weights and batch")
     print(f"  loss {report.loss:.6g} ({report.reference_mode}: {report.reference_loss:.6g})")
     print()
-    table = report.module_frame()[list(CLI_COLUMNS)].rename(columns=CLI_COLUMNS)
+    modules = report.module_frame()
+    table = modules[list(CLI_COLUMNS)].rename(columns=CLI_COLUMNS)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print("  out |max|, |min|>0, grad |max|: the mode's tensors; >fp16 max, fp16 subn, bf16 ->0: shares of the fp32 "
           "values' finite non-zero elements that a real cast overflows, makes subnormal, flushes to 0")
@@ -844,5 +845,5 @@ def cli_numerics(workload: str, mode: str, csv_path: str | None, size: str = "sm
     print(report.first_line())
     if report.first_nonfinite:
         print(f"  why: {report.first_nonfinite.why}")
-    return write_csv_for_cli(report.module_frame(), csv_path, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} "
+    return write_csv_for_cli(modules, csv_path, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} "
                              "columns)", f"per-module table: {len(report.modules)} rows")
