@@ -63,7 +63,8 @@ with st.container(border=True):
                         help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
     modes_slot = c3.empty()
     c1.caption(entries[workload].description)
-    c1, c2, c3, c4, c5, c6, c7 = st.columns(7)
+    # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
+    c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
     steps = c1.number_input("Steps", value=300, step=50, key="train_steps")
     batch_size = c2.number_input("Batch size", value=64, step=16, key="train_batch")
     optimizer = c3.selectbox("Optimizer", OPTIMIZERS, key="train_optimizer")

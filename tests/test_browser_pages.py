@@ -155,6 +155,8 @@ def test_my_pages_read_whole_at_1440(server):
             page = open_page(browser, server)  # Train: the newest run's lanes table and charts
             page.get_by_text("Run status: finished").wait_for(timeout=90_000)
             page.get_by_text("What each mode costs here").wait_for()
+            for field in page.locator("[data-testid='stNumberInputField']").all():  # every setting shows whole
+                assert field.evaluate("e => e.scrollWidth <= e.clientWidth"), field.input_value()
             eventually(assert_tables_fit, page)
             screenshot(page, "train")
             page.close()
