@@ -201,8 +201,8 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from amp_core.config import check_launch
     from amp_core.distributed import job_rank
+    from amp_core.workloads import check_launch
 
     config = config_from_args(args)
     job = job_rank()

@@ -197,7 +197,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
-        this device run each mode, does the data folder exist) is asked at launch: `amp_core.runner.check_launch`."""
+        this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
         from amp_core.precision import MODES
 
         if not isinstance(self.workload, str) or not self.workload.strip():
@@ -263,27 +263,3 @@ class RunConfig:
                 for f in data["faults"]
             )
         return cls(**data)
-
-
-def check_launch(config: RunConfig) -> None:
-    """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
-    hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
-    from amp_core.precision import availability
-    from amp_core.workloads import WORKLOADS
-
-    if config.workload not in WORKLOADS:
-        raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
-    sizes = WORKLOADS[config.workload].sizes
-    if config.size not in sizes:
-        raise ConfigError("size", f"{config.workload} has no size {config.size!r}; it has {', '.join(sizes)}")
-    for mode in config.modes:
-        ok, reason = availability(mode, config.device)
-        if not ok:
-            raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
-    if config.fused_optimizer:
-        from amp_core.precision import fused_optimizer_support
-
-        ok, reason = fused_optimizer_support(config.device)
-        if not ok:
-            raise ConfigError("fused_optimizer", reason)
-    WORKLOADS[config.workload].check_config(config)

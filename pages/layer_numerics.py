@@ -6,6 +6,7 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
+from amp_core.runs import is_live
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
@@ -176,7 +177,8 @@ def show_amax_over_time(run_id: str) -> None:
     if info is None:
         st.warning("This run is gone from the store.")
         return
-    st.fragment(amax_view, run_every=2.0 if info["live"] else None)(run_id)
+    # Live: training here, or written by another process (the CLI, a Monitor script, torchrun).
+    st.fragment(amax_view, run_every=2.0 if is_live(info) else None)(run_id)
 
 
 def amax_view(run_id: str) -> None:

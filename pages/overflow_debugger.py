@@ -5,6 +5,7 @@ import streamlit as st
 from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
 from amp_core.probes import faults
+from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
@@ -110,8 +111,7 @@ lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane
                     format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {STATUS_ICONS.get(lanes[i]['status'], '')}"
                                           f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
 mode = lanes[lane]["mode"]
-live_run = manager.get(run_id)
-live = live_run is not None and live_run.alive
+live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
 
 
 def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
@@ -149,8 +149,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
                                                                            "that are NaN (after unscaling)")})
         if table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
-    run = manager.get(run_id)
-    if was_live and not (run is not None and run.alive):
+    if was_live and not is_live(info):
         st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
 
 

@@ -149,7 +149,7 @@ from amp_core.probes.cost import (  # noqa: E402
     estimate_step,
     relative_costs,
 )
-from amp_core.records.store import LIVE_STATUSES  # noqa: E402
+from amp_core.runs import is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
@@ -288,11 +288,6 @@ run_id = run_picker(manager, key="train_run_pick", label="Run", default=st.sessi
 if run_id is None:
     st.info("No runs yet: choose a workload and modes above and press Launch.")
     st.stop()
-
-
-def is_live(info: dict | None) -> bool:
-    """Alive in this process, or still being written by another (the store says it is going)."""
-    return info is not None and (info["live"] or info["status"] in LIVE_STATUSES)
 
 
 followers: dict[str, RecordFollower] = st.session_state.setdefault("train_followers", {})

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability, default_modes, get_precision
 from amp_core.runner import RunManager
+from amp_core.workloads import check_launch
 
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
 

@@ -11,18 +11,23 @@ writer's heartbeat.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 
-from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackWriter
-from amp_core.records.schema import Event, StepRecord
+from amp_core.records.schema import Event, GradStats, StepRecord
 from amp_core.records.store import RunStore, StoreError, pack_grad_stats, unpack_grad_stats
-from amp_core.records.tracks import RunRecords
+from amp_core.records.tracks import RunRecords, TrackRecords
 
 FLUSH_EVERY_S = 0.5
 """The store gets what was gathered at least this often (a kill -9 loses less than a second)."""
+
+
+def new_run_id() -> str:
+    """A run's id: when it began (sortable) and six random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 class GradStatsLog:
@@ -84,6 +89,10 @@ class RecordSink:
     def step(self, record: StepRecord) -> None:
         """One lane step's record (the training thread: a tuple appended, nothing more)."""
         self.records.append(record)
+
+    def track(self, lane: int, mode: str) -> TrackRecords:
+        """The in-memory records of lane `lane` (this process's track), to append rows to."""
+        return self.records.track(lane, mode)
 
     def extend_steps(self, lane: int, mode: str, columns: dict[str, np.ndarray], rank: int = 0) -> None:
         """Many records of one track at once, as columns (every STEP_COLUMNS column; steps increasing)."""

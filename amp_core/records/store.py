@@ -29,11 +29,10 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackFlush, encode_track
 from amp_core.records.codec import DamagedData, decode_array, decode_columns, decode_rows
 from amp_core.records.levels import BLOCK_BUCKETS, Buckets, concat, empty_buckets, level_steps, select
-from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, steps_frame, typed
+from amp_core.records.schema import STEP_COLUMNS, Event, GradStats, empty_steps_frame, steps_frame, typed
 from amp_core.records.tracks import TrackRecords
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
