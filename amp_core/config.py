@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import math
 import re
 from dataclasses import dataclass, field
@@ -263,3 +266,21 @@ class RunConfig:
                 for f in data["faults"]
             )
         return cls(**data)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of a config dataclass -> the docstring under it, read once from the class's source: the help the CLI
+    and the Train form show, so that a setting's meaning is written once, where its default is."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value).replace("\n", " ")
+    return docs
+
+
+RUN_DEFAULTS = RunConfig()
+"""Every RunConfig default (the CLI's flags and the Train form's widgets start from these)."""

@@ -178,7 +178,11 @@ def show_amax_over_time(run_id: str) -> None:
         st.warning("This run is gone from the store.")
         return
     # Live: training here, or written by another process (the CLI, a Monitor script, torchrun).
-    st.fragment(amax_view, run_every=2.0 if is_live(info) else None)(run_id)
+    live = is_live(info)
+    if live:
+        st.caption("🟢 live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
+                                                            for lane in info.lanes) + " at page load)")
+    st.fragment(amax_view, run_every=2.0 if live else None)(run_id)
 
 
 def amax_view(run_id: str) -> None:

@@ -154,7 +154,8 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
 
 
 if live:
-    progress = ", ".join(f"lane {i} {lane_info['steps_done']}/{info['config']['steps']}"
+    total = info.config.get("steps") or 0  # 0: unknown (a Monitor's loop that did not say)
+    progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
     st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
     st.fragment(run_every=1.0)(draw_run)(run_id, lane, mode, True)
