@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -275,7 +276,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = inspect.cleandoc(after.value.value).replace("\n", " ")

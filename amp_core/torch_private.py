@@ -47,7 +47,7 @@ def scale_tensor(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float | 
     for no scaler or a disabled one."""
     if scaler is None or not scaler.is_enabled():
         return None
-    scale = _attribute(scaler, "_get_scale_async", "GradScaler._get_scale_async")()
+    scale = scaler._get_scale_async()  # checked at import (below): a step calls this, so it stays one call
     return scaler.get_scale() if scale is None else scale
 
 
@@ -78,9 +78,11 @@ def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tenso
     _attribute(torch, "_foreach_copy_", "torch._foreach_copy_")(list(targets), list(sources))
 
 
-for _name in ("_fw_pre_hook", "_fw_post_hook", "_get_append_fn", "_get_mod_name"):
-    if not hasattr(ModuleTracker, _name):
-        raise TorchAPIChanged(f"ModuleTracker.{_name}")
+for _owner, _name in ((ModuleTracker, "_fw_pre_hook"), (ModuleTracker, "_fw_post_hook"),
+                      (ModuleTracker, "_get_append_fn"), (ModuleTracker, "_get_mod_name"),
+                      (torch.amp.GradScaler, "_get_scale_async")):
+    if not hasattr(_owner, _name):
+        raise TorchAPIChanged(f"{_owner.__name__}.{_name}")
 
 
 class ScopedModuleTracker(ModuleTracker):

@@ -107,8 +107,15 @@ class HostMeter(Meter):
             value = values[0]
             window.values = [value.item() if isinstance(value, torch.Tensor) else float(value)]
         else:
-            window.values = [x for v in values for x in (v.detach().reshape(-1).tolist()
-                                                         if isinstance(v, torch.Tensor) else (float(v),))]
+            flat = []
+            for value in values:
+                if not isinstance(value, torch.Tensor):
+                    flat.append(float(value))
+                elif value.dim() == 0:
+                    flat.append(value.item())
+                else:
+                    flat += value.tolist()
+            window.values = flat
 
     def ready(self, window: Window) -> bool:
         return True

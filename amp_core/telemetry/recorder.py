@@ -72,6 +72,8 @@ class StepResult:
     """The parameters whose norms were sent, in order (None: no norms were sent)."""
     skip_sent: bool = False
     """The found-inf flag was sent with the figures (the skip was not known on the host)."""
+    filled: bool = False
+    """The figures were filled in as they were sent (a meter that has them on the host at once)."""
 
 
 def send_figures(meter: Meter, window: Window, result: StepResult, loss: torch.Tensor | float,
@@ -95,6 +97,7 @@ def send_figures(meter: Meter, window: Window, result: StepResult, loss: torch.T
     there = meter.on_host(window)
     if there is not None:
         _fill(result, *there)
+        result.filled = True
 
 
 def _fill(result: StepResult, scale_before: float | None, values: list[float]) -> None:
@@ -142,7 +145,8 @@ def resolve_step(meter: Meter, result: StepResult, *, wait: bool = False) -> Ste
         meter.wait(window)
     result.step_ms, scale_before, values = meter.receive(window)
     result.window = None
-    _fill(result, scale_before, values)
+    if not result.filled:
+        _fill(result, scale_before, values)
     return result
 
 
