@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import MODES
+from amp_core.precision import MODES, parse_modes
 from amp_core.records.store import RunStore, StoreError
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
-        workload=args.workload, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        workload=args.workload, modes=parse_modes(args.modes),
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eps=args.eps, optimizer=args.optimizer,
         fused_optimizer=args.fused_optimizer, scheduler=args.scheduler,
         seed=args.seed, seeds=args.seeds, size=args.size, device=args.device, data_dir=args.data_dir,
