@@ -242,8 +242,8 @@ def cpu_line() -> str:
         counted = f"native 16-bit math: {native} ({math.note() or 'detected'})"
     except ValueError as error:
         counted = str(error)
-    return (f"CPU: {name} · {os.cpu_count()} cores · torch {torch.__version__} sees {' '.join(flags) or 'no SIMD'} "
-            f"· {counted}")
+    return (f"CPU: {name} · {os.cpu_count()} cores · torch {torch.__version__} sees {' '.join(flags) or 'no SIMD'}, "
+            f"kernels for {torch.backends.cpu.get_cpu_capability()} · {counted}")
 
 
 def torch_version() -> str:
