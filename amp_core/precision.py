@@ -177,17 +177,21 @@ class CpuMath:
     def has(self, dtype: torch.dtype) -> bool:
         return _FORMAT_NAMES.get(dtype) in self.native
 
-    def words(self, dtype: torch.dtype) -> str:
-        """Why `dtype` counts as native or not, for people ("this CPU has no native bf16 math (…)")."""
-        name = _FORMAT_NAMES[dtype]
-        detected = name in self.detected
+    def words(self, *dtypes: torch.dtype) -> str:
+        """Why `dtypes` (one or both of bf16, fp16, alike in counting as native or not) count as native or not, for
+        people ("this CPU has no native bf16 or fp16 math (it converts to fp32 and back)")."""
+        names = [_FORMAT_NAMES[dtype] for dtype in dtypes]
+        native = self.has(dtypes[0])
         if self.override:
-            said = f"has native {name} math" if self.has(dtype) else f"has no native {name} math"
-            return (f"{CPU_NATIVE_ENV}={self.override} says this CPU {said} (torch "
-                    f"{'detects' if detected else 'detects no'} {name} instructions here)")
-        if detected:
-            return f"this CPU has native {name} instructions"
-        return f"this CPU has no native {name} math (it converts to fp32 and back)"
+            said = f"has native {' and '.join(names)} math" if native else f"has no native {' or '.join(names)} math"
+            seen = [name for name in names if name in self.detected]
+            unseen = [name for name in names if name not in self.detected]
+            detects = ", ".join(([f"{' and '.join(seen)} instructions"] if seen else [])
+                                + ([f"no {' or '.join(unseen)} instructions"] if unseen else []))
+            return f"{CPU_NATIVE_ENV}={self.override} says this CPU {said} (torch detects {detects} here)"
+        if native:
+            return f"this CPU has native {' and '.join(names)} instructions"
+        return f"this CPU has no native {' or '.join(names)} math (it converts to fp32 and back)"
 
     def note(self) -> str:
         """One line when the override is in force (what it says, what torch detects), else ""."""

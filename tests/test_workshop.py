@@ -128,7 +128,7 @@ def test_an_override_the_cpu_does_not_meet_fails_the_speed_checks_and_says_why(t
     opposite = ",".join(sorted({"bf16", "fp16"} - cpu_math().detected)) or "none"
     done = workshop_cli("run", "speed", store=tmp_path / "runs.sqlite3", native=opposite)
     assert "Traceback" not in done.stderr
-    assert f"because {CPU_NATIVE_ENV}={opposite} says this CPU has" in done.stdout
+    assert f": {CPU_NATIVE_ENV}={opposite} says this CPU has" in done.stdout
     verdicts = printed_verdicts(done.stdout)
     assert len(verdicts) == 3
     for title in verdicts:

@@ -210,3 +210,19 @@ def test_unset_the_cpu_decides(monkeypatch):
         math = device_math(dtype, "cpu")
         assert math.native == cpu_has_native(dtype) and not math.against_detection
         assert ("no native" in math.words) != math.native
+
+
+@pytest.mark.parametrize(("native", "start"), [
+    ("none", "Expected on this device: bf16-mixed and 16-mixed slower than 32-true, more so at the large size: "
+             "AMP_LAB_CPU_NATIVE=none says this CPU has no native bf16 or fp16 math (torch detects "),
+    ("bf16,fp16", "Expected on this device: bf16-mixed and 16-mixed faster than 32-true at the large size, gaining "
+                  "with the size: AMP_LAB_CPU_NATIVE=bf16,fp16 says this CPU has native bf16 and fp16 math (torch "
+                  "detects "),
+    ("bf16", "Expected on this device: bf16-mixed faster than 32-true at the large size, gaining with the size: "
+             "AMP_LAB_CPU_NATIVE=bf16 says this CPU has native bf16 math (torch detects "),
+])
+def test_the_scenario_says_in_one_line_what_this_device_implies(monkeypatch, native, start):
+    monkeypatch.setenv(CPU_NATIVE_ENV, native)
+    line = SCENARIO.expected_here("cpu")
+    assert line.startswith(start) and line.endswith(" here).") and "\n" not in line
+    assert ("; 16-mixed slower than 32-true, more so at the large size: " in line) == (native == "bf16")

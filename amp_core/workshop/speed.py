@@ -192,18 +192,33 @@ def large_size(mode: str) -> Measure:
 
 
 def expected_here(modes: tuple[str, ...]) -> Callable[[str], str]:
-    """device -> one line: what each 16-bit mode of `modes` is expected to do there, and why."""
+    """device -> one sentence: what the 16-bit modes of `modes` are expected to do there, and why (modes that the
+    device treats alike in one clause)."""
     def line(device: str) -> str:
-        clauses = []
+        groups: dict[tuple[bool | None, bool], list[str]] = {}
         for mode in modes:
             math_ = device_math(_dtype(mode), device)
-            if math_.native is None:
-                clauses.append(f"{mode} cannot be told here ({math_.words})")
-            elif math_.native:
-                clauses.append(f"{mode} faster than 32-true at the large size and gaining with the size, because "
-                               f"{math_.words}")
+            groups.setdefault((math_.native, math_.against_detection), []).append(mode)
+        clauses = []
+        for (native, _), members in groups.items():
+            names = " and ".join(members)
+            why = _why(device, members)
+            if native is None:
+                clauses.append(f"{names} cannot be told here ({why})")
+            elif native:
+                clauses.append(f"{names} faster than 32-true at the large size, gaining with the size: {why}")
             else:
-                clauses.append(f"{mode} slower than 32-true and falling further behind at the large size, because "
-                               f"{math_.words}")
+                clauses.append(f"{names} slower than 32-true, more so at the large size: {why}")
         return "Expected on this device: " + "; ".join(clauses) + "."
     return line
+
+
+def _why(device: str, modes: list[str]) -> str:
+    """Why the device treats `modes` alike, in one phrase."""
+    dtypes = [_dtype(mode) for mode in modes]
+    if not device.startswith("cuda"):
+        try:
+            return cpu_math().words(*dtypes)
+        except ValueError as error:
+            return str(error)
+    return "; ".join(dict.fromkeys(device_math(dtype, device).words for dtype in dtypes))
