@@ -57,11 +57,10 @@ from typing import Any
 import torch
 
 from amp_core.config import ConfigError
-from amp_core.precision import MODES
+from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.records.ranks import RankSink
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
-from amp_core.switches import tf32_enabled
 from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
 from amp_core.telemetry.recorder import send_figures
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms
@@ -132,16 +131,6 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP (or DataParallel) wrapper: parameter names as the user wrote them."""
     return model.module if isinstance(model, (torch.nn.parallel.DistributedDataParallel,
                                               torch.nn.DataParallel)) else model
-
-
-def _mode_from(autocast_dtype: torch.dtype | None, param_dtype: torch.dtype, device_type: str) -> str:
-    if autocast_dtype is not None:
-        return "bf16-mixed" if autocast_dtype == torch.bfloat16 else "16-mixed"
-    if param_dtype == torch.float16:
-        return "16-true"
-    if param_dtype == torch.bfloat16:
-        return "bf16-true"
-    return "tf32" if device_type == "cuda" and tf32_enabled() else "32-true"
 
 
 def _scheduler_name(scheduler) -> str:
@@ -312,7 +301,7 @@ class Monitor:
         """Register the run (on the first step when the mode is seen from the loop)."""
         if not self.mode:
             enabled, dtype = self._autocast_seen or (False, None)
-            self.mode = _mode_from(dtype if enabled else None, self._params[0].dtype, self.device.type)
+            self.mode = mode_from_dtypes(dtype if enabled else None, self._params[0].dtype, self.device.type)
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
         self._track = self._recorder.track(LANE, self.mode, self._meter)
