@@ -121,10 +121,14 @@ class MonitorConfig:
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
+    integration: str = ""
+    """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
+    Trainer", "Lightning"): the Train page says where the run comes from."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not isinstance(self.workload, str):
-            raise ConfigError("name", "name and workload are text")
+        if not isinstance(self.name, str) or not isinstance(self.workload, str) \
+                or not isinstance(self.integration, str):
+            raise ConfigError("name", "name, workload and integration are text")
         if self.mode and self.mode not in MODES:
             raise ConfigError("mode", f"unknown mode {self.mode!r}; choose from {', '.join(MODES)} (or leave it "
                                       "empty: the Monitor sees it from the loop)")
@@ -329,6 +333,11 @@ class Monitor:
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
+    def note(self, kind: str, message: str, **data) -> None:
+        """Record an event of the run (at the step the Monitor is at): what an integration saw of the trainer, e.g.
+        a precision asked and not applied."""
+        self._sink.event(kind, message, LANE, self.steps_done, **data)
+
     def __enter__(self) -> Monitor:
         return self
 
@@ -470,7 +479,7 @@ class Monitor:
                  "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._fused,
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
-                 "world_size": self.world_size, "ddp": self._ddp,
+                 "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:
