@@ -62,6 +62,7 @@ from amp_core.config import ConfigError
 from amp_core.measure import CudaMeter, HostMeter, InFlight, held_bytes, meter_for
 from amp_core.precision import MODES
 from amp_core.probes import gradstats
+from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.ranks import RankSink
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
@@ -121,6 +122,11 @@ class MonitorConfig:
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
+    layers_every: int = 200
+    """Every N steps (and after a failed step, and on request) each module's output and output-gradient ranges are
+    measured by hooks during the step (amp_core.probes.layerwatch): the race's layer amax heatmap, with the shares a
+    cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0 samples only after failed steps and on
+    request. The hooks' host time is the step's probe time, not its step time."""
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
@@ -136,6 +142,7 @@ class MonitorConfig:
         _whole("grad_norm_every", self.grad_norm_every, 1)
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
+        _whole("layers_every", self.layers_every, 0)
         if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
                 or not 0 <= self.probe_budget < 1:
             raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
@@ -247,6 +254,8 @@ class Monitor:
         else:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
+        self._layers = LayerWatch(_inner(model), self.config.layers_every)  # layer diagnostics touch point (1/5)
+        self._layers.between_steps(-1, 0)
         self._window = self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -257,8 +266,9 @@ class Monitor:
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
         meter, window = self._meter, self._window
+        hooked_ms = self._layers.hooks_so_far_s() * 1e3  # layer diagnostics touch point (2/5)
         if meter.immediate:
-            step_ms = meter.elapsed_ms(window)
+            step_ms = meter.elapsed_ms(window) - hooked_ms  # a watched step's hooks are probe time (host time only)
         else:
             meter.stop(window)
         began = time.perf_counter()
@@ -299,13 +309,14 @@ class Monitor:
         else:
             self._send(window, result, loss, found_inf, total, norms)
         self._probe(result, skipped)
-        result.probe_ms = (time.perf_counter() - began) * 1e3
+        result.probe_ms = (time.perf_counter() - began) * 1e3 + hooked_ms
         if meter.immediate:
             self._record(result, samples)
         else:
             self._in_flight.append((result, samples))
             self._resolve()
         self.steps_done = step + 1
+        self._layers.between_steps(step, step + 1)  # layer diagnostics touch point (3/5)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
         if len(self._rows) >= PUSH_ROWS or time.monotonic() >= self._push_at:
             self._push_rows()
@@ -326,6 +337,7 @@ class Monitor:
         self.closed = True
         for hook in self._hooks:
             hook.remove()
+        self._layers.close()
         self._resolve(wait=True)
         if not self._opened:
             self._open()
@@ -447,9 +459,16 @@ class Monitor:
         if (result.skipped or result.grad_stats or result.bad_params or result.scale_after != result.scale
                 or not math.isfinite(result.loss)):  # what record_step_events writes events for
             record_step_events(self._sink, LANE, result)
+        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
+                   else "gradient norm not finite" if result.grad_norm is not None
+                   and not math.isfinite(result.grad_norm) else "")
+        if failure:  # layer diagnostics touch point (4/5): name the first module that held inf/NaN
+            self._layers.failed(result.step, failure)
 
     def _push_rows(self) -> None:
         """The rows gathered so far to the sink, as columns (a figure the Monitor does not measure is NaN)."""
+        for kind, message, step, data in self._layers.read():  # layer diagnostics touch point (5/5)
+            self._sink.event(kind, message, LANE, step, **data)
         rows, self._rows = self._rows, []
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         if not rows:
