@@ -64,6 +64,7 @@ from amp_core.precision import MODES
 from amp_core.probes import gradstats
 from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.ranks import RankSink
+from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore
@@ -256,6 +257,9 @@ class Monitor:
         atexit.register(_flush_at_exit, weakref.ref(self))
         self._layers = LayerWatch(_inner(model), self.config.layers_every)  # layer diagnostics touch point (1/5)
         self._layers.between_steps(-1, 0)
+        self._desk = Desk(opened, self.run_id)  # requests touch point (1/3): a page's requests, rank 0 only
+        self._trace_asked: list[int] = []
+        self._trace = None
         self._window = self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -267,6 +271,8 @@ class Monitor:
             raise RuntimeError("Monitor.step() after close()")
         meter, window = self._meter, self._window
         hooked_ms = self._layers.hooks_so_far_s() * 1e3  # layer diagnostics touch point (2/5)
+        if self._trace is not None:
+            self._answer_trace()  # requests touch point (2/3)
         if meter.immediate:
             step_ms = meter.elapsed_ms(window) - hooked_ms  # a watched step's hooks are probe time (host time only)
         else:
@@ -338,6 +344,9 @@ class Monitor:
         for hook in self._hooks:
             hook.remove()
         self._layers.close()
+        if self._trace is not None:
+            self._trace.stop()
+            self._trace = None
         self._resolve(wait=True)
         if not self._opened:
             self._open()
@@ -359,6 +368,39 @@ class Monitor:
         else:  # a crash: the run did not finish, and says why
             self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
 
+    # --- requests from the dashboard (amp_core.records.requests) ---------------------------------------------------
+    def _take_requests(self) -> None:
+        """Answer what the layer watch read; take the page's new requests: a layer pass or an op trace of the next
+        step."""
+        for request_id, answer in self._layers.answers:
+            self._desk.answer(request_id, f"layer numerics of step {answer['step']}", answer)
+        self._layers.answers = []
+        for request_id, kind in self._desk.take():
+            if kind == LAYERS:
+                self._layers.requests.append(request_id)
+            elif kind == TRACE:
+                self._trace_asked.append(request_id)
+            else:
+                self._desk.answer(request_id, f"this process does not know the request {kind!r}", status="refused")
+
+    def _start_trace(self) -> None:
+        from amp_core.probes.steptrace import StepTrace  # the op tracer only when a page asks for it
+
+        label = f"{self.config.name or self.run_id} · step {self.steps_done}"
+        self._trace = StepTrace(_inner(self.model), label, self.mode or "?", str(self.device))
+        self._trace.start()
+
+    def _answer_trace(self) -> None:
+        from amp_core.probes.steptrace import to_answer
+
+        trace, self._trace = self._trace.stop(), None
+        asked, self._trace_asked = self._trace_asked, []
+        step = self.steps_done
+        self._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's", LANE,
+                         step)
+        for request_id in asked:
+            self._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
+
     # --- hooks: what the optimizer and the model tell -----------------------------------------------------------
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._lr_used = float(optimizer.param_groups[0]["lr"])
@@ -378,6 +420,8 @@ class Monitor:
     # --- measuring ---------------------------------------------------------------------------------------------
     def _start_window(self) -> float | InFlight:
         """Open the next step's timed window (and, on CUDA steps that measure memory, its allocator window)."""
+        if self._trace_asked and self._trace is None:
+            self._start_trace()  # a page asked for an op trace of this step
         meter, scaler = self._meter, self.scaler
         if meter.immediate:
             if scaler is not None:
@@ -469,6 +513,7 @@ class Monitor:
         """The rows gathered so far to the sink, as columns (a figure the Monitor does not measure is NaN)."""
         for kind, message, step, data in self._layers.read():  # layer diagnostics touch point (5/5)
             self._sink.event(kind, message, LANE, step, **data)
+        self._take_requests()  # requests touch point (3/3)
         rows, self._rows = self._rows, []
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         if not rows:

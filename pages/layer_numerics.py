@@ -10,7 +10,7 @@ from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager, live_lane_probe, run_picker
+from pages.common import attached_request, get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -213,13 +213,30 @@ def show_cast_shares(events, lane: int, which: str) -> None:
                  column_config={c: PERCENT for c in shares.columns if c != "module"})
 
 
+def requested_layers(run_id: str, live: bool) -> None:
+    """An attached run: ask its process for every module's figures at its next step; the answer when it arrives."""
+    answer = attached_request("lnum", "layers", run_id, live)
+    if not answer or not answer.get("layers"):
+        return
+    layers = answer["layers"]
+    for message in answer["messages"]:
+        st.caption(message)
+    table = numerics_views.cast_shares_table(layers, "output")
+    table.insert(1, "output |max|", layers["output_amax"])
+    table.insert(2, "grad |max|", layers["grad_amax"])
+    st.dataframe(table.astype({"output |max|": str, "grad |max|": str}), hide_index=True, key="lnum_requested",
+                 column_config={c: PERCENT for c in table.columns if c.endswith(numerics_views.CAST_EFFECTS)})
+
+
 def amax_view(run_id: str) -> None:
     manager = get_manager()
-    info = manager.run_info(run_id) or {"config": {}, "lanes": []}
+    info = manager.run_info(run_id) or {"config": {}, "lanes": [], "status": "", "live": False}
     events = manager.events(run_id)
     samples = numerics_views.amax_samples(events)
     config = info["config"]
     attached_note(config)
+    if config.get("source") == "monitor":
+        requested_layers(run_id, info["live"] or info["status"] in LIVE_STATUSES)
     every = config.get("amax_every", 0) or config.get("layers_every", 0)
     if samples.empty:
         if every:

@@ -73,6 +73,8 @@ class WatchedStep:
     """Set when this very step failed (its own figures then name the first inf/NaN)."""
     after_failure: tuple[int, str] | None = None
     """(step, why) of an earlier failed step this one was armed after."""
+    request_ids: list[int] = field(default_factory=list)
+    """Requests from the dashboard this step answers."""
     hook_s: float = 0.0
 
 
@@ -92,8 +94,10 @@ class LayerWatch:
     last_failed: int | None = None
     streak_named: bool = False
     """A run of consecutive failed steps (a model whose weights went NaN fails every step) is named once."""
-    requested: str = ""
-    """A request from the dashboard for the next step ("layer numerics at the next step")."""
+    requests: list[int] = field(default_factory=list)
+    """Requests from the dashboard for the next step ("layer numerics at the next step"), by id."""
+    answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    """(request id, answer) of requested steps read so far, for the Monitor to write."""
 
     def __post_init__(self) -> None:
         self.names = {module: name or ROOT for name, module in self.model.named_modules()}
@@ -110,7 +114,7 @@ class LayerWatch:
         why = ""
         if self.watch_next is not None:
             why = f"after step {self.watch_next[0]} failed ({self.watch_next[1]})"
-        elif self.requested:
+        elif self.requests:
             why = "requested"
         elif self.every and upcoming % self.every == 0:
             why = "sampled"
@@ -156,7 +160,7 @@ class LayerWatch:
         watched = WatchedStep(step, why, _Recorder(self.names, lambda tensor: self._keep(tensor)))
         if self.watch_next is not None:
             watched.after_failure, self.watch_next = self.watch_next, None
-        self.requested = ""
+        watched.request_ids, self.requests = self.requests, []
         watched.recorder.__enter__()
         self.current = watched
 
@@ -171,6 +175,8 @@ class LayerWatch:
     def _events(self, watched: WatchedStep) -> list[tuple[str, str, int, dict[str, Any]]]:
         recorder = watched.recorder
         if not recorder.kept:
+            self.answers += [(request_id, {"step": watched.step, "layers": None, "messages": [
+                "no module produced a floating-point output in that step"]}) for request_id in watched.request_ids]
             return []
         table = torch.stack(recorder.kept).cpu().tolist()  # the one transfer of this step's figures
         calls = recorder.calls
@@ -195,6 +201,9 @@ class LayerWatch:
         events = [(LAYER_AMAX_EVENT, sample.message(), watched.step, data)]
         if watched.failed or watched.after_failure:
             events.append(self._first_nonfinite(watched, modules, inputs, outputs, grads, calls))
+        for request_id in watched.request_ids:
+            self.answers.append((request_id, {"step": watched.step, "layers": data,
+                                              "messages": [message for _, message, _, _ in events]}))
         return events
 
     def _first_nonfinite(self, watched: WatchedStep, modules, inputs, outputs, grads, calls):

@@ -262,10 +262,19 @@ def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.Da
     if samples.empty:
         return pd.DataFrame()
     latest = samples.iloc[-1]
-    data = latest["data"]
+    frame = cast_shares_table(latest["data"], which)
+    frame.attrs["step"] = int(latest["step"])
+    return frame
+
+
+CAST_EFFECTS = ("overflow", "subnormal", "zero")
+"""The column suffixes of a cast-shares table."""
+
+
+def cast_shares_table(data: dict, which: str = "output") -> pd.DataFrame:
+    """One attached sample's (a layer_amax event's data with shares) per-module shares: module, '<format> <effect>'."""
     frame = pd.DataFrame({"module": data["modules"]})
     for name, effects in data["shares"][which].items():
         for effect, values in effects.items():
             frame[f"{name} {effect}"] = [math.nan if v is None else v for v in values]
-    frame.attrs["step"] = int(latest["step"])
     return frame
