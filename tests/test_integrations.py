@@ -146,3 +146,19 @@ def test_lightning_16_mixed_on_a_cpu_is_recorded_as_the_bf16_mixed_lightning_ran
     last = said(proc)
     assert proc.wait(120) == 0
     assert last["mode"] == "bf16-mixed"  # Lightning 2.6 swaps it (with a warning) before any callback sees it
+
+
+@pytest.mark.parametrize(("example", "args", "extra"), [
+    ("hf_trainer.py", ("--steps", "4", "--logging-steps", "1"), "transformers"),
+    ("lightning_module.py", ("--steps", "6", "--precision", "bf16-mixed"), "lightning")])
+def test_the_trainer_examples_run_and_finish(fresh_store, example, args, extra):
+    pytest.importorskip(extra, reason=f"the `{'hf' if extra == 'transformers' else extra}` extra is not installed")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--store", str(fresh_store), *args],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore(fresh_store)
+    (run_id,) = store.runs()["run_id"]
+    run = store.run(run_id)
+    steps = int(args[1])
+    assert run["status"] == "finished" and len(store.steps(run_id)) == steps
+    assert f"run {run_id}: {steps} steps ({run['modes'][0]})" in proc.stdout
