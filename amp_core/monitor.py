@@ -544,6 +544,7 @@ class Monitor:
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
                  "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
+                 "layers_every": config.layers_every,
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:

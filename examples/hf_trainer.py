@@ -2,6 +2,7 @@
 init, no download) learns a repeating token pattern on the CPU in seconds.
 
     python examples/hf_trainer.py [--store S] [--steps 30] [--fp16 | --bf16] [--accumulate 2] [--logging-steps 1]
+                                  [--layers-every 5]
 
 With --fp16 on a CPU, transformers 5.23 / accelerate 1.15 apply no autocast: the run records that fp16 was asked and
 not applied. It prints the run's id and, as JSON on its last line, the losses the Trainer logged (for the tests).
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--layers-every", type=int, default=200, help="layer diagnostics every N optimizer steps")
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
@@ -62,7 +64,7 @@ def main() -> None:
                                  logging_steps=args.logging_steps, save_strategy="no", report_to=[],
                                  use_cpu=not torch.cuda.is_available(), fp16=args.fp16, bf16=args.bf16,
                                  disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    amp_lab = AmpLabCallback(name="hf trainer example", store=args.store)
+    amp_lab = AmpLabCallback(name="hf trainer example", store=args.store, layers_every=args.layers_every)
     logged = LoggedLosses()
     Trainer(model=model, args=training, train_dataset=PatternData(), callbacks=[amp_lab, logged]).train()
     monitor = amp_lab.monitor

@@ -203,14 +203,24 @@ def show_first_nonfinite_events(events) -> None:
     st.dataframe(first.drop(columns="message"), hide_index=True, key="lnum_first_nonfinite")
 
 
+def one_format(table, key: str):
+    """The table's module columns and one format's shares (a radio picks it: four formats do not fit side by side)."""
+    formats = list(dict.fromkeys(c.rsplit(" ", 1)[0] for c in table.columns if c.endswith(
+        numerics_views.CAST_EFFECTS)))
+    chosen = st.radio("Cast to", formats, horizontal=True, key=key)
+    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.startswith(f"{chosen} ")]
+    return table[shown].rename(columns=lambda c: c.removeprefix(f"{chosen} "))
+
+
 def show_cast_shares(events, lane: int, which: str) -> None:
     shares = numerics_views.cast_shares(events, lane, which)
     if shares.empty:
         return
     st.markdown(f"**What a cast does to each module's {'outputs' if which == 'output' else 'output gradients'}** "
                 f"at step {shares.attrs['step']} (share of the finite non-zero values)")
-    st.dataframe(shares, hide_index=True, key="lnum_cast_shares",
-                 column_config={c: PERCENT for c in shares.columns if c != "module"})
+    shown = one_format(shares, "lnum_cast_format")
+    st.dataframe(shown, hide_index=True, key="lnum_cast_shares",
+                 column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
 
 def requested_layers(run_id: str, live: bool) -> None:
@@ -224,8 +234,9 @@ def requested_layers(run_id: str, live: bool) -> None:
     table = numerics_views.cast_shares_table(layers, "output")
     table.insert(1, "output |max|", layers["output_amax"])
     table.insert(2, "grad |max|", layers["grad_amax"])
-    st.dataframe(table.astype({"output |max|": str, "grad |max|": str}), hide_index=True, key="lnum_requested",
-                 column_config={c: PERCENT for c in table.columns if c.endswith(numerics_views.CAST_EFFECTS)})
+    shown = one_format(table.astype({"output |max|": str, "grad |max|": str}), "lnum_requested_format")
+    st.dataframe(shown, hide_index=True, key="lnum_requested",
+                 column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
 
 def amax_view(run_id: str) -> None:

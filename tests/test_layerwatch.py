@@ -136,5 +136,8 @@ def test_layer_numerics_page_shows_an_attached_runs_heatmap_and_first_inf(store)
     tables = [frame.value for frame in page.dataframe]
     (first,) = [table for table in tables if "phase" in table]
     assert first["module"].tolist() == ["blow"] and first["step"].tolist() == [4]
-    (shares,) = [table for table in tables if "fp8 e4m3fn overflow" in table]
-    assert shares["module"].tolist()[:2] == ["fc1", "act"]
+    (shares,) = [table for table in tables if "subnormal" in table]
+    assert shares["module"].tolist()[:2] == ["fc1", "act"] and list(shares.columns) == ["module", "overflow",
+                                                                                          "subnormal", "zero"]
+    page.radio(key="lnum_cast_format").set_value("fp8 e4m3fn").run()
+    assert not page.exception
