@@ -5,6 +5,7 @@ inf/NaN, for the failing step when it was watched and for the next step after ar
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from torch import nn
 
 from amp_core.monitor import Monitor
-from amp_core.probes.layerwatch import FIELDS, FIRST_NONFINITE_EVENT, tensor_figures
+from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, FORMATS, figures, tensor_figures
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.records.store import RunStore
 from amp_core.views.numerics import amax_heatmap, amax_samples
@@ -90,16 +91,38 @@ def test_layer_ranges_every_n_steps_draw_the_race_heatmap(store):
 
 
 def test_tensor_figures_count_what_real_casts_do():
-    values = torch.tensor([0.0, 1e-30, 1e-6, 3e-5, 1.0, 300.0, 500.0, 6e4, 7e4, 1e39, float("nan")])
-    figures = dict(zip(FIELDS, tensor_figures(values).tolist(), strict=True))
-    assert figures["numel"] == 11 and figures["nonfinite"] == 2  # 1e39 is inf in fp32, and the NaN
-    assert figures["fp16 overflow"] == 1  # 7e4 (6e4 rounds to 60000 < 65504)
-    assert figures["fp16 zero"] == 1 and figures["fp16 subnormal"] == 2  # 1e-30 -> 0; 1e-6 and 3e-5 subnormal
-    assert figures["bf16 overflow"] == 0 and figures["bf16 zero"] == 0 and figures["bf16 subnormal"] == 0
-    assert figures["fp8 e4m3fn overflow"] == 3  # 500, 6e4, 7e4 beyond 448 + 16 (a cast saturates or gives NaN)
-    assert figures["fp8 e4m3fn zero"] == 3  # 1e-30, 1e-6, 3e-5 below half of 2^-9
-    assert figures["fp8 e5m2 overflow"] == 1 and figures["fp8 e5m2 zero"] == 2  # 7e4; 1e-30 and 1e-6 -> 0
-    assert figures["fp8 e5m2 subnormal"] == 1  # 3e-5 below 2^-14
+    values = torch.tensor([0.0, 1e-30, 1e-6, 3e-5, 1.0, 300.0, 450.0, 500.0, 6e4, 7e4, 1e39, float("nan")])
+    counted = figures(tensor_figures(values).tolist())
+    assert counted["numel"] == 12 and counted["nonfinite"] == 2  # 1e39 is inf in fp32, and the NaN
+    assert counted["fp16 overflow"] == 1  # 7e4 (6e4 rounds to 60000 < 65504)
+    assert counted["fp16 zero"] == 1 and counted["fp16 subnormal"] == 2  # 1e-30 -> 0; 1e-6 and 3e-5 subnormal
+    assert counted["bf16 overflow"] == 0 and counted["bf16 zero"] == 0 and counted["bf16 subnormal"] == 0
+    assert counted["fp8 e4m3fn overflow"] == 3  # 500, 6e4, 7e4 (450 rounds to 448; a cast saturates or gives NaN)
+    assert counted["fp8 e4m3fn zero"] == 3  # 1e-30, 1e-6, 3e-5 below half of 2^-9
+    assert counted["fp8 e5m2 overflow"] == 1 and counted["fp8 e5m2 zero"] == 2  # 7e4; 1e-30 and 1e-6 -> 0
+    assert counted["fp8 e5m2 subnormal"] == 1  # 3e-5 below 2^-14
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8 e4m3fn", "fp8 e5m2"])
+def test_the_limits_agree_with_real_casts_across_the_whole_fp32_range(name):
+    dtype = FORMATS[name]
+    generator = torch.Generator().manual_seed(0)
+    values = torch.exp2(torch.empty(200_000).uniform_(-150, 128, generator=generator))
+    values = values[torch.isfinite(values) & (values != 0)]
+    info = torch.finfo(dtype)
+    tiny, largest = torch.tensor(info.smallest_normal), torch.tensor(info.max)  # values at and around each limit too
+    top_step = largest.log2().floor().exp2() * info.eps
+    for edge in (tiny * info.eps / 2, tiny - tiny * info.eps / 2, largest + top_step / 2):
+        values = torch.cat([values, edge.reshape(1), torch.nextafter(edge, torch.tensor(0.0)).reshape(1),
+                            torch.nextafter(edge, torch.tensor(math.inf)).reshape(1)])
+    cast = values.to(dtype).float()
+    counted = figures(tensor_figures(values).tolist())
+    assert counted[f"{name} zero"] == int((cast == 0).sum())
+    assert counted[f"{name} subnormal"] == int(((cast != 0) & (cast.abs() < info.smallest_normal)).sum())
+    overflow = ~torch.isfinite(cast)
+    if dtype == torch.float8_e4m3fn:  # no inf: a cast saturates at 448 (or gives NaN) beyond 448 + 16
+        overflow |= (cast == info.max) & (values >= info.max + 16)
+    assert counted[f"{name} overflow"] == int(overflow.sum())
 
 
 def test_a_planted_inf_in_a_watched_step_is_named_for_that_step(store):

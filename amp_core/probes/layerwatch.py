@@ -4,8 +4,9 @@ during its own step, kept on the device and read at the Monitor's flush.
 
 A watched step hooks every module (probes.numerics' recorder, as a race's layer amax sample does): each float output,
 and each gradient w.r.t. an output as the backward produces it, becomes a small vector of figures on its device (abs
-max, inf/NaN count, elements, and per format fp16 / bf16 / fp8 e4m3fn / fp8 e5m2 the values a real cast overflows
-(beyond the largest value plus half a step: inf, NaN or saturated), makes subnormal, or flushes to zero). Nothing is
+max, inf/NaN count, elements, and per format fp16 / bf16 / fp8 e4m3fn / fp8 e5m2 the values a round-to-nearest cast
+overflows (beyond the largest value plus half a step: inf, NaN or saturated), makes subnormal, or flushes to zero:
+counted against each format's limits in one bucketize, which the tests hold to what real casts do). Nothing is
 read on the step: at a flush each watched step's figures reach the host in one transfer and become a `layer_amax` event
 (the race's, so the same heatmap draws it, with the shares beside) and, when the step failed, a `first_nonfinite` event
 naming the first module in execution order whose output held inf/NaN (else the first gradient in backward order), with
@@ -37,28 +38,62 @@ FIRST_NONFINITE_EVENT = "first_nonfinite"
 """Event kind: the first module whose output (or gradient) held inf/NaN in a watched step after a failed step."""
 
 
+def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
+    """The magnitudes where a round-to-nearest-even cast of an fp32 value to `dtype` flushes to zero (at or below
+    half the smallest subnormal), stays subnormal (below the smallest normal less half a subnormal step: from there it
+    rounds up to a normal), and overflows (from the largest value plus half a step there: inf, NaN, or saturated in
+    fp8 e4m3fn, which has no inf)."""
+    info = torch.finfo(dtype)
+    smallest_subnormal = info.smallest_normal * info.eps
+    top_step = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    return smallest_subnormal / 2, info.smallest_normal - smallest_subnormal / 2, info.max + top_step / 2
+
+
+_ORDERED = sorted((limit, name, which) for name, dtype in FORMATS.items()
+                  for which, limit in zip(EFFECTS[::-1], _limits(dtype), strict=True))
+"""Every format's limits, ascending, as (magnitude, format, "zero" | "subnormal" | "overflow")."""
+_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _boundaries(device: torch.device) -> torch.Tensor:
+    """The limits as bucket edges where a value belongs to the bucket at or below the edge: the strict ones (subnormal
+    below, overflow from) one fp32 step lower."""
+    if device not in _BOUNDARIES:
+        edges = torch.tensor([limit for limit, _, _ in _ORDERED], dtype=torch.float32)
+        strict = torch.tensor([which != "zero" for _, _, which in _ORDERED])
+        edges = torch.where(strict, torch.nextafter(edges, torch.zeros_like(edges)), edges)
+        _BOUNDARIES[device] = edges.to(device)
+    return _BOUNDARIES[device]
+
+
 def tensor_figures(tensor: torch.Tensor) -> torch.Tensor:
-    """FIELDS of one tensor as a float64 vector on its device (no host sync): abs max (NaN or inf when it held one),
-    inf/NaN count, elements, and per format the finite non-zero values a real cast overflows / makes subnormal /
-    flushes to zero."""
+    """One tensor's figures as a float64 vector on its device (no host sync; `figures` reads it): abs max (NaN or inf
+    when it held one), inf/NaN count, elements, and how many finite non-zero values fall in each bucket between the
+    formats' limits (one bucketize and one bincount, whatever the number of formats)."""
     magnitude = tensor.detach().float().reshape(-1).abs()
     finite = torch.isfinite(magnitude)
     counted = finite & (magnitude != 0)
-    figures = [magnitude.amax() if magnitude.numel() else magnitude.new_zeros(()),
-               (~finite).sum(), magnitude.new_tensor(float(magnitude.numel()))]
-    for dtype in FORMATS.values():
-        cast = magnitude.to(dtype).float()
-        subnormal = counted & (cast != 0) & (cast < torch.finfo(dtype).tiny)
-        overflow = counted & (~torch.isfinite(cast) | (magnitude >= _overflow_from(dtype)))
-        figures += [overflow.sum(), subnormal.sum(), (counted & (cast == 0)).sum()]
-    return torch.stack([f.double() for f in figures])
+    edges = _boundaries(magnitude.device)
+    buckets = torch.where(counted, torch.bucketize(magnitude, edges), len(edges) + 1)
+    counts = torch.bincount(buckets, minlength=len(edges) + 2)[:len(edges) + 1]
+    head = torch.stack([magnitude.amax() if magnitude.numel() else magnitude.new_zeros(()),
+                        (~finite).sum().float(), magnitude.new_tensor(float(magnitude.numel()))])
+    return torch.cat([head.double(), counts.double()])
 
 
-def _overflow_from(dtype: torch.dtype) -> float:
-    """The smallest magnitude a cast to `dtype` cannot hold: its largest value plus half a step there. A cast gives
-    inf there, or (fp8 e4m3fn, which has no inf) NaN or the largest value, saturated: either way, overflow."""
-    info = torch.finfo(dtype)
-    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+def figures(vector: list[float]) -> dict[str, float]:
+    """What `tensor_figures` measured, read on the host, as FIELDS."""
+    out = dict(zip(FIELDS[:3], vector[:3], strict=True))
+    counts = vector[3:]
+    for index, (_, name, which) in enumerate(_ORDERED):
+        if which == "zero":  # buckets at or below this edge
+            out[f"{name} zero"] = sum(counts[:index + 1])
+        elif which == "subnormal":
+            zero_edge = next(i for i, (_, n, w) in enumerate(_ORDERED) if n == name and w == "zero")
+            out[f"{name} subnormal"] = sum(counts[zero_edge + 1:index + 1])
+        else:
+            out[f"{name} overflow"] = sum(counts[index + 1:])
+    return {name: out[name] for name in FIELDS}
 
 
 @dataclass(slots=True)
@@ -184,7 +219,7 @@ class LayerWatch:
         def combined(indices: list[int]) -> dict[str, float] | None:
             if not indices:
                 return None
-            rows = [dict(zip(FIELDS, table[i], strict=True)) for i in indices]
+            rows = [figures(table[i]) for i in indices]
             out = {name: sum(row[name] for row in rows) for name in FIELDS[1:]}
             maxima = [row["abs_max"] for row in rows]
             out["abs_max"] = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
