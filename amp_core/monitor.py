@@ -34,6 +34,11 @@ What a step measures, and what it costs:
   (bytes held by parameters, gradients and optimizer state; on CUDA also the allocator's peak of the step above its
   start, which resets the allocator's peak statistics on those steps). Activations are not measured: the Monitor does
   not run the user's forward.
+- layer diagnostics (amp_core.probes.layerwatch) every `layers_every` steps, after a failed step (naming the first
+  module that held inf/NaN) and on request: hooks on the user's model during that step only, figures kept on the
+  device and read at the next flush; the hooks' host time is the step's probe_ms, not its step_ms.
+- requests from the dashboard (amp_core.records.requests: "trace the next step", "layer numerics at the next step")
+  are read from the store at each flush (rank 0) and answered after the next step.
 
 Under torchrun (a process group initialised before the Monitor is created, e.g. for DDP), every rank's Monitor
 measures its own rank and the figures are gathered to rank 0 at each flush (amp_core.records.ranks): every rank must
