@@ -96,6 +96,24 @@ def figures(vector: list[float]) -> dict[str, float]:
     return {name: out[name] for name in FIELDS}
 
 
+class _TimedRecorder(_Recorder):
+    """probes.numerics' recorder, its hooks' whole host time added up (the watched step's probe time)."""
+
+    def __init__(self, names: dict[nn.Module, str]):
+        super().__init__(names, tensor_figures)
+        self.hook_s = 0.0
+
+    def _on_forward(self, *args) -> None:
+        started = time.perf_counter()
+        super()._on_forward(*args)
+        self.hook_s += time.perf_counter() - started
+
+    def _on_grad(self, *args) -> None:
+        started = time.perf_counter()
+        super()._on_grad(*args)
+        self.hook_s += time.perf_counter() - started
+
+
 @dataclass(slots=True)
 class WatchedStep:
     """One step's hooks and what they kept (device tensors until read)."""
@@ -103,14 +121,13 @@ class WatchedStep:
     step: int
     why: str
     """Why it was watched: "sampled", "requested", or the failure it was armed after."""
-    recorder: _Recorder
+    recorder: _TimedRecorder
     failed: str = ""
     """Set when this very step failed (its own figures then name the first inf/NaN)."""
     after_failure: tuple[int, str] | None = None
     """(step, why) of an earlier failed step this one was armed after."""
     request_ids: list[int] = field(default_factory=list)
     """Requests from the dashboard this step answers."""
-    hook_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -174,7 +191,7 @@ class LayerWatch:
 
     def hooks_so_far_s(self) -> float:
         """Host time the hooks have taken in the step under way."""
-        return self.current.hook_s if self.current is not None else 0.0
+        return self.current.recorder.hook_s if self.current is not None else 0.0
 
     def close(self) -> None:
         if self.current is not None:
@@ -192,19 +209,12 @@ class LayerWatch:
 
     # --- hooks --------------------------------------------------------------------------------------------------
     def _arm(self, step: int, why: str) -> None:
-        watched = WatchedStep(step, why, _Recorder(self.names, lambda tensor: self._keep(tensor)))
+        watched = WatchedStep(step, why, _TimedRecorder(self.names))
         if self.watch_next is not None:
             watched.after_failure, self.watch_next = self.watch_next, None
         watched.request_ids, self.requests = self.requests, []
         watched.recorder.__enter__()
         self.current = watched
-
-    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
-        figures = tensor_figures(tensor)
-        if self.current is not None:
-            self.current.hook_s += time.perf_counter() - started
-        return figures
 
     # --- reading ------------------------------------------------------------------------------------------------
     def _events(self, watched: WatchedStep) -> list[tuple[str, str, int, dict[str, Any]]]:
@@ -231,7 +241,7 @@ class LayerWatch:
         modules = [_label(call.module, call.call) for call in calls]
         sample = LayerAmax(modules=modules, output_amax=[_amax(f) for f in outputs],
                            grad_amax=[_amax(f) for f in grads], scale=None)
-        data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.hook_s * 1e3,
+        data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.recorder.hook_s * 1e3,
                 "shares": {"output": _shares(outputs), "grad": _shares(grads)}}
         events = [(LAYER_AMAX_EVENT, sample.message(), watched.step, data)]
         if watched.failed or watched.after_failure:
