@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from amp_core.monitor import Monitor
+from amp_core.precision import mode_from_dtypes
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED
-from amp_core.switches import tf32_enabled
 
 REDUCED = (torch.float16, torch.bfloat16)
 """Compute dtypes a mixed-precision mode runs its matrix products in."""
@@ -44,14 +44,9 @@ class OpDtypes:
 
 def mode_that_ran(compute_dtype: torch.dtype, param_dtype: torch.dtype, device_type: str) -> str:
     """The mode, in Lightning's names, of a model whose parameters are `param_dtype` and whose products ran in
-    `compute_dtype`."""
-    if param_dtype in REDUCED:
-        return "16-true" if param_dtype == torch.float16 else "bf16-true"
-    if compute_dtype == torch.float16:
-        return "16-mixed"
-    if compute_dtype == torch.bfloat16:
-        return "bf16-mixed"
-    return "tf32" if device_type == "cuda" and tf32_enabled() else "32-true"
+    `compute_dtype` (a reduced dtype other than the parameters' is autocast's)."""
+    autocast = compute_dtype if compute_dtype in REDUCED and compute_dtype != param_dtype else None
+    return mode_from_dtypes(autocast, param_dtype, device_type)
 
 
 DTYPE_WORDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
