@@ -43,6 +43,16 @@ class FaultPlan:
             factor *= fault.factor
         return factor
 
+    def perturb_batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch as this step trains on it: batch_outlier multiplies its floating tensors (inputs, and targets
+        where they are values, not class indices) by its factor; a new tuple, the caller's batch is left alone."""
+        factor = 1.0
+        for fault in self._active("batch_outlier", step):
+            factor *= fault.factor
+        if factor == 1.0:
+            return batch
+        return tuple(t * factor if t.is_floating_point() else t for t in batch)
+
     def corrupt_grads(self, step: int, model: torch.nn.Module) -> None:
         """Put inf/NaN into the first element of the named parameter's gradient."""
         for kind, value in (("grad_inf", float("inf")), ("grad_nan", float("nan"))):
