@@ -15,7 +15,7 @@ from replay_workloads import AmplifiedNorm
 from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.replay import ReplayError, replay_run
-from amp_core.probes.spikes import SpikeRule, spike_steps
+from amp_core.probes.spikes import SpikeRule
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame, replay_text, steps_to_review
@@ -133,8 +133,8 @@ def test_spikes_against_the_rolling_band_and_the_steps_to_review():
     review = steps_to_review(steps, 1, SpikeRule())
     assert ("spike", 40) in set(zip(review["what"], review["step"], strict=True))
     assert "skipped" in set(review["what"])
-    lane0 = steps[steps["lane"] == 0].sort_values("step")
-    assert [s for s, _, _ in spike_steps(lane0["step"].to_numpy(), lane0["loss"].to_numpy(), SpikeRule())] == [40]
+    fp32 = steps_to_review(steps, 0, SpikeRule())
+    assert list(fp32["step"]) == [40] and list(fp32["what"]) == ["spike"] and fp32["band ≤"].iloc[0] < 1000
     with pytest.raises(ConfigError, match=r"spikes\.k"):
         SpikeRule(k=0)
     with pytest.raises(ConfigError, match=r"spikes\.window"):
@@ -169,6 +169,7 @@ def test_replay_table_and_text():
     run = finished_run(manager, outlier_config())
     report = replay_run(manager, run.run_id, 1, 40)
     frame = replay_frame(report)
-    assert list(frame["mode"]) == [*MIXED, "float64"] and list(frame["role"])[:2] == ["reference", "lane's mode"]
+    assert list(frame["mode"]) == ["32-true ref", "▶ 16-mixed", "bf16-mixed", "float64 ref"]
+    assert frame["what broke"].iloc[1] == "band · inf/NaN · skip" and frame["scale"].iloc[0] == "—"
     text = replay_text(report)
     assert text.splitlines()[-1] == report.verdict.line() and "scale" in text

@@ -86,6 +86,9 @@ def init_scale_override(faults: tuple[FaultSpec, ...], mode: str) -> float | Non
 
 DEMO_GROWTH_INTERVAL = 50
 """The demo's GradScaler growth interval: short, so the scale climbs back within a few hundred steps."""
+DEMO_SNAPSHOTS = 40
+"""A demo keeps snapshots over its whole length up to this many per lane (40 x 25 steps: a 1000-step demo), so its
+fault's step can be replayed after the run ends (a small model's snapshot is a few hundred KB)."""
 
 
 def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
@@ -105,8 +108,11 @@ def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, 
         names = param_names(workload)
         if param not in names:
             raise ConfigError("faults.param", f"{workload} has no parameter {param!r}; it has {', '.join(names)}")
+    defaults = RunConfig()
     config = RunConfig(workload=workload, modes=tuple(modes), steps=steps, faults=(fault,),
                        scaler=ScalerConfig(growth_interval=growth_interval), gradstats_every=gradstats_every,
+                       snapshot_keep=max(defaults.snapshot_keep,
+                                         min(DEMO_SNAPSHOTS, steps // defaults.snapshot_every + 1)),
                        name=f"demo: {fault.describe()}")
     check_launch(config)
     return config

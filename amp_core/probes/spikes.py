@@ -80,13 +80,3 @@ def band_upper(losses: Sequence[float], rule: SpikeRule) -> np.ndarray:
         mad = np.nanmedian(np.abs(rows - median[:, None]), axis=1) * MAD_TO_SIGMA
     upper[enough] = median + rule.k * mad
     return upper
-
-
-def spike_steps(steps: Sequence[int], losses: Sequence[float], rule: SpikeRule) -> list[tuple[int, float, float]]:
-    """(step, loss, band upper edge) of every spike in one lane's losses (in step order). A non-finite loss is not a
-    spike here: it is already a divergence or a skipped step, listed as such."""
-    values = np.asarray(losses, dtype=np.float64)
-    upper = band_upper(values, rule)
-    with np.errstate(invalid="ignore"):
-        at = np.flatnonzero(np.isfinite(values) & (values > upper))
-    return [(int(steps[i]), float(values[i]), float(upper[i])) for i in at]

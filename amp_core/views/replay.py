@@ -5,30 +5,58 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.probes.replay import ReplayReport
-from amp_core.probes.spikes import SpikeRule, band_upper, spike_steps
-from amp_core.views.plots import chart_layout, mode_color
+from amp_core.probes.spikes import SpikeRule, band_upper
+from amp_core.views.plots import chart_layout, log_axis, mode_color
 
-REPLAY_COLUMNS = ["mode", "role", "loss", "above band", "grads finite", "skipped", "first inf/NaN", "scale",
-                  "scale after", "update ‖Δ‖/‖Δfp32‖", "cosine vs fp32"]
-VERDICT_ICONS = {"precision": "🎯", "data": "📦", "unclear": "❔"}
+REPLAY_COLUMNS = ["mode", "loss", "what broke", "first inf/NaN", "scale", "update vs fp32"]
+"""What a replay's table shows: each mode (▶ the lane's own, `ref` the references), its loss, what broke (`band`: the
+loss is above the band, `inf/NaN`: gradients, `skip`: the scaler skipped the step), the first module that held
+inf/NaN, the scaler's scale before → after the step, and its update against fp32's (×: norm ratio, cos: cosine)."""
+
+
+def _broke(row) -> str:
+    parts = []
+    if not math.isfinite(row.loss):
+        parts.append(f"loss {row.loss}")
+    elif row.loss_above_band:
+        parts.append("band")
+    if not row.grads_finite:
+        parts.append("inf/NaN")
+    if row.skipped:
+        parts.append("skip")
+    return " · ".join(parts) or "—"
+
+
+def _first(row) -> str:
+    if row.first_nonfinite:
+        return row.first_nonfinite
+    if row.nonfinite_params:
+        more = f" +{len(row.nonfinite_params) - 1}" if len(row.nonfinite_params) > 1 else ""
+        return f"grad {row.nonfinite_params[0]}{more}"
+    return "—"
+
+
+def _update(row) -> str:
+    if not math.isfinite(row.update_rel_norm):
+        return "—"
+    cosine = "—" if math.isnan(row.update_cosine) else f"{row.update_cosine:.3f}"
+    return f"×{row.update_rel_norm:.3g} cos {cosine}"
 
 
 def replay_frame(report: ReplayReport) -> pd.DataFrame:
-    """One row per mode replayed, references last, as the table shows it."""
+    """One row per mode replayed, the run's modes first, then the references (32-true, float64)."""
     rows = []
     for row in report.rows:
-        role = "reference" if row.reference else "lane's mode" if row.mode == report.mode else "mode of the run"
-        first = row.first_nonfinite or (f"grad of {', '.join(row.nonfinite_params[:2])}" if row.nonfinite_params
-                                        else "—")
-        rows.append({
-            "mode": row.mode, "role": role, "loss": row.loss, "above band": "yes" if row.loss_above_band else "no",
-            "grads finite": "yes" if row.grads_finite else "NO", "skipped": "yes" if row.skipped else "no",
-            "first inf/NaN": first, "scale": row.scale, "scale after": row.scale_after,
-            "update ‖Δ‖/‖Δfp32‖": row.update_rel_norm, "cosine vs fp32": row.update_cosine})
+        name = f"▶ {row.mode}" if row.mode == report.mode else row.mode
+        name += " ref" if row.reference else ""
+        scale = "—" if row.scale is None else f"{row.scale:g} → {row.scale_after:g}"
+        rows.append({"mode": name, "loss": row.loss, "what broke": _broke(row), "first inf/NaN": _first(row),
+                     "scale": scale, "update vs fp32": _update(row)})
     return pd.DataFrame(rows, columns=REPLAY_COLUMNS)
 
 
@@ -62,21 +90,36 @@ def replay_text(report: ReplayReport) -> str:
 
 
 def steps_to_review(steps: pd.DataFrame, lane: int, rule: SpikeRule) -> pd.DataFrame:
-    """A lane's skipped steps, non-finite losses and loss spikes (step order): step, what, loss, band upper edge."""
+    """A lane's loss spikes, skipped steps and non-finite losses (step order): step, what, loss, and the band's upper
+    edge at that step (NaN before enough steps)."""
     columns = ["step", "what", "loss", "band ≤"]
     mine = steps[steps["lane"] == lane].sort_values("step") if not steps.empty else steps
     if mine.empty:
         return pd.DataFrame(columns=columns)
     losses = mine["loss"].to_numpy(dtype=float)
-    rows = [{"step": step, "what": "spike", "loss": loss, "band ≤": upper}
-            for step, loss, upper in spike_steps(mine["step"].to_numpy(), losses, rule)]
-    for step, loss, skipped in zip(mine["step"], losses, mine["skipped"].astype(bool), strict=True):
+    upper = band_upper(losses, rule)
+    rows = []
+    for at, (step, loss, skipped) in enumerate(zip(mine["step"], losses, mine["skipped"].astype(bool), strict=True)):
+        if math.isfinite(loss) and loss > upper[at]:
+            rows.append({"step": int(step), "what": "spike", "loss": loss, "band ≤": upper[at]})
         if skipped:
-            rows.append({"step": int(step), "what": "skipped", "loss": loss, "band ≤": math.nan})
+            rows.append({"step": int(step), "what": "skipped", "loss": loss, "band ≤": upper[at]})
         elif not math.isfinite(loss):
-            rows.append({"step": int(step), "what": "non-finite loss", "loss": loss, "band ≤": math.nan})
-    frame = pd.DataFrame(rows, columns=columns)
-    return frame.sort_values("step", kind="stable", ignore_index=True)
+            rows.append({"step": int(step), "what": "non-finite loss", "loss": loss, "band ≤": upper[at]})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def first_to_replay(review: pd.DataFrame, default: int) -> int:
+    """The step the Replay picker opens on: the first spike, else the first skipped step or non-finite loss."""
+    if review.empty:
+        return default
+    spikes = review[review["what"] == "spike"]
+    return int((spikes if len(spikes) else review)["step"].iloc[0])
+
+
+def sentence(text: str) -> str:
+    """`text` with its first letter capitalised and a full stop (the rest as written: mode names keep their case)."""
+    return f"{text[:1].upper()}{text[1:]}."
 
 
 def spike_loss_figure(steps: pd.DataFrame, lane: int, mode: str, rule: SpikeRule) -> go.Figure:
@@ -103,5 +146,8 @@ def spike_loss_figure(steps: pd.DataFrame, lane: int, mode: str, rule: SpikeRule
         figure.add_trace(go.Scatter(x=skipped["step"], y=skipped["loss"], mode="markers", name="skipped",
                                     marker={"symbol": "x", "size": 9, "color": color},
                                     hovertemplate="step %{x}: skipped<extra></extra>"))
-    figure.update_layout(**chart_layout(f"Loss · lane {lane} ({mode}) · spikes against {rule.describe()}", "loss"))
+    finite = losses[np.isfinite(losses)]
+    axis = log_axis("loss") if len(finite) and finite.min() > 0 else {"title": {"text": "loss"}}
+    figure.update_layout(**chart_layout(f"Loss · lane {lane} ({mode}) · spikes ○ · skipped steps ×", "loss",
+                                        yaxis=axis))
     return figure
