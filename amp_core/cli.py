@@ -77,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the Layer numerics page's heatmap); 0: off")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
-                          "lr_scale:10@100+20, init_scale:1024 (repeatable)")
+                          "lr_scale:10@100+20, init_scale:1024, batch_outlier:1000@40 (repeatable)")
+    defaults = RunConfig()
+    run.add_argument("--snapshot-every", type=int, default=defaults.snapshot_every, metavar="N",
+                     help="keep each lane's state every N steps for replays in the process that runs the race (the "
+                          "dashboard's; `replay` of a stored run re-trains the lane from its seed instead); 0: off")
+    run.add_argument("--snapshot-keep", type=int, default=defaults.snapshot_keep, metavar="K",
+                     help="snapshots kept per lane (the newest)")
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
                           "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")
@@ -143,7 +149,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seed=args.seed, seeds=args.seeds, size=args.size, device=args.device, data_dir=args.data_dir,
         grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
-        faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every)
+        faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every,
+        snapshot_every=args.snapshot_every, snapshot_keep=args.snapshot_keep)
 
 
 class _LogLines:

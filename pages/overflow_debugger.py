@@ -172,7 +172,15 @@ st.caption("A step is replayed from the lane's weights before it, once in every 
            "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the loss "
            "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. A run "
            "this server holds replays from its snapshots; a stored run is re-trained from its seed to the step.")
-spike_rule = SpikeRule()
+default_rule = SpikeRule()
+with st.expander(f"Spike band: median + {default_rule.k:g}·MAD over {default_rule.window} steps (change)"):
+    band_row = st.columns(2)
+    band_window = band_row[0].number_input("Window (steps before the step)", min_value=2, max_value=100_000,
+                                           value=default_rule.window, step=10, key="dbg_spike_window")
+    band_k = band_row[1].number_input("k (MADs above the median)", min_value=0.5, max_value=1000.0,
+                                      value=default_rule.k, step=0.5, key="dbg_spike_k")
+spike_rule = SpikeRule(window=int(band_window), k=float(band_k),
+                       min_history=min(default_rule.min_history, int(band_window)))
 lane_steps_now = manager.steps(run_id)
 review = replay_views.steps_to_review(lane_steps_now, lane, spike_rule)
 st.plotly_chart(replay_views.spike_loss_figure(lane_steps_now, lane, mode, spike_rule), key="dbg_spike_chart")
@@ -194,7 +202,8 @@ replay_step_value = replay_row[0].number_input(
 if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
     with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
         try:
-            st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value))
+            st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
+                                                               spike_rule)
         except ConfigError as error:
             st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
 replayed = st.session_state.get("dbg_replay_report")

@@ -567,7 +567,11 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
     steps_frame = manager.steps(run_id, 0, step + 1)
     history, recorded = _lane_records(steps_frame, index, step)
     scales = _scales_at(steps_frame, info, index, step)
-    threads = _run_threads(manager.events(run_id))
+    events = manager.events(run_id)
+    if (events["kind"] == "job").any():
+        raise ReplayError("run", f"run {run_id} is a torchrun job: each of its steps all-reduces several ranks' "
+                                 "batches, which one process cannot replay")
+    threads = _run_threads(events)
     mode, seed = entry["mode"], entry["meta"].get("seed", config.seed)
     run = manager.get(run_id)
     device = resolve_device(config.device)
