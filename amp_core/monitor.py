@@ -34,6 +34,11 @@ What a step measures, and what it costs:
   (bytes held by parameters, gradients and optimizer state; on CUDA also the allocator's peak of the step above its
   start, which resets the allocator's peak statistics on those steps). Activations are not measured: the Monitor does
   not run the user's forward.
+- layer diagnostics (amp_core.probes.layerwatch) every `layers_every` steps, after a failed step (naming the first
+  module that held inf/NaN) and on request: hooks on the user's model during that step only, figures kept on the
+  device and read at the next flush; the hooks' host time is the step's probe_ms, not its step_ms.
+- requests from the dashboard (amp_core.records.requests: "trace the next step", "layer numerics at the next step")
+  are read from the store at each flush (rank 0) and answered after the next step.
 
 Under torchrun (a process group initialised before the Monitor is created, e.g. for DDP), every rank's Monitor
 measures its own rank and the figures are gathered to rank 0 at each flush (amp_core.records.ranks): every rank must
@@ -58,7 +63,9 @@ import torch
 
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, mode_from_dtypes
+from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.ranks import RankSink
+from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
@@ -107,10 +114,19 @@ class MonitorConfig:
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
+    layers_every: int = 200
+    """Every N steps (and after a failed step, and on request) each module's output and output-gradient ranges are
+    measured by hooks during the step (amp_core.probes.layerwatch): the race's layer amax heatmap, with the shares a
+    cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0 samples only after failed steps and on
+    request. The hooks' host time is the step's probe time, not its step time."""
+    integration: str = ""
+    """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
+    Trainer", "Lightning"): the Train page says where the run comes from."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not isinstance(self.workload, str):
-            raise ConfigError("name", "name and workload are text")
+        if not isinstance(self.name, str) or not isinstance(self.workload, str) \
+                or not isinstance(self.integration, str):
+            raise ConfigError("name", "name, workload and integration are text")
         if self.mode and self.mode not in MODES:
             raise ConfigError("mode", f"unknown mode {self.mode!r}; choose from {', '.join(MODES)} (or leave it "
                                       "empty: the Monitor sees it from the loop)")
@@ -118,6 +134,7 @@ class MonitorConfig:
         _whole("grad_norm_every", self.grad_norm_every, 1)
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
+        _whole("layers_every", self.layers_every, 0)
         if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
                 or not 0 <= self.probe_budget < 1:
             raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
@@ -216,6 +233,15 @@ class Monitor:
         else:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
+        # Layer diagnostics and the dashboard's requests ride on the recorder and the step hooks, like any extension.
+        self._layers = LayerWatch(_inner(model), self.config.layers_every)
+        self._layers.between_steps(-1, 0)
+        self._desk = Desk(opened, self.run_id)  # a page's requests, rank 0 only
+        self._trace_asked: list[int] = []
+        self._trace = None
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        self._recorder.on_record.append(self._layer_failure)
+        self.step_hooks += (self._answer_trace, self._between_steps)
         self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -226,7 +252,10 @@ class Monitor:
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
         meter, window, watch, schedule = self._meter, self._window, self._watch, self._schedule
+        # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
+        hooked_s = self._layers.hooks_so_far_s()
         meter.close(window)
+        window.excluded_s = hooked_s
         began = time.perf_counter()
         self._loop_s += began - self._window_host
         if self._track is None:
@@ -241,7 +270,7 @@ class Monitor:
             norms, names = named_grad_norms(self._names, self._params)
         send_figures(meter, window, result, loss, self.scaler, watch.found_inf, norms, names)
         self._probes.close(result, self._opened, schedule.memory(step), schedule.grad_stats(step), self._loop_s)
-        result.probe_ms = (time.perf_counter() - began) * 1e3
+        result.probe_ms = (time.perf_counter() - began + hooked_s) * 1e3
         self._recorder.add(self._track, result, samples)
         self.steps_done = step + 1
         for hook in self.step_hooks:
@@ -253,6 +282,7 @@ class Monitor:
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
         self._recorder.resolve()
+        self._answer_layers_and_requests()
         self._sink.flush()
 
     def close(self, status: str = "finished", error: str = "") -> None:
@@ -264,11 +294,21 @@ class Monitor:
         self._watch.remove()
         if self._forward_hook is not None:
             self._forward_hook.remove()
+        self._layers.close()
+        if self._trace is not None:
+            self._trace.stop()
+            self._trace = None
         self._recorder.resolve(wait=True)
+        self._answer_layers_and_requests()
         if self._track is None:
             self._open()
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
+
+    def note(self, kind: str, message: str, **data) -> None:
+        """Record an event of the run (at the step the Monitor is at): what an integration saw of the trainer, e.g.
+        a precision asked and not applied."""
+        self._sink.event(kind, message, LANE, self.steps_done, **data)
 
     def __enter__(self) -> Monitor:
         return self
@@ -278,6 +318,68 @@ class Monitor:
             self.close()
         else:  # a crash: the run did not finish, and says why
             self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
+
+    # --- layer diagnostics and requests from the dashboard (step hooks and the recorder's on_record) -------------
+    def _layer_failure(self, track: LaneTrack, result: StepResult) -> None:
+        """A recorded step that failed (skipped, or a loss or gradient norm not finite): the layer watch names the
+        first module that held inf/NaN (from this step's figures when it was watched, else the next step's)."""
+        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
+                   else "gradient norm not finite" if result.grad_norm is not None
+                   and not math.isfinite(result.grad_norm) else "")
+        if failure:
+            self._layers.failed(result.step, failure)
+
+    @staticmethod
+    def _between_steps(monitor: Monitor, result: StepResult) -> None:
+        """Step hook: the layer hooks come off the step that ended (on for the next when it is watched); every half
+        flush interval, the watched steps' figures become events and the page's requests are answered and taken;
+        an op trace a page asked for starts here, before the next step's window opens."""
+        monitor._layers.between_steps(result.step, result.step + 1)
+        if time.monotonic() >= monitor._push_at:
+            monitor._answer_layers_and_requests()
+        if monitor._trace_asked and monitor._trace is None:
+            monitor._start_trace()
+
+    def _answer_layers_and_requests(self) -> None:
+        """The watched steps' figures as events (one host transfer each: it waits for those steps on CUDA, which a
+        flush may); answer what the layer watch read; take the page's new requests: a layer pass or an op trace of
+        the next step."""
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        for kind, message, step, data in self._layers.read():
+            self._sink.event(kind, message, LANE, step, **data)
+        for request_id, answer in self._layers.answers:
+            self._desk.answer(request_id, f"layer numerics of step {answer['step']}", answer)
+        self._layers.answers = []
+        for request_id, kind in self._desk.take():
+            if kind == LAYERS:
+                self._layers.requests.append(request_id)
+            elif kind == TRACE:
+                self._trace_asked.append(request_id)
+            else:
+                self._desk.answer(request_id, f"this process does not know the request {kind!r}", status="refused")
+
+    def _start_trace(self) -> None:
+        from amp_core.probes.steptrace import StepTrace  # the op tracer only when a page asks for it
+
+        label = f"{self.config.name or self.run_id} · step {self.steps_done}"
+        self._trace = StepTrace(_inner(self.model), label, self.mode or "?", str(self.device))
+        self._trace.start()
+
+    @staticmethod
+    def _answer_trace(monitor: Monitor, result: StepResult) -> None:
+        """Step hook: the op trace of the step that ended (started before its window: the step's time includes the
+        tracer's), to the pages that asked."""
+        if monitor._trace is None:
+            return
+        from amp_core.probes.steptrace import to_answer
+
+        trace, monitor._trace = monitor._trace.stop(), None
+        asked, monitor._trace_asked = monitor._trace_asked, []
+        step = result.step
+        monitor._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's",
+                            LANE, step)
+        for request_id in asked:
+            monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
     # --- what the model tells ------------------------------------------------------------------------------------
     def _see_autocast(self, module, args) -> None:
@@ -320,7 +422,8 @@ class Monitor:
                  "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._watch.fused,
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
-                 "world_size": self.world_size, "ddp": self._ddp,
+                 "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
+                 "layers_every": config.layers_every,
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:

@@ -9,24 +9,25 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
-from amp_core.precision import Precision, get_precision, resolve_device
-from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
+from amp_core.precision import Precision, resolve_device
+from amp_core.probes.faults import param_by_name
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
+from amp_core.probes.replay import SnapshotRing
 from amp_core.records import Event
 from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.runs import RunReader
-from amp_core.step import LaneState, train_step
+from amp_core.step import LaneState, build_lane_state, train_step
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
-from amp_core.telemetry import LaneTrack, SamplingSchedule, StepRecorder, StepResult
+from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
 from amp_core.workloads import WORKLOADS, Data, Workload, check_launch
 
 TEAM_MARGIN = 0.5
@@ -68,15 +69,6 @@ class Lane:
         """Its records and carried memory figures (telemetry), from the run's setup."""
 
 
-def build_optimizer(config: RunConfig, model: torch.nn.Module):
-    params = model.parameters()
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
-    return cls(params, lr=config.lr, eps=config.eps, fused=True if config.fused_optimizer else None)
-
-
 def divergence_hint(config: RunConfig, precision: Precision) -> str:
     """Why a lane may have diverged, when the config makes it likely (shown with the divergence event)."""
     dtype = precision.param_dtype
@@ -84,30 +76,6 @@ def divergence_hint(config: RunConfig, precision: Precision) -> str:
         return (f" — Adam's eps={config.eps:g} is 0 in {str(dtype).removeprefix('torch.')}, and its second moment "
                 "underflows there too: try eps=1e-4 or SGD for this mode")
     return ""
-
-
-def sampling_schedule(config: RunConfig) -> SamplingSchedule:
-    """The run's sampled figures, as the telemetry schedules them."""
-    return SamplingSchedule(grad_norm_every=config.grad_norm_every, gradstats_every=config.gradstats_every,
-                            memory_every=config.memory_every, amax_every=config.amax_every)
-
-
-def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
-                     device: str) -> LaneState:
-    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
-    precision = get_precision(mode, device)
-    model = precision.prepare_module(copy.deepcopy(base_model))
-    optimizer = build_optimizer(config, model)
-    s = config.scaler
-    scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
-                                   s.backoff_factor, s.growth_interval)
-    state = LaneState(index=index, precision=precision, workload=workload, model=model, optimizer=optimizer,
-                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode),
-                      schedule=sampling_schedule(config))
-    if config.scheduler == "onecycle":
-        state.scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
-                                                              cycle_momentum=config.optimizer == "sgd")
-    return state
 
 
 def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
@@ -161,7 +129,7 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
 
-LaneHook = Callable[["Run", Lane, int], None]
+LaneHook = Callable[["Run", Lane, int], float | None]
 
 
 @dataclass(slots=True)
@@ -176,7 +144,9 @@ class RunHooks:
     - `setup_done(run)`: after the "started" event, before the first step (replace `run.generators`, say something);
     - `before_lane_step(run, lane, step)` / `after_lane_step(run, lane, step)`: around each lane step, the lane's
       batch in `run.batch_of(lane)`; after a failed step `lane.status` is "failed". Between two lane steps the lane's
-      model is quiet: a snapshot (`run.snapshot_lane`, or the state itself) can be taken there;
+      model is quiet: a snapshot (`run.snapshot_lane`, or the state itself) can be taken there. A before hook that
+      measures returns the host seconds it took (else None): they join the step's probe_ms, outside its step_ms
+      (the replay snapshots, `take_snapshot`, are the first before hook when RunConfig.snapshot_every is set);
     - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
       ranks agree first);
     - `run_end(run)`: the thread's last act, after the final status is set and the records are closed.
@@ -189,6 +159,14 @@ class RunHooks:
     after_lane_step: list[LaneHook] = field(default_factory=list)
     on_divergence: Callable[[Run, Lane, str, int], None] | None = None
     run_end: list[Callable[[Run], None]] = field(default_factory=list)
+
+
+def take_snapshot(run: Run, lane: Lane, step: int) -> float | None:
+    """[replay] A before_lane_step hook: the lane's rolling state snapshot when one is due (run.snapshots); returns
+    its host seconds (probe time)."""
+    if not run.snapshots.due(step):
+        return None
+    return run.snapshots.take(lane.state, step, run.batch_of(lane), run.generators[lane.replicate])
 
 
 class Run:
@@ -228,6 +206,11 @@ class Run:
         """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self._samples = 0
         """Samples in the current batch (for samples/s)."""
+        self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
+        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay; taken
+        by the `take_snapshot` before_lane_step hook."""
+        if self.snapshots.every > 0:
+            self.hooks = replace(self.hooks, before_lane_step=[take_snapshot, *self.hooks.before_lane_step])
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
@@ -405,9 +388,10 @@ class Run:
                 if self._stop.is_set():
                     break
                 if lane.status == "running":
+                    probe_s = 0.0  # what the before hooks measured, outside the step's timed window
                     for hook in hooks.before_lane_step:
-                        hook(self, lane, step)
-                    self._lane_step(lane, step)
+                        probe_s += hook(self, lane, step) or 0.0
+                    self._lane_step(lane, step, probe_s)
                     for hook in hooks.after_lane_step:
                         hook(self, lane, step)
                     stepped = True
@@ -420,12 +404,13 @@ class Run:
             if lane.status == "running":
                 lane.status = "stopped" if stopped and lane.steps_done < config.steps else "finished"
 
-    def _lane_step(self, lane: Lane, step: int) -> None:
+    def _lane_step(self, lane: Lane, step: int, probe_s: float) -> None:
         state, schedule = lane.state, lane.state.schedule
         try:
             with self._step_lock:
                 result = train_step(state, self._batches[lane.replicate], step, measure_memory=schedule.memory(step),
                                      collect_grad_stats=schedule.grad_stats(step))
+            result.probe_ms += probe_s * 1e3
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
             self.recorder.resolve(wait=True)  # its earlier steps still become records
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"

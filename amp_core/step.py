@@ -16,14 +16,16 @@ Measuring must not change what is measured (DESIGN.md):
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from amp_core.config import RunConfig
 from amp_core.measure import SavedTensorsProbe
-from amp_core.precision import Precision
-from amp_core.probes.faults import FaultPlan
+from amp_core.precision import Precision, get_precision
+from amp_core.probes.faults import FaultPlan, init_scale_override
 from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepResult, meter_for
 from amp_core.telemetry.recorder import send_figures
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms
@@ -93,6 +95,39 @@ class LaneState:
         return not isinstance(self.scheduler, _NoScheduler)
 
 
+def build_optimizer(config: RunConfig, model: torch.nn.Module):
+    params = model.parameters()
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
+    return cls(params, lr=config.lr, eps=config.eps, fused=True if config.fused_optimizer else None)
+
+
+def sampling_schedule(config: RunConfig) -> SamplingSchedule:
+    """The run's sampled figures, as the telemetry schedules them."""
+    return SamplingSchedule(grad_norm_every=config.grad_norm_every, gradstats_every=config.gradstats_every,
+                            memory_every=config.memory_every, amax_every=config.amax_every)
+
+
+def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
+                     device: str) -> LaneState:
+    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
+    precision = get_precision(mode, device)
+    model = precision.prepare_module(copy.deepcopy(base_model))
+    optimizer = build_optimizer(config, model)
+    s = config.scaler
+    scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
+                                   s.backoff_factor, s.growth_interval)
+    state = LaneState(index=index, precision=precision, workload=workload, model=model, optimizer=optimizer,
+                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode),
+                      schedule=sampling_schedule(config))
+    if config.scheduler == "onecycle":
+        state.scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
+                                                              cycle_momentum=config.optimizer == "sgd")
+    return state
+
+
 def saved_tensor_bytes(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
     """Bytes autograd saves for backward in this lane's forward, measured on a forward of its own (outside any timed
     step) whose graph is then dropped. The RNG and the module buffers (BatchNorm's running statistics) are put back,
@@ -132,6 +167,7 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
     opened = lane.probes.open(step, measure_memory, collect_grad_stats, lambda: saved_tensor_bytes(lane, batch))
 
     window = lane.meter.open(scale_tensor(scaler))
+    batch = faults.perturb_batch(step, batch)
     inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
     optimizer.zero_grad(set_to_none=True)
     with precision.forward_context():

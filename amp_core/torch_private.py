@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
                       "(the op inspector's dispatch mode needs it)") from exc
 
 __all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "foreach_copy_", "foreach_norm",
-           "found_inf_flag", "scale_tensor", "scaler_settings", "supports_amp_scaling"]
+           "found_inf_flag", "scale_tensor", "scaler_settings", "scaler_tensors", "supports_amp_scaling"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -54,6 +54,18 @@ def scale_tensor(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float | 
 def scaler_settings(scaler: torch.amp.GradScaler) -> dict[str, float]:
     """init_scale, growth_factor, backoff_factor, growth_interval of a scaler (torch has no public getter for all)."""
     return {key: _attribute(scaler, name, f"GradScaler.{name}") for key, name in _SCALER_SETTINGS.items()}
+
+
+def scaler_tensors(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
+    """The scale and growth tracker of an enabled scaler, without a wait (GradScaler.state_dict() reads the scale to
+    the host: a sync on CUDA): the scaler's own tensors (copy them before its next step), or, before its first step,
+    new CPU tensors of its initial values."""
+    scale = _attribute(scaler, "_scale", "GradScaler._scale")
+    if scale is None:
+        return {"scale": torch.tensor(float(_attribute(scaler, "_init_scale", "GradScaler._init_scale"))),
+                "growth_tracker": torch.tensor(int(_attribute(scaler, "_init_growth_tracker",
+                                                              "GradScaler._init_growth_tracker")))}
+    return {"scale": scale, "growth_tracker": _attribute(scaler, "_growth_tracker", "GradScaler._growth_tracker")}
 
 
 def supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:

@@ -158,3 +158,17 @@ def test_only_torch_private_names_private_torch_apis():
                 if not match.group(0).startswith("torch.ops."):
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)}")
     assert not problems, "\n".join(problems)
+
+def test_only_the_integrations_import_the_trainers():
+    """transformers, accelerate and lightning are optional extras: only amp_core.integrations.<trainer> imports them
+    (so `import amp_core...` works without them), and the core never reaches those modules."""
+    graph = import_graph()
+    trainers = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+    problems = [f"{module} reaches {name} (imported by {via})" for module in graph
+                if module not in ("amp_core.integrations.transformers", "amp_core.integrations.lightning")
+                for name, via in reached(graph, module).items()
+                if any(is_under(name, bad) for bad in trainers) or name in (
+                    "amp_core.integrations.transformers", "amp_core.integrations.lightning")]
+    assert not problems, "\n".join(problems)
+    assert "transformers" in graph["amp_core.integrations.transformers"]
+    assert "lightning.pytorch.callbacks" in graph["amp_core.integrations.lightning"]

@@ -58,6 +58,17 @@ def test_scaler_settings_are_the_constructor_arguments():
                                                          "backoff_factor": 0.25, "growth_interval": 7}
 
 
+def test_scaler_tensors_are_the_initial_values_then_the_scalers_own():
+    with named("GradScaler._scale/_growth_tracker/_init_scale/_init_growth_tracker"):
+        scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+        first = torch_private.scaler_tensors(scaler)
+        assert (float(first["scale"]), int(first["growth_tracker"])) == (512.0, 0)
+        _, _, stepped, _ = scaled_step({}, overflow=True)
+        tensors = torch_private.scaler_tensors(stepped)
+        assert float(tensors["scale"]) == 128.0 and int(tensors["growth_tracker"]) == 0
+        assert float(tensors["scale"]) == stepped.get_scale()  # the scaler's own, read without a copy
+
+
 def test_a_fused_optimizer_is_told_and_handed_the_found_inf_flag():
     with named("Optimizer._step_supports_amp_scaling / optimizer.found_inf"):
         _, optimizer, _, seen = scaled_step({"fused": True}, overflow=True)

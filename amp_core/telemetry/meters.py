@@ -34,6 +34,9 @@ class Window:
     scale_before: float | torch.Tensor | None = None
     """The GradScaler scale as the step began (CUDA: a pinned one-element buffer, copied before the window: update()
     changes the scale in place)."""
+    excluded_s: float = 0.0
+    """Host seconds inside the window that were a probe's, not the step's (a Monitor's layer hooks): a host-timed step
+    leaves them out of its step_ms (the caller adds them to probe_ms)."""
 
 
 class Meter(ABC):
@@ -130,7 +133,7 @@ class HostMeter(Meter):
         return window.scale_before, window.values
 
     def receive(self, window: Window) -> tuple[float, float | None, list[float]]:
-        return (window.end - window.start) * 1e3, window.scale_before, window.values
+        return (window.end - window.start - window.excluded_s) * 1e3, window.scale_before, window.values
 
     def open_memory_window(self) -> None:
         return None
