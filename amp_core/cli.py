@@ -200,6 +200,15 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _print_recipe_notes(config: RunConfig) -> None:
+    """What each recipe lane does on this device (emulated FP8, a compiled optimizer step), once, on stderr."""
+    from amp_core.precision import availability
+
+    for mode in config.modes:
+        if "+" in mode:
+            print(f"note: {mode}: {availability(mode, config.device)[1]}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from amp_core.config import check_launch
     from amp_core.distributed import job_rank
@@ -220,6 +229,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from amp_core.runner import Run
 
         run = Run(config, RunStore(args.store)).start()
+    if job is None or job.rank == 0:
+        _print_recipe_notes(config)
     try:
         if job is None or job.rank == 0:
             _progress(run)
@@ -236,7 +247,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     series = lanes(run.frame())  # split once: the table and the across-seeds summary share it
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
-    width = 17 if config.seeds > 1 else 12
+    # Wide enough for the longest recipe in full (bf16-mixed+fp8-rowwise-gw-hp), plus a gap.
+    width = max(len(mode) for mode in config.modes) + (len(" seed 000") if config.seeds > 1 else 0) + 2
     header = (f"{'lane':<{width}}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}"
               f"{'skipped':>9}")
     print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
