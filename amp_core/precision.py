@@ -32,6 +32,26 @@ MODE_HELP: dict[str, str] = {
 }
 
 
+RECIPE_OPTION_HELP: dict[str, str] = {
+    "fp8-tensorwise": "FP8 matmuls, one scale per tensor (torchao: fastest; +25% tokens/s on Llama3-8B, 8xH100).",
+    "fp8-rowwise": "FP8 matmuls, one scale per row (torchao: more accurate than tensorwise, a little slower).",
+    "fp8-rowwise-gw-hp": "FP8 rowwise, but the weight-gradient matmul stays in bf16 (more accurate, slower).",
+    "adamw-8bit": "Adam(W) moments in 8 bits with a scale per 256 values (torchao AdamW8bit).",
+    "adamw-4bit": "Adam(W) moments in 4 bits with a scale per 128 values (torchao AdamW4bit).",
+    "adamw-fp8": "Adam(W) moments in float8 e4m3 with a scale per 256 values (torchao AdamWFp8).",
+    "states-bf16": "Adam(W) moments in bf16 (round to nearest): the torchtune#2254 trap, raced on purpose.",
+    "sr": "bf16 weights updated with stochastic rounding (torchao _AdamW); use with bf16-true.",
+}
+"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
+
+RECIPE_PRESETS: dict[str, tuple[str, ...]] = {
+    "FP8 rowwise vs bf16": ("bf16-mixed", "bf16-mixed+fp8-rowwise"),
+    "8-bit Adam vs fp32 states": ("32-true", "32-true+adamw-8bit"),
+    "bf16 weights: plain vs stochastic rounding": ("bf16-true", "bf16-true+sr"),
+}
+"""Named races of recipes the Train page offers in one click."""
+
+
 @dataclass(frozen=True, slots=True)
 class Precision:
     """How one lane computes: the training step asks this object and never branches on dtype."""
@@ -310,20 +330,20 @@ class StochasticRounding(RecipeOption):
 
 RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     Float8Matmuls(name="fp8-tensorwise", torchao_recipe="tensorwise",
-                  help="FP8 matmuls, one scale per tensor (torchao: fastest; +25% tokens/s on Llama3-8B, 8xH100)."),
+                  help=RECIPE_OPTION_HELP["fp8-tensorwise"]),
     Float8Matmuls(name="fp8-rowwise", torchao_recipe="rowwise",
-                  help="FP8 matmuls, one scale per row (torchao: more accurate than tensorwise, a little slower)."),
+                  help=RECIPE_OPTION_HELP["fp8-rowwise"]),
     Float8Matmuls(name="fp8-rowwise-gw-hp", torchao_recipe="rowwise_with_gw_hp",
-                  help="FP8 rowwise, but the weight-gradient matmul stays in bf16 (more accurate, slower)."),
+                  help=RECIPE_OPTION_HELP["fp8-rowwise-gw-hp"]),
     OptimizerStates(name="adamw-8bit", state_format="8bit",
-                    help="Adam(W) moments in 8 bits with a scale per 256 values (torchao AdamW8bit)."),
+                    help=RECIPE_OPTION_HELP["adamw-8bit"]),
     OptimizerStates(name="adamw-4bit", state_format="4bit",
-                    help="Adam(W) moments in 4 bits with a scale per 128 values (torchao AdamW4bit)."),
+                    help=RECIPE_OPTION_HELP["adamw-4bit"]),
     OptimizerStates(name="adamw-fp8", state_format="fp8",
-                    help="Adam(W) moments in float8 e4m3 with a scale per 256 values (torchao AdamWFp8)."),
+                    help=RECIPE_OPTION_HELP["adamw-fp8"]),
     OptimizerStates(name="states-bf16", state_format="bf16",
-                    help="Adam(W) moments in bf16 (round to nearest): the torchtune#2254 trap, raced on purpose."),
-    StochasticRounding(name="sr", help="bf16 weights updated with stochastic rounding (torchao _AdamW)."),
+                    help=RECIPE_OPTION_HELP["states-bf16"]),
+    StochasticRounding(name="sr", help=RECIPE_OPTION_HELP["sr"]),
 )}
 """Every recipe option by name, in the order the UI lists them."""
 
