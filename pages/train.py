@@ -132,6 +132,7 @@ def build_recipe() -> None:
     st.session_state["train_recipe_error"] = "" if ok else f"**{recipe}** — {why}"
     if ok:
         add_recipe_lanes((recipe,), replace=False)
+        st.session_state["train_recipe_options"] = []  # the next lane starts from a clean choice
 
 
 recipe_lanes = st.session_state.setdefault("train_recipe_lanes", [])
