@@ -92,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", "-o", default=None, help="file to write (default: RUN_ID.FORMAT here)")
     export.set_defaults(handler=cmd_export)
 
+    maxbatch = sub.add_parser("maxbatch", parents=[plugins],
+                              help="the largest batch each recipe allows (CUDA: real steps; CPU: modelled from "
+                                   "measured bytes)")
+    maxbatch.add_argument("--workload", default="digits_mlp")
+    maxbatch.add_argument("--modes", default="32-true,bf16-mixed", help="comma-separated modes or recipes")
+    maxbatch.add_argument("--budget-mib", type=float, default=None,
+                          help="memory budget (default: free GPU memory, or the machine's available memory)")
+    maxbatch.add_argument("--size", default="small")
+    maxbatch.add_argument("--device", default="auto")
+    maxbatch.add_argument("--optimizer", default="adam")
+    maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
+
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
     trace.add_argument("--mode", default="bf16-mixed")
@@ -359,6 +371,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from amp_core.probes.optrace import cli_trace
 
     return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+
+def cmd_maxbatch(args: argparse.Namespace) -> int:
+    from amp_core.probes.maxbatch import cli_maxbatch
+
+    return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
