@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[plugins], help="train one workload in several precision modes side by side")
     run.add_argument("--workload", default="digits_mlp",
                      help=f"a built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module)")
-    run.add_argument("--modes", default="32-true,bf16-mixed", help=f"comma-separated, from {', '.join(MODES)}")
+    run.add_argument("--modes", default="32-true,bf16-mixed",
+                     help=f"comma-separated modes ({', '.join(MODES)}) or recipes MODE+OPTION..., e.g. "
+                          "bf16-mixed+fp8-rowwise, 32-true+adamw-8bit, bf16-true+sr")
     run.add_argument("--steps", type=int, default=200)
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--lr", type=float, default=1e-3)

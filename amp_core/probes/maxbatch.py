@@ -13,6 +13,7 @@ import torch
 
 from amp_core.config import ConfigError, RunConfig, check_launch
 from amp_core.measure import held_bytes
+from amp_core.precision import parse_modes
 from amp_core.workloads import WORKLOADS
 
 PROBE_BATCHES = (4, 16)
@@ -145,7 +146,7 @@ def max_batches(workload: str, recipes: tuple[str, ...], *, size: str = "small",
 def cli_maxbatch(workload: str, modes: str, budget_mib: float | None, size: str, device: str, optimizer: str) -> int:
     """`amp-lab maxbatch`: one line per recipe; exit 2 with one line for bad input."""
     try:
-        found = max_batches(workload, tuple(m.strip() for m in modes.split(",") if m.strip()), size=size,
+        found = max_batches(workload, parse_modes(modes), size=size,
                             device=device, budget_mib=budget_mib, optimizer=optimizer)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
