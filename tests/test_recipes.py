@@ -171,3 +171,17 @@ def test_the_cli_trains_every_option_and_refuses_in_one_line(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("error: modes: +fp8-rowwise runs on top of bf16-mixed (torchao's float8 "
                                       "training); use bf16-mixed+fp8-rowwise")
+
+
+def test_the_fp8_workshop_scenario_follows_the_device(tmp_path):
+    from amp_core.workshop import SCENARIOS
+    from amp_core.workshop.checks import fp8_expected_here
+
+    scenario = SCENARIOS["fp8"]
+    assert "Native FP8 tensor cores" in fp8_expected_here("cuda") and "Emulated" in fp8_expected_here("cpu")
+    if not torch.cuda.is_available():
+        assert scenario.configs("auto")[0].device == "cpu"  # emulated here, said so
+    done = subprocess.run([sys.executable, "-m", "amp_core", "--store", str(tmp_path / "ws.db"), "workshop", "run",
+                           "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "✓ FP8 matmuls ran" in done.stdout and "3 of 3 checks held" in done.stdout
