@@ -81,6 +81,7 @@ def test_fp8_on_cuda_follows_the_compute_capability():
     assert ok == (torch.cuda.get_device_capability() >= (8, 9)), why
 
 
+@pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
 def test_every_option_trains_through_the_runner():
     config = RunConfig(workload="tiny_transformer", modes=("32-true", *EVERY_OPTION), steps=3, batch_size=8,
                        optimizer="adamw", device="cpu", memory_every=1, gradstats_every=0)
@@ -156,6 +157,7 @@ def test_the_op_trace_of_an_fp8_lane_shows_float8_matmuls(recipe, gradient_forma
     assert len(casts) >= len(scaled)
 
 
+@pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
 def test_the_cli_trains_every_option_and_refuses_in_one_line(tmp_path):
     store = tmp_path / "runs.db"
     command = [sys.executable, "-m", "amp_core", "--store", str(store), "run", "--workload", "tiny_transformer",
@@ -173,6 +175,7 @@ def test_the_cli_trains_every_option_and_refuses_in_one_line(tmp_path):
                                       "training); use bf16-mixed+fp8-rowwise")
 
 
+@pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
 def test_the_fp8_workshop_scenario_follows_the_device(tmp_path):
     from amp_core.workshop import SCENARIOS
     from amp_core.workshop.checks import fp8_expected_here
