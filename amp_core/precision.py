@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import platform
 from collections.abc import Callable, Iterable
@@ -564,6 +565,8 @@ def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
     ok, reason = _mode_availability(mode, device)
     if not ok:
         return ok, reason
+    if options and importlib.util.find_spec("torchao") is None:  # asks the path, imports nothing
+        return False, "recipe options need torchao: pip install 'amp-lab[recipes]' (torchao==0.18.0)"
     device = resolve_device(device)
     for option in options:
         why = option.refusal(mode, device)
