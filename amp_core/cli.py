@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES
-from amp_core.records.store import RunStore, StoreError
+from amp_core.records.store import StoreError, open_store
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subparser per command, each naming its handler (`handler(args) -> exit code`)."""
     parser = _Parser(prog="amp-lab", description=__doc__)
-    parser.add_argument("--store", default=None, help="SQLite store path (default: $AMP_LAB_STORE or ~/.amp_lab)")
+    parser.add_argument("--store", default=None,
+                        help="a SQLite store path or a postgresql://user@host:port/db URL (default: $AMP_LAB_STORE or "
+                             "~/.amp_lab/runs.sqlite3); a password comes from $PGPASSWORD or ~/.pgpass")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plugins = argparse.ArgumentParser(add_help=False)
     plugins.add_argument("--workload-module", action="append", default=[], metavar="MODULE",
@@ -117,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     workshop_run = workshop_sub.add_parser("run", help="run a scenario into the store and print its checks (exit 0 "
                                                        "when every check held, 1 when one did not)")
     workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
-    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="SQLite store path (as the global --store)")
+    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
     workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     workshop_run.set_defaults(handler=cmd_workshop)
     return parser
@@ -215,11 +217,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from amp_core.distributed import DistributedRun, init_job
 
         init_job(config, job)
-        run = DistributedRun(config, RunStore(args.store) if job.rank == 0 else None).start()
+        run = DistributedRun(config, open_store(args.store) if job.rank == 0 else None).start()
     else:
         from amp_core.runner import Run
 
-        run = Run(config, RunStore(args.store)).start()
+        run = Run(config, open_store(args.store)).start()
     try:
         if job is None or job.rank == 0:
             _progress(run)
@@ -316,10 +318,10 @@ def _fmt(value, spec: str) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     runs = store.runs()
     if runs.empty:
-        print(f"no runs in {store.path}")
+        print(f"no runs in {store.location}")
         return 0
     for row in runs.itertuples():
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created_at))
@@ -329,9 +331,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     if store.run(args.run_id) is None:
-        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
+        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.location}")
     out = args.out or f"{args.run_id}.{args.format}"
     if args.format == "html":
         from amp_core.views.report import run_report_html
@@ -372,7 +374,7 @@ def cmd_workshop(args: argparse.Namespace) -> int:
         raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
     from amp_core.runner import RunManager
 
-    manager = RunManager(RunStore(args.store))
+    manager = RunManager(open_store(args.store))
     print(f"{scenario.title}\n{scenario.watch}\n")
     launch = ScenarioLaunch(manager, scenario, args.device)
     try:

@@ -65,7 +65,7 @@ from amp_core.probes import gradstats
 from amp_core.records.ranks import RankSink
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, open_store
 from amp_core.step import StepResult, grad_norms, record_step_events, resolve_step
 from amp_core.switches import tf32_enabled
 
@@ -201,7 +201,7 @@ class Monitor:
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         opened = None
         if self.rank == 0:
-            opened = store if isinstance(store, RunStore) else RunStore(store)
+            opened = store if isinstance(store, RunStore) else open_store(store)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if self.world_size > 1:
             self._sink: RecordSink | RankSink = RankSink(run_id, opened, group=process_group,

@@ -43,7 +43,7 @@ from plotly.tools import return_figure_from_figure_or_data
 from amp_core.config import RunConfig
 from amp_core.records.schema import STEP_COLUMNS
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, open_store
 from amp_core.runner import Run, RunManager
 from amp_core.views import plots
 from amp_core.views.live import RecordFollower
@@ -92,7 +92,7 @@ def timed_ms(action, repeats: int, label: str) -> float:
 def first_view_ms(path: Path, run_id: str, repeats: int, label: str) -> float:
     """Median first view: each round a new manager and follower (nothing cached but the OS's file cache)."""
     def view() -> int:
-        return page_view(RunManager(RunStore(path)), RecordFollower(run_id), run_id)
+        return page_view(RunManager(open_store(path)), RecordFollower(run_id), run_id)
 
     return timed_ms(view, repeats, f"{label} first view ({view()} points drawn)")
 
@@ -126,7 +126,7 @@ def synthetic_columns(lane: int, mode: str, start: int, count: int, rng: np.rand
 
 
 def write_synthetic(path: Path, run_id: str, steps: int, modes=SYNTHETIC_MODES) -> None:
-    store = RunStore(path)
+    store = open_store(path)
     sink = RecordSink(run_id, store)
     sink.open(RunConfig(workload="digits_mlp", modes=modes, steps=steps, device="cpu").to_dict(), "cpu", "bench")
     rng = np.random.default_rng(0)
@@ -158,7 +158,7 @@ def lane_steps_per_s(store: RunStore | None, steps: int) -> tuple[float, float]:
 
 def write_overhead(folder: Path, rounds: int, steps: int) -> None:
     """Print steps/s with the store / without it, by CPU time and by wall time; rounds alternate which goes first."""
-    store = RunStore(folder / "overhead.sqlite3")
+    store = open_store(folder / "overhead.sqlite3")
     with_store, without = [], []
     for i in range(rounds):
         pair = [(with_store, store), (without, None)]
@@ -176,7 +176,7 @@ def real_run(folder: Path, steps: int, rounds: int, repeats: int) -> dict[str, f
     write_overhead(folder, rounds, max(2000, steps // 20))
     figures = {}
     path = folder / "real.sqlite3"
-    manager = RunManager(RunStore(path))
+    manager = RunManager(open_store(path))
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
@@ -205,7 +205,7 @@ def many_runs_ms(folder: Path, runs: int, repeats: int) -> float:
     path = folder / "many.sqlite3"
     for i in range(runs):
         write_synthetic(path, f"run-{i:03d}", 500, modes=SYNTHETIC_MODES[:2])
-    manager = RunManager(RunStore(path))
+    manager = RunManager(open_store(path))
     assert len(manager.list_runs()) == runs
     return timed_ms(manager.list_runs, repeats, f"list_runs over {runs} runs")
 

@@ -105,11 +105,11 @@ def warm_up() -> WarmUp:
 @st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
-    from amp_core.records.store import RunStore, StoreError
+    from amp_core.records.store import StoreError, open_store
     from amp_core.runner import RunManager
 
     try:
-        return RunManager(RunStore())
+        return RunManager(open_store())
     except StoreError as exc:  # a damaged or foreign file: keep it untouched, run in memory, say why
         return RunManager(None, store_error=str(exc))
 
