@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from cli_process import start_cli_run, stored_steps, wait_for_stored_steps
+from cli_process import start_cli_run, store_sql, stored_steps, wait_for_stored_steps
 from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
@@ -139,6 +139,7 @@ def test_envelope_is_exact_in_memory(start, stop):
     assert len(series.points("loss")[0]) <= 2000 + len(series.marks["step"]) + 10
 
 
+@pytest.mark.both_stores
 @pytest.mark.parametrize(("start", "stop"), [*RANGES, (1, 2)])
 @pytest.mark.parametrize("every", [1, 3])
 def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
@@ -153,8 +154,7 @@ def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
     assert series.stats.records == len(raw["step"]) and series.stats.skipped_steps == raw["skipped"].sum()
     assert series.stats.median_step_ms == np.median(raw["step_ms"])
     assert not series.problems
-    with sqlite3.connect(fresh_store) as conn:
-        sizes = [r[0] for r in conn.execute("SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
+    sizes = [r[0] for r in store_sql(fresh_store, "SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
     assert max(sizes) <= CHUNK_MAX and all(size >= CHUNK_MIN for size in sizes[:-1])
 
 
@@ -175,6 +175,7 @@ def test_aggregate_over_any_range_equals_the_records():
             assert bucket["sum"][0, FIELD_INDEX["step_ms"]] == pytest.approx(values.sum(), rel=1e-9)
 
 
+@pytest.mark.both_stores
 def test_a_chart_reads_a_few_thousand_points_of_a_long_run(fresh_store):
     write_run(fresh_store, "r", [100_000] * 3)
     manager = RunManager(open_store(fresh_store))
@@ -201,6 +202,7 @@ def test_in_memory_columns_are_compact():
     assert all(dtype.itemsize <= 8 for dtype in STEP_COLUMNS.values())
 
 
+@pytest.mark.both_stores
 def test_records_of_each_rank_are_their_own_track(fresh_store):
     sink = RecordSink("r", open_store(fresh_store))
     sink.open(CONFIG.to_dict(), "cpu", "test")
@@ -217,11 +219,11 @@ def test_records_of_each_rank_are_their_own_track(fresh_store):
                              0.0))
 
 
+@pytest.mark.both_stores
 def test_a_column_added_later_reads_as_missing_in_older_chunks(fresh_store):
     """A store written before a StepRecord field existed: its chunks lack that column, which reads as NaN / 0."""
     write_run(fresh_store, "r", [300])
-    with sqlite3.connect(fresh_store) as conn:
-        conn.execute("DELETE FROM chunk_columns WHERE name IN ('grad_norm', 'optim_bytes')")
+    store_sql(fresh_store, "DELETE FROM chunk_columns WHERE name IN ('grad_norm', 'optim_bytes')")
     frame = open_store(fresh_store).steps("r")
     assert len(frame) == 600 and frame["grad_norm"].isna().all() and (frame["optim_bytes"] == 0).all()
 
@@ -238,6 +240,7 @@ def wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.both_stores
 def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     """A CLI run in its own process; the page's manager (its own RunStore) follows it: records arrive while the
     writer is still running, every lane grows, and nothing is read twice."""
@@ -264,6 +267,7 @@ def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     assert RunManager(open_store(fresh_store)).run_info(run_id)["status"] == "stopped"
 
 
+@pytest.mark.both_stores
 def test_kill_9_loses_at_most_the_last_second_and_never_half_a_chunk(fresh_store):
     proc = start_cli_run(fresh_store, *RUN_ARGS)
     try:
@@ -294,6 +298,7 @@ def _unshare_available() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.both_stores
 @pytest.mark.skipif(not _unshare_available(), reason="needs root and unshare to start a writer in its own pid "
                                                       "namespace")
 def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_store):
@@ -327,6 +332,7 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_stor
             proc.kill()
 
 
+@pytest.mark.both_stores
 def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
     """The writer is killed and its pid goes to another process (as in a restarted container): that process has
     another start time, so the run is interrupted."""
@@ -336,8 +342,7 @@ def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
     proc.wait(10)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with sqlite3.connect(fresh_store) as conn:  # the pid now names `other`, a live process
-            conn.execute("UPDATE runs SET pid = ?", (other.pid,))
+        store_sql(fresh_store, "UPDATE runs SET pid = ?", (other.pid,))  # the pid now names `other`, a live process
         assert psutil.pid_exists(other.pid)
         store = open_store(fresh_store)
         assert store.runs()["status"].tolist() == ["interrupted"]
@@ -346,13 +351,14 @@ def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
         other.wait()
 
 
+@pytest.mark.both_stores
 def test_a_live_writer_marked_interrupted_by_mistake_says_so_and_goes_on(fresh_store):
     store = open_store(fresh_store)
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000), store).start()
     try:
         wait_for(lambda: stored_steps(fresh_store) > 0, what="the first flush")
-        with sqlite3.connect(fresh_store) as conn:  # as a reader on another host whose stale limit passed would
-            conn.execute("UPDATE runs SET status = 'interrupted'")
+        # as a reader on another host whose stale limit passed would
+        store_sql(fresh_store, "UPDATE runs SET status = 'interrupted'")
         wait_for(lambda: store.run(run.run_id)["status"] == "running", timeout=10, what="the next flush")
     finally:
         run.stop()
@@ -510,6 +516,7 @@ def test_the_train_page_shows_a_damaged_run_with_a_message(fresh_store):
     assert len(at.get("plotly_chart")) == 5
 
 
+@pytest.mark.both_stores
 def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkeypatch):
     """Chunks but a track's last never change, summary blocks never: a follower decodes each column once."""
     sink = RecordSink("r", open_store(fresh_store))
@@ -541,6 +548,7 @@ def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkey
     assert len(decoded) == len(CONFIG.modes) * len(STEP_COLUMNS)  # the new chunk of each lane, each column once
 
 
+@pytest.mark.both_stores
 def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_store):
     write_run(fresh_store, "a", [60_000])
     write_run(fresh_store, "b", [500], seed=3)
@@ -552,6 +560,7 @@ def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_stor
     assert [lane.stats.records for lane in series] == [500, 60_000, 60_000]
 
 
+@pytest.mark.both_stores
 def test_the_sink_times_what_storing_costs_the_run(fresh_store):
     """write_seconds is the store's whole cost to the writer (bench.scale's write_overhead reads it)."""
     config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=3000)

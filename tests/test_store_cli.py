@@ -24,6 +24,7 @@ from amp_core.runner import Run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.both_stores
 def test_a_run_round_trips_through_the_store(fresh_store):
     config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=30, gradstats_every=10,
                        scaler=ScalerConfig(init_scale=256.0),
@@ -46,6 +47,7 @@ def test_a_run_round_trips_through_the_store(fresh_store):
     assert next(s for s in stats if s.param == "layer1.weight").inf == 1
 
 
+@pytest.mark.both_stores
 def test_writes_are_batched_not_one_transaction_per_step(fresh_store):
     store = open_store()
     calls = []
@@ -83,6 +85,7 @@ def test_another_programs_database_is_refused_and_left_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.both_stores
 def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     """kill -9 mid-run: the run reads as interrupted, every record a committed flush wrote is there (no half chunk),
     and the last one is from less than 1.5 s before the kill (a flush every 0.5 s)."""
@@ -111,6 +114,7 @@ def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     assert set(store.events(run_id)["kind"]) >= {"started", "interrupted"}
 
 
+@pytest.mark.both_stores
 def test_cli_run_prints_a_table_and_writes_the_store(fresh_store, capsys):
     code = main(["run", "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed", "--steps", "20"])
     out = capsys.readouterr().out
@@ -122,6 +126,7 @@ def test_cli_run_prints_a_table_and_writes_the_store(fresh_store, capsys):
     assert main(["list"]) == 0 and run_id in capsys.readouterr().out
 
 
+@pytest.mark.both_stores
 def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
     assert main(["run", "--workload", "mlp_regression", "--modes", "32-true", "--steps", "5"]) == 0
     run_id = capsys.readouterr().out.split()[1].rstrip(":")
@@ -131,6 +136,7 @@ def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
     assert len(csv) == len(parquet) == 5 and list(csv.columns) == list(STEP_FIELDS)
 
 
+@pytest.mark.both_stores
 def test_cli_run_samples_layer_amax_when_asked(fresh_store, capsys):
     assert main(["run", "--workload", "mlp_regression", "--modes", "16-mixed", "--steps", "12",
                  "--amax-every", "5"]) == 0

@@ -217,6 +217,9 @@ class RunStore:
         """Whether a connection is lost for good (the server went away) and must be opened again."""
         return False
 
+    def _release_reader(self) -> None:
+        """A read transaction ended on this thread (SQLite keeps the thread's connection; PostgreSQL pools it)."""
+
     # --- transactions ----------------------------------------------------------------------------------------
     @contextmanager
     def _write(self):
@@ -272,6 +275,7 @@ class RunStore:
                 self._local.depth -= 1
                 if self._local.depth == 0:
                     conn.execute("COMMIT")
+                    self._release_reader()
         except self.DRIVER_ERRORS as exc:
             if getattr(self._local, "depth", 0) == 0 and self._broken(getattr(self._local, "conn", None)):
                 self._drop_reader()
