@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
     workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     workshop_run.set_defaults(handler=cmd_workshop)
+
+    store = sub.add_parser("store", help="move runs between stores (SQLite files, PostgreSQL databases)")
+    store_sub = store.add_subparsers(dest="store_command", metavar="{copy}", required=True, parser_class=_Parser)
+    copy = store_sub.add_parser("copy", help="copy every finished run of SRC into DST (runs DST already holds, and "
+                                             "runs still live, are left; run it again once they ended)")
+    copy.add_argument("source", metavar="SRC", help="a SQLite store path or a postgresql://user@host:port/db URL")
+    copy.add_argument("target", metavar="DST", help="the same")
+    copy.set_defaults(handler=cmd_store_copy)
     return parser
 
 
@@ -293,7 +301,9 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
 
     from amp_core.distributed import torchrun_command
 
-    argv = _without_flag(args.argv, "--nproc")
+    argv = _without_flag(_without_flag(args.argv, "--nproc"), "--store")
+    if args.store is not None:  # through the environment: a URL's password never shows in the workers' command lines
+        os.environ["AMP_LAB_STORE"] = args.store
     try:
         return subprocess.run(torchrun_command(argv, args.nproc), check=False).returncode
     except KeyboardInterrupt:  # torchrun passes the signal on to its workers
@@ -342,6 +352,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(Path(out).resolve())
         return 0
     print(store.export(args.run_id, args.format, out))
+    return 0
+
+
+def cmd_store_copy(args: argparse.Namespace) -> int:
+    from amp_core.records.store import copy_runs
+
+    source, target = open_store(args.source), open_store(args.target)
+    copied, present, live = copy_runs(source, target)
+    print(f"copied {len(copied)} run{'s' if len(copied) != 1 else ''} ({', '.join(copied) or 'none'}) "
+          f"from {source.location} to {target.location}")
+    if present:
+        print(f"{len(present)} already there: {', '.join(present)}")
+    if live:
+        print(f"{len(live)} still live, not copied (copy them once they ended): {', '.join(live)}")
     return 0
 
 

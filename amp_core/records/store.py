@@ -633,6 +633,43 @@ class SQLiteStore(RunStore):
             conn.execute("VACUUM")  # schema 1 rows took ~500 bytes a step; give the space back
 
 
+COPIED_TABLES = ("runs", "lanes", "tracks", "chunks", "chunk_columns", "levels", "gradstats")
+"""A run's rows, table by table, as they are (events apart: their ids are the target's own)."""
+
+
+def copy_runs(source: RunStore, target: RunStore) -> tuple[list[str], list[str], list[str]]:
+    """Copy every run of `source` that `target` does not hold and that has ended, each in one target transaction;
+    returns (copied, already there, still live) run ids. Either store may be SQLite or PostgreSQL."""
+    source.mark_interrupted()
+    with source._read() as conn:
+        runs = _dicts(conn.execute("SELECT run_id, status FROM runs ORDER BY created_at"))
+    with target._read() as conn:
+        present = {row[0] for row in conn.execute("SELECT run_id FROM runs")}
+    copied, there, live = [], [], []
+    for row in runs:
+        run_id = row["run_id"]
+        if run_id in present:
+            there.append(run_id)
+            continue
+        if row["status"] in LIVE_STATUSES:
+            live.append(run_id)
+            continue
+        with source._read() as src, target._write() as dst:
+            for table in COPIED_TABLES:
+                cursor = src.execute(f"SELECT * FROM {table} WHERE run_id = ?", (run_id,))
+                names = [column[0] for column in cursor.description]
+                rows = cursor.fetchall()
+                if rows:
+                    dst.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                                    rows)
+            events = src.execute("SELECT run_id, lane, step, kind, message, t_wall_s, data FROM events "
+                                 "WHERE run_id = ? ORDER BY id", (run_id,)).fetchall()
+            dst.executemany("INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)", events)
+        copied.append(run_id)
+    return copied, there, live
+
+
 class _ByteCache:
     """Least recently used decoded arrays, up to a byte budget."""
 
