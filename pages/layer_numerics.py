@@ -9,7 +9,7 @@ from amp_core.probes import numerics
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager, live_lane_probe, run_picker
+from pages.common import get_manager, live_lane_probe, run_picker, store_guarded
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -176,7 +176,7 @@ def show_amax_over_time(run_id: str) -> None:
     if info is None:
         st.warning("This run is gone from the store.")
         return
-    st.fragment(amax_view, run_every=2.0 if info["live"] else None)(run_id)
+    st.fragment(store_guarded(amax_view), run_every=2.0 if info["live"] else None)(run_id)
 
 
 def amax_view(run_id: str) -> None:

@@ -202,3 +202,22 @@ def test_store_copy_moves_runs_between_sqlite_and_postgresql(fresh_store, pg_clu
     assert copy.grad_stat_steps(run.run_id, 1) == source.grad_stat_steps(run.run_id, 1) != []
     assert main(["store", "copy", str(fresh_store), other]) == 0  # again: nothing twice
     assert "already there" in capsys.readouterr().out and len(copy.runs()) == 1
+
+
+def test_a_dashboard_says_its_server_is_unreachable_and_recovers_by_itself(pg_cluster, database, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("AMP_LAB_STORE", database)
+    run = Run(CONFIG, open_store(database)).start()
+    run.join(60)
+    pg_cluster.stop()
+    try:
+        app = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+        app.run()
+        assert not app.exception
+        assert any("cannot be reached" in warning.value for warning in app.warning)
+        assert not [text for text in (warning.value for warning in app.warning) if "amp:" in text]  # no password form
+    finally:
+        pg_cluster.start()
+    app.run()  # the page's watcher would do this by itself once the server answers
+    assert not app.exception and not any("cannot be reached" in warning.value for warning in app.warning)
