@@ -198,7 +198,7 @@ class Monitor:
             raise ConfigError("process_group", f"NCCL gathers through the current CUDA device (cuda:"
                                                f"{torch.cuda.current_device()}) but the model is on {self.device}: "
                                                "call torch.cuda.set_device(local_rank) before creating the Monitor")
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]  # 48 random bits: ids from many hosts never meet
         opened = None
         if self.rank == 0:
             opened = store if isinstance(store, RunStore) else open_store(store)
