@@ -198,7 +198,8 @@ class Monitor:
             raise ConfigError("process_group", f"NCCL gathers through the current CUDA device (cuda:"
                                                f"{torch.cuda.current_device()}) but the model is on {self.device}: "
                                                "call torch.cuda.set_device(local_rank) before creating the Monitor")
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]  # 48 random bits: ids from many hosts never meet
+        # 48 random bits: run ids written from many hosts into one store never meet
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
         opened = None
         if self.rank == 0:
             opened = store if isinstance(store, RunStore) else open_store(store)

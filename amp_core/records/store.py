@@ -38,7 +38,15 @@ import psutil
 from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackFlush, encode_track
 from amp_core.records.codec import DamagedData, decode_array, decode_columns, decode_rows
-from amp_core.records.levels import BLOCK_BUCKETS, Buckets, concat, empty_buckets, level_steps, select
+from amp_core.records.levels import (
+    BLOCK_BUCKETS,
+    BUCKET_COLUMNS,
+    Buckets,
+    concat,
+    empty_buckets,
+    level_steps,
+    select,
+)
 from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, steps_frame, typed
 from amp_core.records.tracks import TrackRecords
 
@@ -711,6 +719,8 @@ class StoredTrack:
         self._extent = (0, 0, -1)
         self._stats: dict = {}
         self._blocks: dict[tuple[int, int], Buckets] = {}
+        """Decoded columns of summary blocks (each column decoded when first asked for)."""
+        self._block_blobs: dict[tuple[int, int], bytes | None] = {}
         self._columns = _ByteCache(CACHE_BYTES)
         self._median = (-1, float("nan"))
         self._marks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -800,9 +810,11 @@ class StoredTrack:
         """Bucket ids below this are in complete stored blocks (the writer stores a block once it is complete)."""
         return (self._extent[2] // level_steps(level)) // BLOCK_BUCKETS * BLOCK_BUCKETS if self._extent[0] else 0
 
-    def complete(self, level: int, lo: int, hi: int) -> Buckets:
+    def complete(self, level: int, lo: int, hi: int, names=None) -> Buckets:
+        """`names`: the bucket columns the caller reads (default all; `id` always): only those are decoded."""
+        names = ["id", *(name for name in names or BUCKET_COLUMNS if name != "id")]
         first, last = lo // BLOCK_BUCKETS, (hi - 1) // BLOCK_BUCKETS
-        missing = [block for block in range(first, last + 1) if (level, block) not in self._blocks]
+        missing = [block for block in range(first, last + 1) if (level, block) not in self._block_blobs]
         if missing:
             with self.store._read() as conn:
                 rows = conn.execute("SELECT block, data FROM levels WHERE run_id = ? AND lane = ? AND rank = ? AND "
@@ -810,13 +822,23 @@ class StoredTrack:
                                                                           missing[-1])).fetchall()
             found = dict(rows)
             for block in missing:
+                self._block_blobs[(level, block)] = found.get(block)
+        parts = []
+        for block in range(first, last + 1):
+            decoded = self._blocks.setdefault((level, block), {})
+            wanted = [name for name in names if name not in decoded]
+            blob = self._block_blobs[(level, block)]
+            if wanted and blob is None:
+                decoded.update(empty_buckets())
+            elif wanted:
                 try:
-                    self._blocks[(level, block)] = decode_columns(found[block]) if block in found else empty_buckets()
+                    decoded.update(decode_columns(blob, wanted))
                 except DamagedData as exc:
                     span = level_steps(level) * BLOCK_BUCKETS
                     self._damaged(f"the summary of steps {block * span}–{(block + 1) * span - 1}", exc)
-                    self._blocks[(level, block)] = empty_buckets()
-        buckets = concat([self._blocks[(level, block)] for block in range(first, last + 1)])
+                    decoded.update(empty_buckets())
+            parts.append({name: decoded[name] for name in names})
+        buckets = concat(parts)
         return select(buckets, (buckets["id"] >= lo) & (buckets["id"] < hi))
 
     def marks(self, start: int, stop: int) -> dict[str, np.ndarray]:
