@@ -37,6 +37,8 @@ TCP_USER_TIMEOUT_MS = 15_000
 """A write to a server that vanished (host down, network cut) fails after this, not after the kernel's ~15 min."""
 IDLE_READERS = 4
 """Read connections kept open between reads (a dashboard's script runs come and go on many threads)."""
+_CHECKED: set[str] = set()
+"""Stores whose schema this process has created or checked (a page opens its store again at every first view)."""
 TABLES = frozenset({"runs", "lanes", "tracks", "chunks", "chunk_columns", "levels", "events", "gradstats"})
 
 
@@ -96,7 +98,7 @@ class PostgresStore(RunStore):
             raise StoreError("the store is not a PostgreSQL URL AMP Lab can read (postgresql://user@host:port/db; "
                              "the password from PGPASSWORD or ~/.pgpass)") from None
         self._url = url
-        self._schema_ready = False
+        self._schema_ready = url in _CHECKED
         self._write_lock = threading.Lock()
         self._write_conn: _Connection | None = None
         self._idle_lock = threading.Lock()
@@ -114,6 +116,7 @@ class PostgresStore(RunStore):
                 conn.close()
                 raise
             self._schema_ready = True
+            _CHECKED.add(self._url)
         return conn
 
     def _ensure_schema(self, conn: _Connection) -> None:
@@ -134,6 +137,9 @@ class PostgresStore(RunStore):
                                  "Upgrade AMP Lab.")
             if version < SCHEMA_VERSION:  # every schema change so far only adds tables and indexes
                 _create_tables(conn, dialect_schema(SCHEMA))
+                for table, column in (("chunk_columns", "data"), ("levels", "data"), ("gradstats", "data"),
+                                      ("chunks", "marks_data")):  # already compressed by the codec: stored as is
+                    conn.execute(f"ALTER TABLE {table} ALTER COLUMN {column} SET STORAGE EXTERNAL")
                 conn.execute("CREATE TABLE IF NOT EXISTS amp_lab_schema (version INTEGER NOT NULL)")
                 conn.execute("DELETE FROM amp_lab_schema")
                 conn.execute("INSERT INTO amp_lab_schema VALUES (?)", (SCHEMA_VERSION,))
