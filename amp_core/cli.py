@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import MODES
+from amp_core.precision import MODES, parse_modes
 from amp_core.records.store import StoreError, open_store
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              parser_class=_Parser)
     workshop_sub.add_parser("list", help="one scenario per line, its name first").set_defaults(handler=cmd_workshop)
     workshop_run = workshop_sub.add_parser("run", help="run a scenario into the store and print its checks (exit 0 "
-                                                       "when every check held, 1 when one did not)")
+                                                       "when every check held, 1 when one failed, 3 when none "
+                                                       "failed but one cannot be told on this device)")
     workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
     workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
     workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
-        workload=args.workload, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        workload=args.workload, modes=parse_modes(args.modes),
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eps=args.eps, optimizer=args.optimizer,
         fused_optimizer=args.fused_optimizer, scheduler=args.scheduler,
         seed=args.seed, seeds=args.seeds, size=args.size, device=args.device, data_dir=args.data_dir,
@@ -384,7 +385,7 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 
 def cmd_workshop(args: argparse.Namespace) -> int:
     """`workshop list` and `workshop run NAME`: a scenario's runs through a RunManager on the store, then its checks."""
-    from amp_core.workshop import SCENARIOS, ScenarioLaunch, unknown_scenario
+    from amp_core.workshop import SCENARIOS, ScenarioLaunch, exit_code, headline, unknown_scenario
 
     if args.workshop_command == "list":
         for scenario in SCENARIOS.values():
@@ -399,8 +400,9 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     from amp_core.runner import RunManager
 
     manager = RunManager(open_store(args.store))
-    print(f"{scenario.title}\n{scenario.watch}\n")
     launch = ScenarioLaunch(manager, scenario, args.device)
+    expected = scenario.expected_here(launch.configs[0].device)
+    print(f"{scenario.title}\n{scenario.watch}\n" + (f"{expected}\n" if expected else ""))
     try:
         while launch.going:
             # A tick, not a join: a Ctrl-C landing inside Thread.join marks a running thread as ended (see _progress).
@@ -423,11 +425,10 @@ def cmd_workshop(args: argparse.Namespace) -> int:
         print(f"{result.mark} {result.title}: {result.figure}")
         print(f"    expected: {result.expectation}")
         if result.explanation:
-            print(f"    {'why not' if not result.held else 'note'}: {result.explanation}")
+            print(f"    {result.label}: {result.explanation}")
     print(f"\n{scenario.caveat}")
-    held = sum(result.held for result in results)
-    print(f"\n{held} of {len(results)} checks held")
-    return 0 if held == len(results) else 1
+    print(f"\n{headline(results)}")
+    return exit_code(results)
 
 
 def main(argv: list[str] | None = None) -> int:

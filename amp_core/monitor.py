@@ -60,14 +60,13 @@ import torch
 
 from amp_core.config import ConfigError
 from amp_core.measure import CudaMeter, HostMeter, InFlight, held_bytes, meter_for
-from amp_core.precision import MODES
+from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.probes import gradstats
 from amp_core.records.ranks import RankSink
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore, open_store
 from amp_core.step import StepResult, grad_norms, record_step_events, resolve_step
-from amp_core.switches import tf32_enabled
 
 LANE = 0
 """A Monitor's run has one lane (its mode); under torchrun, one track per rank."""
@@ -145,16 +144,6 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP (or DataParallel) wrapper: parameter names as the user wrote them."""
     return model.module if isinstance(model, (torch.nn.parallel.DistributedDataParallel,
                                               torch.nn.DataParallel)) else model
-
-
-def _mode_from(autocast_dtype: torch.dtype | None, param_dtype: torch.dtype, device_type: str) -> str:
-    if autocast_dtype is not None:
-        return "bf16-mixed" if autocast_dtype == torch.bfloat16 else "16-mixed"
-    if param_dtype == torch.float16:
-        return "16-true"
-    if param_dtype == torch.bfloat16:
-        return "bf16-true"
-    return "tf32" if device_type == "cuda" and tf32_enabled() else "32-true"
 
 
 def _scheduler_name(scheduler) -> str:
@@ -456,7 +445,7 @@ class Monitor:
         """Register the run (on the first step when the mode is seen from the loop)."""
         if not self.mode:
             enabled, dtype = self._autocast_seen or (False, None)
-            self.mode = _mode_from(dtype if enabled else None, self._params[0].dtype, self.device.type)
+            self.mode = mode_from_dtypes(dtype if enabled else None, self._params[0].dtype, self.device.type)
         self._opened = True
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import platform
 from dataclasses import dataclass
 
 import torch
 
-from amp_core.switches import lane_step_switches
+from amp_core.switches import lane_step_switches, tf32_enabled
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; one less object per step
 
@@ -105,6 +106,37 @@ def uses_scaler(mode: str) -> bool:
     return _SPECS[mode][2]
 
 
+def is_mixed(mode: str) -> bool:
+    """Whether the mode keeps fp32 weights and autocasts its math to 16 bits (16-mixed, bf16-mixed)."""
+    return _SPECS[mode][1] is not None
+
+
+def low_precision_dtype(mode: str) -> torch.dtype | None:
+    """The 16-bit dtype the mode computes in (its autocast dtype, or its weights' in a true mode); None for fp32
+    modes (32-true, tf32)."""
+    param_dtype, autocast_dtype, _, _ = _SPECS[mode]
+    dtype = autocast_dtype or param_dtype
+    return None if dtype == torch.float32 else dtype
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """'32-true, bf16-mixed' -> ('32-true', 'bf16-mixed'): comma-separated names, blanks dropped. Names are checked
+    where a run is configured (RunConfig names the bad one)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def mode_from_dtypes(autocast_dtype: torch.dtype | None, param_dtype: torch.dtype, device_type: str) -> str:
+    """The mode a loop trains in, read back from what it uses: its autocast dtype (None: no autocast), its
+    parameters' dtype, and on CUDA whether TF32 matmuls are on now."""
+    if autocast_dtype is not None:
+        return "bf16-mixed" if autocast_dtype == torch.bfloat16 else "16-mixed"
+    if param_dtype == torch.float16:
+        return "16-true"
+    if param_dtype == torch.bfloat16:
+        return "bf16-true"
+    return "tf32" if device_type == "cuda" and tf32_enabled() else "32-true"
+
+
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when there is a GPU, else 'cpu'."""
     if device == "auto":
@@ -123,12 +155,99 @@ def get_precision(mode: str, device: str = "cpu") -> Precision:
                      uses_scaler=scaler, tf32=tf32, watch_grads=torch.float16 in (param_dtype, autocast_dtype))
 
 
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU has instructions for 16-bit float math (else oneDNN/ATen emulate it slowly)."""
+CPU_NATIVE_ENV = "AMP_LAB_CPU_NATIVE"
+"""Overrides which 16-bit formats this CPU computes natively (unset: torch's detection decides)."""
+CPU_NATIVE_CHOICES = ("none", "bf16", "fp16", "bf16,fp16")
+"""The values CPU_NATIVE_ENV takes."""
+_FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMath:
+    """Which 16-bit float formats this CPU computes natively: what torch detects, and what counts (the override,
+    when CPU_NATIVE_ENV is set)."""
+
+    detected: frozenset[str]
+    """Formats ("bf16", "fp16") torch finds instructions for: AVX-512 bf16/fp16 or AMX."""
+    native: frozenset[str]
+    """Formats that count as native: `detected`, or the override's."""
+    override: str = ""
+    """CPU_NATIVE_ENV's value when it is set, else ""."""
+
+    def has(self, dtype: torch.dtype) -> bool:
+        return _FORMAT_NAMES.get(dtype) in self.native
+
+    def words(self, *dtypes: torch.dtype) -> str:
+        """Why `dtypes` (one or both of bf16, fp16, alike in counting as native or not) count as native or not, for
+        people ("this CPU has no native bf16 or fp16 math (it converts to fp32 and back)")."""
+        names = [_FORMAT_NAMES[dtype] for dtype in dtypes]
+        native = self.has(dtypes[0])
+        if self.override:
+            said = f"has native {' and '.join(names)} math" if native else f"has no native {' or '.join(names)} math"
+            seen = [name for name in names if name in self.detected]
+            unseen = [name for name in names if name not in self.detected]
+            detects = ", ".join(([f"{' and '.join(seen)} instructions"] if seen else [])
+                                + ([f"no {' or '.join(unseen)} instructions"] if unseen else []))
+            return f"{CPU_NATIVE_ENV}={self.override} says this CPU {said} (torch detects {detects} here)"
+        if native:
+            return f"this CPU has native {' and '.join(names)} instructions"
+        return f"this CPU has no native {' or '.join(names)} math (it converts to fp32 and back)"
+
+    def note(self) -> str:
+        """One line when the override is in force (what it says, what torch detects), else ""."""
+        if not self.override:
+            return ""
+        detected = " and ".join(sorted(self.detected)) or "neither bf16 nor fp16"
+        return f"{CPU_NATIVE_ENV}={self.override} overrides what torch detects here ({detected})"
+
+
+def _detected_formats() -> frozenset[str]:
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    if dtype == torch.bfloat16:
-        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-    return bool(caps.get("avx512_fp16") or caps.get("amx_fp16"))
+    found = set()
+    if caps.get("avx512_bf16") or caps.get("amx_bf16"):
+        found.add("bf16")
+    if caps.get("avx512_fp16") or caps.get("amx_fp16"):
+        found.add("fp16")
+    return frozenset(found)
+
+
+def cpu_math() -> CpuMath:
+    """This CPU's native 16-bit formats: detected, or as CPU_NATIVE_ENV says (read on every call, so a test or a
+    launch sets it in the environment). ValueError naming the variable for a value it does not take."""
+    detected = _detected_formats()
+    text = os.environ.get(CPU_NATIVE_ENV)
+    if text is None:
+        return CpuMath(detected=detected, native=detected)
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    if names == ["none"]:
+        return CpuMath(detected=detected, native=frozenset(), override=text.strip())
+    if not names or len(set(names)) != len(names) or not set(names) <= {"bf16", "fp16"}:
+        raise ValueError(f"{CPU_NATIVE_ENV}: unknown value {text!r}; choose from {', '.join(CPU_NATIVE_CHOICES)} "
+                         "(or leave it unset: torch detects)")
+    return CpuMath(detected=detected, native=frozenset(names), override=text.strip())
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU counts as computing `dtype` natively (else oneDNN/ATen emulate it slowly): torch's detection,
+    or CPU_NATIVE_ENV's override. ValueError for a bad override."""
+    return cpu_math().has(dtype)
+
+
+def cpu_line() -> str:
+    """One line for a log: the CPU model, its cores, the instructions torch sees that matter to 16-bit math, and what
+    counts as native here."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    name = caps.get("cpu_name") or platform.processor() or platform.machine()
+    flags = [flag for flag in ("avx2", "fma3", "f16c", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                               "amx_fp16") if caps.get(flag)]
+    try:
+        math = cpu_math()
+        native = ", ".join(sorted(math.native)) or "none"
+        counted = f"native 16-bit math: {native} ({math.note() or 'detected'})"
+    except ValueError as error:
+        counted = str(error)
+    return (f"CPU: {name} · {os.cpu_count()} cores · torch {torch.__version__} sees {' '.join(flags) or 'no SIMD'}, "
+            f"kernels for {torch.backends.cpu.get_cpu_capability()} · {counted}")
 
 
 def torch_version() -> str:
@@ -167,10 +286,13 @@ def availability(mode: str, device: str = "cpu") -> tuple[bool, str]:
     dtype = _SPECS[mode][1] or _SPECS[mode][0]
     if dtype == torch.float32:
         return True, "supported"
-    name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    if cpu_has_native(dtype):
-        return True, f"supported (this CPU has native {name} instructions)"
-    return True, f"runs, but this CPU has no native {name} math: expect it to be slower than fp32"
+    try:
+        math = cpu_math()
+    except ValueError as error:
+        return False, str(error)
+    if math.has(dtype):
+        return True, f"supported ({math.words(dtype)})"
+    return True, f"runs, but {math.words(dtype)}: expect it to be slower than fp32"
 
 
 def runnable_modes(device: str = "auto") -> list[str]:
@@ -183,7 +305,11 @@ def default_modes(device: str = "cpu") -> list[str]:
     device = resolve_device(device)
     if device.startswith("cuda"):
         return ["32-true", "bf16-mixed" if availability("bf16-mixed", device)[0] else "16-mixed"]
-    return ["32-true", "bf16-mixed" if cpu_has_native(torch.bfloat16) else "16-mixed"]
+    try:
+        bf16 = cpu_has_native(torch.bfloat16)
+    except ValueError:
+        return ["32-true"]  # the 16-bit modes are refused until the override is mended (availability says why)
+    return ["32-true", "bf16-mixed" if bf16 else "16-mixed"]
 
 
 def fused_optimizer_support(device: str = "auto") -> tuple[bool, str]:

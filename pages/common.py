@@ -47,16 +47,32 @@ class DeviceFacts:
     """Every mode: (runs here, a note: why not, or a caveat)."""
     runnable: list[str]
     defaults: list[str]
+    native_note: str = ""
+    """Set when AMP_LAB_CPU_NATIVE decides which 16-bit formats count as native (or holds a value it does not take)."""
+    native_refused: bool = False
+    """AMP_LAB_CPU_NATIVE holds a value it does not take: the 16-bit CPU modes are refused until it is mended."""
 
 
 def read_device_facts() -> DeviceFacts:
-    from amp_core.precision import MODES, availability, default_modes, device_name, resolve_device, torch_version
+    from amp_core.precision import (
+        MODES,
+        availability,
+        cpu_math,
+        default_modes,
+        device_name,
+        resolve_device,
+        torch_version,
+    )
 
     device = resolve_device("auto")
     modes = {mode: availability(mode, device) for mode in MODES}
     runnable = [mode for mode, (ok, _) in modes.items() if ok]
+    try:
+        native_note, refused = (cpu_math().note() if device == "cpu" else ""), False
+    except ValueError as error:
+        native_note, refused = f"{error}. The 16-bit modes are refused here until it is mended.", True
     return DeviceFacts(device, device_name(device), torch_version(), modes, runnable,
-                       [mode for mode in default_modes(device) if mode in runnable])
+                       [mode for mode in default_modes(device) if mode in runnable], native_note, refused)
 
 
 class WarmUp:
@@ -180,6 +196,10 @@ def device_panel(facts: DeviceFacts) -> None:
 
     st.markdown(f"**Device** · {facts.name}")
     st.caption(f"torch {facts.torch} · runs on `{facts.device}`")
+    if facts.native_refused:
+        st.error(facts.native_note)
+    elif facts.native_note:
+        st.caption(facts.native_note)
     notes: dict[tuple[bool, str], list[str]] = {}
     for mode, (ok, reason) in facts.modes.items():
         note = reason if not ok or "slower" in reason or "native" in reason else "ok"

@@ -11,7 +11,7 @@ from amp_core.views import plots
 from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
-from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate
+from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate, headline
 from pages.common import PRESENTER_KEY, get_manager, presenter_on, presenter_style, store_guarded
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
@@ -71,6 +71,9 @@ scenario = current.scenario
 st.divider()
 st.header(scenario.title)
 st.markdown(scenario.watch)
+expected = scenario.expected_here(current.configs[0].device)
+if expected:
+    st.markdown(expected)
 followers: dict[str, RecordFollower] = st.session_state.setdefault("workshop_followers", {})
 live_at_start = current.going
 
@@ -91,7 +94,7 @@ def draw_charts(run_id: str) -> None:
 
 
 def draw_checks(results) -> None:
-    st.subheader(views.checks_headline(results))
+    st.subheader(headline(results))
     for result in results:
         st.markdown(views.check_markdown(result))
 

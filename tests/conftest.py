@@ -7,6 +7,7 @@ The checkout itself is importable through pytest's `pythonpath` setting (pyproje
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -15,6 +16,11 @@ from pg_cluster import Cluster, missing
 from stepped_run import SteppedRun
 
 from amp_core import background, runner
+from amp_core.precision import CPU_NATIVE_ENV
+
+# The suite runs on the device as it is: an override exported in the shell would change what the workshop expects
+# (the tests that exercise the override set it themselves).
+os.environ.pop(CPU_NATIVE_ENV, None)
 
 
 def pytest_generate_tests(metafunc):

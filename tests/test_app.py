@@ -39,3 +39,26 @@ def test_every_page_renders_on_a_fresh_store(page):
     at.switch_page(page).run()
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
+
+
+@pytest.mark.parametrize(("value", "note", "mixed"), [
+    ("bf16,fp16", "AMP_LAB_CPU_NATIVE=bf16,fp16 overrides what torch detects here (",
+     "AMP_LAB_CPU_NATIVE=bf16,fp16 says this CPU has native bf16 math"),
+    ("none", "AMP_LAB_CPU_NATIVE=none overrides what torch detects here (", "expect it to be slower than fp32"),
+    ("avx", "AMP_LAB_CPU_NATIVE: unknown value 'avx'; choose from none, bf16, fp16, bf16,fp16",
+     "✗ `16-mixed`, `bf16-mixed`, `16-true`, `bf16-true` — AMP_LAB_CPU_NATIVE: unknown value 'avx'"),
+])
+def test_the_device_panel_says_when_the_cpu_override_decides(monkeypatch, value, note, mixed):
+    from pages import common
+
+    monkeypatch.setenv("AMP_LAB_CPU_NATIVE", value)
+    common.warm_up.clear()  # the device facts are read once per server: this one starts with the override set
+    try:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+        assert not at.exception
+        shown = at.error if value == "avx" else at.caption  # a value it does not take is an error, not a note
+        assert any(block.value.startswith(note) for block in shown), [block.value for block in shown]
+        (modes,) = [block.value for block in at.markdown if block.value.startswith("**Precision modes here**")]
+        assert mixed in modes
+    finally:
+        common.warm_up.clear()  # the next test's server detects again

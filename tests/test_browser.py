@@ -55,7 +55,10 @@ LOSS_POINTS_AT_LEAST = f"""([modes, atLeast]) => {{
     return modes.every(mode => (points[mode] || 0) >= atLeast);
 }}"""
 # Streamlit marks elements of the previous script run as stale until the new run replaces or drops them.
-SETTLED = "() => document.querySelectorAll('[data-stale=\"true\"]').length === 0"
+SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 0 "
+           "&& document.fonts.status === 'loaded'")
+"""Streamlit has redrawn everything, and its own web fonts have loaded: a width measured then is the same on every
+machine (before, it is the system fallback font's, which differs between machines)."""
 
 
 def test_launch_two_modes_and_watch_the_loss_chart(server):

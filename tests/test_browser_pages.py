@@ -119,9 +119,9 @@ def text_boxes(page, prefixes: list[str], count: int) -> list[dict]:
     return page.evaluate(TEXT_BOXES, prefixes)
 
 
-def eventually(check, page, timeout_s: float = 15.0) -> None:
+def eventually(check, page, timeout_s: float = 60.0) -> None:
     """`check(page)` until it passes: plotly and the data grid draw a moment after Streamlit settles, and redraw
-    when a late rerun lands. The last failure is raised."""
+    when a late rerun lands; on a busy machine that moment can be long. The last failure is raised."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
-from amp_core.precision import MODES, availability, default_modes, get_precision
+from amp_core.precision import (
+    CPU_NATIVE_ENV,
+    MODES,
+    availability,
+    cpu_line,
+    default_modes,
+    get_precision,
+    is_mixed,
+    low_precision_dtype,
+    mode_from_dtypes,
+    parse_modes,
+)
 from amp_core.runner import RunManager
+from amp_core.switches import lane_step_switches
 
+ROOT = Path(__file__).resolve().parents[1]
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
 
 
@@ -124,3 +139,43 @@ def test_each_mode_computes_in_its_dtype(mode):
 def test_default_modes_pair_fp32_with_a_mixed_mode():
     modes = default_modes("cpu")
     assert modes[0] == "32-true" and modes[1] in ("bf16-mixed", "16-mixed")
+
+
+@pytest.mark.parametrize(("text", "modes"), [
+    ("32-true,bf16-mixed", ("32-true", "bf16-mixed")),
+    (" 32-true , 16-mixed ,, ", ("32-true", "16-mixed")),
+    ("", ()),
+])
+def test_mode_strings_parse_in_one_place(text, modes):
+    assert parse_modes(text) == modes
+
+
+@pytest.mark.parametrize("mode", [mode for mode in MODES if mode != "tf32"])
+def test_a_mode_is_read_back_from_the_dtypes_it_trains_with(mode):
+    """What a Monitor sees of a user's loop (autocast dtype, parameter dtype) names the mode it was built from."""
+    precision = get_precision(mode, "cpu")
+    assert mode_from_dtypes(precision.autocast_dtype, precision.param_dtype, "cpu") == mode
+    assert is_mixed(mode) == (precision.autocast_dtype is not None)
+    sixteen = precision.autocast_dtype or precision.param_dtype
+    assert low_precision_dtype(mode) == (None if sixteen == torch.float32 else sixteen)
+
+
+def test_tf32_is_read_back_where_tf32_matmuls_are_on_and_only_on_cuda():
+    with lane_step_switches(True):  # TF32 flags on, as a user's `torch.backends.cuda.matmul` setting would be
+        assert mode_from_dtypes(None, torch.float32, "cuda") == "tf32"
+        assert mode_from_dtypes(None, torch.float32, "cpu") == "32-true"
+    with lane_step_switches(False):
+        assert mode_from_dtypes(None, torch.float32, "cuda") == "32-true"
+
+
+def test_the_ci_log_starts_with_this_cpu_in_one_line(monkeypatch):
+    """.ci/run prints, before anything else, the CPU and what torch sees of it, so a red run can be read."""
+    monkeypatch.delenv(CPU_NATIVE_ENV, raising=False)
+    line = cpu_line()
+    capabilities = torch.cpu.get_capabilities()
+    assert "\n" not in line and line.startswith(f"CPU: {capabilities['cpu_name']} · ")
+    assert f"kernels for {torch.backends.cpu.get_cpu_capability()}" in line
+    assert all(flag in line.split(" sees ")[1] for flag in ("avx2", "avx512_bf16", "amx_bf16") if capabilities[flag])
+    assert line.endswith("(detected)")
+    script = (ROOT / ".ci" / "run").read_text()
+    assert script.index("cpu_line()") < min(script.index("apt-get"), script.index("pytest"))

@@ -570,7 +570,8 @@ def test_the_sink_times_what_storing_costs_the_run(fresh_store):
     elapsed = time.perf_counter() - started
     unstored = Run(config).start()
     unstored.join()
-    assert 0 < stored.sink.write_seconds < elapsed / 10 and unstored.sink.write_seconds == 0
+    # Measured, and part of the run's own time; how small it is is bench.scale's figure (it depends on the disk).
+    assert 0 < stored.sink.write_seconds < elapsed and unstored.sink.write_seconds == 0
 
 
 def test_a_grad_norm_not_measured_marks_no_record_and_an_infinite_one_does():

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from stepped_run import SteppedRun
 from torch import nn
 
 from amp_core.config import ConfigError, RunConfig, ScalerConfig
@@ -315,13 +316,10 @@ def wait_for(condition, timeout: float = 30.0) -> None:
 
 
 def paused_run(modes: tuple[str, ...], **settings) -> Run:
-    run = Run(RunConfig(workload="digits_mlp", modes=modes, steps=100_000, batch_size=16, device="cpu",
-                        gradstats_every=0, **settings)).start()
-    wait_for(lambda: all(lane.steps_done >= 3 for lane in run.lanes))
-    run.pause()
-    counts = None
-    while counts != (counts := [lane.steps_done for lane in run.lanes]):  # a step under way still finishes
-        time.sleep(0.1)
+    """A real run parked by itself after 3 steps of each lane: no lane step under way, however slow the machine."""
+    run = SteppedRun(RunConfig(workload="digits_mlp", modes=modes, steps=100_000, batch_size=16, device="cpu",
+                               gradstats_every=0, **settings), pause_after={3 * len(modes)}).start()
+    run.wait_until(lambda r: r.parked())
     return run
 
 

@@ -9,7 +9,8 @@ import pytest
 from figure_json import spec
 from streamlit.testing.v1 import AppTest
 
-from amp_core.workshop import SCENARIOS
+from amp_core.views.workshop import check_markdown
+from amp_core.workshop import SCENARIOS, CheckResult, Verdict, headline
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "workshop.py")
@@ -47,7 +48,7 @@ def test_launch_draws_the_run_and_its_checks_turn_final(app):
     app.run()  # the fragment's timer does not fire under AppTest: a rerun draws what the run recorded
     assert not app.exception
     assert [s.value for s in app.subheader] == ["3 of 3 checks held"]
-    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", "⏳"))]
+    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", ":orange[?]", "⏳"))]
     assert [text.split(" **")[1].split("**")[0] for text in checks] == [c.title for c in scenario.checks]
     assert all(text.startswith(":green[✓]") for text in checks)
     assert "back at 2^20" in checks[2]
@@ -115,7 +116,7 @@ def test_checks_are_drawn_as_they_stand_while_the_run_goes_then_final(app, stepp
     app.run()
     assert not app.exception
     assert [s.value for s in app.subheader] == ["so far 2 of 3 checks hold"]  # the spike (steps 40-43) is behind it
-    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", "⏳"))]
+    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", ":orange[?]", "⏳"))]
     assert [text[:1] for text in checks[2:]] == ["⏳"] and "waiting for the scale to climb back" in checks[2]
     run.resume()
     assert launch.wait(120)
@@ -127,3 +128,34 @@ def get_run(run_id: str):
     from pages.common import get_manager
 
     return get_manager().get(run_id)
+
+
+def test_the_speed_scenario_says_what_this_device_implies_and_draws_each_verdict(app):
+    """The speed race on the device as it is: the one line of what is expected here, then each check with its mark
+    (held, or "cannot tell here" with the reason when the run's noise cannot decide; never failed on this device)."""
+    app.button(key="workshop_launch_speed").click().run()
+    launch = app.session_state["workshop_launch"]
+    scenario = SCENARIOS["speed"]
+    assert scenario.expected_here("cpu") in markdown_texts(app)
+    assert launch.wait(240)
+    app.run()
+    assert not app.exception and not app.error
+    results = launch.results()
+    assert [s.value for s in app.subheader] == [headline(results)]
+    checks = [text for text in markdown_texts(app) if text.startswith((":green[✓]", ":red[✗]", ":orange[?]", "⏳"))]
+    assert checks == [check_markdown(result) for result in results]
+    assert not any(result.verdict is Verdict.FAILED for result in results)
+    for text, result in zip(checks, results, strict=True):
+        assert f"*expected:* {result.expectation}" in text
+        if result.verdict is Verdict.CANNOT_TELL:
+            assert text.startswith(":orange[?]") and "*cannot tell here:* " in text
+
+
+def test_a_check_that_cannot_be_told_is_drawn_apart_with_its_reason():
+    result = CheckResult("bf16-mixed at the large size", Verdict.CANNOT_TELL, "1.01× (95% interval 0.97–1.05)",
+                         "faster than 32-true", "its interval includes 1×")
+    assert check_markdown(result) == (":orange[?] **bf16-mixed at the large size** — 1.01× (95% interval "
+                                      "0.97–1.05)  \n*expected:* faster than 32-true  \n*cannot tell here:* its "
+                                      "interval includes 1×")
+    failed = CheckResult("t", Verdict.FAILED, "f", "e", "because")
+    assert check_markdown(failed).startswith(":red[✗] **t** — f") and "*why not:* because" in check_markdown(failed)

@@ -162,9 +162,9 @@ def test_pause_resume_stop(no_leaked_threads):
     with run.progress:  # no lane step is counted while the pause lands
         run.pause()
         paused_at = run.lane_steps
-    # The lane step under way when pause() landed may still finish; none starts after it.
-    assert run.steps_within(0.5) <= 1
-    assert run.steps_within(0.5) == 0
+    # The lane step under way when pause() landed may still finish (in either window, however slow the machine);
+    # none starts after it.
+    assert run.steps_within(0.5) + run.steps_within(0.5) <= 1
     assert run.status == "paused" and run.alive and len(run.sink.records) == run.lane_steps <= paused_at + 1
     run.resume()
     resumed_at = run.lane_steps
@@ -179,7 +179,7 @@ def test_pause_resume_stop(no_leaked_threads):
 def test_stop_ends_the_run_within_a_step(no_leaked_threads):
     run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
     run.wait_until(lambda r: r.lane_steps >= 3)
-    run.stop(timeout=5.0)
+    run.stop()  # waits up to the run's own 30 s: a busy machine may take seconds to schedule the thread
     assert not run.alive and run.ended and run.status == "stopped"
 
 

@@ -1,9 +1,11 @@
-"""Workshop scenarios on real runs: every scenario through `amp_core workshop run` in real processes (exit 0 here),
-its checks re-read from the stored records, checks that turn ✗ when a run does not show their point, bad input."""
+"""Workshop scenarios on real runs: every scenario through `amp_core workshop run` in real processes on the device as
+it is (no check fails here; one that the run's noise cannot decide says "cannot tell here"), its checks re-read from
+the stored records, checks that turn ✗ when a run does not show their point, the CPU override, bad input."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -11,35 +13,56 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
-from amp_core.precision import cpu_has_native
+from amp_core.precision import CPU_NATIVE_ENV, cpu_math
 from amp_core.records.store import open_store
 from amp_core.runner import RunManager
 from amp_core.workshop import (
+    EXIT_CANNOT_TELL,
+    EXIT_FAILED,
+    EXIT_HELD,
     SCENARIOS,
     Check,
+    CheckResult,
     Evidence,
     ScenarioLaunch,
+    Verdict,
     Waiting,
-    _no_skips,
     evaluate,
+    exit_code,
     gather,
-    native_16bit,
+    headline,
 )
+from amp_core.workshop.checks import no_skips
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 240
+pytestmark = pytest.mark.timeout(1200)
+"""The first test sets up every scenario in real processes (minutes on a slow or busy machine): pyproject's 300 s
+hang guard is too tight for that set-up."""
 
 
-def workshop_cli(*args: str, store: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m amp_core workshop ARGS` in a process of its own."""
+def workshop_cli(*args: str, store: Path | None = None, native: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m amp_core workshop ARGS` in a process of its own, on the device as it is (`native`: the
+    AMP_LAB_CPU_NATIVE override to run it under)."""
     command = [sys.executable, "-m", "amp_core", "workshop", *args]
     if store is not None:
         command += ["--store", str(store)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+    env = {name: value for name, value in os.environ.items() if name != CPU_NATIVE_ENV}
+    if native is not None:
+        env[CPU_NATIVE_ENV] = native
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
+                          env=env)
+
+
+CHECK_LINE = re.compile(r"^([✓✗?]) (.+?): ", flags=re.MULTILINE)
+
+
+def printed_verdicts(output: str) -> dict[str, Verdict]:
+    """Each check's verdict as `workshop run` printed it (its mark, first on the check's line)."""
+    return {title: Verdict(mark) for mark, title in CHECK_LINE.findall(output)}
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +86,30 @@ def run_ids(output: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_every_scenario_passes_workshop_run_on_this_cpu(cli_runs, name):
+def test_every_scenario_runs_with_no_check_failed_on_this_device(cli_runs, name):
+    """Every check holds, or (the speed checks, on a machine too busy to tell two speeds apart) says it cannot be told
+    here and why; the exit code follows: 0 when every check held, 3 when one cannot be told."""
     done, _ = cli_runs[name]
     scenario = SCENARIOS[name]
-    assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
-    for check in scenario.checks:
-        assert f"✓ {check.title}: " in done.stdout
-    assert f"{len(scenario.checks)} of {len(scenario.checks)} checks held" in done.stdout
+    verdicts = printed_verdicts(done.stdout)
+    assert list(verdicts) == [check.title for check in scenario.checks], done.stdout
+    assert Verdict.FAILED not in verdicts.values(), done.stdout
+    untold = list(verdicts.values()).count(Verdict.CANNOT_TELL)
+    assert done.returncode == (EXIT_CANNOT_TELL if untold else EXIT_HELD), done.stdout + done.stderr
+    assert done.stdout.count("    cannot tell here: ") == untold
+    checks = len(scenario.checks)
+    assert f"{checks - untold} of {checks} checks held" + (f", {untold} cannot be told here" if untold else "") in (
+        done.stdout.splitlines())
     assert len(run_ids(done.stdout)) == len(scenario.configs("cpu"))
+    if scenario.expects is not None:  # the one line saying what this device implies
+        assert scenario.expected_here("cpu") in done.stdout.splitlines()
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
     """A scenario run by another process, read back from its store (steps, events, gradient statistics): the checks
-    hold there too, final, with the figures the CLI printed."""
+    read the same there, final, with the verdicts and figures the CLI printed."""
     done, store = cli_runs[name]
     manager = RunManager(open_store(store))
     evidence = gather(manager, run_ids(done.stdout))
@@ -87,8 +119,36 @@ def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
         assert part.config.name.startswith("workshop: ")
     results = evaluate(SCENARIOS[name], evidence)
     for result in results:
-        assert result.held and result.final and not result.waiting, result
-        assert f"✓ {result.title}: {result.figure}" in done.stdout
+        assert result.verdict is not Verdict.FAILED and result.final and not result.waiting, result
+        assert f"{result.mark} {result.title}: {result.figure}" in done.stdout
+        assert f"    expected: {result.expectation}" in done.stdout
+
+
+def test_an_override_the_cpu_does_not_meet_fails_the_speed_checks_and_says_why(tmp_path):
+    """The speed scenario under an AMP_LAB_CPU_NATIVE that says the opposite of what torch detects here: the
+    expectations are the override's, a check whose figure contradicts it fails naming the override, and the exit
+    code follows the verdicts."""
+    opposite = ",".join(sorted({"bf16", "fp16"} - cpu_math().detected)) or "none"
+    done = workshop_cli("run", "speed", store=tmp_path / "runs.sqlite3", native=opposite)
+    assert "Traceback" not in done.stderr
+    assert f": {CPU_NATIVE_ENV}={opposite} says this CPU has" in done.stdout
+    verdicts = printed_verdicts(done.stdout)
+    assert len(verdicts) == 3
+    for title in verdicts:
+        assert f"{CPU_NATIVE_ENV}={opposite} says this CPU" in done.stdout.split(f" {title}: ", 1)[1].split("\n")[1]
+    failed = list(verdicts.values()).count(Verdict.FAILED)
+    assert done.stdout.count("    why not: ") == failed
+    assert done.stdout.count("the CPU does not do what the override says") == failed
+    untold = list(verdicts.values()).count(Verdict.CANNOT_TELL)
+    assert done.returncode == (EXIT_FAILED if failed else EXIT_CANNOT_TELL if untold else EXIT_HELD)
+
+
+def test_a_bad_override_is_one_line_naming_it_and_exit_2(tmp_path):
+    done = workshop_cli("run", "speed", store=tmp_path / "runs.sqlite3", native="avx512")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"error: modes: bf16-mixed cannot run on this device: {CPU_NATIVE_ENV}: unknown "
+                                   "value 'avx512'; choose from none, bf16, fp16, bf16,fp16 (or leave it unset: torch "
+                                   "detects)")
 
 
 def test_list_names_every_scenario_first_on_its_line(capsys):
@@ -99,7 +159,7 @@ def test_list_names_every_scenario_first_on_its_line(capsys):
         assert scenario.title in line
 
 
-def exit_code(argv: list[str]) -> int:
+def main_exit_code(argv: list[str]) -> int:
     """main()'s exit code: returned, or raised by argparse as SystemExit."""
     try:
         return main(argv)
@@ -114,7 +174,7 @@ def exit_code(argv: list[str]) -> int:
     (["workshop", "run", "speed", "--device", "tpu"], "device: unknown value 'tpu'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    assert exit_code(args) == 2
+    assert main_exit_code(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
@@ -156,7 +216,7 @@ def test_a_scale_that_cannot_grow_back_in_time_fails_the_regrowth_check(tmp_path
 
 def test_no_skips_fails_for_a_lane_that_skipped(tmp_path):
     evidence = launched(SCENARIOS["bf16-no-skip"], tmp_path)
-    held, figure, explanation = _no_skips("16-mixed")(evidence)
+    held, figure, explanation = no_skips("16-mixed")(evidence)
     assert not held and figure.startswith("16-mixed: 3 of 150 steps skipped") and explanation
 
 
@@ -189,15 +249,6 @@ def test_an_initial_scale_that_fits_fails_the_too_high_check(tmp_path):
     assert result_of(results, "NaN from the model collapses the scale").held
 
 
-def test_sizes_in_the_wrong_order_fail_the_gains_with_size_check(tmp_path):
-    scenario = SCENARIOS["speed"]
-    reversed_sizes = dataclasses.replace(scenario, build=lambda device: scenario.build(device)[::-1])
-    evidence = launched(reversed_sizes, tmp_path)
-    assert [part.config.size for part in evidence.parts] == ["large", "small"]
-    gains = result_of(evaluate(reversed_sizes, evidence), "bf16-mixed gains with size")
-    assert not gains.held and gains.explanation
-
-
 def test_checks_wait_for_records_and_fail_when_the_run_ended_without_them(tmp_path):
     manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     scenario = SCENARIOS["spike-recovery"]
@@ -217,14 +268,25 @@ def test_checks_wait_for_records_and_fail_when_the_run_ended_without_them(tmp_pa
 def test_a_check_that_raises_waiting_is_reported_as_waiting():
     check = Check("t", "e", lambda evidence: (_ for _ in ()).throw(Waiting("step 5")))
     result = check.evaluate(Evidence(None, [], 1, ended=False))
-    assert (result.held, result.waiting, result.figure) == (False, True, "waiting for step 5")
+    assert (result.held, result.verdict, result.waiting, result.figure) == (False, Verdict.FAILED, True,
+                                                                            "waiting for step 5")
 
 
-def test_the_device_expectation_follows_the_cpu():
-    for dtype in (torch.float16, torch.bfloat16):
-        native, words = native_16bit(dtype, "cpu")
-        assert native == cpu_has_native(dtype)
-        assert ("native" in words) and (("no native" in words) != native)
+def results_of(*verdicts: Verdict, final: bool = True) -> list[CheckResult]:
+    return [CheckResult(f"c{index}", verdict, "figure", "expected", final=final)
+            for index, verdict in enumerate(verdicts)]
+
+
+@pytest.mark.parametrize(("verdicts", "code", "line"), [
+    ((Verdict.HELD, Verdict.HELD), EXIT_HELD, "2 of 2 checks held"),
+    ((Verdict.HELD, Verdict.CANNOT_TELL), EXIT_CANNOT_TELL, "1 of 2 checks held, 1 cannot be told here"),
+    ((Verdict.FAILED, Verdict.CANNOT_TELL), EXIT_FAILED, "0 of 2 checks held, 1 cannot be told here"),
+    ((Verdict.HELD, Verdict.FAILED), EXIT_FAILED, "1 of 2 checks held"),
+])
+def test_what_the_verdicts_add_up_to(verdicts, code, line):
+    results = results_of(*verdicts)
+    assert (exit_code(results), headline(results)) == (code, line)
+    assert headline(results_of(*verdicts, final=False)) == "so far " + line.replace("checks held", "checks hold")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -234,6 +296,8 @@ def test_each_scenario_builds_valid_runs_for_both_devices(name):
         configs = scenario.configs(device)
         assert configs and all(isinstance(config, RunConfig) and config.device == device for config in configs)
         assert all(config.name.startswith("workshop: ") for config in configs)
+        line = scenario.expected_here(device)  # what this device implies, in one line, where the outcome depends on it
+        assert "\n" not in line and bool(line) == (scenario.expects is not None)
     assert len(scenario.checks) >= 3
     sentences = [s for s in re.split(r"(?<=[.!?])\s+", scenario.watch) if s]
     assert len(sentences) == 2, scenario.watch

@@ -8,7 +8,7 @@ import numbers
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.workshop import CheckResult
+from amp_core.workshop import CheckResult, Verdict
 
 PRESENTER_HEIGHT = 540
 """A chart's height in the presenter view: one chart fills most of a 1280 x 720 projector, under a title line."""
@@ -42,20 +42,17 @@ def distinguish_lanes(figure: go.Figure) -> go.Figure:
     return figure
 
 
+MARK_COLOURS = {Verdict.HELD: "green", Verdict.FAILED: "red", Verdict.CANNOT_TELL: "orange"}
+
+
 def check_markdown(result: CheckResult) -> str:
-    """One check as Markdown: its mark, title and figure, then what was expected (and why not, when it did not hold)."""
-    mark = "⏳" if result.waiting and not result.final else f":{'green' if result.held else 'red'}[{result.mark}]"
+    """One check as Markdown: its mark, title and figure, then what was expected here (and why not, or why it cannot
+    be told here)."""
+    mark = "⏳" if result.waiting and not result.final else f":{MARK_COLOURS[result.verdict]}[{result.mark}]"
     lines = [f"{mark} **{result.title}** — {result.figure}", f"*expected:* {result.expectation}"]
     if result.explanation:
-        lines.append(f"*{'why not' if not result.held else 'note'}:* {result.explanation}")
+        lines.append(f"*{result.label}:* {result.explanation}")
     return "  \n".join(lines)
-
-
-def checks_headline(results: list[CheckResult]) -> str:
-    """'3 of 3 checks held' once the runs have ended; 'so far …' while they go."""
-    held = sum(result.held for result in results)
-    final = all(result.final for result in results)
-    return f"{held} of {len(results)} checks held" if final else f"so far {held} of {len(results)} checks hold"
 
 
 def table_text(frame: pd.DataFrame) -> pd.DataFrame:

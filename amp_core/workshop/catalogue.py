@@ -1,0 +1,222 @@
+"""The workshop's catalogue: each scenario (a prepared race that makes one point), the runs it launches on a device,
+what to watch, what the charts do not mean, and the checks that say whether the point showed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.precision import resolve_device
+from amp_core.workshop import checks, speed
+from amp_core.workshop.evidence import Evidence
+from amp_core.workshop.verdicts import Check
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    """A prepared race that makes one point, with the checks that say whether the point showed."""
+
+    name: str
+    """Short name for the CLI (`workshop run NAME`)."""
+    title: str
+    """The question it answers, as a room reads it."""
+    watch: str
+    """Two sentences: what to watch on the charts."""
+    caveat: str
+    """What the charts do not mean (shown next to them)."""
+    build: Callable[[str], tuple[RunConfig, ...]]
+    """device ('cpu' | 'cuda') -> the runs to launch, one after another (sizes that finish within a minute on a
+    2-core CPU; larger ones on a GPU where the point needs them)."""
+    checks: tuple[Check, ...]
+    """What the records must show."""
+    expects: Callable[[str], str] | None = None
+    """device -> one line: which expectation applies there and why, for a scenario whose outcome depends on the
+    device (None: the same everywhere)."""
+    table: Callable[[Evidence], pd.DataFrame] | None = None
+    """A table the scenario shows beside its checks (per-layer lost updates, the per-op table), or None."""
+    table_title: str = ""
+    """What the table is."""
+    charts: tuple[str, ...] = ("loss", "scale")
+    """Which of the Train page's charts tell the story (keys of views.plots.train_figures)."""
+
+    def configs(self, device: str = "auto") -> tuple[RunConfig, ...]:
+        """The runs for `device` ('auto': CUDA when there is a GPU, else the CPU)."""
+        return self.build(_device_kind(device))
+
+    def expected_here(self, device: str = "auto") -> str:
+        """The one line of `expects` for `device` ('auto': this machine's), or "" when the outcome is the same on
+        every device."""
+        return self.expects(_device_kind(device)) if self.expects is not None else ""
+
+
+def _device_kind(device: str) -> str:
+    return "cuda" if resolve_device(device).startswith("cuda") else "cpu"
+
+
+SPEED_MODES = ("32-true", "bf16-mixed", "16-mixed")
+"""The speed scenario's lanes: the baseline, then the two mixed modes it times."""
+SPEED_STEPS = {"cpu": {"small": 200, "large": 60}, "cuda": {"small": 200, "large": 200}}
+"""Steps per size: a small CPU step takes about a millisecond, so a busy machine's scheduling shakes it most; more
+of them narrow its interval (about a second more here)."""
+
+
+def _config(device: str, name: str, **settings) -> RunConfig:
+    return RunConfig(workload=settings.pop("workload", "digits_mlp"), device=device, name=f"workshop: {name}",
+                     **settings)
+
+
+def _spike(step: int, duration: int) -> tuple[FaultSpec, ...]:
+    return (FaultSpec(kind="loss_scale", step=step, duration=duration, factor=1e6),)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(
+        name="fp16-scaler", title="Why fp16 needs a GradScaler",
+        watch="32-true, 16-mixed (fp16 math, fp32 weights, a GradScaler) and 16-true (everything fp16, no scaler) "
+              "race from the same weights on the same batches. Watch 16-mixed trace 32-true while 16-true falls out "
+              "of the race.",
+        caveat="16-true lacks two things at once: a scaler and fp32 master weights (its Adam state is fp16 too). "
+               "Its failure is fp16's small range; the scaler alone fixes that only in the backward of 16-mixed.",
+        build=lambda device: (_config(device, "fp16 needs a GradScaler", modes=("32-true", "16-mixed", "16-true"),
+                                      steps=200, gradstats_every=25),),
+        checks=(
+            Check("16-mixed keeps up with 32-true",
+                  f"final losses within {checks.LOSS_MATCH:.0%}: fp32 weights and the scale keep fp16 math on track",
+                  checks.mixed_keeps_up),
+            Check("16-true stalls or diverges",
+                  f"diverges, or ends {checks.STALL_GAP:.0%} or more above 32-true: fp16 weights and optimizer state "
+                  "underflow or round updates away", checks.pure_fp16_fails),
+            Check("The scale lifts gradients out of fp16's underflow zone",
+                  "without the scale at least 1% of the gradient would be subnormal or 0 in fp16; with it, under a "
+                  "tenth of that (measured by casting the real gradients)", checks.scale_lifts_underflow),
+        )),
+    Scenario(
+        name="bf16-no-skip", title="bf16 never skips",
+        watch="The same loss spike (loss × 10^6 for 3 steps) hits a bf16-mixed and a 16-mixed lane. Watch the ✕ "
+              "marks: fp16's scaled gradients overflow and its GradScaler skips those steps; bf16 has fp32's range, "
+              "so it takes them.",
+        caveat="The spike hits both lanes; only the scaled lane skips it. bf16 took three steps with 10^6-times "
+               "gradients, and Adam's second-moment estimate remembers them, which shrinks its next steps: a lower "
+               "loss in 16-mixed afterwards is not \"fp16 trains better\", it is the skipped steps.",
+        build=lambda device: (_config(device, "bf16 never skips", modes=("bf16-mixed", "16-mixed"), steps=150,
+                                      faults=_spike(60, 3), gradstats_every=0),),
+        checks=(
+            Check("The spike hits every lane", "both lanes' recorded loss jumps ×1000 or more at the spike",
+                  checks.spike_hits_every_lane),
+            Check("bf16-mixed skips nothing", "0 skipped steps: bf16 has no scaler and fp32's range",
+                  checks.no_skips("bf16-mixed")),
+            Check("16-mixed skips the spike", "every spike step skipped: the scaled gradients overflow fp16",
+                  checks.spike_skipped),
+        )),
+    Scenario(
+        name="spike-recovery", title="A loss spike: skip, back off, grow back",
+        watch="A 16-mixed lane meets a 4-step loss spike with a GradScaler whose growth interval is 10 steps. Watch "
+              "the scale chart: it halves on each skipped step, then doubles after every 10 clean steps until it is "
+              "back.",
+        caveat="With a growth interval this short the scale also probes upward on its own and overflows now and then "
+               "(an odd ✕ away from the spike): that is the scaler finding the largest scale that fits, not a fault. "
+               "PyTorch's default interval is 2000 steps.",
+        build=lambda device: (_config(device, "spike, back-off, regrowth", modes=("16-mixed",), steps=150,
+                                      faults=_spike(40, 4), scaler=ScalerConfig(growth_interval=10),
+                                      gradstats_every=0),),
+        checks=(
+            Check("Skip", "every spike step skipped", checks.spike_skipped),
+            Check("Back off", "the scale halves on each skipped step (backoff factor 0.5)", checks.backoff),
+            Check("Grow back", "after the spike the scale climbs back to where it was, one doubling per growth "
+                  "interval of clean steps", checks.regrowth),
+        )),
+    Scenario(
+        name="lost-updates", title="Pure 16-bit weights lose updates",
+        watch="32-true, bf16-true and 16-true train with SGD at a small LR. Watch the table: the share of each "
+              "layer's updates that rounded away because the step was smaller than half the spacing of the "
+              "weight's format.",
+        caveat="A lost update is a weight that did not move although its gradient was not 0; it is sampled every 10 "
+               "steps. Mixed modes keep fp32 master weights for exactly this reason.",
+        build=lambda device: (_config(device, "pure 16-bit weights lose updates",
+                                      modes=("32-true", "bf16-true", "16-true"), optimizer="sgd", lr=0.01, steps=150,
+                                      gradstats_every=10),),
+        checks=(
+            Check("bf16 weights lose updates", "at least 5% of bf16-true's updates rounded away (8 significant bits)",
+                  checks.loses_updates("bf16-true", 0.05)),
+            Check("More bits, fewer losses", "bf16-true loses more than 16-true (11 significant bits)",
+                  checks.more_bits_fewer_losses),
+            Check("fp32 weights keep their updates", "under 1% lost in 32-true (24 significant bits)",
+                  checks.fp32_keeps_updates),
+        ),
+        table=checks.lost_update_table, table_title="Share of updates lost, per parameter (mean over sampled steps)",
+        charts=("loss",)),
+    Scenario(
+        name="autocast-policy", title="Autocast's op policy",
+        watch="Autocast does not cast everything: `x @ y` runs in 16 bits, `x + y` stays fp32, and the loss is "
+              "computed in fp32. Watch the per-op table of one step: the casts (_to_copy) autocast inserted and the "
+              "dtype each op computed in.",
+        caveat="The op table is one traced step of this run's first mixed lane (its initial weights and first "
+               "batch, the same seed). CPU autocast's lists differ from CUDA's in places; what you see is what ran "
+               "here.",
+        build=lambda device: (_config(device, "autocast op policy", modes=("32-true", "bf16-mixed", "16-mixed"),
+                                      steps=100, gradstats_every=0),),
+        checks=(
+            Check("`x + y` stays fp32", "an add of fp32 tensors under fp16 and bf16 autocast gives fp32",
+                  checks.autocast_result("x + y")),
+            Check("`x @ y` runs in 16 bits", "a matmul of fp32 tensors under autocast gives the autocast dtype",
+                  checks.autocast_result("x @ y")),
+            Check("One step of this run", "every matmul FLOP of a mixed lane in 16 bits, the loss's ops in fp32",
+                  checks.step_policy),
+        ),
+        table=checks.op_table, table_title="Every op of one step (forward and backward), views left out",
+        charts=("loss", "step_time")),
+    Scenario(
+        name="speed", title="Is mixed precision faster here?",
+        watch="The same race runs twice on this device, first at a small size and then at a large one. Watch the "
+              "step-time chart of each: whether a 16-bit mode is faster depends on the device and on the size.",
+        caveat="Each speed is the median of the run's per-step ratios (32-true's step time over the mode's in the "
+               "same interleaved step, so noise hits every lane alike), with a 95% interval. The expectation follows "
+               "the device: native 16-bit math (tensor cores, AVX-512 bf16/fp16, AMX) wins at a large size; without "
+               "it a 16-bit mode converts and is slower. Where the interval cannot decide, a check says \"cannot "
+               "tell here\" instead of passing.",
+        build=lambda device: tuple(
+            _config(device, f"is mixed precision faster here? ({size})", modes=SPEED_MODES,
+                    steps=SPEED_STEPS[device][size], gradstats_every=0, memory_every=1000, size=size,
+                    workload="digits_mlp" if device == "cpu" else "tiny_transformer")
+            for size in ("small", "large")),
+        checks=(
+            Check("bf16-mixed from small to large", speed.size_trend_expectation("bf16-mixed"),
+                  speed.size_trend("bf16-mixed")),
+            Check("bf16-mixed at the large size", speed.large_size_expectation("bf16-mixed"),
+                  speed.large_size("bf16-mixed")),
+            Check("16-mixed at the large size", speed.large_size_expectation("16-mixed"),
+                  speed.large_size("16-mixed")),
+        ),
+        expects=speed.expected_here(SPEED_MODES[1:]),
+        charts=("step_time",)),
+    Scenario(
+        name="scale-collapse", title="Scale collapse: what GradScaler can and cannot do",
+        watch="16-mixed starts at scale 2^40, far too high, and from step 60 its model makes a NaN gradient every "
+              "step (injected, as a bug would: a log of 0, a division by 0). Watch the scale chart: it halves down "
+              "to a working scale, then collapses towards 0, while bf16-mixed takes the NaN and dies.",
+        caveat="GradScaler can find a working scale, and it keeps NaN out of the weights by skipping. It cannot fix "
+               "a model that makes NaN: 16-mixed's flat loss after step 60 is not training, it is every step "
+               "skipped. A scale falling step after step means: find the op (Layer numerics page).",
+        build=lambda device: (_config(device, "scale collapse", modes=("16-mixed", "bf16-mixed"), steps=120,
+                                      gradstats_every=0,
+                                      faults=(FaultSpec(kind="init_scale", factor=2.0**40, modes=("16-mixed",)),
+                                              FaultSpec(kind="grad_nan", step=60, duration=60))),),
+        checks=(
+            Check("A too-high initial scale costs a few steps", "the first steps are skipped while the scale halves "
+                  "to one that fits (at most 40), then it trains", checks.init_scale_settles),
+            Check("NaN from the model collapses the scale", "every NaN step skipped; the scale falls 2^20-fold or "
+                  "more", checks.nan_collapses_scale),
+            Check("The scaler keeps the weights finite", "16-mixed's loss stays finite: no NaN step is applied",
+                  checks.weights_kept),
+            Check("Without a scaler the NaN is applied", "bf16-mixed's loss turns NaN after the first NaN step and "
+                  "the lane stops", checks.unscaled_applies_nan),
+        )),
+)}
+
+
+def unknown_scenario(name: str) -> str:
+    """The message for a name that is not a scenario."""
+    return f"no scenario {name!r}; choose from {', '.join(SCENARIOS)}"
