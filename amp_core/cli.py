@@ -79,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the Layer numerics page's heatmap); 0: off")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
-                          "lr_scale:10@100+20, init_scale:1024 (repeatable)")
+                          "lr_scale:10@100+20, init_scale:1024, batch_outlier:1000@40 (repeatable)")
+    defaults = RunConfig()
+    run.add_argument("--snapshot-every", type=int, default=defaults.snapshot_every, metavar="N",
+                     help="keep each lane's state every N steps for replays in the process that runs the race (the "
+                          "dashboard's; `replay` of a stored run re-trains the lane from its seed instead); 0: off")
+    run.add_argument("--snapshot-keep", type=int, default=defaults.snapshot_keep, metavar="K",
+                     help="snapshots kept per lane (the newest)")
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
                           "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")
@@ -112,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     numerics.add_argument("--csv", default=None, help="write the per-module table here")
     numerics.set_defaults(handler=cmd_numerics, uses_workloads=True)
 
+    replay = sub.add_parser("replay", parents=[plugins],
+                            help="why did a step blow up, precision or data? replay it in every mode and in fp32",
+                            description="Replay step S of a lane from the weights before it, once in every mode of "
+                                        "the run and in fp32 (and float64), and print each mode's loss, gradients, "
+                                        "first inf/NaN module, scale and update against fp32, then a verdict line. "
+                                        "A stored run is re-trained from its seed to S in this process (nothing of "
+                                        "its state is in the store), deterministically on a CPU.")
+    replay.add_argument("run_id")
+    replay.add_argument("--lane", required=True, help="a lane number, or a mode name (its first seed's lane)")
+    replay.add_argument("--step", type=int, required=True, help="the step to replay (0-based)")
+    replay.set_defaults(handler=cmd_replay, uses_workloads=True)
+
     workshop = sub.add_parser("workshop", help="guided scenarios: list them, or run one and check what it showed")
     workshop_sub = workshop.add_subparsers(dest="workshop_command", metavar="{list,run}", required=True,
                                              parser_class=_Parser)
@@ -142,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seed=args.seed, seeds=args.seeds, size=args.size, device=args.device, data_dir=args.data_dir,
         grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
-        faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every)
+        faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every,
+        snapshot_every=args.snapshot_every, snapshot_keep=args.snapshot_keep)
 
 
 class _LogLines:
@@ -381,6 +400,17 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 
     return cli_numerics(args.workload, args.mode, args.csv, size=args.size, device=args.device,
                         batch_size=args.batch_size)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`replay RUN_ID --lane L --step S`: the table and, last, `verdict: precision|data|unclear — <why>`."""
+    from amp_core.probes.replay import replay_run
+    from amp_core.runner import RunManager
+    from amp_core.views.replay import replay_text
+
+    report = replay_run(RunManager(open_store(args.store)), args.run_id, args.lane, args.step)
+    print(replay_text(report))
+    return 0
 
 
 def cmd_workshop(args: argparse.Namespace) -> int:

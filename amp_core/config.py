@@ -23,7 +23,7 @@ SCHEDULERS = ("none", "onecycle")
 SIZES = ("small", "medium", "large", "xl")
 """Every size a workload may offer; each workload lists its own (Workload.sizes). xl is a GPU size."""
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale")
+FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale", "batch_outlier")
 MAX_SEEDS = 8
 """At most this many seeds per mode: lanes = modes x seeds all train in one process, interleaved."""
 
@@ -70,17 +70,18 @@ class FaultSpec:
 
     Text form (CLI): ``kind:arg@step+duration``, e.g. ``loss_scale:1e6@50+10``,
     ``grad_inf:fc1.weight@30``, ``grad_nan@30`` (first parameter), ``lr_scale:10@100+20``,
-    ``init_scale:1024``.
+    ``init_scale:1024``, ``batch_outlier:1000@40`` (the batch's floating inputs and targets x 1000).
     """
 
     kind: str
-    """loss_scale | grad_inf | grad_nan | lr_scale | init_scale."""
+    """loss_scale | grad_inf | grad_nan | lr_scale | init_scale | batch_outlier."""
     step: int = 0
     """First step (0-based) the fault acts on."""
     duration: int = 1
     """How many steps it acts for."""
     factor: float = 1.0
-    """Multiplier for loss_scale / lr_scale; the scale itself for init_scale."""
+    """Multiplier for loss_scale / lr_scale / batch_outlier (its floating inputs and targets); the scale itself for
+    init_scale."""
     param: str = ""
     """Parameter name for grad_inf / grad_nan; empty means the model's first parameter."""
     modes: tuple[str, ...] = ()
@@ -91,7 +92,7 @@ class FaultSpec:
             raise ConfigError("faults.kind", f"unknown fault {self.kind!r}; choose from {', '.join(FAULT_KINDS)}")
         _whole("faults.step", self.step)
         _positive("faults.duration", self.duration, int)
-        if self.kind in ("loss_scale", "lr_scale", "init_scale"):
+        if self.kind in ("loss_scale", "lr_scale", "init_scale", "batch_outlier"):
             _positive("faults.factor", self.factor)
 
     def active(self, step: int) -> bool:
@@ -108,6 +109,7 @@ class FaultSpec:
             "grad_nan": f"NaN into the gradient of {self.param or 'the first parameter'}",
             "lr_scale": f"LR x {self.factor:g}",
             "init_scale": f"GradScaler starts at scale {self.factor:g}",
+            "batch_outlier": f"batch inputs and targets x {self.factor:g}",
         }[self.kind]
         return what if self.kind == "init_scale" else f"{what} {span}"
 
@@ -190,6 +192,15 @@ class RunConfig:
     intra_op_threads: int = 0
     """Intra-op (OpenMP) threads of the run's own thread; 0 = measured: one where that is faster for this model on a
     CPU, else the process's setting. Other threads, the user's included, keep their own."""
+    snapshot_every: int = 25
+    """Keep a copy of each lane's state (weights, optimizer, scheduler, scaler, RNG, the data order) on the host every
+    N steps, taken before the lane's step and outside its timed window (its host time is the step's probe_ms), so a
+    step that blew up can be replayed from the nearest snapshot in every mode against fp32
+    (amp_core.probes.replay). 0 turns snapshots off."""
+    snapshot_keep: int = 8
+    """Snapshots kept per lane, the newest; an older one is dropped as a new one is taken (host memory: about this
+    many copies of a lane's weights and optimizer state). A step older than the oldest kept snapshot cannot be
+    replayed in the run's process."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
     name: str = ""
@@ -229,6 +240,8 @@ class RunConfig:
         _whole("amax_every", self.amax_every)
         _positive("grad_norm_every", self.grad_norm_every, int)
         _whole("intra_op_threads", self.intra_op_threads)
+        _whole("snapshot_every", self.snapshot_every)
+        _positive("snapshot_keep", self.snapshot_keep, int)
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError("fused_optimizer", f"must be true or false, got {self.fused_optimizer!r}")
         if self.fused_optimizer and self.optimizer == "sgd":

@@ -34,6 +34,11 @@ What a step measures, and what it costs:
   (bytes held by parameters, gradients and optimizer state; on CUDA also the allocator's peak of the step above its
   start, which resets the allocator's peak statistics on those steps). Activations are not measured: the Monitor does
   not run the user's forward.
+- layer diagnostics (amp_core.probes.layerwatch) every `layers_every` steps, after a failed step (naming the first
+  module that held inf/NaN) and on request: hooks on the user's model during that step only, figures kept on the
+  device and read at the next flush; the hooks' host time is the step's probe_ms, not its step_ms.
+- requests from the dashboard (amp_core.records.requests: "trace the next step", "layer numerics at the next step")
+  are read from the store at each flush (rank 0) and answered after the next step.
 
 Under torchrun (a process group initialised before the Monitor is created, e.g. for DDP), every rank's Monitor
 measures its own rank and the figures are gathered to rank 0 at each flush (amp_core.records.ranks): every rank must
@@ -62,7 +67,9 @@ from amp_core.config import ConfigError
 from amp_core.measure import CudaMeter, HostMeter, InFlight, held_bytes, meter_for
 from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.probes import gradstats
+from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.ranks import RankSink
+from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore, open_store
@@ -120,10 +127,19 @@ class MonitorConfig:
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
+    layers_every: int = 200
+    """Every N steps (and after a failed step, and on request) each module's output and output-gradient ranges are
+    measured by hooks during the step (amp_core.probes.layerwatch): the race's layer amax heatmap, with the shares a
+    cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0 samples only after failed steps and on
+    request. The hooks' host time is the step's probe time, not its step time."""
+    integration: str = ""
+    """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
+    Trainer", "Lightning"): the Train page says where the run comes from."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not isinstance(self.workload, str):
-            raise ConfigError("name", "name and workload are text")
+        if not isinstance(self.name, str) or not isinstance(self.workload, str) \
+                or not isinstance(self.integration, str):
+            raise ConfigError("name", "name, workload and integration are text")
         if self.mode and self.mode not in MODES:
             raise ConfigError("mode", f"unknown mode {self.mode!r}; choose from {', '.join(MODES)} (or leave it "
                                       "empty: the Monitor sees it from the loop)")
@@ -131,6 +147,7 @@ class MonitorConfig:
         _whole("grad_norm_every", self.grad_norm_every, 1)
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
+        _whole("layers_every", self.layers_every, 0)
         if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
                 or not 0 <= self.probe_budget < 1:
             raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
@@ -233,6 +250,11 @@ class Monitor:
         else:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
+        self._layers = LayerWatch(_inner(model), self.config.layers_every)  # layer diagnostics touch point (1/5)
+        self._layers.between_steps(-1, 0)
+        self._desk = Desk(opened, self.run_id)  # requests touch point (1/3): a page's requests, rank 0 only
+        self._trace_asked: list[int] = []
+        self._trace = None
         self._window = self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -243,8 +265,11 @@ class Monitor:
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
         meter, window = self._meter, self._window
+        hooked_ms = self._layers.hooks_so_far_s() * 1e3  # layer diagnostics touch point (2/5)
+        if self._trace is not None:
+            self._answer_trace()  # requests touch point (2/3)
         if meter.immediate:
-            step_ms = meter.elapsed_ms(window)
+            step_ms = meter.elapsed_ms(window) - hooked_ms  # a watched step's hooks are probe time (host time only)
         else:
             meter.stop(window)
         began = time.perf_counter()
@@ -285,13 +310,14 @@ class Monitor:
         else:
             self._send(window, result, loss, found_inf, total, norms)
         self._probe(result, skipped)
-        result.probe_ms = (time.perf_counter() - began) * 1e3
+        result.probe_ms = (time.perf_counter() - began) * 1e3 + hooked_ms
         if meter.immediate:
             self._record(result, samples)
         else:
             self._in_flight.append((result, samples))
             self._resolve()
         self.steps_done = step + 1
+        self._layers.between_steps(step, step + 1)  # layer diagnostics touch point (3/5)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
         if len(self._rows) >= PUSH_ROWS or time.monotonic() >= self._push_at:
             self._push_rows()
@@ -312,12 +338,21 @@ class Monitor:
         self.closed = True
         for hook in self._hooks:
             hook.remove()
+        self._layers.close()
+        if self._trace is not None:
+            self._trace.stop()
+            self._trace = None
         self._resolve(wait=True)
         if not self._opened:
             self._open()
         self._push_rows()
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
+
+    def note(self, kind: str, message: str, **data) -> None:
+        """Record an event of the run (at the step the Monitor is at): what an integration saw of the trainer, e.g.
+        a precision asked and not applied."""
+        self._sink.event(kind, message, LANE, self.steps_done, **data)
 
     def __enter__(self) -> Monitor:
         return self
@@ -327,6 +362,39 @@ class Monitor:
             self.close()
         else:  # a crash: the run did not finish, and says why
             self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
+
+    # --- requests from the dashboard (amp_core.records.requests) ---------------------------------------------------
+    def _take_requests(self) -> None:
+        """Answer what the layer watch read; take the page's new requests: a layer pass or an op trace of the next
+        step."""
+        for request_id, answer in self._layers.answers:
+            self._desk.answer(request_id, f"layer numerics of step {answer['step']}", answer)
+        self._layers.answers = []
+        for request_id, kind in self._desk.take():
+            if kind == LAYERS:
+                self._layers.requests.append(request_id)
+            elif kind == TRACE:
+                self._trace_asked.append(request_id)
+            else:
+                self._desk.answer(request_id, f"this process does not know the request {kind!r}", status="refused")
+
+    def _start_trace(self) -> None:
+        from amp_core.probes.steptrace import StepTrace  # the op tracer only when a page asks for it
+
+        label = f"{self.config.name or self.run_id} · step {self.steps_done}"
+        self._trace = StepTrace(_inner(self.model), label, self.mode or "?", str(self.device))
+        self._trace.start()
+
+    def _answer_trace(self) -> None:
+        from amp_core.probes.steptrace import to_answer
+
+        trace, self._trace = self._trace.stop(), None
+        asked, self._trace_asked = self._trace_asked, []
+        step = self.steps_done
+        self._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's", LANE,
+                         step)
+        for request_id in asked:
+            self._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
     # --- hooks: what the optimizer and the model tell -----------------------------------------------------------
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -347,6 +415,8 @@ class Monitor:
     # --- measuring ---------------------------------------------------------------------------------------------
     def _start_window(self) -> float | InFlight:
         """Open the next step's timed window (and, on CUDA steps that measure memory, its allocator window)."""
+        if self._trace_asked and self._trace is None:
+            self._start_trace()  # a page asked for an op trace of this step
         meter, scaler = self._meter, self.scaler
         if meter.immediate:
             if scaler is not None:
@@ -428,9 +498,17 @@ class Monitor:
         if (result.skipped or result.grad_stats or result.bad_params or result.scale_after != result.scale
                 or not math.isfinite(result.loss)):  # what record_step_events writes events for
             record_step_events(self._sink, LANE, result)
+        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
+                   else "gradient norm not finite" if result.grad_norm is not None
+                   and not math.isfinite(result.grad_norm) else "")
+        if failure:  # layer diagnostics touch point (4/5): name the first module that held inf/NaN
+            self._layers.failed(result.step, failure)
 
     def _push_rows(self) -> None:
         """The rows gathered so far to the sink, as columns (a figure the Monitor does not measure is NaN)."""
+        for kind, message, step, data in self._layers.read():  # layer diagnostics touch point (5/5)
+            self._sink.event(kind, message, LANE, step, **data)
+        self._take_requests()  # requests touch point (3/3)
         rows, self._rows = self._rows, []
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         if not rows:
@@ -460,7 +538,8 @@ class Monitor:
                  "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._fused,
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
-                 "world_size": self.world_size, "ddp": self._ddp,
+                 "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
+                 "layers_every": config.layers_every,
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:

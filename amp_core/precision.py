@@ -320,3 +320,17 @@ def fused_optimizer_support(device: str = "auto") -> tuple[bool, str]:
     except (RuntimeError, ValueError) as exc:
         return False, f"torch has no fused Adam/AdamW on {device}: {exc}"
     return True, "supported"
+
+
+FLOAT64_REFERENCE = "float64"
+"""The name of the replay's second reference: fp64 weights and math (not a training mode)."""
+
+
+def float64_reference(device: str = "cpu") -> Precision | None:
+    """fp64 weights and math, a replay's reference beside 32-true (amp_core.probes.replay); None on a device without
+    float64 math (CPUs and CUDA GPUs have it)."""
+    device = resolve_device(device)
+    if _device_type(device) not in ("cpu", "cuda"):
+        return None
+    return Precision(mode=FLOAT64_REFERENCE, device=device, param_dtype=torch.float64, autocast_dtype=None,
+                     uses_scaler=False, tf32=False)

@@ -24,6 +24,7 @@ from amp_core.precision import Precision, get_precision, resolve_device
 from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
 from amp_core.probes.gradstats import GradStats
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
+from amp_core.probes.replay import SnapshotRing
 from amp_core.records import Event, StepRecord, empty_steps_frame
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.sink import RecordSink
@@ -221,6 +222,8 @@ class Run:
         """CUDA lane steps whose figures are still on their way to the host, oldest first."""
         self._resolve_at = 0.0
         self.data: Data | None = None
+        self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
+        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay."""
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
@@ -393,9 +396,13 @@ class Run:
         config, state = self.config, lane.state
         measure = step <= 1 or step % config.memory_every == 0
         stats = config.gradstats_every > 0 and step % config.gradstats_every == 0
+        # [replay] Before the step, outside its timed window: its host time joins the step's probe_ms below.
+        snapshot_s = (self.snapshots.take(state, step, self._batch, self._generators[lane.replicate])
+                      if self.snapshots.due(step) else 0.0)
         try:
             with self._step_lock:
                 result = train_step(state, self._batch, step, measure_memory=measure, collect_grad_stats=stats)
+            result.probe_ms += snapshot_s * 1e3
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
             self._resolve(wait=True)  # its earlier steps still become records
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"

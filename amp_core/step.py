@@ -128,7 +128,8 @@ def grad_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     if not grads:
         zero = torch.zeros((), dtype=torch.float32)
         return zero.reshape(0), zero
-    per_param = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    # At least float32: a replay's float64 reference keeps its own precision (amp_core.probes.replay).
+    per_param = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.promote_types(grads[0].dtype, torch.float32)))
     return per_param, torch.linalg.vector_norm(per_param)
 
 
@@ -200,6 +201,8 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
         scale = scaler.get_scale() if scaled and device_scale is None else None
         started = meter.start(device_scale)
 
+    if has_faults:
+        batch = faults.perturb_batch(step, batch)
     inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
     optimizer.zero_grad(set_to_none=True)
     with precision.forward_context():

@@ -4,7 +4,8 @@ shared machine, segments of tens of steps drift by a few percent against each ot
 
 Two copies of the model, optimizer and scaler start from the same weights. Each step is timed alone (perf_counter
 around the whole iteration, `monitor.step()` included), so the monitored time holds everything the Monitor does: its
-step(), its sampled probes (gradient norm every 25 steps, statistics every 50, memory every 25) and its store flushes
+step(), its sampled probes (gradient norm every 25 steps, statistics every 50, memory every 25, layer diagnostics
+every 200: --layers-every) and its store flushes
 (every 0.5 s, to a SQLite file). A round's ratio is its monitored steps' total time / its bare steps' total; the
 figure is the median of the rounds' ratios. The ratio of the steps' median times (which leaves the sampled probes
 and flushes out) is printed beside it.
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from amp_core.config import RunConfig
-from amp_core.monitor import Monitor
+from amp_core.monitor import Monitor, MonitorConfig
 from amp_core.records.store import RunStore, open_store
 from amp_core.workloads import WORKLOADS
 
@@ -59,14 +60,15 @@ def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, callable]:
 class Loop:
     """One copy of the user's loop (model, Adam, GradScaler in 16-mixed), monitored or not."""
 
-    def __init__(self, case: str, mode: str, store: RunStore | None):
+    def __init__(self, case: str, mode: str, store: RunStore | None, layers_every: int | None = None):
         model, self.x, self.y, self.loss_fn = build(case)
         self.model = copy.deepcopy(model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.scaler = torch.amp.GradScaler("cpu", enabled=mode == "16-mixed", init_scale=256.0)
         self.autocast = AUTOCAST[mode]
+        settings = {} if layers_every is None else {"layers_every": layers_every}
         self.monitor = Monitor(self.model, self.optimizer, self.scaler, store=store, mode=mode,
-                               name=f"bench {case}") if store is not None else None
+                               name=f"bench {case}", **settings) if store is not None else None
 
     def step(self) -> float:
         """One iteration's time (s)."""
@@ -82,8 +84,9 @@ class Loop:
         return time.perf_counter() - started
 
 
-def measure(case: str, mode: str, rounds: int, steps: int, store: RunStore) -> dict[str, float]:
-    bare, monitored = Loop(case, mode, None), Loop(case, mode, store)
+def measure(case: str, mode: str, rounds: int, steps: int, store: RunStore,
+            layers_every: int | None = None) -> dict[str, float]:
+    bare, monitored = Loop(case, mode, None), Loop(case, mode, store, layers_every)
     for _ in range(WARMUP):
         bare.step()
         monitored.step()
@@ -116,17 +119,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100, help="steps of each loop per round")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    parser.add_argument("--layers-every", type=int, default=None,
+                        help="the Monitor's layer diagnostics every N steps (default: MonitorConfig's; 0: off)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    layers = MonitorConfig().layers_every if args.layers_every is None else args.layers_every
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; {args.rounds} rounds x "
-          f"{args.steps} steps per loop, interleaved step by step")
+          f"{args.steps} steps per loop, interleaved step by step; layer diagnostics every {layers} steps")
     figures = []
     with tempfile.TemporaryDirectory() as folder:
         store = open_store(Path(folder) / "runs.sqlite3")
         for case_mode in args.cases.split(","):
             case, mode = case_mode.split(":")
-            result = measure(case, mode, args.rounds, args.steps, store)
+            result = measure(case, mode, args.rounds, args.steps, store, args.layers_every)
             figures.append(result["ratio"])
             print(f"{case}_{mode}_bare_ms_per_step={result['bare_ms']:.3f}")
             print(f"{case}_{mode}_monitor_probe_ms_mean={result['probe_ms_mean']:.4f}")

@@ -19,6 +19,7 @@ sampled probes (memory every 25 steps, gradient statistics every 50), whose cost
   must sync) fails the bench with exit status 1 after the figures are printed.
 
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
+                              [--snapshot-every N]
     (from the repository root)
 Last line: overhead_ratio_max=<number>
 """
@@ -155,6 +156,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--fused", action="store_true", help="fused Adam in the runner and the bare loop")
+    parser.add_argument("--snapshot-every", type=int, default=RunConfig().snapshot_every,
+                        help="the runner's replay snapshots every N steps (default: RunConfig's; 0 = off)")
     args = parser.parse_args()
     failures: list[str] = []
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -168,7 +171,8 @@ def main() -> None:
         for workload, size, batch_size in workloads:
             for mode in modes:
                 config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=int(batch_size),
-                                   size=size, device=args.device, fused_optimizer=args.fused)
+                                   size=size, device=args.device, fused_optimizer=args.fused,
+                                   snapshot_every=args.snapshot_every)
                 bare, harness, chosen, probe_ms, round_ratios = [], [], [], [], []
                 bare_means, harness_means = [], []
                 for _ in range(args.rounds):

@@ -288,3 +288,41 @@ def presenter_on() -> bool:
 def presenter_style() -> None:
     """Apply the presenter view's styling to this page (call once per script run while it is on)."""
     st.html(PRESENTER_CSS)
+
+
+def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | None:
+    """A button asking an attached run's process for `kind` at its next step (amp_core.records.requests), and where
+    the last request from this page stands: waiting, refused, or its process gone, each said in words. Returns the
+    answer's data once it has arrived, else None. The caller redraws it (a fragment) while the run is live."""
+    from amp_core.records import requests
+
+    store = get_manager().store
+    key = f"{prefix}_request_{run_id}"
+    if store is None:
+        st.info("Requests go through the store, and this server has none.")
+        return None
+    if st.button(requests.KINDS[kind].capitalize(), key=f"{prefix}_ask_{kind}", disabled=not live,
+                 help="Written to the store; the run's process reads it at its next flush and answers at its next "
+                      "step." if live else "The run has ended: no process is left to ask."):
+        try:
+            st.session_state[key] = requests.ask(store, run_id, kind)
+        except requests.RequestRefused as refused:
+            st.warning(f"Not asked: {refused}.")
+    if not live and key not in st.session_state:
+        st.caption("This run has ended: requests go to a live attached run's process.")
+    request_id = st.session_state.get(key)
+    if request_id is None:
+        return None
+    current = requests.state(store, request_id)
+    if current is None:
+        st.warning("The request is gone from the store.")
+    elif current.status == "answered":
+        st.success(f"Answered: {current.message}.")
+        return current.answer
+    elif current.status in ("refused", "gone"):
+        st.warning(f"Not answered: {current.message}.")
+    else:
+        st.info(f"Asked ({requests.KINDS[current.kind]}): "
+                + ("waiting for the process to read it at its next flush…" if current.status == "open" else
+                   "the process took it and answers after its next step…"))
+    return None

@@ -6,10 +6,11 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
+from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import get_manager, live_lane_probe, run_picker, store_guarded
+from pages.common import attached_request, get_manager, live_lane_probe, run_picker, store_guarded
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -176,17 +177,83 @@ def show_amax_over_time(run_id: str) -> None:
     if info is None:
         st.warning("This run is gone from the store.")
         return
-    st.fragment(store_guarded(amax_view), run_every=2.0 if info["live"] else None)(run_id)
+    live = info["live"] or info["status"] in LIVE_STATUSES  # in this process, or written by another one
+    st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
+
+
+def attached_note(config: dict) -> None:
+    """Where an attached run's samples come from (its own step, not a shadow copy)."""
+    if config.get("source") != "monitor":
+        return
+    writer = f"the AMP Lab callback of a {config['integration']}" if config.get("integration") else "a Monitor"
+    every = config.get("layers_every", 0)
+    st.caption(f"An attached run: {writer} in `{config.get('script') or 'a script'}` measures every module's output "
+               "and output gradient with hooks during the script's own step"
+               + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
+               "and on request; the figures stay on the device until its next flush.")
+
+
+def show_first_nonfinite_events(events) -> None:
+    first = numerics_views.first_nonfinite_events(events)
+    if first.empty:
+        return
+    st.markdown("**First inf/NaN of each failed step**")
+    for message in first["message"].head(3):
+        st.error(message, icon=":material/local_fire_department:")
+    st.dataframe(first.drop(columns="message"), hide_index=True, key="lnum_first_nonfinite")
+
+
+def one_format(table, key: str):
+    """The table's module columns and one format's shares (a radio picks it: four formats do not fit side by side)."""
+    formats = list(dict.fromkeys(c.rsplit(" ", 1)[0] for c in table.columns if c.endswith(
+        numerics_views.CAST_EFFECTS)))
+    chosen = st.radio("Cast to", formats, horizontal=True, key=key)
+    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.startswith(f"{chosen} ")]
+    return table[shown].rename(columns=lambda c: c.removeprefix(f"{chosen} "))
+
+
+def show_cast_shares(events, lane: int, which: str) -> None:
+    shares = numerics_views.cast_shares(events, lane, which)
+    if shares.empty:
+        return
+    st.markdown(f"**What a cast does to each module's {'outputs' if which == 'output' else 'output gradients'}** "
+                f"at step {shares.attrs['step']} (share of the finite non-zero values)")
+    shown = one_format(shares, "lnum_cast_format")
+    st.dataframe(shown, hide_index=True, key="lnum_cast_shares",
+                 column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
+
+
+def requested_layers(run_id: str, live: bool) -> None:
+    """An attached run: ask its process for every module's figures at its next step; the answer when it arrives."""
+    answer = attached_request("lnum", "layers", run_id, live)
+    if not answer or not answer.get("layers"):
+        return
+    layers = answer["layers"]
+    for message in answer["messages"]:
+        st.caption(message)
+    table = numerics_views.cast_shares_table(layers, "output")
+    table.insert(1, "output |max|", layers["output_amax"])
+    table.insert(2, "grad |max|", layers["grad_amax"])
+    shown = one_format(table.astype({"output |max|": str, "grad |max|": str}), "lnum_requested_format")
+    st.dataframe(shown, hide_index=True, key="lnum_requested",
+                 column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
 
 def amax_view(run_id: str) -> None:
     manager = get_manager()
-    info = manager.run_info(run_id) or {"config": {}, "lanes": []}
-    samples = numerics_views.amax_samples(manager.events(run_id))
-    every = info["config"].get("amax_every", 0)
+    info = manager.run_info(run_id) or {"config": {}, "lanes": [], "status": "", "live": False}
+    events = manager.events(run_id)
+    samples = numerics_views.amax_samples(events)
+    config = info["config"]
+    attached_note(config)
+    if config.get("source") == "monitor":
+        requested_layers(run_id, info["live"] or info["status"] in LIVE_STATUSES)
+    every = config.get("amax_every", 0) or config.get("layers_every", 0)
     if samples.empty:
         if every:
             st.info(f"This run samples every {every} steps; no sample has arrived yet.")
+        elif config.get("source") == "monitor":
+            st.info("This attached run samples its layers only after a failed step (its `layers_every` is 0).")
         else:
             st.info("This run did not sample layer amax (its `amax_every` is 0): launch one above.")
         return
@@ -199,6 +266,8 @@ def amax_view(run_id: str) -> None:
                          format_func={"output": "outputs", "grad": "output gradients"}.get)
     st.markdown(f"**{numerics_views.amax_story(samples, lane, which)}**")
     st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
+    show_first_nonfinite_events(events)
+    show_cast_shares(events, lane, which)
 
 
 st.title("Layer numerics")

@@ -5,14 +5,15 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
+from amp_core.records.store import LIVE_STATUSES
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import live_lane_probe
+from pages.common import attached_request, get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
-SOURCES = ("One mode", "Two modes side by side", "A live lane")
+SOURCES = ("One mode", "Two modes side by side", "A live lane", "An attached run")
 # The per-module table's columns on the page (the per-dtype FLOP split stays in the trace).
 MODULE_COLUMNS = ("module", "forward_dtype", "backward_dtype", "ops", "casts", "cast_bytes", "flops",
                   "low_precision_share")
@@ -71,6 +72,31 @@ def lane_trace() -> list[optrace.OpTrace]:
     return [trace] if trace is not None else []
 
 
+def attached_trace() -> list[optrace.OpTrace]:
+    """An attached run (a Monitor or a trainer callback in another process): ask it to trace its next step; the trace
+    once it has arrived, or []."""
+    from amp_core.probes.steptrace import from_answer
+
+    manager = get_manager()
+    run_id = run_picker(manager, "opi_attached_run")
+    info = manager.run_info(run_id) if run_id is not None else None
+    if info is None or info["config"].get("source") != "monitor":
+        st.info("Pick a run written by a Monitor or a trainer callback (AmpLabCallback) in your own script: its "
+                "process traces its next step on request.")
+        return []
+    live = info["live"] or info["status"] in LIVE_STATUSES
+    arrived = st.session_state.setdefault("opi_attached_traces", {})
+
+    def status() -> None:
+        answer = attached_request("opi", "trace", run_id, live)
+        if answer is not None and run_id not in arrived:
+            arrived[run_id] = from_answer(answer)
+            st.rerun(scope="app")
+
+    st.fragment(status, run_every=1.0 if live and run_id not in arrived else None)()
+    return [arrived[run_id]] if run_id in arrived else []
+
+
 def show_summary(trace: optrace.OpTrace) -> None:
     summary = trace.summary()
     st.markdown(f"**{trace.label}** on {trace.device}")
@@ -90,7 +116,7 @@ st.caption(f"Every row is an aten op that really ran on this machine ({DEVICE}) 
            "autocast rewrote it: the casts it inserted are ops too. No policy table is consulted.")
 
 source = st.radio("Trace", SOURCES, key="opi_source", horizontal=True)
-traces = lane_trace() if source == SOURCES[2] else workload_traces()
+traces = lane_trace() if source == SOURCES[2] else attached_trace() if source == SOURCES[3] else workload_traces()
 
 if traces:
     for column, trace in zip(st.columns(len(traces)), traces, strict=True):

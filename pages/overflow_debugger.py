@@ -5,7 +5,10 @@ import streamlit as st
 from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
 from amp_core.probes import faults
+from amp_core.probes.replay import replay_run
+from amp_core.probes.spikes import SpikeRule
 from amp_core.views import debugger
+from amp_core.views import replay as replay_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
 from pages.common import STATUS_ICONS, get_manager, run_picker, store_guarded
@@ -17,6 +20,7 @@ FAULT_HELP = {
     "grad_nan": "NaN into one element of a parameter's gradient",
     "lr_scale": "LR x factor for a few steps",
     "init_scale": "GradScaler starts at scale = factor (e.g. 2^24: the first steps overflow)",
+    "batch_outlier": "the batch's inputs (and value targets) x factor for a few steps: a data outlier",
 }
 PERCENT = st.column_config.NumberColumn(format="%.4f%%")
 LR_SCHEDULER_NOTE = (
@@ -69,10 +73,10 @@ with st.expander("💉 Fault injection: launch a demo run with a loss spike, an 
                                            help="A 10-step spike halves the scale 10 times: with the growth "
                                                 "interval below it needs 10 x 50 steps to climb back.")
         factor, param = 1.0, ""
-        if kind in ("loss_scale", "lr_scale", "init_scale"):
+        if kind in ("loss_scale", "lr_scale", "init_scale", "batch_outlier"):
             factor = row[2].number_input("Factor" if kind != "init_scale" else "Initial scale",
                                          value=1e6 if kind == "loss_scale" else 2.0**24 if kind == "init_scale"
-                                         else 10.0, format="%g", key="dbg_factor")
+                                         else 30.0 if kind == "batch_outlier" else 10.0, format="%g", key="dbg_factor")
         else:
             param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
                                      help="The gradient that gets the inf/NaN (its first element).")
@@ -161,6 +165,73 @@ if live:
     st.fragment(run_every=1.0)(store_guarded(draw_run))(run_id, lane, mode, True)
 else:
     draw_run(run_id, lane, mode, False)
+
+# ---- replay: precision or data? -----------------------------------------------------------------------------
+st.subheader("Replay a step: precision or data?")
+st.caption("A step is replayed from the lane's weights before it, once in every mode of the run and in fp32 and "
+           "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the loss "
+           "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. A run "
+           "this server holds replays from its snapshots; a stored run is re-trained from its seed to the step.")
+default_rule = SpikeRule()
+with st.expander(f"Spike band: median + {default_rule.k:g}·MAD over {default_rule.window} steps (change)"):
+    band_row = st.columns(2)
+    band_window = band_row[0].number_input("Window (steps before the step)", min_value=2, max_value=100_000,
+                                           value=default_rule.window, step=10, key="dbg_spike_window")
+    band_k = band_row[1].number_input("k (MADs above the median)", min_value=0.5, max_value=1000.0,
+                                      value=default_rule.k, step=0.5, key="dbg_spike_k")
+spike_rule = SpikeRule(window=int(band_window), k=float(band_k),
+                       min_history=min(default_rule.min_history, int(band_window)))
+lane_steps_now = manager.steps(run_id)
+review = replay_views.steps_to_review(lane_steps_now, lane, spike_rule)
+st.plotly_chart(replay_views.spike_loss_figure(lane_steps_now, lane, mode, spike_rule), key="dbg_spike_chart")
+st.caption(f"Spike band: {spike_rule.describe()}.")
+if review.empty:
+    st.caption("No skipped step, non-finite loss or spike in this lane so far; any step can still be replayed.")
+else:
+    st.dataframe(review, hide_index=True, key="dbg_review",
+                 column_config={"loss": st.column_config.NumberColumn(format="%.4g"),
+                                "band ≤": st.column_config.NumberColumn(format="%.4g")})
+last_step = max(int(lanes[lane]["steps_done"]) - 1, 0)
+replay_row = st.columns([2, 1, 3])
+replay_step_value = replay_row[0].number_input(
+    "Step to replay", min_value=0, max_value=last_step,
+    value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
+    key=f"dbg_replay_step_{run_id}_{lane}", help="Opens on the lane's first spike, else its first skipped step or "
+                                                 "non-finite loss (a scaler's first steps often skip while it finds "
+                                                 "its scale).")
+if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
+    with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
+        try:
+            st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
+                                                               spike_rule)
+        except ConfigError as error:
+            st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
+replayed = st.session_state.get("dbg_replay_report")
+if isinstance(replayed, str):
+    st.error(replayed)
+elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
+    verdict = replayed.verdict
+    st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
+    st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
+    replay_table = replay_views.replay_frame(replayed)
+    replay_widths = content_widths(replay_table, max_px=132)
+    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", column_config={
+        **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
+        "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
+        "what broke": st.column_config.Column(width=replay_widths["what broke"],
+                                              help="band: the loss is above the band; inf/NaN: in the gradients; "
+                                                   "skip: the GradScaler skipped the step"),
+        "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
+        "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
+                                                  help="×: this update's norm over fp32's (0: no step); cos: the "
+                                                       "cosine between the two updates")})
+    st.caption("▶ the lane's own mode · ref: the references every mode is judged against.")
+    for row in replayed.rows:
+        if row.first_nonfinite_why:
+            st.caption(f"**{row.mode}** · first inf/NaN in `{row.first_nonfinite}`: {row.first_nonfinite_why}")
+    st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
+               f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
+               + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")

@@ -161,6 +161,7 @@ from amp_core.views.live import (  # noqa: E402
     format_ratio,
     lane_medians,
     lanes_table,
+    what_ran_warnings,
 )
 from amp_core.views.summary import (  # noqa: E402
     DIFFERENCE_RULE,
@@ -334,6 +335,18 @@ def lane_rows(info: dict, series: list) -> None:
     st.dataframe(table, hide_index=True, key="train_lanes", column_config=config_columns)
 
 
+def what_ran(info: dict) -> None:
+    """Warnings a trainer integration recorded about what really ran (a precision asked and not applied, fp16 without
+    loss scaling). They come with the run's first step, so the events are read once the run has a step, then kept."""
+    if not info["config"].get("integration"):
+        return
+    seen: dict[str, list[str]] = st.session_state.setdefault("train_what_ran", {})
+    if run_id not in seen and (any(lane["steps_done"] for lane in info["lanes"]) or not is_live(info)):
+        seen[run_id] = what_ran_warnings(manager.events(run_id))
+    for message in seen.get(run_id, []):
+        st.warning(f"What really ran: {message}.")
+
+
 def lane_problems(info: dict) -> None:
     """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early; records
     the store could not read (a damaged chunk: the rest is shown)."""
@@ -414,6 +427,7 @@ def live_view() -> None:
         return
     st.markdown(f"{STATUS_SYMBOLS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
     controls(info)
+    what_ran(info)
     lane_problems(info)
     lane_rows(info, series)
     seeds = lane_seeds(run_id, info["lanes"])

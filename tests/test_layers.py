@@ -104,3 +104,18 @@ def test_page_scripts_hold_no_bare_strings_that_magic_would_draw():
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
                 drawn.append(f"{path.name}:{node.lineno}: {str(node.value.value)[:50]}")
     assert not drawn
+
+
+def test_only_the_integrations_import_the_trainers():
+    """transformers, accelerate and lightning are optional extras: only amp_core.integrations.<trainer> imports them
+    (so `import amp_core...` works without them), and the core never reaches those modules."""
+    graph = import_graph()
+    trainers = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+    problems = [f"{module} reaches {name} (imported by {via})" for module in graph
+                if module not in ("amp_core.integrations.transformers", "amp_core.integrations.lightning")
+                for name, via in reached(graph, module).items()
+                if any(is_under(name, bad) for bad in trainers) or name in (
+                    "amp_core.integrations.transformers", "amp_core.integrations.lightning")]
+    assert not problems, "\n".join(problems)
+    assert "transformers" in graph["amp_core.integrations.transformers"]
+    assert "lightning.pytorch.callbacks" in graph["amp_core.integrations.lightning"]

@@ -43,6 +43,16 @@ class FaultPlan:
             factor *= fault.factor
         return factor
 
+    def perturb_batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch as this step trains on it: batch_outlier multiplies its floating tensors (inputs, and targets
+        where they are values, not class indices) by its factor; a new tuple, the caller's batch is left alone."""
+        factor = 1.0
+        for fault in self._active("batch_outlier", step):
+            factor *= fault.factor
+        if factor == 1.0:
+            return batch
+        return tuple(t * factor if t.is_floating_point() else t for t in batch)
+
     def corrupt_grads(self, step: int, model: torch.nn.Module) -> None:
         """Put inf/NaN into the first element of the named parameter's gradient."""
         for kind, value in (("grad_inf", float("inf")), ("grad_nan", float("nan"))):
@@ -76,6 +86,9 @@ def init_scale_override(faults: tuple[FaultSpec, ...], mode: str) -> float | Non
 
 DEMO_GROWTH_INTERVAL = 50
 """The demo's GradScaler growth interval: short, so the scale climbs back within a few hundred steps."""
+DEMO_SNAPSHOTS = 40
+"""A demo keeps snapshots over its whole length up to this many per lane (40 x 25 steps: a 1000-step demo), so its
+fault's step can be replayed after the run ends (a small model's snapshot is a few hundred KB)."""
 
 
 def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
@@ -95,8 +108,11 @@ def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, 
         names = param_names(workload)
         if param not in names:
             raise ConfigError("faults.param", f"{workload} has no parameter {param!r}; it has {', '.join(names)}")
+    defaults = RunConfig()
     config = RunConfig(workload=workload, modes=tuple(modes), steps=steps, faults=(fault,),
                        scaler=ScalerConfig(growth_interval=growth_interval), gradstats_every=gradstats_every,
+                       snapshot_keep=max(defaults.snapshot_keep,
+                                         min(DEMO_SNAPSHOTS, steps // defaults.snapshot_every + 1)),
                        name=f"demo: {fault.describe()}")
     check_launch(config)
     return config

@@ -116,6 +116,14 @@ def typed(values, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
+PRECISION_NOT_APPLIED = "precision_not_applied"
+"""Event kind: a trainer was asked for one precision and the model's ops ran in another (an integration saw it)."""
+FP16_WITHOUT_SCALING = "fp16_without_loss_scaling"
+"""Event kind: fp16 ran with no GradScaler, so gradients that underflow fp16 are not protected."""
+WHAT_RAN_EVENTS: tuple[str, ...] = (PRECISION_NOT_APPLIED, FP16_WITHOUT_SCALING)
+"""Event kinds about what really ran, which the Train page and the report show as warnings."""
+
+
 @dataclass(slots=True)
 class Event:
     """A notable thing: skipped step, scale change, fault fired, non-finite loss, error, run status."""

@@ -51,7 +51,9 @@ from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, step
 from amp_core.records.tracks import TrackRecords
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""3: the requests table (a page asks a live process for a probe at its next step); a schema-2 file gains it when
+opened (nothing else changes, so the migration is that CREATE TABLE)."""
 LIVE_STATUSES = ("pending", "running", "paused")
 STALE_AFTER_S = 60.0
 """A run written from another host or pid namespace is interrupted once its writer has not flushed for this long."""
@@ -87,6 +89,10 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, lane INTEGER, step INTEGER,
     kind TEXT NOT NULL, message TEXT NOT NULL, t_wall_s REAL NOT NULL, data TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_run ON events (run_id, id);
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
+    asked_at REAL NOT NULL, answered_at REAL, message TEXT NOT NULL DEFAULT '', answer BLOB);
+CREATE INDEX IF NOT EXISTS requests_run ON requests (run_id, status);
 CREATE TABLE IF NOT EXISTS gradstats (
     run_id TEXT NOT NULL, lane INTEGER NOT NULL, step INTEGER NOT NULL, data BLOB NOT NULL,
     PRIMARY KEY (run_id, lane, step));
@@ -381,6 +387,41 @@ class RunStore:
                              "VALUES (?, NULL, NULL, 'resumed', ?, ?, '{}')",
                              (run_id, "the run's process is still writing: it had been marked interrupted", now))
             conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (now, run_id))
+
+    # --- requests from a page to a live process (amp_core.records.requests) ---------------------------------
+    def add_request(self, run_id: str, kind: str) -> int:
+        """A new open request for run `run_id`'s process; its id."""
+        with self._write() as conn:
+            return int(conn.execute("INSERT INTO requests (run_id, kind, status, asked_at) VALUES (?, ?, 'open', ?) "
+                                    "RETURNING id", (run_id, kind, time.time())).fetchall()[0][0])
+
+    def take_requests(self, run_id: str) -> list[tuple[int, str]]:
+        """The open requests of a run as (id, kind), now marked taken (the process performs them). A read first: a
+        write transaction only when there is one (a process looks at every flush)."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT id, kind FROM requests WHERE run_id = ? AND status = 'open' ORDER BY id",
+                                (run_id,)).fetchall()
+        taken = []
+        if rows:
+            with self._write() as conn:
+                for request_id, kind in rows:
+                    if conn.execute("UPDATE requests SET status = 'taken' WHERE id = ? AND status = 'open'",
+                                    (request_id,)).rowcount:
+                        taken.append((int(request_id), str(kind)))
+        return taken
+
+    def answer_request(self, request_id: int, status: str, message: str, answer: bytes | None = None) -> None:
+        """Close a request: answered (with `answer`, zlib-compressed JSON) or refused, with a message for the page."""
+        with self._write() as conn:
+            conn.execute("UPDATE requests SET status = ?, message = ?, answer = ?, answered_at = ? WHERE id = ?",
+                         (status, message, answer, time.time(), request_id))
+
+    def request(self, request_id: int) -> dict[str, Any] | None:
+        """One request: id, run_id, kind, status (open, taken, answered, refused), asked_at, answered_at, message,
+        answer (bytes or None)."""
+        with self._read() as conn:
+            rows = _dicts(conn.execute("SELECT * FROM requests WHERE id = ?", (request_id,)))
+        return rows[0] if rows else None
 
     # --- liveness ------------------------------------------------------------------------------------------
     def _writer_alive(self, row: dict[str, Any], now: float) -> bool:

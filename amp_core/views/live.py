@@ -10,6 +10,7 @@ import pandas as pd
 
 from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries
+from amp_core.records.schema import WHAT_RAN_EVENTS
 from amp_core.views.plots import StepTimeBands
 from amp_core.views.summary import default_baseline, summarize
 
@@ -123,10 +124,21 @@ def control_note(info: dict, held_here: bool) -> str:
     if config.get("source") == "monitor":
         script = f"`{config['script']}`" if config.get("script") else "a script"
         where = f", pid {config['pid']} on {config['host']}" if config.get("pid") else ""
-        return (f"Watched live: a Monitor in {script}{where}{job} writes this run. Pause and stop belong to that "
-                "script (its own loop decides), so they are not offered here.")
+        integration = config.get("integration")
+        writer = f"the AMP Lab callback of a {integration} in {script}" if integration else f"a Monitor in {script}"
+        owner = f"that {integration}" if integration else "that script (its own loop decides)"
+        return (f"Watched live: {writer}{where}{job} writes this run. Pause and stop belong to {owner}, so they are "
+                "not offered here.")
     return (f"Watched live: another process{job} writes this run (e.g. `amp-lab run`), so pause and stop are not "
             "offered here: stop it where it runs (Ctrl-C).")
+
+
+def what_ran_warnings(events: pd.DataFrame) -> list[str]:
+    """The messages of a run's events about what really ran (a precision asked and not applied, fp16 without loss
+    scaling), once each, in order."""
+    if events.empty:
+        return []
+    return list(dict.fromkeys(events.loc[events["kind"].isin(WHAT_RAN_EVENTS), "message"].astype(str)))
 
 
 def progress(done: int, total: int) -> tuple[float, str]:

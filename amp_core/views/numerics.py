@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT
 from amp_core.probes.numerics import FP16_MAX, FP16_TINY, LAYER_AMAX_EVENT, NumericsReport
 from amp_core.views.optrace import DTYPE_COLOURS
 from amp_core.views.plots import chart_layout, empty_figure
@@ -230,3 +231,50 @@ def amax_story(samples: pd.DataFrame, lane: int, which: str = "output") -> str:
     where = "above" if headroom < 0 else "below"
     return (f"closest to fp16's limit: {peak['module']} at step {int(peak['step'])}, {peak[column]:.3g} "
             f"({abs(headroom):.1f} binades {where} 65504)")
+
+
+def first_nonfinite_events(events: pd.DataFrame) -> pd.DataFrame:
+    """An attached run's first inf/NaN events (amp_core.probes.layerwatch) as rows: step (the failed one), watched
+    (the step whose hooks named it), module, phase, before / after (abs max), message."""
+    columns = ["step", "watched", "module", "phase", "before", "after", "message"]
+    if events.empty:
+        return pd.DataFrame(columns=columns)
+    rows = [{"step": event.data.get("failed_step"), "watched": event.data.get("watched_step"),
+             "module": event.data.get("module") or "–", "phase": event.data.get("phase") or "–",
+             "before": _amax_text(event.data.get("before_amax")), "after": _amax_text(event.data.get("after_amax")),
+             "message": event.message}
+            for event in events[events["kind"] == FIRST_NONFINITE_EVENT].itertuples()]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _amax_text(value: float | str | None) -> str:
+    return "–" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+
+
+def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.DataFrame:
+    """The latest sampled step's per-module shares of values a cast to each format overflows / makes subnormal /
+    flushes to zero (attached runs' samples carry them; a race's do not: empty then). Columns: module, then
+    '<format> <effect>'."""
+    if events.empty:
+        return pd.DataFrame()
+    samples = events[(events["kind"] == LAYER_AMAX_EVENT) & (events["lane"] == lane)]
+    samples = samples[[isinstance(d, dict) and "shares" in d for d in samples["data"]]]
+    if samples.empty:
+        return pd.DataFrame()
+    latest = samples.iloc[-1]
+    frame = cast_shares_table(latest["data"], which)
+    frame.attrs["step"] = int(latest["step"])
+    return frame
+
+
+CAST_EFFECTS = ("overflow", "subnormal", "zero")
+"""The column suffixes of a cast-shares table."""
+
+
+def cast_shares_table(data: dict, which: str = "output") -> pd.DataFrame:
+    """One attached sample's (a layer_amax event's data with shares) per-module shares: module, '<format> <effect>'."""
+    frame = pd.DataFrame({"module": data["modules"]})
+    for name, effects in data["shares"][which].items():
+        for effect, values in effects.items():
+            frame[f"{name} {effect}"] = [math.nan if v is None else v for v in values]
+    return frame

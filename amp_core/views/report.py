@@ -18,6 +18,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from amp_core.views import compare, plots
+from amp_core.views.live import what_ran_warnings
 from amp_core.views.summary import (
     DIFFERENCE_RULE,
     difference_sentences,
@@ -143,6 +144,9 @@ def run_report_html(source: RunManager | RunStore, run_id: str) -> str:
                f"{esc(time.strftime('%Y-%m-%d %H:%M:%S %Z'))}</p>"]
     for problem in info.get("problems", []):
         parts.append(f'<p class="warning">{esc(str(problem))}</p>')
+    events = manager.events(run_id)
+    for message in what_ran_warnings(events):
+        parts.append(f'<p class="warning">{esc(message)}</p>')
     for lane in info["lanes"]:
         if lane["status"] in ("failed", "diverged", "interrupted"):
             label = labels.get(lane_key(run_id, int(lane["lane"])), lane["mode"])
@@ -172,7 +176,7 @@ def run_report_html(source: RunManager | RunStore, run_id: str) -> str:
     figures = report_figures(manager, run_id, info)
     parts.append("<h2>Charts</h2>")
     parts += [_figure_block(i, figure) for i, figure in enumerate(figures)] or ["<p>No steps to chart.</p>"]
-    parts.append("<h2>Events</h2>" + _events_section(manager.events(run_id), labels, run_id))
+    parts.append("<h2>Events</h2>" + _events_section(events, labels, run_id))
     parts.append(f"<h2>Configuration</h2><pre>{esc(json.dumps(config, indent=2, sort_keys=True, default=str))}</pre>")
 
     title = esc(f"AMP Lab report · {name}")

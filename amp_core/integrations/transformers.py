@@ -1,0 +1,121 @@
+"""AMP Lab for a Hugging Face `Trainer`: one callback, every optimizer step recorded (needs the `hf` extra).
+
+    from amp_core.integrations.transformers import AmpLabCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[AmpLabCallback(name="my fine-tune")])
+    trainer.train()
+
+One record per optimizer step (gradient accumulation folded in) through a Monitor (amp_core.monitor): the loss the
+Trainer computed for the step (what it logs with logging_steps=1: the sum of its micro-batches' losses, each as the
+Trainer scales it for accumulation; a non-finite one is recorded as it was, where the Trainer's logging_nan_inf_filter
+would log an average instead), the LR the optimizer used, the gradient norm (fp32, every `grad_norm_every` steps, after
+the Trainer's clipping to max_grad_norm), the scale and skipped steps of the Trainer's own GradScaler (fp16), memory.
+Under torchrun every rank's callback measures its rank and rank 0 writes, as a Monitor does.
+
+What really ran is recorded, not what was asked: the mode comes from the dtypes the model's layers produced in the
+first forward and the scaler really present, and an event says so when the Trainer was asked for another (with
+transformers 5.23 / accelerate 1.15, `fp16=True, use_cpu=True` applies no autocast: every op runs in fp32).
+The callback adds no host sync: the loss stays a device tensor until the Monitor's flush.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers import TrainerCallback
+
+from amp_core.integrations import OpDtypes, note_what_ran
+from amp_core.monitor import Monitor
+
+INTEGRATION = "Hugging Face Trainer"
+
+
+def _asked_mode(args) -> str:
+    """The mode the TrainingArguments ask for, in Lightning's names."""
+    if args.fp16:
+        return "16-mixed"
+    if args.bf16:
+        return "bf16-mixed"
+    return "32-true"
+
+
+class AmpLabCallback(TrainerCallback):
+    """Records a Trainer's run into the AMP Lab store (see the module's docstring). `name`: the run's label; `store`:
+    a RunStore or path (default $AMP_LAB_STORE); `settings`: MonitorConfig's fields (grad_norm_every, ...)."""
+
+    def __init__(self, name: str = "", store=None, **settings):
+        self.name, self.store, self.settings = name, store, settings
+        self.monitor: Monitor | None = None
+        self._losses: list[torch.Tensor] = []
+        """The micro-batches' losses of the optimizer step under way, as the model returned them (device tensors)."""
+        self._scaled_for_accumulation: list[bool] = []
+        """Per micro-batch: the model was handed `num_items_in_batch`, so its loss is already normalised over the whole
+        accumulated batch (the Trainer then does not divide it by the accumulation steps)."""
+        self._samples = 0
+        self._handles: list = []
+        self._op_dtypes: OpDtypes | None = None
+        self._args = None
+        self._optimizer = None
+
+    # --- the Trainer's events ----------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the user's
+        scaler = getattr(optimizer, "scaler", None)
+        settings = {"total_steps": int(state.max_steps or 0), "integration": INTEGRATION, **self.settings}
+        self.monitor = Monitor(model, inner, scaler, lr_scheduler, name=self.name, store=self.store, **settings)
+        self._args, self._optimizer = args, optimizer
+        self._op_dtypes = OpDtypes(model)
+        self._handles = [model.register_forward_pre_hook(self._see_inputs, with_kwargs=True),
+                         model.register_forward_hook(self._see_loss)]
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        """After the optimizer's step (or the scaler's skip), before the scheduler and zero_grad: the gradients are
+        still there for the Monitor's figures."""
+        monitor = self.monitor
+        if monitor is None:
+            return
+        if monitor.steps_done == 0:
+            note_what_ran(monitor, _asked_mode(args), self._op_dtypes, getattr(self._optimizer, "scaler", None)
+                          is not None)
+            self._op_dtypes.remove()
+        monitor.step(self._step_loss(), samples=self._samples or None)
+        self._losses, self._scaled_for_accumulation, self._samples = [], [], 0
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._op_dtypes.remove()
+        self.monitor.close()
+
+    # --- what the model is handed and returns --------------------------------------------------------------------
+    def _see_inputs(self, module, args, kwargs) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._scaled_for_accumulation.append(kwargs.get("num_items_in_batch") is not None)
+        first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
+        self._samples += int(first.shape[0]) if first is not None and first.dim() else 0
+
+    def _see_loss(self, module, args, output) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = output.get("loss") if isinstance(output, dict) else None
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+
+    def _step_loss(self) -> torch.Tensor | float:
+        """The step's loss as the Trainer computes it (Trainer.training_step / compute_loss): a micro-batch's loss is
+        divided by the micro-batches of the step unless the model normalised it over the accumulated batch, which is
+        multiplied by the processes when the Trainer averages tokens across devices. Device ops only."""
+        losses = self._losses
+        if not losses:
+            return math.nan  # the model returned no loss (the Trainer computed it from the outputs)
+        args, count = self._args, len(losses)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        factors = [(world if args.average_tokens_across_devices else 1) if scaled else 1 / count
+                   for scaled in self._scaled_for_accumulation[:count]]
+        factors += [1 / count] * (count - len(factors))
+        return sum(loss.float() * factor for loss, factor in zip(losses, factors, strict=True))

@@ -1,0 +1,309 @@
+"""Layer diagnostics of an attached run (a Monitor's, a trainer callback's): per-layer ranges every N steps, the first
+module that held inf/NaN after a failed step, and a layer pass on request, measured by hooks on the user's own model
+during its own step, kept on the device and read at the Monitor's flush.
+
+A watched step hooks every module (probes.numerics' recorder, as a race's layer amax sample does): each float output,
+and each gradient w.r.t. an output as the backward produces it, becomes a small vector of figures on its device (abs
+max, inf/NaN count, elements, and per format fp16 / bf16 / fp8 e4m3fn / fp8 e5m2 the values a round-to-nearest cast
+overflows (beyond the largest value plus half a step: inf, NaN or saturated), makes subnormal, or flushes to zero:
+counted against each format's limits in one bucketize, which the tests hold to what real casts do). Nothing is
+read on the step: at a flush each watched step's figures reach the host in one transfer and become a `layer_amax` event
+(the race's, so the same heatmap draws it, with the shares beside) and, when the step failed, a `first_nonfinite` event
+naming the first module in execution order whose output held inf/NaN (else the first gradient in backward order), with
+its abs max before and after.
+
+Steps between watched ones carry no hook at all: arming registers the hooks before a step and removes them after it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_core.probes.numerics import LAYER_AMAX_EVENT, ROOT, LayerAmax, _label, _Recorder
+
+FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8 e4m3fn": torch.float8_e4m3fn,
+                                   "fp8 e5m2": torch.float8_e5m2}
+"""The formats each watched value is cast to."""
+EFFECTS = ("overflow", "subnormal", "zero")
+"""What a cast does to a finite non-zero value: overflow (inf or NaN), subnormal, flushed to zero."""
+FIELDS = ("abs_max", "nonfinite", "numel", *(f"{name} {effect}" for name in FORMATS for effect in EFFECTS))
+"""The figures of one watched tensor, in the order `tensor_figures` returns them."""
+FIRST_NONFINITE_EVENT = "first_nonfinite"
+"""Event kind: the first module whose output (or gradient) held inf/NaN in a watched step after a failed step."""
+
+
+def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
+    """The magnitudes where a round-to-nearest-even cast of an fp32 value to `dtype` flushes to zero (at or below
+    half the smallest subnormal), stays subnormal (below the smallest normal less half a subnormal step: from there it
+    rounds up to a normal), and overflows (from the largest value plus half a step there: inf, NaN, or saturated in
+    fp8 e4m3fn, which has no inf)."""
+    info = torch.finfo(dtype)
+    smallest_subnormal = info.smallest_normal * info.eps
+    top_step = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    return smallest_subnormal / 2, info.smallest_normal - smallest_subnormal / 2, info.max + top_step / 2
+
+
+_ORDERED = sorted((limit, name, which) for name, dtype in FORMATS.items()
+                  for which, limit in zip(EFFECTS[::-1], _limits(dtype), strict=True))
+"""Every format's limits, ascending, as (magnitude, format, "zero" | "subnormal" | "overflow")."""
+_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _boundaries(device: torch.device) -> torch.Tensor:
+    """The limits as bucket edges where a value belongs to the bucket at or below the edge: the strict ones (subnormal
+    below, overflow from) one fp32 step lower."""
+    if device not in _BOUNDARIES:
+        edges = torch.tensor([limit for limit, _, _ in _ORDERED], dtype=torch.float32)
+        strict = torch.tensor([which != "zero" for _, _, which in _ORDERED])
+        edges = torch.where(strict, torch.nextafter(edges, torch.zeros_like(edges)), edges)
+        _BOUNDARIES[device] = edges.to(device)
+    return _BOUNDARIES[device]
+
+
+def tensor_figures(tensor: torch.Tensor) -> torch.Tensor:
+    """One tensor's figures as a float64 vector on its device (no host sync; `figures` reads it): abs max (NaN or inf
+    when it held one), inf/NaN count, elements, and how many finite non-zero values fall in each bucket between the
+    formats' limits (one bucketize and one bincount, whatever the number of formats)."""
+    magnitude = tensor.detach().float().reshape(-1).abs()
+    finite = torch.isfinite(magnitude)
+    counted = finite & (magnitude != 0)
+    edges = _boundaries(magnitude.device)
+    buckets = torch.where(counted, torch.bucketize(magnitude, edges), len(edges) + 1)
+    counts = torch.bincount(buckets, minlength=len(edges) + 2)[:len(edges) + 1]
+    head = torch.stack([magnitude.amax() if magnitude.numel() else magnitude.new_zeros(()),
+                        (~finite).sum().float(), magnitude.new_tensor(float(magnitude.numel()))])
+    return torch.cat([head.double(), counts.double()])
+
+
+def figures(vector: list[float]) -> dict[str, float]:
+    """What `tensor_figures` measured, read on the host, as FIELDS."""
+    out = dict(zip(FIELDS[:3], vector[:3], strict=True))
+    counts = vector[3:]
+    for index, (_, name, which) in enumerate(_ORDERED):
+        if which == "zero":  # buckets at or below this edge
+            out[f"{name} zero"] = sum(counts[:index + 1])
+        elif which == "subnormal":
+            zero_edge = next(i for i, (_, n, w) in enumerate(_ORDERED) if n == name and w == "zero")
+            out[f"{name} subnormal"] = sum(counts[zero_edge + 1:index + 1])
+        else:
+            out[f"{name} overflow"] = sum(counts[index + 1:])
+    return {name: out[name] for name in FIELDS}
+
+
+class _TimedRecorder(_Recorder):
+    """probes.numerics' recorder, its hooks' whole host time added up (the watched step's probe time)."""
+
+    def __init__(self, names: dict[nn.Module, str]):
+        super().__init__(names, tensor_figures)
+        self.hook_s = 0.0
+
+    def _on_forward(self, *args) -> None:
+        started = time.perf_counter()
+        super()._on_forward(*args)
+        self.hook_s += time.perf_counter() - started
+
+    def _on_grad(self, *args) -> None:
+        started = time.perf_counter()
+        super()._on_grad(*args)
+        self.hook_s += time.perf_counter() - started
+
+
+@dataclass(slots=True)
+class WatchedStep:
+    """One step's hooks and what they kept (device tensors until read)."""
+
+    step: int
+    why: str
+    """Why it was watched: "sampled", "requested", or the failure it was armed after."""
+    recorder: _TimedRecorder
+    failed: str = ""
+    """Set when this very step failed (its own figures then name the first inf/NaN)."""
+    after_failure: tuple[int, str] | None = None
+    """(step, why) of an earlier failed step this one was armed after."""
+    request_ids: list[int] = field(default_factory=list)
+    """Requests from the dashboard this step answers."""
+
+
+@dataclass(slots=True)
+class LayerWatch:
+    """Watches `model`'s modules on chosen steps of a user's loop; see the module's docstring. `every`: sample every N
+    steps (0: only after a failed step or on request)."""
+
+    model: nn.Module
+    every: int
+    names: dict[nn.Module, str] = field(init=False)
+    current: WatchedStep | None = None
+    pending: list[WatchedStep] = field(default_factory=list)
+    """Watched steps whose figures have not been read yet."""
+    watch_next: tuple[int, str] | None = None
+    """A failed step that was not watched: the next step is, to name its first inf/NaN."""
+    last_failed: int | None = None
+    streak_named: bool = False
+    """A run of consecutive failed steps (a model whose weights went NaN fails every step) is named once."""
+    requests: list[int] = field(default_factory=list)
+    """Requests from the dashboard for the next step ("layer numerics at the next step"), by id."""
+    answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    """(request id, answer) of requested steps read so far, for the Monitor to write."""
+
+    def __post_init__(self) -> None:
+        self.names = {module: name or ROOT for name, module in self.model.named_modules()}
+
+    # --- driven by the Monitor ----------------------------------------------------------------------------------
+    def between_steps(self, ended: int, upcoming: int) -> None:
+        """After step `ended`: its hooks come off (its figures wait for the flush); hooks go on for `upcoming` when
+        it is sampled, requested, or follows an unwatched failure."""
+        watched = self.current
+        if watched is not None:
+            watched.recorder.__exit__()
+            self.pending.append(watched)
+            self.current = None
+        why = ""
+        if self.watch_next is not None:
+            why = f"after step {self.watch_next[0]} failed ({self.watch_next[1]})"
+        elif self.requests:
+            why = "requested"
+        elif self.every and upcoming % self.every == 0:
+            why = "sampled"
+        if why:
+            self._arm(upcoming, why)
+
+    def failed(self, step: int, why: str) -> None:
+        """Step `step` was skipped by the scaler or its loss or gradient norm was not finite: its own figures name the
+        first inf/NaN when it was watched, else the next step is watched for it (once per run of consecutive
+        failed steps)."""
+        consecutive = self.last_failed is not None and step == self.last_failed + 1
+        self.last_failed = step
+        if consecutive and self.streak_named:
+            return
+        self.streak_named = True
+        for watched in (self.current, *self.pending):
+            if watched is not None and watched.step == step:
+                watched.failed = why
+                return
+        if self.watch_next is None:
+            self.watch_next = (step, why)
+
+    def hooks_so_far_s(self) -> float:
+        """Host time the hooks have taken in the step under way."""
+        return self.current.recorder.hook_s if self.current is not None else 0.0
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.recorder.__exit__()
+            self.current = None
+
+    def read(self) -> list[tuple[str, str, int, dict[str, Any]]]:
+        """The watched steps' figures (one host transfer each; on CUDA it waits for those steps, which a flush is
+        allowed to) as events: (kind, message, step, data)."""
+        events = []
+        for watched in self.pending:
+            events += self._events(watched)
+        self.pending = []
+        return events
+
+    # --- hooks --------------------------------------------------------------------------------------------------
+    def _arm(self, step: int, why: str) -> None:
+        watched = WatchedStep(step, why, _TimedRecorder(self.names))
+        if self.watch_next is not None:
+            watched.after_failure, self.watch_next = self.watch_next, None
+        watched.request_ids, self.requests = self.requests, []
+        watched.recorder.__enter__()
+        self.current = watched
+
+    # --- reading ------------------------------------------------------------------------------------------------
+    def _events(self, watched: WatchedStep) -> list[tuple[str, str, int, dict[str, Any]]]:
+        recorder = watched.recorder
+        if not recorder.kept:
+            self.answers += [(request_id, {"step": watched.step, "layers": None, "messages": [
+                "no module produced a floating-point output in that step"]}) for request_id in watched.request_ids]
+            return []
+        table = torch.stack(recorder.kept).cpu().tolist()  # the one transfer of this step's figures
+        calls = recorder.calls
+
+        def combined(indices: list[int]) -> dict[str, float] | None:
+            if not indices:
+                return None
+            rows = [figures(table[i]) for i in indices]
+            out = {name: sum(row[name] for row in rows) for name in FIELDS[1:]}
+            maxima = [row["abs_max"] for row in rows]
+            out["abs_max"] = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
+            return out
+
+        outputs = [combined(call.outputs) for call in calls]
+        grads = [combined(call.grads) for call in calls]
+        inputs = [combined(call.inputs) for call in calls]
+        modules = [_label(call.module, call.call) for call in calls]
+        sample = LayerAmax(modules=modules, output_amax=[_amax(f) for f in outputs],
+                           grad_amax=[_amax(f) for f in grads], scale=None)
+        data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.recorder.hook_s * 1e3,
+                "shares": {"output": _shares(outputs), "grad": _shares(grads)}}
+        events = [(LAYER_AMAX_EVENT, sample.message(), watched.step, data)]
+        if watched.failed or watched.after_failure:
+            events.append(self._first_nonfinite(watched, modules, inputs, outputs, grads, calls))
+        for request_id in watched.request_ids:
+            self.answers.append((request_id, {"step": watched.step, "layers": data,
+                                              "messages": [message for _, message, _, _ in events]}))
+        return events
+
+    def _first_nonfinite(self, watched: WatchedStep, modules, inputs, outputs, grads, calls):
+        if watched.after_failure:
+            failed_step, why = watched.after_failure
+            when = (f"in step {watched.step}, the next step after arming the hooks (step {failed_step} failed and was "
+                    "not watched" + (f"; step {watched.step} failed too" if watched.failed else "") + ")")
+        else:
+            failed_step, why = watched.step, watched.failed
+            when = "in the failing step itself (it was watched)"
+        data: dict[str, Any] = {"failed_step": failed_step, "watched_step": watched.step, "failure": why,
+                                "same_step": failed_step == watched.step}
+        forward = next((i for i, f in enumerate(outputs) if f and f["nonfinite"]), None)
+        if forward is not None:
+            before, after = _amax(inputs[forward]), _amax(outputs[forward])
+            data |= {"module": modules[forward], "phase": "forward", "before_amax": before, "after_amax": after}
+            message = (f"first inf/NaN: {modules[forward]} (forward output: |max| of its input {_text(before)}, of its "
+                       f"output {_text(after)}) {when}")
+            return FIRST_NONFINITE_EVENT, message, watched.step, data
+        order = sorted((call.grad_order, i) for i, call in enumerate(calls) if call.grad_order is not None)
+        previous = None
+        for _, index in order:
+            if grads[index] and grads[index]["nonfinite"]:
+                before = _amax(grads[previous]) if previous is not None else None
+                after = _amax(grads[index])
+                data |= {"module": modules[index], "phase": "backward", "before_amax": before, "after_amax": after,
+                         "previous_module": modules[previous] if previous is not None else None}
+                source = f"the gradient reaching {modules[previous]} before it" if previous is not None else "none"
+                message = (f"first inf/NaN: {modules[index]} (gradient of its output: |max| {_text(after)}; "
+                           f"{source}: {_text(before)}) {when}")
+                return FIRST_NONFINITE_EVENT, message, watched.step, data
+            previous = index
+        data |= {"module": None, "phase": None}
+        return (FIRST_NONFINITE_EVENT, f"no module held inf/NaN {when}: the failure ({why}) came from outside the "
+                                       "modules' outputs and gradients (e.g. the optimizer or the loss)",
+                watched.step, data)
+
+
+def _amax(figures: dict[str, float] | None) -> float | str | None:
+    """A race's layer amax value: the float, "inf"/"nan" where the tensor held one, None where there was none."""
+    if figures is None:
+        return None
+    value = figures["abs_max"]
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value) or figures["nonfinite"]:
+        return "inf"
+    return value
+
+
+def _text(value: float | str | None) -> str:
+    return "none" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+
+
+def _shares(figures: list[dict[str, float] | None]) -> dict[str, dict[str, list[float | None]]]:
+    """Per format and effect, each module's share of its values (None where it had none)."""
+    return {name: {effect: [f[f"{name} {effect}"] / f["numel"] if f and f["numel"] else None for f in figures]
+                   for effect in EFFECTS} for name in FORMATS}

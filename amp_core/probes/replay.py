@@ -1,0 +1,600 @@
+"""Replay: was it the precision or the data? Rolling snapshots of each lane's state kept as a run trains, and the
+replay of one step from the nearest of them in every mode of the run and in fp32 (and float64), on copies and off
+the training thread, with a verdict and the figures that decided it.
+
+Where the weights before step S come from (said in every report's `source`):
+- In the process that runs (or ran) the race: its SnapshotRing, the newest snapshot at or before S; the lane's own
+  mode then re-trains from it to S with the run's batches (a function of the seed and the step: the snapshot keeps
+  the data generator's state) and its faults.
+- A stored run from another process (the CLI on a run the dashboard made, or the reverse): nothing of its state
+  survives in the store, so the lane is re-trained from its seed, alone, from step 0 to S. Both are bit-exact on a
+  CPU with the run's intra-op threads (each report says whether the recorded loss of S came back exactly) for models
+  that draw no random numbers in their step (every built-in); a model with dropout gets the RNG state of the
+  snapshot, which other lanes' interleaved draws moved in the run, and the report says so when its loss differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from amp_core.config import ConfigError, RunConfig
+from amp_core.precision import (
+    BASELINE_MODE,
+    FLOAT64_REFERENCE,
+    Precision,
+    availability,
+    float64_reference,
+    get_precision,
+    resolve_device,
+)
+from amp_core.probes import gradstats
+from amp_core.probes.faults import FaultPlan
+from amp_core.probes.numerics import probe_step
+from amp_core.probes.spikes import LossBand, SpikeRule, loss_band
+from amp_core.step import LaneState, resolve_step, train_step
+from amp_core.switches import pin_intra_op_threads
+from amp_core.workloads import WORKLOADS, Data, Workload
+
+VERDICTS = ("precision", "data", "unclear")
+PLANTED_IN_EVERY_MODE = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "batch_outlier")
+"""Fault kinds a replay plants on step S in every mode, as the run planted them in the lane."""
+
+
+class ReplayError(ConfigError):
+    """A replay that cannot be made (an unknown lane, a step out of reach); `field` names the input."""
+
+
+# --- snapshots (taken on the training thread, between two steps) --------------------------------------------------
+
+@dataclass(slots=True)
+class StateSnapshot:
+    """One lane's state on the host before one step: enough to train on from there exactly as the run did."""
+
+    lane: int
+    step: int
+    """The state is the lane's as it was before this step."""
+    model: dict[str, torch.Tensor]
+    """The model's state_dict (parameters and buffers)."""
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, torch.Tensor] | None
+    """The GradScaler's scale and growth tracker (None: the mode has no scaler)."""
+    rng: list[torch.Tensor]
+    """The process's random state before the lane's step: the CPU's, and the GPU's on CUDA."""
+    batch: tuple[torch.Tensor, torch.Tensor]
+    """This step's batch, as the run drew it (before any fault)."""
+    data_order: torch.Tensor
+    """The state of the lane's data generator after this step's batch was drawn: the next batches come from it."""
+    nbytes: int
+    copied: Any = None
+    """CUDA: an event that completes when the device-to-host copies have landed (a replay waits on it)."""
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return out.copy_(tensor, non_blocking=True)
+
+
+def _copy_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _host_copy(value)
+    if isinstance(value, dict):
+        return {key: _copy_tree(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_tree(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _tree_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tree_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tree_bytes(item) for item in value)
+    return 0
+
+
+def _scaler_tensors(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor] | None:
+    if not scaler.is_enabled():
+        return None
+    # The scaler's own tensors, copied without a wait: GradScaler.state_dict() would read the scale to the host
+    # (a sync on CUDA). Before its first step the scaler holds only its initial values.
+    if scaler._scale is None:
+        return {"scale": torch.tensor(float(scaler._init_scale)),
+                "growth_tracker": torch.tensor(int(scaler._init_growth_tracker))}
+    return {"scale": _host_copy(scaler._scale), "growth_tracker": _host_copy(scaler._growth_tracker)}
+
+
+def _load_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor] | None) -> None:
+    if tensors is None or not scaler.is_enabled():
+        return
+    state = scaler.state_dict()
+    state["scale"] = float(tensors["scale"].reshape(-1)[0])
+    state["_growth_tracker"] = int(tensors["growth_tracker"].reshape(-1)[0])
+    scaler.load_state_dict(state)
+
+
+class SnapshotRing:
+    """The rolling snapshots of a run's lanes: one every `every` steps per lane, the newest `keep` of each.
+
+    The training thread takes them between steps (`take`, outside the timed window); replays read them from other
+    threads. One lock guards the rings; it is held for an append or a look-up, never for a copy.
+    """
+
+    def __init__(self, every: int, keep: int):
+        self.every = every
+        self.keep = keep
+        self._lanes: dict[int, deque[StateSnapshot]] = {}
+        self._lock = threading.Lock()
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def take(self, state: LaneState, step: int, batch: tuple[torch.Tensor, torch.Tensor],
+             data_order: torch.Generator) -> float:
+        """Snapshot `state` before `step` (whose batch is `batch`; `data_order` has drawn it). Returns its host
+        seconds, which the runner reports as probe time."""
+        started = time.perf_counter()
+        devices = [torch.device(state.precision.device)] if state.precision.device_type == "cuda" else []
+        rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)]
+        model = {name: _host_copy(value) for name, value in state.model.state_dict().items()}
+        optimizer = _copy_tree(state.optimizer.state_dict())
+        scheduler = _copy_tree(state.scheduler.state_dict()) if state.has_scheduler else None
+        scaler = _scaler_tensors(state.scaler)
+        copied = None
+        if devices:
+            copied = torch.cuda.Event()
+            copied.record()
+        snapshot = StateSnapshot(
+            lane=state.index, step=step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            rng=rng, batch=tuple(t.detach().clone() for t in batch), data_order=data_order.get_state(),
+            nbytes=_tree_bytes(model) + _tree_bytes(optimizer), copied=copied)
+        with self._lock:
+            self._lanes.setdefault(state.index, deque(maxlen=self.keep)).append(snapshot)
+        return time.perf_counter() - started
+
+    def steps(self, lane: int) -> list[int]:
+        """The steps lane `lane` holds snapshots of, oldest first."""
+        with self._lock:
+            return [snapshot.step for snapshot in self._lanes.get(lane, ())]
+
+    def nbytes(self) -> int:
+        """Host bytes the snapshots hold (weights, buffers and optimizer state)."""
+        with self._lock:
+            return sum(snapshot.nbytes for ring in self._lanes.values() for snapshot in ring)
+
+    def nearest(self, lane: int, step: int) -> StateSnapshot:
+        """The newest snapshot of `lane` at or before `step`; ReplayError saying why there is none."""
+        with self._lock:
+            ring = list(self._lanes.get(lane, ()))
+        if self.every <= 0:
+            raise ReplayError("step", "this run keeps no snapshots (snapshot_every is 0), so its steps cannot be "
+                                      "replayed in its process")
+        if not ring:
+            raise ReplayError("step", f"lane {lane} has no snapshot yet")
+        usable = [snapshot for snapshot in ring if snapshot.step <= step]
+        if not usable:
+            raise ReplayError("step", f"step {step} is older than lane {lane}'s oldest snapshot (step {ring[0].step}): "
+                                      f"the run keeps its newest {self.keep} snapshots, one every {self.every} steps "
+                                      "(RunConfig.snapshot_keep, snapshot_every); launch with a larger "
+                                      "snapshot_keep to replay that far back")
+        return usable[-1]
+
+
+# --- the replay ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ModeReplay:
+    """Step S replayed in one mode (or reference), from the lane's weights before S."""
+
+    mode: str
+    reference: bool
+    """32-true or float64: what the other modes are judged against."""
+    loss: float
+    grads_finite: bool
+    skipped: bool
+    """The GradScaler skipped the optimizer step."""
+    first_nonfinite: str
+    """`module (forward|backward)` of the first module that held inf/NaN (Layer numerics' probe), or ''."""
+    first_nonfinite_why: str
+    nonfinite_params: tuple[str, ...]
+    """Parameters whose gradient held inf/NaN (an overflow inside a weight gradient's own sum shows only here)."""
+    scale: float | None
+    """The loss scale this mode's GradScaler used (None: no scaler)."""
+    scale_after: float | None
+    scale_source: str
+    """Where the scale came from: the lane's own scaler, another lane's record of this step, or the initial scale."""
+    update_norm: float
+    """‖w_after − w_before‖ over all parameters (fp64)."""
+    update_rel_norm: float
+    """The update's norm over the fp32 reference's update norm (1: the same size; 0: no step)."""
+    update_cosine: float
+    """Cosine between this mode's update and the fp32 update (NaN when either is zero or non-finite)."""
+    loss_above_band: bool
+    """The loss is above the lane's robust band (a spike)."""
+
+    def broke(self) -> bool:
+        return not math.isfinite(self.loss) or not self.grads_finite or self.loss_above_band
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: str
+    """precision | data | unclear."""
+    why: str
+
+    def line(self) -> str:
+        return f"verdict: {self.kind} — {self.why}"
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    run_id: str
+    lane: int
+    mode: str
+    step: int
+    source: str
+    """Where the state before S came from, in words (a snapshot of step K in this process, or a re-run from 0)."""
+    start_step: int
+    """The step the lane's own mode re-trained from (the snapshot's; 0 for a re-run)."""
+    rows: list[ModeReplay]
+    recorded_loss: float | None
+    """The run's record of the lane's loss at S (None: not recorded)."""
+    band: LossBand | None
+    rule: SpikeRule
+    faults: list[str]
+    """Faults that fired on S in the replay (in every mode)."""
+    verdict: Verdict
+    notes: list[str] = field(default_factory=list)
+    replay_s: float = 0.0
+
+    @property
+    def own(self) -> ModeReplay:
+        return next(row for row in self.rows if row.mode == self.mode)
+
+    @property
+    def reproduced(self) -> bool | None:
+        """Whether the replay's loss of S in the lane's own mode equals the recorded one bit for bit (None: no
+        record). NaN equals NaN here: a step that broke is reproduced when it breaks again."""
+        if self.recorded_loss is None:
+            return None
+        mine = self.own.loss
+        return mine == self.recorded_loss or (math.isnan(mine) and math.isnan(self.recorded_loss))
+
+    def reproduction_line(self) -> str:
+        if self.recorded_loss is None:
+            return "the run recorded no loss for this step"
+        if self.reproduced:
+            return f"reproduced: the lane's {self.mode} loss {self.own.loss!r} equals the recorded one bit for bit"
+        return (f"NOT reproduced: the replay's {self.mode} loss {self.own.loss!r} differs from the recorded "
+                f"{self.recorded_loss!r}")
+
+
+def judge(rows: list[ModeReplay], band: LossBand | None, rule: SpikeRule, faults: list[str]) -> Verdict:
+    """precision: fp32 is finite and in the band and only narrower formats break; data: fp32 breaks too (the batch's
+    loss is an outlier, or non-finite, in the reference); unclear: no mode breaks on replay."""
+    reference = next(row for row in rows if row.mode == BASELINE_MODE)
+    others = [row for row in rows if not row.reference and row.mode != BASELINE_MODE]
+    band_text = (f"band ≤ {band.upper:.4g} (median {band.median:.4g}, {band.points} steps)" if band is not None
+                 else f"no band yet (fewer than {rule.min_history} finite losses before this step)")
+    planted = f"planted on this step in every mode: {'; '.join(faults)}. " if faults else ""
+    broken = [row for row in others if row.broke()]
+
+    def what(row: ModeReplay) -> str:
+        parts = []
+        if not math.isfinite(row.loss):
+            parts.append(f"loss {row.loss}")
+        elif row.loss_above_band:
+            parts.append(f"loss {row.loss:.4g} above the band")
+        if not row.grads_finite:
+            parts.append("inf/NaN gradients" + (" (step skipped)" if row.skipped else ""))
+        if row.first_nonfinite:
+            parts.append(f"first non-finite {row.first_nonfinite}")
+        elif row.nonfinite_params:
+            parts.append(f"inf/NaN first in the gradient of {', '.join(row.nonfinite_params[:3])}")
+        return f"{row.mode}: {', '.join(parts)}"
+
+    if reference.broke():
+        how = (f"loss {reference.loss:.4g} above the {band_text}" if reference.loss_above_band
+               else f"loss {reference.loss}" if not math.isfinite(reference.loss) else "inf/NaN gradients")
+        spread = f"; {len(broken)} of {len(others)} other modes break too" if others else ""
+        return Verdict("data", f"{planted}fp32 breaks too on this batch ({how}){spread}")
+    if broken:
+        return Verdict("precision", f"{planted}fp32 is finite (loss {reference.loss:.4g}, {band_text}) and only the "
+                                    f"narrower formats break: {'; '.join(what(row) for row in broken)}")
+    losses = ", ".join(f"{row.mode} {row.loss:.4g}" for row in rows)
+    return Verdict("unclear", f"{planted}no mode breaks on replay ({losses}; {band_text})")
+
+
+@dataclass(slots=True)
+class _Start:
+    """Where the lane's own mode starts re-training: its state, RNG, data order and batch at `step`."""
+
+    state: LaneState
+    step: int
+    batch: tuple[torch.Tensor, torch.Tensor]
+    data_order: torch.Generator
+    rng: list[torch.Tensor] | None
+    source: str
+
+
+def _fresh_base(workload: Workload, config: RunConfig, data: Data, seed: int | None) -> torch.nn.Module:
+    """A model of the run's architecture built without moving the process's RNG (seeded as the run's, if `seed`)."""
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return workload.build_model(config.size, data)
+
+
+def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnapshot, workload: Workload, data: Data,
+                   device: str) -> _Start:
+    from amp_core.runner import build_lane_state  # the runner imports this module: built the same way, lazily
+
+    if snapshot.copied is not None:
+        snapshot.copied.synchronize()  # the snapshot's device-to-host copies (replay thread only)
+    state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, None), workload, device)
+    state.model.load_state_dict(snapshot.model)
+    # load_state_dict may keep the tensors it is given as the optimizer's own: it must get copies, or the replay's
+    # steps would write into the snapshot.
+    state.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+    if snapshot.scheduler is not None:
+        state.scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler))
+    _load_scaler(state.scaler, snapshot.scaler)
+    order = torch.Generator()
+    order.set_state(snapshot.data_order)
+    return _Start(state, snapshot.step, snapshot.batch, order, snapshot.rng,
+                  f"snapshot of step {snapshot.step} in this process, then {mode} re-trained to the step")
+
+
+def _from_seed(config: RunConfig, lane: int, mode: str, seed: int, workload: Workload, data: Data,
+               device: str) -> _Start:
+    from amp_core.runner import build_lane_state
+
+    state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, seed), workload, device)
+    order = torch.Generator().manual_seed(seed)
+    batch = data.sample(order, config.batch_size)
+    return _Start(state, 0, batch, order, None,
+                  f"no snapshot in this process (a stored run): lane {lane} re-trained alone from its seed, step 0")
+
+
+def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float | None) -> LaneState:
+    """A copy of the lane's state before S in another precision: weights cast, optimizer state loaded (and cast),
+    the given loss scale, the lane's faults; no scheduler (it acts only after the step replayed)."""
+    from amp_core.runner import build_optimizer
+
+    model = precision.prepare_module(copy.deepcopy(pre.model))
+    optimizer = build_optimizer(config, model)
+    optimizer.load_state_dict(copy.deepcopy(pre.optimizer.state_dict()))
+    s = config.scaler
+    scaler = precision.make_scaler(scale if scale is not None else s.init_scale, s.growth_factor, s.backoff_factor,
+                                   s.growth_interval)
+    return LaneState(index=pre.index, precision=precision, workload=pre.workload, model=model, optimizer=optimizer,
+                     scaler=scaler, grad_clip=pre.grad_clip, faults=FaultPlan(pre.faults.faults), grad_norm_every=1)
+
+
+def _step_once(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int):
+    result = train_step(state, batch, step)
+    return resolve_step(state.meter, result, wait=True)  # a host sync on CUDA: the replay's thread, not the run's
+
+
+def _set_rng(rng: list[torch.Tensor] | None, device: str) -> None:
+    if rng is None:
+        return
+    torch.set_rng_state(rng[0])
+    if len(rng) > 1:
+        torch.cuda.set_rng_state(rng[1], torch.device(device))
+
+
+def _update(before: list[torch.Tensor], state: LaneState) -> list[torch.Tensor]:
+    return [p.detach().double() - b for p, b in zip(state.params, before, strict=True)]
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.sum(t * t)) for t in tensors))
+
+
+def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: int, step: int, start: _Start,
+                data: Data, history: list[float], recorded_loss: float | None, scales: dict[str, float],
+                rule: SpikeRule, threads: int | None = None) -> ReplayReport:
+    """Re-train the lane's own mode from `start` to `step`, then run `step` once in every mode of the run and in the
+    references, each on its own copy of the weights before it. `history`: the lane's recorded losses before `step`
+    (for the band); `scales`: per mode with a scaler, the scale the run's lane of that mode used at `step`."""
+    began = time.perf_counter()
+    device = start.state.precision.device
+    own_threads = torch.get_num_threads()
+    notes: list[str] = []
+    if threads:
+        pin_intra_op_threads(threads)  # the run's intra-op threads: reductions then sum in the same order
+    devices = [torch.device(device)] if start.state.precision.device_type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):  # the replay's draws leave the process's RNG as it was
+            _set_rng(start.rng, device)
+            state, batch = start.state, start.batch
+            for s in range(start.step, step):
+                _step_once(state, batch, s)
+                batch = data.sample(start.data_order, config.batch_size)
+            state.faults.take_fired()
+            rows, fired = _replay_modes(config, state, mode, batch, step, history, scales, rule, devices, notes)
+    finally:
+        if threads:
+            pin_intra_op_threads(own_threads)
+    band = loss_band(history, rule)
+    verdict = judge(rows, band, rule, fired)
+    report = ReplayReport(run_id=run_id, lane=lane, mode=mode, step=step, source=start.source,
+                          start_step=start.step, rows=rows, recorded_loss=recorded_loss, band=band, rule=rule,
+                          faults=fired, verdict=verdict, notes=notes, replay_s=time.perf_counter() - began)
+    if report.reproduced is False and start.rng is not None:
+        notes.append("a model that draws random numbers in its step (dropout) saw other lanes' draws in the run: its "
+                     "replay is not bit-exact")
+    if report.reproduced is False and threads is None:
+        notes.append("the run's intra-op threads are unknown here: a sum in another order may differ in its last bits")
+    return report
+
+
+def _replay_modes(config: RunConfig, pre: LaneState, mode: str, batch: tuple[torch.Tensor, torch.Tensor], step: int,
+                  history: list[float], scales: dict[str, float], rule: SpikeRule, devices: list,
+                  notes: list[str]) -> tuple[list[ModeReplay], list[str]]:
+    device = pre.precision.device
+    band = loss_band(history, rule)
+    rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    targets: list[tuple[str, Precision, bool]] = []
+    for name in dict.fromkeys([*config.modes, BASELINE_MODE]):
+        ok, reason = availability(name, device)
+        if not ok:
+            notes.append(f"{name} is left out: {reason}")
+            continue
+        targets.append((name, get_precision(name, device), name == BASELINE_MODE))
+    wide = float64_reference(device)
+    if wide is not None:
+        targets.append((FLOAT64_REFERENCE, wide, True))
+    fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
+    outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
+    results: dict[str, tuple] = {}
+    fired = [fault.describe() for fault in pre.faults.faults if fault.kind in PLANTED_IN_EVERY_MODE
+             and fault.active(step)]
+    # The other modes first, on copies; the lane's own state steps last (it is the replay's own copy already).
+    for name, precision, reference in sorted(targets, key=lambda target: target[0] == mode):
+        if name == mode:
+            fork, source = pre, "the lane's own scaler" if precision.uses_scaler else ""
+        else:
+            scale = scales.get(name) if precision.uses_scaler else None
+            source = ("" if not precision.uses_scaler else
+                      "the run's lane of this mode at this step" if scale is not None else "the initial scale")
+            fork = _fork(config, pre, precision, scale)
+        before = [p.detach().double().clone() for p in fork.params]
+        _set_rng(rng, device)
+        result = _step_once(fork, batch, step)
+        grads = [p.grad for p in fork.params if p.grad is not None]
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        first, why = "", ""
+        bad = tuple(entry["param"] for entry in gradstats.nonfinite_params(fork.model)) if not finite else ()
+        if not (finite and math.isfinite(result.loss)):
+            _set_rng(rng, device)
+            found = probe_step(fp32_weights, precision, pre.workload.loss, outlier, scale=result.scale).first_nonfinite
+            if found is not None:
+                first, why = f"{found.module} ({found.phase})", found.why
+        results[name] = (reference, result, finite, first, why, bad, source, _update(before, fork))
+    reference_update = results[BASELINE_MODE][-1]
+    reference_norm = _norm(reference_update)
+    rows = []
+    for name, _precision, _reference in targets:
+        reference, result, finite, first, why, bad, source, update = results[name]
+        norm = _norm(update)
+        dot = sum(float(torch.sum(a * b)) for a, b in zip(update, reference_update, strict=True))
+        cosine = dot / (norm * reference_norm) if norm > 0 and reference_norm > 0 else math.nan
+        rows.append(ModeReplay(
+            mode=name, reference=reference, loss=result.loss, grads_finite=finite, skipped=bool(result.skipped),
+            first_nonfinite=first, first_nonfinite_why=why, nonfinite_params=bad, scale=result.scale,
+            scale_after=result.scale_after, scale_source=source, update_norm=norm,
+            update_rel_norm=norm / reference_norm if reference_norm > 0 else math.nan,
+            update_cosine=cosine if math.isfinite(cosine) else math.nan,
+            loss_above_band=band is not None and math.isfinite(result.loss) and result.loss > band.upper))
+    return rows, fired
+
+
+# --- entry points: a run of this process, or a stored one -------------------------------------------------------
+
+def _lane_records(steps_frame, lane: int, step: int) -> tuple[list[float], float | None]:
+    mine = steps_frame[steps_frame["lane"] == lane].sort_values("step")
+    before = mine[mine["step"] < step]["loss"].astype(float).tolist()
+    at = mine[mine["step"] == step]["loss"]
+    return before, (float(at.iloc[0]) if len(at) else None)
+
+
+def _scales_at(steps_frame, info: dict, lane: int, step: int) -> dict[str, float]:
+    """Per mode, the scale the run's lane of that mode (the same seed as `lane`) used at `step`, from the records."""
+    seed = info["lanes"][lane]["meta"].get("seed")
+    scales = {}
+    for other in info["lanes"]:
+        if other["meta"].get("seed") != seed:
+            continue
+        row = steps_frame[(steps_frame["lane"] == other["lane"]) & (steps_frame["step"] == step)]
+        if len(row) and row["scale"].notna().iloc[0]:
+            scales[other["mode"]] = float(row["scale"].iloc[0])
+    return scales
+
+
+def resolve_lane(info: dict, lane: str | int) -> int:
+    """A lane by number, or by mode name (its first seed's lane); ReplayError naming the choices."""
+    lanes = info["lanes"]
+    text = str(lane).strip()
+    if text.isdigit():
+        index = int(text)
+        if not any(entry["lane"] == index for entry in lanes):
+            raise ReplayError("lane", f"run {info['run_id']} has lanes 0-{len(lanes) - 1}, not {index}")
+        return index
+    for entry in lanes:
+        if entry["mode"] == text:
+            return entry["lane"]
+    raise ReplayError("lane", f"run {info['run_id']} has no lane {text!r}; its lanes: "
+                              f"{', '.join(str(e['lane']) + ' (' + e['mode'] + ')' for e in lanes)}")
+
+
+def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None) -> ReplayReport:
+    """Replay step `step` of lane `lane` (a number or a mode name) of run `run_id` through a RunManager: from the
+    run's snapshots when this process holds the run, else by re-training the lane from its seed. ReplayError (a
+    ConfigError) naming the field for an unknown run, lane or step, or a step out of the snapshots' reach."""
+    rule = rule or SpikeRule()
+    info = manager.run_info(run_id)
+    if info is None:
+        raise ReplayError("run", f"no run {run_id!r} in this process or the store")
+    index = resolve_lane(info, lane)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ReplayError("step", f"must be a whole number >= 0, got {step!r}")
+    config = RunConfig.from_dict(info["config"])
+    entry = next(e for e in info["lanes"] if e["lane"] == index)
+    done = entry["steps_done"]
+    if step >= done:
+        raise ReplayError("step", f"lane {index} ({entry['mode']}) has recorded steps 0-{done - 1}, not {step}"
+                          if done else f"lane {index} ({entry['mode']}) has recorded no step yet")
+    if config.workload not in WORKLOADS:
+        raise ReplayError("run", f"workload {config.workload!r} is not registered in this process (load its plugin "
+                                 "module to replay it)")
+    workload = WORKLOADS[config.workload]
+    steps_frame = manager.steps(run_id, 0, step + 1)
+    history, recorded = _lane_records(steps_frame, index, step)
+    scales = _scales_at(steps_frame, info, index, step)
+    events = manager.events(run_id)
+    if (events["kind"] == "job").any():
+        raise ReplayError("run", f"run {run_id} is a torchrun job: each of its steps all-reduces several ranks' "
+                                 "batches, which one process cannot replay")
+    threads = _run_threads(events)
+    mode, seed = entry["mode"], entry["meta"].get("seed", config.seed)
+    run = manager.get(run_id)
+    device = resolve_device(config.device)
+    if run is not None:
+        device = run.device
+        data = run.data
+        if data is None:
+            raise ReplayError("run", f"run {run_id} has not loaded its data yet")
+        start = _from_snapshot(config, index, mode, run.snapshots.nearest(index, step), workload, data, device)
+    else:
+        ok, reason = availability(mode, device)
+        if not ok:
+            raise ReplayError("device", f"{mode} cannot run here: {reason}")
+        data = workload.load_data(config)
+        start = _from_seed(config, index, mode, seed, workload, data, device)
+    return replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
+                       data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule, threads=threads)
+
+
+def _run_threads(events) -> int | None:
+    """The run's intra-op threads, from its `started` event."""
+    started = events[events["kind"] == "started"]
+    for data in started["data"]:
+        if isinstance(data, dict) and data.get("intra_op_threads"):
+            return int(data["intra_op_threads"])
+    return None
