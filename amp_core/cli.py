@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, parse_modes
-from amp_core.records.store import RunStore, StoreError
+from amp_core.records.store import StoreError, open_store
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subparser per command, each naming its handler (`handler(args) -> exit code`)."""
     parser = _Parser(prog="amp-lab", description=__doc__)
-    parser.add_argument("--store", default=None, help="SQLite store path (default: $AMP_LAB_STORE or ~/.amp_lab)")
+    parser.add_argument("--store", default=None,
+                        help="a SQLite store path or a postgresql://user@host:port/db URL (default: $AMP_LAB_STORE or "
+                             "~/.amp_lab/runs.sqlite3); a password comes from $PGPASSWORD or ~/.pgpass")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plugins = argparse.ArgumentParser(add_help=False)
     plugins.add_argument("--workload-module", action="append", default=[], metavar="MODULE",
@@ -150,9 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "when every check held, 1 when one failed, 3 when none "
                                                        "failed but one cannot be told on this device)")
     workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
-    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="SQLite store path (as the global --store)")
+    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
     workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     workshop_run.set_defaults(handler=cmd_workshop)
+
+    store = sub.add_parser("store", help="move runs between stores (SQLite files, PostgreSQL databases)")
+    store_sub = store.add_subparsers(dest="store_command", metavar="{copy}", required=True, parser_class=_Parser)
+    copy = store_sub.add_parser("copy", help="copy every finished run of SRC into DST (runs DST already holds, and "
+                                             "runs still live, are left; run it again once they ended)")
+    copy.add_argument("source", metavar="SRC", help="a SQLite store path or a postgresql://user@host:port/db URL")
+    copy.add_argument("target", metavar="DST", help="the same")
+    copy.set_defaults(handler=cmd_store_copy)
     return parser
 
 
@@ -258,11 +268,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from amp_core.distributed import DistributedRun, init_job
 
         init_job(config, job)
-        run = DistributedRun(config, RunStore(args.store) if job.rank == 0 else None).start()
+        run = DistributedRun(config, open_store(args.store) if job.rank == 0 else None).start()
     else:
         from amp_core.runner import Run
 
-        run = Run(config, RunStore(args.store)).start()
+        run = Run(config, open_store(args.store)).start()
     if job is None or job.rank == 0:
         _print_recipe_notes(config)
     try:
@@ -337,7 +347,9 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
 
     from amp_core.distributed import torchrun_command
 
-    argv = _without_flag(args.argv, "--nproc")
+    argv = _without_flag(_without_flag(args.argv, "--nproc"), "--store")
+    if args.store is not None:  # through the environment: a URL's password never shows in the workers' command lines
+        os.environ["AMP_LAB_STORE"] = args.store
     try:
         return subprocess.run(torchrun_command(argv, args.nproc), check=False).returncode
     except KeyboardInterrupt:  # torchrun passes the signal on to its workers
@@ -362,10 +374,10 @@ def _fmt(value, spec: str) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     runs = store.runs()
     if runs.empty:
-        print(f"no runs in {store.path}")
+        print(f"no runs in {store.location}")
         return 0
     for row in runs.itertuples():
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created_at))
@@ -375,9 +387,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     if store.run(args.run_id) is None:
-        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
+        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.location}")
     out = args.out or f"{args.run_id}.{args.format}"
     if args.format == "html":
         from amp_core.views.report import run_report_html
@@ -386,6 +398,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(Path(out).resolve())
         return 0
     print(store.export(args.run_id, args.format, out))
+    return 0
+
+
+def cmd_store_copy(args: argparse.Namespace) -> int:
+    from amp_core.records.store import copy_runs
+
+    source, target = open_store(args.source), open_store(args.target)
+    copied, present, live = copy_runs(source, target)
+    print(f"copied {len(copied)} run{'s' if len(copied) != 1 else ''} ({', '.join(copied) or 'none'}) "
+          f"from {source.location} to {target.location}")
+    if present:
+        print(f"{len(present)} already there: {', '.join(present)}")
+    if live:
+        print(f"{len(live)} still live, not copied (copy them once they ended): {', '.join(live)}")
     return 0
 
 
@@ -414,7 +440,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from amp_core.runner import RunManager
     from amp_core.views.replay import replay_text
 
-    report = replay_run(RunManager(RunStore(args.store)), args.run_id, args.lane, args.step)
+    report = replay_run(RunManager(open_store(args.store)), args.run_id, args.lane, args.step)
     print(replay_text(report))
     return 0
 
@@ -435,7 +461,7 @@ def cmd_workshop(args: argparse.Namespace) -> int:
         raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
     from amp_core.runner import RunManager
 
-    manager = RunManager(RunStore(args.store))
+    manager = RunManager(open_store(args.store))
     launch = ScenarioLaunch(manager, scenario, args.device)
     expected = scenario.expected_here(launch.configs[0].device)
     print(f"{scenario.title}\n{scenario.watch}\n" + (f"{expected}\n" if expected else ""))

@@ -72,7 +72,7 @@ from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.schema import STEP_COLUMNS, typed
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, open_store
 from amp_core.step import StepResult, grad_norms, record_step_events, resolve_step
 
 LANE = 0
@@ -204,10 +204,11 @@ class Monitor:
             raise ConfigError("process_group", f"NCCL gathers through the current CUDA device (cuda:"
                                                f"{torch.cuda.current_device()}) but the model is on {self.device}: "
                                                "call torch.cuda.set_device(local_rank) before creating the Monitor")
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        # 48 random bits: run ids written from many hosts into one store never meet
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
         opened = None
         if self.rank == 0:
-            opened = store if isinstance(store, RunStore) else RunStore(store)
+            opened = store if isinstance(store, RunStore) else open_store(store)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if self.world_size > 1:
             self._sink: RecordSink | RankSink = RankSink(run_id, opened, group=process_group,

@@ -192,7 +192,8 @@ class Run:
 
     def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None):
         self.config = config
-        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        # 48 random bits: run ids written from many hosts into one store never meet
+        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
         self.sink = RecordSink(self.run_id, store)
         self.device = resolve_device(config.device)
         self.lanes = [Lane(i, mode, seed, seed - config.seed) for i, (mode, seed) in enumerate(config.lanes())]

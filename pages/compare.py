@@ -20,7 +20,7 @@ from amp_core.views.summary import (
     summarize,
 )
 from amp_core.views.tables import content_widths
-from pages.common import get_manager, run_label
+from pages.common import get_manager, run_label, store_guarded
 
 LIVE_REFRESH_S = 2.0
 # Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
@@ -119,6 +119,7 @@ bands = st.session_state.setdefault("cmp_bands", compare.StepTimeBands())  # fin
 
 
 @st.fragment(run_every=LIVE_REFRESH_S if live else None)
+@store_guarded
 def comparison() -> None:
     # Each redraw reads the lanes through their multi-resolution summary (a few thousand points per figure, whatever
     # their length): every record is gathered only for a download, when it is asked for.

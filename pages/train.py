@@ -17,6 +17,7 @@ from pages.common import (
     probe_board,
     run_picker,
     store_banner,
+    store_guarded,
     warm_up,
 )
 
@@ -455,6 +456,7 @@ def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> Non
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
+@store_guarded
 def live_view() -> None:
     if run_id not in followers:
         followers[run_id] = RecordFollower(run_id)

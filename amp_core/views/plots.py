@@ -355,7 +355,8 @@ class StepTimeBands:
             # records (every LEVEL_BASE-th step time, a systematic sample), not from every record of the run.
             every = LEVEL_BASE if size >= LEVEL_BASE * BAND_SAMPLES else 1
             if every > 1:
-                sampled = level_buckets(lane.source, 1, first // every, -(-last // every))
+                sampled = level_buckets(lane.source, 1, first // every, -(-last // every),
+                                        ("last_step", "last"))
                 steps = np.asarray(sampled["last_step"], dtype=np.int64)
                 ms = np.asarray(sampled["last"][:, FIELD_INDEX["step_ms"]], dtype=float)
             else:
