@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[plugins], help="train one workload in several precision modes side by side")
     run.add_argument("--workload", default="digits_mlp",
                      help=f"a built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module)")
-    run.add_argument("--modes", default="32-true,bf16-mixed", help=f"comma-separated, from {', '.join(MODES)}")
+    run.add_argument("--modes", default="32-true,bf16-mixed",
+                     help=f"comma-separated modes ({', '.join(MODES)}) or recipes MODE+OPTION..., e.g. "
+                          "bf16-mixed+fp8-rowwise, 32-true+adamw-8bit, bf16-true+sr")
     run.add_argument("--steps", type=int, default=200)
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--lr", type=float, default=1e-3)
@@ -99,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("csv", "parquet", "html"), default="csv")
     export.add_argument("--out", "-o", default=None, help="file to write (default: RUN_ID.FORMAT here)")
     export.set_defaults(handler=cmd_export)
+
+    maxbatch = sub.add_parser("maxbatch", parents=[plugins],
+                              help="the largest batch each recipe allows (CUDA: real steps; CPU: modelled from "
+                                   "measured bytes)")
+    maxbatch.add_argument("--workload", default="digits_mlp")
+    maxbatch.add_argument("--modes", default="32-true,bf16-mixed", help="comma-separated modes or recipes")
+    maxbatch.add_argument("--budget-mib", type=float, default=None,
+                          help="memory budget (default: free GPU memory, or the machine's available memory)")
+    maxbatch.add_argument("--size", default="small")
+    maxbatch.add_argument("--device", default="auto")
+    maxbatch.add_argument("--optimizer", default="adam")
+    maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
 
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
@@ -230,6 +244,15 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _print_recipe_notes(config: RunConfig) -> None:
+    """What each recipe lane does on this device (emulated FP8, a compiled optimizer step), once, on stderr."""
+    from amp_core.precision import availability
+
+    for mode in config.modes:
+        if "+" in mode:
+            print(f"note: {mode}: {availability(mode, config.device)[1]}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from amp_core.config import check_launch
     from amp_core.distributed import job_rank
@@ -250,6 +273,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from amp_core.runner import Run
 
         run = Run(config, open_store(args.store)).start()
+    if job is None or job.rank == 0:
+        _print_recipe_notes(config)
     try:
         if job is None or job.rank == 0:
             _progress(run)
@@ -266,7 +291,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     series = lanes(run.frame())  # split once: the table and the across-seeds summary share it
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
-    width = 17 if config.seeds > 1 else 12
+    # Wide enough for the longest recipe in full (bf16-mixed+fp8-rowwise-gw-hp), plus a gap.
+    width = max(len(mode) for mode in config.modes) + (len(" seed 000") if config.seeds > 1 else 0) + 2
     header = (f"{'lane':<{width}}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}"
               f"{'skipped':>9}")
     print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
@@ -393,6 +419,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from amp_core.probes.optrace import cli_trace
 
     return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+
+def cmd_maxbatch(args: argparse.Namespace) -> int:
+    from amp_core.probes.maxbatch import cli_maxbatch
+
+    return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:

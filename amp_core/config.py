@@ -139,7 +139,8 @@ class RunConfig:
     workload: str = "digits_mlp"
     """Registered workload name (see amp_core.workloads.WORKLOADS)."""
     modes: tuple[str, ...] = ("32-true", "bf16-mixed")
-    """Precision modes, one lane each (Lightning names: 32-true, tf32, 16-mixed, bf16-mixed, 16-true, bf16-true)."""
+    """Precision recipes, one lane each: a mode (Lightning names: 32-true, tf32, 16-mixed, bf16-mixed, 16-true,
+    bf16-true) with optional `+OPTION`s, e.g. bf16-mixed+fp8-rowwise, 32-true+adamw-8bit, bf16-true+sr."""
     steps: int = 300
     """Optimizer steps per lane."""
     batch_size: int = 64
@@ -209,7 +210,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
         this device run each mode, does the data folder exist) is asked at launch: `amp_core.runner.check_launch`."""
-        from amp_core.precision import MODES
+        from amp_core.precision import parse_recipe
 
         if not isinstance(self.workload, str) or not self.workload.strip():
             raise ConfigError("workload", f"name a workload, got {self.workload!r}")
@@ -218,8 +219,10 @@ class RunConfig:
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
         for mode in self.modes:
-            if mode not in MODES:
-                raise ConfigError("modes", f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+            try:
+                parse_recipe(mode)
+            except ValueError as error:
+                raise ConfigError("modes", str(error)) from None
         _positive("steps", self.steps, int)
         _positive("batch_size", self.batch_size, int)
         _positive("lr", self.lr)
@@ -281,7 +284,7 @@ class RunConfig:
 def check_launch(config: RunConfig) -> None:
     """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
     hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
-    from amp_core.precision import availability
+    from amp_core.precision import availability, get_precision
     from amp_core.workloads import WORKLOADS
 
     if config.workload not in WORKLOADS:
@@ -293,6 +296,9 @@ def check_launch(config: RunConfig) -> None:
         ok, reason = availability(mode, config.device)
         if not ok:
             raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+        why = get_precision(mode, config.device).refuses_optimizer(config.optimizer, config.fused_optimizer)
+        if why:
+            raise ConfigError("optimizer", f"{mode}: {why}")
     if config.fused_optimizer:
         from amp_core.precision import fused_optimizer_support
 

@@ -100,13 +100,10 @@ class Lane:
         return self.held.params_bytes + self.held.grads_bytes + self.held.optim_bytes + self.activations_bytes
 
 
-def build_optimizer(config: RunConfig, model: torch.nn.Module):
-    params = model.parameters()
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
-    return cls(params, lr=config.lr, eps=config.eps, fused=True if config.fused_optimizer else None)
+def build_optimizer(config: RunConfig, model: torch.nn.Module, precision: Precision):
+    """The lane's optimizer: the recipe decides (torch's, or torchao's low-bit / stochastic-rounding Adam(W))."""
+    return precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=config.eps,
+                                     fused=config.fused_optimizer)
 
 
 def divergence_hint(config: RunConfig, precision: Precision) -> str:
@@ -123,7 +120,7 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
     """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
     precision = get_precision(mode, device)
     model = precision.prepare_module(copy.deepcopy(base_model))
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, precision)
     s = config.scaler
     scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
                                    s.backoff_factor, s.growth_interval)
@@ -361,7 +358,13 @@ class Run:
         lanes = f"{config.workload} x {', '.join(config.modes)}"
         if config.seeds > 1:
             lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}", intra_op_threads=torch.get_num_threads())
+        recipes = {lane.mode: lane.state.precision.recipe_report(bases[lane.replicate])
+                   for lane in self.lanes if lane.replicate == 0 and lane.state.precision.options}
+        skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
+                          f"{', '.join(report['fp8_skipped']) or 'none'}"
+                          for recipe, report in recipes.items() if "fp8_layers" in report)
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}",
+                        intra_op_threads=torch.get_num_threads(), recipes=recipes)
 
     def _loop(self) -> None:
         config = self.config

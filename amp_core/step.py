@@ -227,7 +227,7 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
     if lr_factor != 1.0:
         for group in optimizer.param_groups:
             group["lr"] *= lr_factor
-    lr = optimizer.param_groups[0]["lr"]
+    lr = float(optimizer.param_groups[0]["lr"])  # torchao's optimizers keep it as a CPU tensor (no device sync)
     lane.optimizer_stepped = False
     scaler.step(optimizer)
     scaler.update()

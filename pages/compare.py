@@ -212,6 +212,7 @@ def comparison() -> None:
         "loss_vs_time": compare.loss_vs_time_figure(series, lane_labels, time_axis=time_axis, log_y=log_y,
                                                     bands=bands, seeds=seeds),
         "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands, seeds=seeds),
+        "memory": plots.memory_figure(series, lane_labels),
     }
     # Lanes inside a seed band are not drawn as lines of their own: none of them can hide another.
     banded = replicated_keys(series, seeds)

@@ -376,7 +376,7 @@ def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float 
     from amp_core.runner import build_optimizer
 
     model = precision.prepare_module(copy.deepcopy(pre.model))
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, precision)
     optimizer.load_state_dict(copy.deepcopy(pre.optimizer.state_dict()))
     s = config.scaler
     scaler = precision.make_scaler(scale if scale is not None else s.init_scale, s.growth_factor, s.backoff_factor,
