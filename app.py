@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from pages.common import device_panel, get_manager, plugin_panel, store_banner, warm_up
+from pages.common import device_panel, get_manager, plugin_panel, store_banner, store_panel, wait_for_store, warm_up
 
 st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
 
@@ -38,6 +38,14 @@ else:
     with device_slot.container():
         device_panel(warm.device_facts())
         plugin_panel(warm)
+        store_panel(get_manager())
 if not light_first:
     store_banner(get_manager())  # (the Train page says it itself when it draws light first)
-navigation.run()
+try:
+    navigation.run()
+except Exception as exc:  # the store's server unreachable: said on the page, which redraws once it answers
+    from amp_core.records.store import StoreUnreachable
+
+    if not isinstance(exc, StoreUnreachable):
+        raise
+    wait_for_store(exc)

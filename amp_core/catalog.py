@@ -55,6 +55,14 @@ def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
 
 
 @functools.cache
+def recipes() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """(RECIPE_OPTION_HELP, RECIPE_PRESETS) as amp_core/precision.py defines them."""
+    tree = ast.parse((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    found = _constants(tree, {"RECIPE_OPTION_HELP", "RECIPE_PRESETS"})
+    return dict(found["RECIPE_OPTION_HELP"]), {name: tuple(lanes) for name, lanes in found["RECIPE_PRESETS"].items()}
+
+
+@functools.cache
 def builtin_workloads() -> tuple[WorkloadEntry, ...]:
     """Every Workload subclass with a literal name in amp_core/workloads/*.py, sorted by title."""
     entries = []

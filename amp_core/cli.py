@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig, field_docs
 from amp_core.precision import MODES, parse_modes
-from amp_core.records.store import RunStore, StoreError
+from amp_core.records.opening import open_store
+from amp_core.records.store import StoreError
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
@@ -50,7 +51,9 @@ def config_flag(parser: argparse.ArgumentParser, name: str, extra: str = "", *, 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subparser per command, each naming its handler (`handler(args) -> exit code`)."""
     parser = _Parser(prog="amp-lab", description=__doc__)
-    parser.add_argument("--store", default=None, help="SQLite store path (default: $AMP_LAB_STORE or ~/.amp_lab)")
+    parser.add_argument("--store", default=None,
+                        help="a SQLite store path or a postgresql://user@host:port/db URL (default: $AMP_LAB_STORE or "
+                             "~/.amp_lab/runs.sqlite3); a password comes from $PGPASSWORD or ~/.pgpass")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plugins = argparse.ArgumentParser(add_help=False)
     plugins.add_argument("--workload-module", action="append", default=[], metavar="MODULE",
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", parents=[plugins], help="train one workload in several precision modes side by side")
     config_flag(run, "workload", f"A built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module).")
-    config_flag(run, "modes", f"Comma-separated, from {', '.join(MODES)}.")
+    config_flag(run, "modes", f"Comma-separated (modes: {', '.join(MODES)}).")
     for name in ("steps", "batch_size", "lr", "optimizer", "eps", "fused_optimizer", "scheduler", "seed"):
         config_flag(run, name)
     config_flag(run, "seeds", metavar="S")
@@ -100,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("csv", "parquet", "html"), default="csv")
     export.add_argument("--out", "-o", default=None, help="file to write (default: RUN_ID.FORMAT here)")
     export.set_defaults(handler=cmd_export)
+
+    maxbatch = sub.add_parser("maxbatch", parents=[plugins],
+                              help="the largest batch each recipe allows (CUDA: real steps; CPU: modelled from "
+                                   "measured bytes)")
+    maxbatch.add_argument("--workload", default="digits_mlp")
+    maxbatch.add_argument("--modes", default="32-true,bf16-mixed", help="comma-separated modes or recipes")
+    maxbatch.add_argument("--budget-mib", type=float, default=None,
+                          help="memory budget (default: free GPU memory, or the machine's available memory)")
+    maxbatch.add_argument("--size", default="small")
+    maxbatch.add_argument("--device", default="auto")
+    maxbatch.add_argument("--optimizer", default="adam")
+    maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
 
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
@@ -139,9 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "when every check held, 1 when one failed, 3 when none "
                                                        "failed but one cannot be told on this device)")
     workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
-    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="SQLite store path (as the global --store)")
+    workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
     workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     workshop_run.set_defaults(handler=cmd_workshop)
+
+    store = sub.add_parser("store", help="move runs between stores (SQLite files, PostgreSQL databases)")
+    store_sub = store.add_subparsers(dest="store_command", metavar="{copy}", required=True, parser_class=_Parser)
+    copy = store_sub.add_parser("copy", help="copy every finished run of SRC into DST (runs DST already holds, and "
+                                             "runs still live, are left; run it again once they ended)")
+    copy.add_argument("source", metavar="SRC", help="a SQLite store path or a postgresql://user@host:port/db URL")
+    copy.add_argument("target", metavar="DST", help="the same")
+    copy.set_defaults(handler=cmd_store_copy)
     return parser
 
 
@@ -223,6 +246,15 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _print_recipe_notes(config: RunConfig) -> None:
+    """What each recipe lane does on this device (emulated FP8, a compiled optimizer step), once, on stderr."""
+    from amp_core.precision import availability
+
+    for mode in config.modes:
+        if "+" in mode:
+            print(f"note: {mode}: {availability(mode, config.device)[1]}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from amp_core.distributed import job_rank
     from amp_core.workloads import check_launch
@@ -238,11 +270,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from amp_core.distributed import DistributedRun, init_job
 
         init_job(config, job)
-        run = DistributedRun(config, RunStore(args.store) if job.rank == 0 else None).start()
+        run = DistributedRun(config, open_store(args.store) if job.rank == 0 else None).start()
     else:
         from amp_core.runner import Run
 
-        run = Run(config, RunStore(args.store)).start()
+        run = Run(config, open_store(args.store)).start()
+    if job is None or job.rank == 0:
+        _print_recipe_notes(config)
     try:
         if job is None or job.rank == 0:
             _progress(run)
@@ -259,7 +293,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     series = lanes(run.frame())  # split once: the table and the across-seeds summary share it
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
-    width = 17 if config.seeds > 1 else 12
+    # Wide enough for the longest recipe in full (bf16-mixed+fp8-rowwise-gw-hp), plus a gap.
+    width = max(len(mode) for mode in config.modes) + (len(" seed 000") if config.seeds > 1 else 0) + 2
     header = (f"{'lane':<{width}}{'status':<10}{'ms/step':>10}{'speedup':>9}{'peak MiB':>10}{'final loss':>12}"
               f"{'skipped':>9}")
     print(header + (f"{'ranks':>7}{'slowest/fastest':>17}" if job is not None else ""))
@@ -314,7 +349,9 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
 
     from amp_core.distributed import torchrun_command
 
-    argv = _without_flag(args.argv, "--nproc")
+    argv = _without_flag(_without_flag(args.argv, "--nproc"), "--store")
+    if args.store is not None:  # through the environment: a URL's password never shows in the workers' command lines
+        os.environ["AMP_LAB_STORE"] = args.store
     try:
         return subprocess.run(torchrun_command(argv, args.nproc), check=False).returncode
     except KeyboardInterrupt:  # torchrun passes the signal on to its workers
@@ -339,10 +376,10 @@ def _fmt(value, spec: str) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     runs = store.runs()
     if runs.empty:
-        print(f"no runs in {store.path}")
+        print(f"no runs in {store.location}")
         return 0
     for row in runs.itertuples():
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created_at))
@@ -352,9 +389,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    store = RunStore(args.store)
+    store = open_store(args.store)
     if store.run(args.run_id) is None:
-        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.path}")
+        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.location}")
     out = args.out or f"{args.run_id}.{args.format}"
     if args.format == "html":
         from amp_core.views.report import run_report_html
@@ -366,10 +403,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_store_copy(args: argparse.Namespace) -> int:
+    from amp_core.records.store import copy_runs
+
+    source, target = open_store(args.source), open_store(args.target)
+    copied, present, live = copy_runs(source, target)
+    print(f"copied {len(copied)} run{'s' if len(copied) != 1 else ''} ({', '.join(copied) or 'none'}) "
+          f"from {source.location} to {target.location}")
+    if present:
+        print(f"{len(present)} already there: {', '.join(present)}")
+    if live:
+        print(f"{len(live)} still live, not copied (copy them once they ended): {', '.join(live)}")
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from amp_core.probes.optrace import cli_trace
 
     return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+
+def cmd_maxbatch(args: argparse.Namespace) -> int:
+    from amp_core.probes.maxbatch import cli_maxbatch
+
+    return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
@@ -385,7 +442,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from amp_core.runner import RunManager
     from amp_core.views.replay import replay_text
 
-    report = replay_run(RunManager(RunStore(args.store)), args.run_id, args.lane, args.step)
+    report = replay_run(RunManager(open_store(args.store)), args.run_id, args.lane, args.step)
     print(replay_text(report))
     return 0
 
@@ -406,7 +463,7 @@ def cmd_workshop(args: argparse.Namespace) -> int:
         raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
     from amp_core.runner import RunManager
 
-    manager = RunManager(RunStore(args.store))
+    manager = RunManager(open_store(args.store))
     launch = ScenarioLaunch(manager, scenario, args.device)
     expected = scenario.expected_here(launch.configs[0].device)
     print(f"{scenario.title}\n{scenario.watch}\n" + (f"{expected}\n" if expected else ""))

@@ -143,7 +143,8 @@ class RunConfig:
     workload: str = "digits_mlp"
     """Registered workload name (see amp_core.workloads.WORKLOADS)."""
     modes: tuple[str, ...] = ("32-true", "bf16-mixed")
-    """Precision modes, one lane each (Lightning names: 32-true, tf32, 16-mixed, bf16-mixed, 16-true, bf16-true)."""
+    """Precision recipes, one lane each: a mode (Lightning names: 32-true, tf32, 16-mixed, bf16-mixed, 16-true,
+    bf16-true) with optional `+OPTION`s, e.g. bf16-mixed+fp8-rowwise, 32-true+adamw-8bit, bf16-true+sr."""
     steps: int = 300
     """Optimizer steps per lane."""
     batch_size: int = 64
@@ -213,7 +214,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
         this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
-        from amp_core.precision import MODES
+        from amp_core.precision import parse_recipe
 
         if not isinstance(self.workload, str) or not self.workload.strip():
             raise ConfigError("workload", f"name a workload, got {self.workload!r}")
@@ -222,8 +223,10 @@ class RunConfig:
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
         for mode in self.modes:
-            if mode not in MODES:
-                raise ConfigError("modes", f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+            try:
+                parse_recipe(mode)
+            except ValueError as error:
+                raise ConfigError("modes", str(error)) from None
         _positive("steps", self.steps, int)
         _positive("batch_size", self.batch_size, int)
         _positive("lr", self.lr)

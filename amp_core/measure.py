@@ -6,12 +6,24 @@ from __future__ import annotations
 import torch
 
 
+def plain_tensors(tensor: torch.Tensor):
+    """The plain tensors that hold `tensor`'s data: itself, or, for a wrapper subclass (torchao's 8-bit / 4-bit / FP8
+    optimizer states, float8 tensors), its inner tensors (codes, scales, lookup tables), recursively."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        yield from plain_tensors(getattr(tensor, name))
+
+
 def tensor_bytes(tensors) -> int:
-    """Bytes held by the distinct storages behind `tensors` (views are counted once)."""
+    """Bytes held by the distinct storages behind `tensors` (views are counted once; a tensor subclass by the
+    storages of its inner tensors: what it really holds, not its apparent dtype times its shape)."""
     seen: set[tuple[str, int]] = set()
     total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+    for t in (plain for tensor in tensors if isinstance(tensor, torch.Tensor) for plain in plain_tensors(tensor)):
+        if t.device.type == "meta":
             continue
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
@@ -46,10 +58,11 @@ class SavedTensorsProbe:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in self._exclude and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += tensor.untyped_storage().nbytes()
+        for plain in plain_tensors(tensor):  # a float8 tensor saved for backward: its data and its scale
+            ptr = plain.untyped_storage().data_ptr()
+            if ptr not in self._exclude and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.bytes += plain.untyped_storage().nbytes()
         # Detached, not the tensor itself: an op that saves its own output (ReLU, exp, softmax) would hold that
         # output, whose grad_fn holds this saved copy: a cycle through C++ that Python's GC cannot see, so a graph
         # that is dropped without a backward (the probe's) would never be freed. The storage stays alive (its

@@ -64,6 +64,7 @@ import torch
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.probes.layerwatch import LayerWatch
+from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.sink import RecordSink, new_run_id
@@ -198,7 +199,7 @@ class Monitor:
                                                "call torch.cuda.set_device(local_rank) before creating the Monitor")
         opened = None
         if self.rank == 0:
-            opened = store if isinstance(store, RunStore) else RunStore(store)
+            opened = store if isinstance(store, RunStore) else open_store(store)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if self.world_size > 1:
             self._sink: RecordSink | RankSink = RankSink(new_run_id(), opened, group=process_group,

@@ -1,11 +1,15 @@
-"""Precision modes: the ONLY place that maps a mode name to behaviour (autocast, scaler, dtypes, TF32)."""
+"""Precision recipes: the ONLY place that maps a mode name and its options to behaviour (autocast, scaler, dtypes, TF32,
+FP8 matmuls, optimizer-state formats, stochastic rounding). A recipe is `MODE[+OPTION...]`, e.g.
+`bf16-mixed+fp8-rowwise`, `32-true+adamw-8bit`, `bf16-true+sr`; torchao is imported only when a recipe needs it."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import platform
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +34,26 @@ MODE_HELP: dict[str, str] = {
 }
 
 
+RECIPE_OPTION_HELP: dict[str, str] = {
+    "fp8-tensorwise": "FP8 matmuls, one scale per tensor (torchao: fastest; +25% tokens/s on Llama3-8B, 8xH100).",
+    "fp8-rowwise": "FP8 matmuls, one scale per row (torchao: more accurate than tensorwise, a little slower).",
+    "fp8-rowwise-gw-hp": "FP8 rowwise, but the weight-gradient matmul stays in bf16 (more accurate, slower).",
+    "adamw-8bit": "Adam(W) moments in 8 bits with a scale per 256 values (torchao AdamW8bit).",
+    "adamw-4bit": "Adam(W) moments in 4 bits with a scale per 128 values (torchao AdamW4bit).",
+    "adamw-fp8": "Adam(W) moments in float8 e4m3 with a scale per 256 values (torchao AdamWFp8).",
+    "states-bf16": "Adam(W) moments in bf16 (round to nearest): the torchtune#2254 trap, raced on purpose.",
+    "sr": "bf16 weights updated with stochastic rounding (torchao _AdamW); use with bf16-true.",
+}
+"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
+
+RECIPE_PRESETS: dict[str, tuple[str, ...]] = {
+    "FP8 rowwise vs bf16": ("bf16-mixed", "bf16-mixed+fp8-rowwise"),
+    "8-bit Adam vs fp32 states": ("32-true", "32-true+adamw-8bit"),
+    "bf16 weights: plain vs stochastic rounding": ("bf16-true", "bf16-true+sr"),
+}
+"""Named races of recipes the Train page offers in one click."""
+
+
 @dataclass(frozen=True, slots=True)
 class Precision:
     """How one lane computes: the training step asks this object and never branches on dtype."""
@@ -43,6 +67,18 @@ class Precision:
     watch_grads: bool = False
     """Gradients can hold inf/NaN in ordinary training (fp16 math): their norm is measured on every step, so a step
     the scaler skipped, or one that applied inf/NaN with no scaler to catch it, names its parameters."""
+    options: tuple[RecipeOption, ...] = ()
+    """The recipe's options beyond the mode (FP8 matmuls, optimizer-state format, stochastic rounding)."""
+
+    @property
+    def recipe(self) -> str:
+        """The recipe in full, as stored and shown: `MODE[+OPTION...]`."""
+        return "+".join((self.mode, *(option.name for option in self.options)))
+
+    @property
+    def float8(self) -> Float8Matmuls | None:
+        """The FP8-matmul option of the recipe, if any."""
+        return next((o for o in self.options if isinstance(o, Float8Matmuls)), None)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
@@ -67,8 +103,51 @@ class Precision:
         )
 
     def prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move the module to the device and cast its parameters (true modes only change dtype)."""
-        return module.to(device=self.device, dtype=self.param_dtype)
+        """Move the module to the device and cast its parameters (true modes only change dtype); an FP8 recipe then
+        swaps its eligible Linear layers for torchao's Float8Linear."""
+        module = module.to(device=self.device, dtype=self.param_dtype)
+        for option in self.options:
+            module = option.prepare_module(module, self.device)
+        return module
+
+    def build_optimizer(self, params: Iterable[torch.nn.Parameter], optimizer: str, *, lr: float, eps: float,
+                        fused: bool = False) -> torch.optim.Optimizer:
+        """The lane's optimizer: torch's Adam / AdamW / SGD, or, when the recipe names an optimizer-state format or
+        stochastic rounding, torchao's Adam(W) with that format (the Adam flavour follows `optimizer`, so a race
+        differs only by the recipe). Raises ValueError for a recipe the optimizer cannot carry."""
+        why = self.refuses_optimizer(optimizer, fused)
+        if why:
+            raise ValueError(why)
+        states = next((o for o in self.options if isinstance(o, OptimizerStates)), None)
+        rounding = any(isinstance(o, StochasticRounding) for o in self.options)
+        if states is not None or rounding:
+            return _torchao_adam(params, optimizer == "adamw", states.state_format if states else "",
+                                 rounding, lr=lr, eps=eps)
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+        # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
+        return cls(params, lr=lr, eps=eps, fused=True if fused else None)
+
+    def refuses_optimizer(self, optimizer: str, fused: bool = False) -> str:
+        """Why this recipe cannot train with `optimizer` (empty: it can)."""
+        for option in self.options:
+            if isinstance(option, (OptimizerStates, StochasticRounding)):
+                if optimizer == "sgd":
+                    return f"+{option.name} changes Adam/AdamW's update; optimizer=sgd has no such state: choose " \
+                           "adam or adamw"
+                if fused:
+                    return f"+{option.name} uses torchao's own (compiled) optimizer step: turn fused_optimizer off"
+        return ""
+
+    def recipe_report(self, module: torch.nn.Module) -> dict:
+        """What the recipe does to `module` (the base model, before preparation), for the run's `started` event:
+        the Linear layers in FP8 and those skipped with the reason, and the recipe's notes for this device."""
+        report: dict = {"recipe": self.recipe, "notes": [option.note(self.device) for option in self.options]}
+        if self.float8 is not None:
+            converted, skipped = self.float8.plan(module, self.device)
+            report["fp8_layers"], report["fp8_skipped"] = converted, skipped
+        return report
 
     def prepare_input(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to the device; floating inputs take the parameter dtype."""
@@ -101,9 +180,217 @@ _SPECS: dict[str, tuple[torch.dtype, torch.dtype | None, bool, bool]] = {
 }
 
 
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability with float8 tensor cores (Ada sm89, Hopper sm90 and later)."""
+FP8_DIM_MULTIPLE = 16
+"""Float8 matmuls need both dims of a Linear's weight divisible by this (torchao's and the hardware's rule)."""
+
+
+class RecipeOption:
+    """One option of a recipe (after the `+`): an object beside Precision that knows one precision thing."""
+
+    name: str
+    help: str
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        """Why the option cannot run with `mode` on `device` (empty: it can); `device` None asks only whether the
+        combination makes sense."""
+        return ""
+
+    def note(self, device: str) -> str:
+        """What the option does here, for people (a caveat where it runs emulated or slowly)."""
+        return self.help
+
+    def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
+        return module
+
+
+def _cuda_capability(device: str) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
+@dataclass(frozen=True, slots=True)
+class Float8Matmuls(RecipeOption):
+    """`+fp8-*`: torchao's float8 training (`convert_to_float8_training`) on the model's Linear layers, under bf16
+    autocast. The weights stay in fp32; each matmul casts its operands to e4m3 (forward) / e5m2 (gradients) with
+    dynamic scales, so FP8 saves no memory: it buys speed on FP8 tensor cores."""
+
+    name: str
+    torchao_recipe: str
+    """torchao's Float8LinearRecipeName value: tensorwise | rowwise | rowwise_with_gw_hp."""
+    help: str
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        if mode != "bf16-mixed":
+            return f"+{self.name} runs on top of bf16-mixed (torchao's float8 training); use bf16-mixed+{self.name}"
+        if device is not None and _device_type(device) == "cuda" and torch.cuda.is_available():
+            capability = _cuda_capability(device)
+            if capability < FP8_MIN_CAPABILITY:
+                return (f"FP8 matmuls need compute capability >= 8.9 (Ada, Hopper); this GPU is "
+                        f"{capability[0]}.{capability[1]}")
+        return ""
+
+    def note(self, device: str) -> str:
+        if _device_type(device) == "cuda":
+            return f"{self.help} Native FP8 tensor cores."
+        return (f"{self.help} Emulated here: real float8 matmuls (the aten._scaled_mm op on the CPU), no speed-up "
+                "expected.")
+
+    def _keeps(self, layer: torch.nn.Linear, device: str) -> str:
+        """Why torchao's rules skip `layer` here (empty: it is converted). Misshaped layers (a dim not a multiple of
+        16) are skipped everywhere; torchao's size thresholds (measured on H100 for speed) apply where FP8 is native,
+        on CUDA: on a CPU there is no speed to lose, and the lane would otherwise have no FP8 layer to show."""
+        out_features, in_features = layer.weight.shape
+        if out_features % FP8_DIM_MULTIPLE or in_features % FP8_DIM_MULTIPLE:
+            return f"misshaped: {in_features}->{out_features} is not a multiple of {FP8_DIM_MULTIPLE}"
+        if _device_type(device) == "cuda":
+            from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+            if not _auto_filter_for_recipe(self.torchao_recipe, [])(layer, ""):
+                return f"too small for an FP8 speed-up by torchao's {self.torchao_recipe} thresholds " \
+                       f"({in_features}->{out_features})"
+        return ""
+
+    def plan(self, module: torch.nn.Module, device: str) -> tuple[list[str], dict[str, str]]:
+        """(Linear layers converted, {layer: why skipped}) for `module` on `device`."""
+        converted, skipped = [], {}
+        for name, layer in module.named_modules():
+            if type(layer) is torch.nn.Linear:
+                why = self._keeps(layer, device)
+                if why:
+                    skipped[name] = why
+                else:
+                    converted.append(name)
+        return converted, skipped
+
+    def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        converted, _ = self.plan(module, device)
+        keep = set(converted)
+        module = convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(self.torchao_recipe),
+                                            module_filter_fn=lambda layer, fqn: fqn in keep)
+        if _device_type(device) == "cpu":
+            for layer in module.modules():
+                if isinstance(layer, Float8Linear):
+                    layer.register_forward_pre_hook(_cast_to_cpu_autocast_dtype)
+        return module
+
+
+def _cast_to_cpu_autocast_dtype(layer: torch.nn.Module, args: tuple) -> tuple | None:
+    """Float8Linear casts its input to the autocast dtype reading CUDA's autocast state only; under CPU autocast the
+    input stayed fp32 while the gradient came back in bf16, and rowwise_with_gw_hp's high-precision grad-weight
+    matmul failed ('expected m1 and m2 to have the same dtype'). This makes the CPU do what torchao does on CUDA."""
+    if torch.is_autocast_enabled("cpu"):
+        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStates(RecipeOption):
+    """`+adamw-8bit` / `+adamw-4bit` / `+adamw-fp8` / `+states-bf16`: Adam(W)'s two moments kept in a smaller format
+    (torchao's low-bit optimizers: block-wise codes plus a scale per block; only tensors of >= 4096 values whose size
+    divides into blocks are quantized, the rest stay in the parameter's dtype)."""
+
+    name: str
+    state_format: str
+    """8bit | 4bit | fp8 | bf16."""
+    help: str
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        if self.state_format == "bf16" and _SPECS[mode][0] == torch.bfloat16:
+            return f"{mode} already keeps Adam's states in bf16; +{self.name} would change nothing"
+        return ""
+
+    def note(self, device: str) -> str:
+        if _device_type(device) == "cpu":
+            return (f"{self.help} torchao compiles its optimizer step (torch.compile): the first step takes seconds "
+                    "to a minute here.")
+        return self.help
+
+
+@dataclass(frozen=True, slots=True)
+class StochasticRounding(RecipeOption):
+    """`+sr`: bf16 weights without fp32 master weights, updated with stochastic rounding (torchao's _AdamW with
+    bf16_stochastic_round=True): small updates survive on average instead of rounding away."""
+
+    name: str
+    help: str
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        if mode != "bf16-true":
+            return f"+{self.name} rounds bf16 weights stochastically; use it with bf16-true (bf16-true+{self.name})"
+        return ""
+
+    def note(self, device: str) -> str:
+        if _device_type(device) == "cpu":
+            return (f"{self.help} torchao compiles its optimizer step (torch.compile): the first step takes seconds "
+                    "to a minute here.")
+        return self.help
+
+
+RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
+    Float8Matmuls(name="fp8-tensorwise", torchao_recipe="tensorwise",
+                  help=RECIPE_OPTION_HELP["fp8-tensorwise"]),
+    Float8Matmuls(name="fp8-rowwise", torchao_recipe="rowwise",
+                  help=RECIPE_OPTION_HELP["fp8-rowwise"]),
+    Float8Matmuls(name="fp8-rowwise-gw-hp", torchao_recipe="rowwise_with_gw_hp",
+                  help=RECIPE_OPTION_HELP["fp8-rowwise-gw-hp"]),
+    OptimizerStates(name="adamw-8bit", state_format="8bit",
+                    help=RECIPE_OPTION_HELP["adamw-8bit"]),
+    OptimizerStates(name="adamw-4bit", state_format="4bit",
+                    help=RECIPE_OPTION_HELP["adamw-4bit"]),
+    OptimizerStates(name="adamw-fp8", state_format="fp8",
+                    help=RECIPE_OPTION_HELP["adamw-fp8"]),
+    OptimizerStates(name="states-bf16", state_format="bf16",
+                    help=RECIPE_OPTION_HELP["states-bf16"]),
+    StochasticRounding(name="sr", help=RECIPE_OPTION_HELP["sr"]),
+)}
+"""Every recipe option by name, in the order the UI lists them."""
+
+
+def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
+    """`MODE[+OPTION...]` -> (mode, options). ValueError with a one-line reason for a bad string or combination
+    (the device is not asked: see `availability`)."""
+    if not isinstance(recipe, str) or not recipe.strip():
+        raise ValueError(f"name a recipe (MODE[+OPTION...]), got {recipe!r}")
+    mode, *names = (part.strip() for part in recipe.strip().split("+"))
+    if mode not in _SPECS:
+        raise ValueError(f"unknown mode {mode!r} in {recipe!r}; choose from {', '.join(MODES)}")
+    options = []
+    for name in names:
+        if name not in RECIPE_OPTIONS:
+            raise ValueError(f"unknown recipe option {name!r} in {recipe!r}; choose from "
+                             f"{', '.join(RECIPE_OPTIONS)}")
+        options.append(RECIPE_OPTIONS[name])
+    for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option")):
+        chosen = [option.name for option in options if isinstance(option, kind)]
+        if len(chosen) > 1:
+            raise ValueError(f"{recipe!r} names {len(chosen)} {what}s ({', '.join(chosen)}); choose one")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{recipe!r} names an option twice")
+    for option in options:
+        why = option.refusal(mode, None)
+        if why:
+            raise ValueError(why)
+    return mode, tuple(options)
+
+
+def recipe_mode(recipe: str) -> str:
+    """The mode a recipe builds on (`bf16-mixed+fp8-rowwise` -> `bf16-mixed`)."""
+    return recipe.split("+", 1)[0].strip()
+
+
+def is_fp8_recipe(recipe: str) -> bool:
+    """Whether the recipe runs FP8 matmuls (its ranges are then read against e4m3/e5m2)."""
+    return any(isinstance(RECIPE_OPTIONS.get(part.strip()), Float8Matmuls) for part in recipe.split("+")[1:])
+
+
 def uses_scaler(mode: str) -> bool:
-    """Whether the mode trains with a GradScaler (skips steps whose gradients overflowed)."""
-    return _SPECS[mode][2]
+    """Whether the mode (or the recipe built on it) trains with a GradScaler (skips steps whose gradients
+    overflowed)."""
+    return _SPECS[recipe_mode(mode)][2]
 
 
 def is_mixed(mode: str) -> bool:
@@ -144,15 +431,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def get_precision(mode: str, device: str = "cpu") -> Precision:
-    """Mode name -> Precision. Raises ValueError for an unknown or unavailable mode."""
+def get_precision(recipe: str, device: str = "cpu") -> Precision:
+    """Recipe (`MODE[+OPTION...]`) -> Precision. Raises ValueError for an unknown or unavailable recipe."""
     device = resolve_device(device)
-    ok, reason = availability(mode, device)
+    ok, reason = availability(recipe, device)
     if not ok:
-        raise ValueError(f"mode {mode!r} cannot run on {device}: {reason}")
+        raise ValueError(f"{'recipe' if '+' in recipe else 'mode'} {recipe!r} cannot run on {device}: {reason}")
+    mode, options = parse_recipe(recipe)
     param_dtype, autocast_dtype, scaler, tf32 = _SPECS[mode]
     return Precision(mode=mode, device=device, param_dtype=param_dtype, autocast_dtype=autocast_dtype,
-                     uses_scaler=scaler, tf32=tf32, watch_grads=torch.float16 in (param_dtype, autocast_dtype))
+                     uses_scaler=scaler, tf32=tf32, watch_grads=torch.float16 in (param_dtype, autocast_dtype),
+                     options=options)
 
 
 CPU_NATIVE_ENV = "AMP_LAB_CPU_NATIVE"
@@ -264,8 +553,29 @@ def device_name(device: str = "auto") -> str:
     return f"CPU: {name} ({torch.get_num_threads()} threads)"
 
 
-def availability(mode: str, device: str = "cpu") -> tuple[bool, str]:
-    """(ok, reason): whether `mode` can run on `device`, and a note (why not, or a caveat)."""
+def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
+    """(ok, reason): whether `recipe` (a mode, or `MODE+OPTION...`) can run on `device`, and a note (why not, or a
+    caveat: emulated, slow, compiled)."""
+    if "+" not in recipe:
+        return _mode_availability(recipe, device)
+    try:
+        mode, options = parse_recipe(recipe)
+    except ValueError as error:
+        return False, str(error)
+    ok, reason = _mode_availability(mode, device)
+    if not ok:
+        return ok, reason
+    if options and importlib.util.find_spec("torchao") is None:  # asks the path, imports nothing
+        return False, "recipe options need torchao: pip install 'amp-lab[recipes]' (torchao==0.18.0)"
+    device = resolve_device(device)
+    for option in options:
+        why = option.refusal(mode, device)
+        if why:
+            return False, why
+    return True, "; ".join([reason, *(option.note(device) for option in options)])
+
+
+def _mode_availability(mode: str, device: str) -> tuple[bool, str]:
     if mode not in _SPECS:
         return False, f"unknown mode; choose from {', '.join(MODES)}"
     device = resolve_device(device)
@@ -310,6 +620,38 @@ def default_modes(device: str = "cpu") -> list[str]:
     except ValueError:
         return ["32-true"]  # the 16-bit modes are refused until the override is mended (availability says why)
     return ["32-true", "bf16-mixed" if bf16 else "16-mixed"]
+
+
+def _torchao_adam(params: Iterable[torch.nn.Parameter], decoupled: bool, state_format: str, stochastic_round: bool,
+                  *, lr: float, eps: float) -> torch.optim.Optimizer:
+    """torchao's Adam(W) with moments in `state_format` (8bit | 4bit | fp8 | bf16 | "" = the parameter's dtype) and
+    bf16 stochastic rounding on or off. Weight decay follows torch's defaults (Adam 0, AdamW 0.01) so a recipe lane
+    differs from its plain twin only by the recipe."""
+    import torchao.optim
+
+    weight_decay = 1e-2 if decoupled else 0.0
+    if state_format in ("8bit", "4bit", "fp8"):
+        name = {"8bit": "8bit", "4bit": "4bit", "fp8": "Fp8"}[state_format]
+        cls: Callable = getattr(torchao.optim, f"{'AdamW' if decoupled else 'Adam'}{name}")
+    elif state_format == "bf16":
+        cls = _bf16_state_adamw()
+    else:
+        # _AdamW with weight_decay=0 is Adam: the decay is decoupled, so with none the update is Adam's.
+        cls = torchao.optim._AdamW
+    return cls(params, lr=lr, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=stochastic_round)
+
+
+@functools.cache
+def _bf16_state_adamw() -> type:
+    """torchao's _AdamW whose moments are bf16 tensors (its update math stays fp32; each moment is rounded to bf16
+    when stored), whatever the parameter's dtype."""
+    import torchao.optim
+
+    class AdamWBf16States(torchao.optim._AdamW):
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=torch.bfloat16)
+
+    return AdamWBf16States
 
 
 def fused_optimizer_support(device: str = "auto") -> tuple[bool, str]:

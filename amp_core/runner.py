@@ -369,7 +369,13 @@ class Run:
         lanes = f"{config.workload} x {', '.join(config.modes)}"
         if config.seeds > 1:
             lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}", intra_op_threads=torch.get_num_threads())
+        recipes = {lane.mode: lane.state.precision.recipe_report(bases[lane.replicate])
+                   for lane in self.lanes if lane.replicate == 0 and lane.state.precision.options}
+        skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
+                          f"{', '.join(report['fp8_skipped']) or 'none'}"
+                          for recipe, report in recipes.items() if "fp8_layers" in report)
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}",
+                        intra_op_threads=torch.get_num_threads(), recipes=recipes)
         for hook in self.hooks.setup_done:
             hook(self)
 

@@ -95,13 +95,10 @@ class LaneState:
         return not isinstance(self.scheduler, _NoScheduler)
 
 
-def build_optimizer(config: RunConfig, model: torch.nn.Module):
-    params = model.parameters()
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    # fused=None leaves torch's own default (foreach on CUDA, a per-tensor loop on a CPU), as a plain loop gets.
-    return cls(params, lr=config.lr, eps=config.eps, fused=True if config.fused_optimizer else None)
+def build_optimizer(config: RunConfig, model: torch.nn.Module, precision: Precision):
+    """The lane's optimizer: the recipe decides (torch's, or torchao's low-bit / stochastic-rounding Adam(W))."""
+    return precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=config.eps,
+                                     fused=config.fused_optimizer)
 
 
 def sampling_schedule(config: RunConfig) -> SamplingSchedule:
@@ -115,7 +112,7 @@ def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch
     """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
     precision = get_precision(mode, device)
     model = precision.prepare_module(copy.deepcopy(base_model))
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, precision)
     s = config.scaler
     scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
                                    s.backoff_factor, s.growth_interval)
@@ -184,7 +181,7 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
         torch.nn.utils.clip_grads_with_norm_(lane.params, lane.grad_clip,
                                              torch.where(torch.isfinite(total), total, torch.zeros_like(total)))
     lr_factor = faults.scale_lr(optimizer, step)
-    lr = optimizer.param_groups[0]["lr"]
+    lr = float(optimizer.param_groups[0]["lr"])  # torchao's optimizers keep it as a CPU tensor (no device sync)
     lane.watch.begin()
     scaler.step(optimizer)
     scaler.update()

@@ -34,6 +34,7 @@ from torch import nn
 
 from amp_core.config import RunConfig
 from amp_core.monitor import Monitor, MonitorConfig
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.workloads import WORKLOADS
 
@@ -129,7 +130,7 @@ def main() -> None:
           f"{args.steps} steps per loop, interleaved step by step; layer diagnostics every {layers} steps")
     figures = []
     with tempfile.TemporaryDirectory() as folder:
-        store = RunStore(Path(folder) / "runs.sqlite3")
+        store = open_store(Path(folder) / "runs.sqlite3")
         for case_mode in args.cases.split(","):
             case, mode = case_mode.split(":")
             result = measure(case, mode, args.rounds, args.steps, store, args.layers_every)

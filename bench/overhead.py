@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
@@ -167,7 +168,7 @@ def main() -> None:
     process_threads = process_intra_op_threads()
     ratios = {}
     with tempfile.TemporaryDirectory() as tmp:
-        store = RunStore(Path(tmp) / "bench.sqlite3")
+        store = open_store(Path(tmp) / "bench.sqlite3")
         for workload, size, batch_size in workloads:
             for mode in modes:
                 config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=int(batch_size),

@@ -22,7 +22,10 @@ Medians of repeated rounds. Each figure on its own line `name=value`; the last l
 (`scale_targets_met=K/N`: open_ms <= 150, redraw_ms <= 50, ram_bytes_per_step <= 200, store_bytes_per_step <= 100,
 write_overhead >= 0.98, first_view_ms <= 100, open_1m_ms <= 300, list_runs_ms <= 50).
 
-    python3 -m bench.scale [--steps 100000] [--rounds 6] [--skip-real]   (from the repository root)
+With `--store postgresql://user@host:port/db` every store is a fresh database on that server instead of a SQLite
+file (the URL's role must be allowed to create databases; they are dropped at the end).
+
+    python3 -m bench.scale [--steps 100000] [--rounds 6] [--skip-real] [--store URL]   (from the repository root)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sqlite3
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +45,10 @@ import psutil
 from plotly.tools import return_figure_from_figure_or_data
 
 from amp_core.config import RunConfig
+from amp_core.records.opening import open_store
 from amp_core.records.schema import STEP_COLUMNS
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
+from amp_core.records.store import RunStore, is_postgres_url
 from amp_core.runner import Run, RunManager
 from amp_core.views import plots
 from amp_core.views.live import RecordFollower
@@ -89,15 +94,47 @@ def timed_ms(action, repeats: int, label: str) -> float:
     return statistics.median(wall)
 
 
+class Targets:
+    """Where the bench's stores go: SQLite files in a folder, or fresh databases on a PostgreSQL server."""
+
+    def __init__(self, folder: Path, server: str | None):
+        self.folder, self.server, self.made = folder, server, []
+
+    def __call__(self, name: str) -> Path | str:
+        if not self.server:
+            return self.folder / f"{name}.sqlite3"
+        import psycopg
+
+        database = f"bench_{name}_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(self.server, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {database}")
+        self.made.append(database)
+        return f"{self.server.rsplit('/', 1)[0]}/{database}"  # a password comes from PGPASSWORD or ~/.pgpass
+
+    def drop_all(self) -> None:
+        if not self.made:
+            return
+        import psycopg
+
+        with psycopg.connect(self.server, autocommit=True) as conn:
+            for database in self.made:
+                conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+
+
 def first_view_ms(path: Path, run_id: str, repeats: int, label: str) -> float:
     """Median first view: each round a new manager and follower (nothing cached but the OS's file cache)."""
     def view() -> int:
-        return page_view(RunManager(RunStore(path)), RecordFollower(run_id), run_id)
+        return page_view(RunManager(open_store(path)), RecordFollower(run_id), run_id)
 
     return timed_ms(view, repeats, f"{label} first view ({view()} points drawn)")
 
 
-def store_bytes(path: Path) -> int:
+def store_bytes(path: Path | str) -> int:
+    if is_postgres_url(path):
+        import psycopg
+
+        with psycopg.connect(str(path)) as conn:
+            return conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
     with sqlite3.connect(path) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
@@ -126,7 +163,7 @@ def synthetic_columns(lane: int, mode: str, start: int, count: int, rng: np.rand
 
 
 def write_synthetic(path: Path, run_id: str, steps: int, modes=SYNTHETIC_MODES) -> None:
-    store = RunStore(path)
+    store = open_store(path)
     sink = RecordSink(run_id, store)
     sink.open(RunConfig(workload="digits_mlp", modes=modes, steps=steps, device="cpu").to_dict(), "cpu", "bench")
     rng = np.random.default_rng(0)
@@ -156,9 +193,9 @@ def lane_steps_per_s(store: RunStore | None, steps: int) -> tuple[float, float]:
     return len(frame) / wall, len(frame) / (after.user + after.system - cpu.user - cpu.system)
 
 
-def write_overhead(folder: Path, rounds: int, steps: int) -> None:
+def write_overhead(target: Targets, rounds: int, steps: int) -> None:
     """Print steps/s with the store / without it, by CPU time and by wall time; rounds alternate which goes first."""
-    store = RunStore(folder / "overhead.sqlite3")
+    store = open_store(target("overhead"))
     with_store, without = [], []
     for i in range(rounds):
         pair = [(with_store, store), (without, None)]
@@ -172,11 +209,11 @@ def write_overhead(folder: Path, rounds: int, steps: int) -> None:
     print(f"side by side: with / without the store {wall:.3f} by wall clock, {cpu:.3f} by CPU time")
 
 
-def real_run(folder: Path, steps: int, rounds: int, repeats: int) -> dict[str, float]:
-    write_overhead(folder, rounds, max(2000, steps // 20))
+def real_run(target: Targets, steps: int, rounds: int, repeats: int) -> dict[str, float]:
+    write_overhead(target, rounds, max(2000, steps // 20))
     figures = {}
-    path = folder / "real.sqlite3"
-    manager = RunManager(RunStore(path))
+    path = target("real")
+    manager = RunManager(open_store(path))
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
     started = time.perf_counter()
@@ -201,11 +238,11 @@ def real_run(folder: Path, steps: int, rounds: int, repeats: int) -> dict[str, f
     return figures
 
 
-def many_runs_ms(folder: Path, runs: int, repeats: int) -> float:
-    path = folder / "many.sqlite3"
+def many_runs_ms(target: Targets, runs: int, repeats: int) -> float:
+    path = target("many")
     for i in range(runs):
         write_synthetic(path, f"run-{i:03d}", 500, modes=SYNTHETIC_MODES[:2])
-    manager = RunManager(RunStore(path))
+    manager = RunManager(open_store(path))
     assert len(manager.list_runs()) == runs
     return timed_ms(manager.list_runs, repeats, f"list_runs over {runs} runs")
 
@@ -216,21 +253,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="with/without-store rounds for write_overhead")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip-real", action="store_true", help="only the synthetic figures (quick)")
+    parser.add_argument("--store", default=None, metavar="URL",
+                        help="a PostgreSQL server (postgresql://user@host:port/db): the stores are fresh databases "
+                             "there, not SQLite files")
     args = parser.parse_args()
     assert set(STEP_COLUMNS) >= {"loss", "step_ms", "scale", "skipped"}
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        if not args.skip_real:
-            figures.update(real_run(folder, args.steps, args.rounds, args.repeats))
-        write_synthetic(folder / "20k.sqlite3", "bench-20k", 20_000)
-        figures["first_view_ms"] = first_view_ms(folder / "20k.sqlite3", "bench-20k", args.repeats, "4 x 20,000")
-        start = time.perf_counter()
-        write_synthetic(folder / "1m.sqlite3", "bench-1m", 1_000_000)
-        print(f"4 x 1,000,000 synthetic records written in {time.perf_counter() - start:.1f} s; store "
-              f"{store_bytes(folder / '1m.sqlite3') / 4e6:.1f} B/record")
-        figures["open_1m_ms"] = first_view_ms(folder / "1m.sqlite3", "bench-1m", args.repeats, "4 x 1,000,000")
-        figures["list_runs_ms"] = many_runs_ms(folder, 200, args.repeats)
+        target = Targets(Path(tmp), args.store)
+        print(f"stores: {'fresh databases on ' + open_store(args.store).location if args.store else 'SQLite files'}")
+        try:
+            if not args.skip_real:
+                figures.update(real_run(target, args.steps, args.rounds, args.repeats))
+            small = target("20k")
+            write_synthetic(small, "bench-20k", 20_000)
+            figures["first_view_ms"] = first_view_ms(small, "bench-20k", args.repeats, "4 x 20,000")
+            start = time.perf_counter()
+            big = target("1m")
+            write_synthetic(big, "bench-1m", 1_000_000)
+            print(f"4 x 1,000,000 synthetic records written in {time.perf_counter() - start:.1f} s; store "
+                  f"{store_bytes(big) / 4e6:.1f} B/record")
+            figures["open_1m_ms"] = first_view_ms(big, "bench-1m", args.repeats, "4 x 1,000,000")
+            figures["list_runs_ms"] = many_runs_ms(target, 200, args.repeats)
+        finally:
+            target.drop_all()
     for name, (_, _, digits) in TARGETS.items():
         if name in figures:
             print(f"{name}={figures[name]:.{digits}f}")

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 
 from amp_core.precision import default_modes
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
 
@@ -60,7 +61,7 @@ def reader(store: Path) -> RunStore:
     close removed fails with "disk I/O error" (reported: RunStore then calls the store damaged)."""
     with closing(sqlite3.connect(store)) as conn:
         conn.execute("SELECT COUNT(*) FROM runs").fetchone()  # opens the WAL and its index
-    return RunStore(store)
+    return open_store(store)
 
 
 def new_run(store: Path, known: set[str], timeout_s: float = 120.0) -> str:

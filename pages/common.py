@@ -7,6 +7,7 @@ amp_core.catalog while the warm-up imports the rest on a background thread.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import threading
@@ -121,11 +122,12 @@ def warm_up() -> WarmUp:
 @st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
-    from amp_core.records.store import RunStore, StoreError
+    from amp_core.records.opening import open_store
+    from amp_core.records.store import StoreError
     from amp_core.runner import RunManager
 
     try:
-        return RunManager(RunStore())
+        return RunManager(open_store())
     except StoreError as exc:  # a damaged or foreign file: keep it untouched, run in memory, say why
         return RunManager(None, store_error=str(exc))
 
@@ -136,6 +138,51 @@ def probe_board() -> ProbeBoard:
     from amp_core.probes.cost import ProbeBoard
 
     return ProbeBoard()
+
+
+STORE_RECHECK_S = 3.0
+"""How often a page that found the store's server unreachable looks again."""
+
+
+def unreachable_notice(exc: Exception) -> None:
+    st.warning(f"{exc}. Runs in this server's memory go on; this page draws again by itself once the store answers "
+               f"(it looks every {STORE_RECHECK_S:.0f} s).", icon=":material/cloud_off:")
+
+
+def store_guarded(draw):
+    """A view (a live fragment's body) that says so when the store's server is unreachable, with no traceback, and
+    draws as before at its next run once the server answers."""
+
+    @functools.wraps(draw)
+    def guarded(*args, **kwargs):
+        from amp_core.records.store import StoreUnreachable
+
+        try:
+            return draw(*args, **kwargs)
+        except StoreUnreachable as exc:
+            unreachable_notice(exc)
+            return None
+
+    return guarded
+
+
+def wait_for_store(exc: Exception) -> None:
+    """A page that could not draw because the store's server is unreachable: say so, and rerun it once it answers."""
+    unreachable_notice(exc)
+
+    @st.fragment(run_every=STORE_RECHECK_S)
+    def watch() -> None:
+        store = get_manager().store
+        if store is None or store.reachable():
+            st.rerun(scope="app")
+
+    watch()
+
+
+def store_panel(manager: RunManager) -> None:
+    """The sidebar's word on where runs are kept (a PostgreSQL URL without its password)."""
+    if manager.store is not None:
+        st.caption(f"Store · `{manager.store.location}`")
 
 
 def store_banner(manager: RunManager) -> None:

@@ -20,7 +20,7 @@ from amp_core.views.summary import (
     summarize,
 )
 from amp_core.views.tables import content_widths
-from pages.common import get_manager, run_label
+from pages.common import get_manager, run_label, store_guarded
 
 LIVE_REFRESH_S = 2.0
 # Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
@@ -119,6 +119,7 @@ bands = st.session_state.setdefault("cmp_bands", compare.StepTimeBands())  # fin
 
 
 @st.fragment(run_every=LIVE_REFRESH_S if live else None)
+@store_guarded
 def comparison() -> None:
     # Each redraw reads the lanes through their multi-resolution summary (a few thousand points per figure, whatever
     # their length): every record is gathered only for a download, when it is asked for.
@@ -211,6 +212,7 @@ def comparison() -> None:
         "loss_vs_time": compare.loss_vs_time_figure(series, lane_labels, time_axis=time_axis, log_y=log_y,
                                                     bands=bands, seeds=seeds),
         "step_time": compare.step_time_figure(series, lane_labels, raw=raw, log_y=log_ms, bands=bands, seeds=seeds),
+        "memory": plots.memory_figure(series, lane_labels),
     }
     # Lanes inside a seed band are not drawn as lines of their own: none of them can hide another.
     banded = replicated_keys(series, seeds)

@@ -10,7 +10,7 @@ from amp_core.runs import is_live
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import attached_request, get_manager, live_lane_probe, run_picker
+from pages.common import attached_request, get_manager, live_lane_probe, run_picker, store_guarded
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -182,7 +182,7 @@ def show_amax_over_time(run_id: str) -> None:
     if live:
         st.caption("🟢 live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
                                                             for lane in info.lanes) + " at page load)")
-    st.fragment(amax_view, run_every=2.0 if live else None)(run_id)
+    st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 
 
 def attached_note(config: dict) -> None:

@@ -12,7 +12,7 @@ from amp_core.views import debugger
 from amp_core.views import replay as replay_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import STATUS_ICONS, get_manager, run_picker
+from pages.common import STATUS_ICONS, get_manager, run_picker, store_guarded
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -162,7 +162,7 @@ if live:
     progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
     st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
-    st.fragment(run_every=1.0)(draw_run)(run_id, lane, mode, True)
+    st.fragment(run_every=1.0)(store_guarded(draw_run))(run_id, lane, mode, True)
 else:
     draw_run(run_id, lane, mode, False)
 

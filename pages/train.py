@@ -26,6 +26,7 @@ from pages.common import (
     probe_board,
     run_picker,
     store_banner,
+    store_guarded,
     warm_up,
 )
 
@@ -34,6 +35,7 @@ PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (o
 DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
 DEFAULT_WORKLOAD = DEFAULTS.workload
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
+RECIPE_OPTION_HELP, RECIPE_PRESETS = catalog.recipes()
 # The live view's status mark, in Streamlit's own icon font: an emoji needs an emoji font, which a browser may lack
 # (headless Chromium here drew each as an empty box).
 STATUS_SYMBOLS = {"running": ":material/play_circle:", "paused": ":material/pause_circle:",
@@ -123,9 +125,49 @@ if st.session_state.get("device_slot") is not None:  # app.py left the sidebar's
     with st.session_state.pop("device_slot").container():
         device_panel(facts)
         plugin_panel(warm)
-modes = modes_slot.multiselect("Precision modes (one lane each)", facts.runnable, default=facts.defaults,
-                               key="train_modes",
+
+
+def add_recipe_lanes(lanes: tuple[str, ...], replace: bool) -> None:
+    """Put recipe lanes in the mode picker (a preset replaces its choice; the builder adds one lane)."""
+    known = st.session_state.setdefault("train_recipe_lanes", [])
+    known.extend(lane for lane in lanes if lane not in facts.runnable and lane not in known)
+    chosen = [] if replace else list(st.session_state.get("train_modes", []))
+    st.session_state["train_modes"] = chosen + [lane for lane in lanes if lane not in chosen]
+
+
+def build_recipe() -> None:
+    """The builder's mode + options -> one recipe lane, or the one-line reason it cannot run here."""
+    from amp_core.precision import availability
+
+    options = st.session_state.get("train_recipe_options", [])
+    recipe = "+".join([st.session_state["train_recipe_mode"], *options])
+    ok, why = availability(recipe, facts.device)
+    st.session_state["train_recipe_error"] = "" if ok else f"**{recipe}** — {why}"
+    if ok:
+        add_recipe_lanes((recipe,), replace=False)
+        st.session_state["train_recipe_options"] = []  # the next lane starts from a clean choice
+
+
+recipe_lanes = st.session_state.setdefault("train_recipe_lanes", [])
+modes = modes_slot.multiselect("Precision modes or recipes (one lane each)", facts.runnable + recipe_lanes,
+                               default=facts.defaults, key="train_modes",
                                help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in facts.runnable))
+with st.expander("Recipes: FP8 matmuls, low-bit optimizer states, bf16 stochastic rounding"):
+    r1, r2, r3 = st.columns([2, 1, 4])
+    preset = r1.selectbox("Preset race", list(RECIPE_PRESETS), key="train_recipe_preset",
+                          help="A named race of recipes: its lanes replace the chosen modes.")
+    r2.button("Use preset", key="train_recipe_use", on_click=lambda: add_recipe_lanes(RECIPE_PRESETS[preset], True),
+              help=" vs ".join(RECIPE_PRESETS[preset]))
+    r3.caption(f"**{preset}**: " + " vs ".join(f"`{lane}`" for lane in RECIPE_PRESETS[preset]))
+    b1, b2, b3 = st.columns([1, 3, 1])
+    b1.selectbox("Mode", facts.runnable, key="train_recipe_mode")
+    b2.multiselect("Options", list(RECIPE_OPTION_HELP), key="train_recipe_options",
+                   help="\n\n".join(f"**+{name}**: {text}" for name, text in RECIPE_OPTION_HELP.items()))
+    b3.button("Add lane", key="train_recipe_add", on_click=build_recipe,
+              help="Adds MODE+OPTION... to the lanes, or says why this device cannot run it.")
+    if st.session_state.get("train_recipe_error"):
+        st.error(st.session_state["train_recipe_error"])
+    st.markdown("\n".join(f"- `+{name}` {text}" for name, text in RECIPE_OPTION_HELP.items()))
 
 config: RunConfig | None = None
 try:
@@ -421,6 +463,7 @@ def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> Non
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
+@store_guarded
 def live_view() -> None:
     if run_id not in followers:
         followers[run_id] = RecordFollower(run_id)

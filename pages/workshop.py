@@ -12,7 +12,7 @@ from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
 from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate, headline
-from pages.common import PRESENTER_KEY, get_manager, presenter_on, presenter_style
+from pages.common import PRESENTER_KEY, get_manager, presenter_on, presenter_style, store_guarded
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
 CARDS_PER_ROW = 3
@@ -115,6 +115,7 @@ def draw_table(evidence) -> None:
 
 
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
+@store_guarded
 def live_view() -> None:
     evidence = current.evidence()
     results = evaluate(scenario, evidence)

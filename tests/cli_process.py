@@ -1,4 +1,5 @@
-"""A CLI run in a process of its own, and waiting for what it writes to the store both processes share."""
+"""A CLI run in a process of its own, waiting for what it writes to the store both processes share, and SQL run on a
+store as another program would (a SQLite file or a PostgreSQL URL; never through AMP Lab's own store code)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,29 @@ import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_cli_run(store: Path, *run_args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+def is_url(store) -> bool:
+    return str(store).startswith("postgresql://")
+
+
+def store_sql(store, statement: str, params: tuple = ()) -> list[tuple]:
+    """Run one statement (`?` parameters) on the store directly; its rows (none for a write)."""
+    if is_url(store):
+        import psycopg
+
+        with psycopg.connect(str(store), autocommit=True) as conn:
+            cursor = conn.execute(statement.replace("?", "%s"), params or None)
+            return cursor.fetchall() if cursor.description else []
+    with closing(sqlite3.connect(store)) as conn, conn:
+        return conn.execute(statement, params).fetchall()
+
+
+def start_cli_run(store: Path | str, *run_args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded);
     `prefix`: a command it runs under (e.g. `unshare ...`).
 
@@ -24,18 +42,19 @@ def start_cli_run(store: Path, *run_args: str, prefix: tuple[str, ...] = ()) -> 
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def stored_steps(store: Path) -> int:
-    """Step records in the store file so far, as its tracks count them (0 before the other process has made it)."""
-    if not store.exists():
+def stored_steps(store: Path | str) -> int:
+    """Step records in the store so far, as its tracks count them (0 before the other process has made it)."""
+    if not is_url(store) and not Path(store).exists():
         return 0
-    with sqlite3.connect(store) as conn:
-        try:
-            return conn.execute("SELECT COALESCE(SUM(records), 0) FROM tracks").fetchone()[0]
-        except sqlite3.OperationalError:  # the other process has not made its tables yet
+    try:
+        return int(store_sql(store, "SELECT COALESCE(SUM(records), 0) FROM tracks")[0][0])
+    except Exception as exc:  # the other process has not made its tables yet (sqlite3's or psycopg's error)
+        if "tracks" in str(exc):
             return 0
+        raise
 
 
-def wait_for_stored_steps(store: Path, proc: subprocess.Popen, more_than: int, timeout_s: float = 60.0) -> int:
+def wait_for_stored_steps(store: Path | str, proc: subprocess.Popen, more_than: int, timeout_s: float = 60.0) -> int:
     """Wait until the store holds more than `more_than` step records; return how many it holds then.
 
     The writer is another process, so no event or condition reaches this one: the store file is read every 50 ms

@@ -1,4 +1,5 @@
-"""Shared test set-up: a fresh store per test, Streamlit's shared manager and probes reset and every thread the app
+"""Shared test set-up: a fresh store per test (a SQLite file; tests marked `both_stores` run again on a fresh database
+of the tests' own PostgreSQL server), Streamlit's shared manager and probes reset and every thread the app
 started stopped and joined after each test, a check that run threads end.
 
 The checkout itself is importable through pytest's `pythonpath` setting (pyproject.toml), not by editing sys.path.
@@ -11,6 +12,7 @@ import sys
 import threading
 
 import pytest
+from pg_cluster import Cluster, missing
 from stepped_run import SteppedRun
 
 from amp_core import background, runner
@@ -21,13 +23,34 @@ from amp_core.precision import CPU_NATIVE_ENV
 os.environ.pop(CPU_NATIVE_ENV, None)
 
 
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("both_stores"):
+        metafunc.parametrize("fresh_store", ["sqlite", "postgresql"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """The tests' own PostgreSQL server for the session (skips where its binaries are absent); stopped by PID."""
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = Cluster()
+    yield cluster
+    cluster.remove()
+
+
 @pytest.fixture(autouse=True)
-def fresh_store(tmp_path, monkeypatch):
-    """Every test gets its own store file, and no RunManager, cost probe or app thread survives from an earlier one
-    (a page's probe still racing would run into the next test, and into its thread checks)."""
-    path = tmp_path / "runs.sqlite3"
-    monkeypatch.setenv("AMP_LAB_STORE", str(path))
-    yield path
+def fresh_store(request, tmp_path, monkeypatch):
+    """Every test gets its own store (a file path, or under `both_stores` also a fresh PostgreSQL database's URL),
+    and no RunManager, cost probe or app thread survives from an earlier one (a page's probe still racing would run
+    into the next test, and into its thread checks)."""
+    if getattr(request, "param", "sqlite") == "postgresql":
+        cluster = request.getfixturevalue("pg_cluster")
+        target = cluster.url(cluster.new_database())
+    else:
+        target = tmp_path / "runs.sqlite3"
+    monkeypatch.setenv("AMP_LAB_STORE", str(target))
+    yield target
     _reset_streamlit_resources()
     left = background.stop_all(timeout_s=60)
     assert not left, f"threads the app started did not stop: {left}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS, SETTLED
 
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from tests import streamlit_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,5 +83,5 @@ def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
             script.kill()
             script.wait()
         streamlit_server.stop(server)
-    (run,) = RunStore(store).runs()["run_id"]
+    (run,) = open_store(store).runs()["run_id"]
     assert run == paused["run_id"] and SCREENSHOT.stat().st_size > 10_000

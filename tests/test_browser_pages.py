@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
@@ -76,11 +76,12 @@ def server(tmp_path):
     store = tmp_path / "runs.sqlite3"
     # Two runs for Compare (their 32-true lanes train identically), then the debugger's spike run, newest.
     for modes in (("32-true", "bf16-mixed"), ("32-true",)):
-        Run(RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16), RunStore(store)).start().join()
+        config = RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16)
+        Run(config, open_store(store)).start().join()
     spike = RunConfig(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), steps=60, gradstats_every=10,
                       scaler=ScalerConfig(growth_interval=10),
                       faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
-    Run(spike, RunStore(store)).start().join(120)
+    Run(spike, open_store(store)).start().join(120)
     port = streamlit_server.free_port()
     proc = streamlit_server.start(port, store)
     try:

@@ -11,7 +11,7 @@ from cli_process import start_cli_run, wait_for_stored_steps
 
 from amp_core.config import RunConfig
 from amp_core.records import STEP_FIELDS
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare
 from amp_core.views.plots import mode_color
@@ -26,7 +26,7 @@ def tiny(modes, steps, **changes) -> RunConfig:
 def two_runs(tmp_path_factory):
     """Run A: 32-true + 16-mixed (12 steps; fp16 skips its first steps while the scale backs off);
     run B: 16-mixed alone (8 steps). Both finished, both in the store and in the launching manager."""
-    store = RunStore(tmp_path_factory.mktemp("compare") / "runs.sqlite3")
+    store = open_store(tmp_path_factory.mktemp("compare") / "runs.sqlite3")
     manager = RunManager(store)
     run_a = manager.launch(tiny(("32-true", "16-mixed"), 12))
     run_a.join()
@@ -64,7 +64,7 @@ def test_lane_table_labels_every_lane_and_skips_unknown_runs(two_runs):
 
 
 def test_lane_labels_stay_distinct_when_run_ids_end_alike(tmp_path):
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     for run_id in ("x-abc", "y-abc"):
         Run(tiny(("32-true",), 2), manager.store, run_id=run_id).start().join()
     table = compare.lane_table(manager, ["x-abc", "y-abc"])
@@ -95,7 +95,7 @@ def test_gather_nothing_gives_an_empty_frame_summarize_accepts(two_runs):
 
 
 def test_live_run_ids_lists_only_runs_still_training(tmp_path, no_leaked_threads):
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     done = manager.launch(tiny(("32-true",), 2))
     done.join()
     going = manager.launch(tiny(("32-true",), 100_000))
@@ -112,7 +112,7 @@ def test_a_run_another_process_is_writing_counts_as_live(tmp_path):
     cli = start_cli_run(path, "--workload", "mlp_regression", "--modes", "32-true", "--steps", "1000000")
     try:
         wait_for_stored_steps(path, cli, more_than=20)
-        page_manager = RunManager(RunStore(path))
+        page_manager = RunManager(open_store(path))
         (run_id,) = page_manager.list_runs()["run_id"]
         assert page_manager.get(run_id) is None  # not this process's run
         assert compare.live_run_ids(page_manager, [run_id]) == [run_id]
@@ -236,7 +236,7 @@ def test_step_time_chart_is_a_median_and_band_per_lane_even_for_a_long_lane():
 
 
 def test_lanes_that_trained_identically_are_named_as_hiding_each_other(tmp_path):
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     first = manager.launch(tiny(("32-true", "bf16-mixed"), 12))
     first.join()
     second = manager.launch(tiny(("32-true",), 12))  # same seed, same batches: the same losses, bit for bit

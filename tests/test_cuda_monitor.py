@@ -10,6 +10,7 @@ from test_cuda import per_step_syncs
 from torch import nn
 
 from amp_core.monitor import Monitor
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -54,7 +55,7 @@ def cuda_loop(steps: int, *, fused: bool, scaled: bool, store: RunStore | None =
 @pytest.mark.parametrize(("scaled", "fused"), [(False, False), (True, False), (True, True)],
                          ids=["32-true", "16-mixed", "16-mixed-fused"])
 def test_a_monitored_loop_makes_the_same_host_syncs_per_step_as_the_bare_loop(tmp_path, scaled, fused):
-    store = RunStore(tmp_path / "runs.sqlite3")
+    store = open_store(tmp_path / "runs.sqlite3")
     bare = per_step_syncs(lambda steps: cuda_loop(steps, fused=fused, scaled=scaled))
     monitored = per_step_syncs(lambda steps: cuda_loop(steps, fused=fused, scaled=scaled, store=store, **QUIET))
     assert monitored == bare
@@ -62,7 +63,7 @@ def test_a_monitored_loop_makes_the_same_host_syncs_per_step_as_the_bare_loop(tm
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
 def test_skips_are_exact_and_step_times_come_from_cuda_events(tmp_path, fused):
-    store = RunStore(tmp_path / "runs.sqlite3")
+    store = open_store(tmp_path / "runs.sqlite3")
     monitor, backed_off = cuda_loop(60, fused=fused, scaled=True, store=store, overflow_at=(20, 41),
                                     memory_every=10, grad_norm_every=5)
     frame = store.steps(monitor.run_id)

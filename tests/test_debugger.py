@@ -16,6 +16,7 @@ from format_layouts import LAYOUTS
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults, gradstats
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
@@ -414,7 +415,7 @@ def test_param_names_refuses_unknown_workload():
 
 
 def test_stored_run_reads_back_the_same(tmp_path):
-    store = RunStore(tmp_path / "runs.sqlite3")
+    store = open_store(tmp_path / "runs.sqlite3")
     config = RunConfig(workload="digits_mlp", modes=("16-mixed",), steps=15, gradstats_every=0,
                        faults=(FaultSpec.parse("grad_nan:fc1.bias@9"),))
     run = _finished(config, store)

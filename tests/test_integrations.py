@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from amp_core.records.opening import open_store
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED, WHAT_RAN_EVENTS
-from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower
 from amp_core.views.numerics import amax_samples
@@ -49,7 +49,7 @@ def follow_live(store: Path, trainer_args: tuple[str, ...], integration: str, pa
     proc = start(store, *trainer_args, "--steps", str(steps), "--pause-at", str(pause_at))
     try:
         paused = said(proc)
-        manager = RunManager(RunStore(store))
+        manager = RunManager(open_store(store))
         follower = RecordFollower(paused["run_id"])
         (lane,) = follower.update(manager)
         assert lane.stats.records == pause_at + 1 and proc.poll() is None  # recorded so far; still going
@@ -103,7 +103,7 @@ def test_hf_fp16_on_a_cpu_is_recorded_as_the_fp32_that_ran_and_says_so(fresh_sto
     proc = start(fresh_store, "hf", "--fp16", "--steps", "3")
     last = said(proc)
     assert proc.wait(120) == 0
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     assert last["mode"] == "32-true" and manager.run_info(last["run_id"])["lanes"][0]["mode"] == "32-true"
     message = what_ran(manager, last["run_id"])[PRECISION_NOT_APPLIED]
     assert message.startswith("fp16 asked (16-mixed), not applied: the ops ran in fp32")
@@ -118,7 +118,7 @@ def test_hf_bf16_is_recorded_as_bf16_mixed_with_no_warning(fresh_store, transfor
     proc = start(fresh_store, "hf", "--bf16", "--steps", "2")
     last = said(proc)
     assert proc.wait(120) == 0
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     assert last["mode"] == "bf16-mixed"
     assert not set(what_ran(manager, last["run_id"])) & set(WHAT_RAN_EVENTS)
     samples = amax_samples(manager.events(last["run_id"]))  # layer diagnostics: step 0 is sampled by default
@@ -138,7 +138,7 @@ def test_lightning_fp16_true_says_it_runs_without_loss_scaling(fresh_store, ligh
     proc = start(fresh_store, "lightning", "--precision", "16-true", "--steps", "2")
     last = said(proc)
     assert proc.wait(120) == 0
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     assert last["mode"] == "16-true"
     message = what_ran(manager, last["run_id"])[FP16_WITHOUT_SCALING]
     assert "without loss scaling" in message and message in run_report_html(manager, last["run_id"])
@@ -159,7 +159,7 @@ def test_the_trainer_examples_run_and_finish(fresh_store, example, args, extra):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--store", str(fresh_store), *args],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     (run_id,) = store.runs()["run_id"]
     run = store.run(run_id)
     steps = int(args[1])

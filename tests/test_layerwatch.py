@@ -16,6 +16,7 @@ from torch import nn
 from amp_core.monitor import Monitor
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, FORMATS, figures, tensor_figures
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.views.numerics import amax_heatmap, amax_samples
 
@@ -65,7 +66,7 @@ def fp16_loop(store: RunStore, steps: int, plant_at: set[int], **settings) -> tu
 
 @pytest.fixture
 def store(fresh_store) -> RunStore:
-    return RunStore(fresh_store)
+    return open_store(fresh_store)
 
 
 def events_of(store: RunStore, run_id: str, kind: str):

@@ -11,8 +11,8 @@ from step_records import records
 
 from amp_core.config import RunConfig
 from amp_core.records import STEP_FIELDS, StepRecord
+from amp_core.records.opening import open_store
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower, format_ratio, format_scale
 from amp_core.views.summary import lanes, summarize
@@ -62,7 +62,7 @@ def test_format_ratio():
 
 def test_follower_reads_a_live_run_incrementally(fresh_store, stepped_launches, no_leaked_threads, monkeypatch):
     monkeypatch.setattr(stepped_launches, "pause_after", frozenset({10, 30}))  # lane steps: a page polls twice
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=40, device="cpu"))
     follower = RecordFollower(run.run_id)
     seen = []
@@ -87,7 +87,7 @@ def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):
     """A writer (as a CLI run in another process would be) flushes twice; a follower on its own store object reads
     what each flush wrote, every record once, and keeps the chunks it read."""
     config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), device="cpu")
-    sink = RecordSink("r", RunStore(fresh_store))
+    sink = RecordSink("r", open_store(fresh_store))
     sink.open(config.to_dict(), "cpu", "x")
     rows = records(10, modes=("32-true", "bf16-mixed"))
     as_records = [StepRecord(**{k: (None if pd.isna(v) else v) for k, v in row.items()})
@@ -95,7 +95,7 @@ def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):
     for record in as_records[:7]:  # steps 0-2 both lanes, step 3 lane 0 only
         sink.step(record)
     sink.flush()
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     follower = RecordFollower("r")
     assert [lane.stats.records for lane in follower.update(manager)] == [4, 3]
     for record in as_records[7:]:

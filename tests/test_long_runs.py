@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from cli_process import start_cli_run, stored_steps, wait_for_stored_steps
+from cli_process import start_cli_run, store_sql, stored_steps, wait_for_stored_steps
 from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
@@ -27,9 +27,10 @@ from amp_core.config import RunConfig
 from amp_core.records import STEP_COLUMNS, StepRecord
 from amp_core.records.chunks import CHUNK_MAX, CHUNK_MIN
 from amp_core.records.levels import FIELD_INDEX, FLAG_FIELDS, SUMMARY_FIELDS, level_steps
+from amp_core.records.opening import open_store
 from amp_core.records.query import MAX_POINTS, aggregate, read_lane
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import SCHEMA_VERSION, RunStore, StoreError
+from amp_core.records.store import SCHEMA_VERSION, StoreError
 from amp_core.records.tracks import TrackRecords, marked
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare
@@ -66,7 +67,7 @@ def synthetic(start: int, count: int, seed: int, every: int = 1) -> dict[str, np
 def write_run(path: Path, run_id: str, pieces: list[int], seed: int = 0, every: int = 1,
               close: bool = True) -> dict[str, np.ndarray]:
     """A two-lane run written by a RecordSink in flushes of the given sizes; returns lane 1's records."""
-    sink = RecordSink(run_id, RunStore(path))
+    sink = RecordSink(run_id, open_store(path))
     sink.open(CONFIG.to_dict(), "cpu", "test")
     start, written = 0, []
     for i, count in enumerate(pieces):
@@ -139,13 +140,14 @@ def test_envelope_is_exact_in_memory(start, stop):
     assert len(series.points("loss")[0]) <= 2000 + len(series.marks["step"]) + 10
 
 
+@pytest.mark.both_stores
 @pytest.mark.parametrize(("start", "stop"), [*RANGES, (1, 2)])
 @pytest.mark.parametrize("every", [1, 3])
 def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
     """Flushes of every size (small ones coalesced into one chunk, big ones split), steps 1 or 3 apart."""
     pieces = [7, 100, 300, 50, 9000, 2, 20_000, 4000, 1, 30_000, 17_000]
     raw = write_run(fresh_store, "r", pieces, every=every)
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     with store.snapshot():
         (source,) = [s for s in store.track_sources("r") if s.lane == 1]
         series = read_lane(source, start, stop, max_points=2000)
@@ -153,8 +155,7 @@ def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
     assert series.stats.records == len(raw["step"]) and series.stats.skipped_steps == raw["skipped"].sum()
     assert series.stats.median_step_ms == np.median(raw["step_ms"])
     assert not series.problems
-    with sqlite3.connect(fresh_store) as conn:
-        sizes = [r[0] for r in conn.execute("SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
+    sizes = [r[0] for r in store_sql(fresh_store, "SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
     assert max(sizes) <= CHUNK_MAX and all(size >= CHUNK_MIN for size in sizes[:-1])
 
 
@@ -175,9 +176,10 @@ def test_aggregate_over_any_range_equals_the_records():
             assert bucket["sum"][0, FIELD_INDEX["step_ms"]] == pytest.approx(values.sum(), rel=1e-9)
 
 
+@pytest.mark.both_stores
 def test_a_chart_reads_a_few_thousand_points_of_a_long_run(fresh_store):
     write_run(fresh_store, "r", [100_000] * 3)
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     series = manager.lane_series("r")
     assert [s.stats.records for s in series] == [300_000, 300_000]
     for lane in series:
@@ -201,28 +203,29 @@ def test_in_memory_columns_are_compact():
     assert all(dtype.itemsize <= 8 for dtype in STEP_COLUMNS.values())
 
 
+@pytest.mark.both_stores
 def test_records_of_each_rank_are_their_own_track(fresh_store):
-    sink = RecordSink("r", RunStore(fresh_store))
+    sink = RecordSink("r", open_store(fresh_store))
     sink.open(CONFIG.to_dict(), "cpu", "test")
     for step in range(5):
         for rank in (0, 1):
             sink.step(StepRecord("r", 0, "32-true", step, 1.0 + step, 1.0 + rank, 2.0, 3.0, 1e-3, None, False, 1.0,
                                  1, 1, 1, 1, None, None, 0.0, rank=rank))
     sink.close("finished", [(0, "finished", "")])
-    frame = RunStore(fresh_store).steps("r")
+    frame = open_store(fresh_store).steps("r")
     assert frame["rank"].tolist() == [0, 1] * 5 and frame.loc[frame["rank"] == 1, "loss"].eq(2.0).all()
-    assert [(t["lane"], t["rank"], t["records"]) for t in RunStore(fresh_store).tracks("r")] == [(0, 0, 5), (0, 1, 5)]
+    assert [(t["lane"], t["rank"], t["records"]) for t in open_store(fresh_store).tracks("r")] == [(0, 0, 5), (0, 1, 5)]
     with pytest.raises(ValueError, match="steps must increase"):
         sink.step(StepRecord("r", 0, "32-true", 4, 1.0, 1.0, 2.0, 3.0, 1e-3, None, False, 1.0, 1, 1, 1, 1, None, None,
                              0.0))
 
 
+@pytest.mark.both_stores
 def test_a_column_added_later_reads_as_missing_in_older_chunks(fresh_store):
     """A store written before a StepRecord field existed: its chunks lack that column, which reads as NaN / 0."""
     write_run(fresh_store, "r", [300])
-    with sqlite3.connect(fresh_store) as conn:
-        conn.execute("DELETE FROM chunk_columns WHERE name IN ('grad_norm', 'optim_bytes')")
-    frame = RunStore(fresh_store).steps("r")
+    store_sql(fresh_store, "DELETE FROM chunk_columns WHERE name IN ('grad_norm', 'optim_bytes')")
+    frame = open_store(fresh_store).steps("r")
     assert len(frame) == 600 and frame["grad_norm"].isna().all() and (frame["optim_bytes"] == 0).all()
 
 
@@ -238,13 +241,14 @@ def wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.both_stores
 def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     """A CLI run in its own process; the page's manager (its own RunStore) follows it: records arrive while the
     writer is still running, every lane grows, and nothing is read twice."""
     proc = start_cli_run(fresh_store, *RUN_ARGS)
     try:
         wait_for_stored_steps(fresh_store, proc, more_than=0)
-        manager = RunManager(RunStore(fresh_store))
+        manager = RunManager(open_store(fresh_store))
         (run_id,) = manager.list_runs()["run_id"]
         follower = RecordFollower(run_id)
         seen = []
@@ -261,9 +265,10 @@ def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     finally:
         proc.send_signal(signal.SIGINT)  # the CLI stops the run cleanly on Ctrl-C
         proc.wait(30)
-    assert RunManager(RunStore(fresh_store)).run_info(run_id)["status"] == "stopped"
+    assert RunManager(open_store(fresh_store)).run_info(run_id)["status"] == "stopped"
 
 
+@pytest.mark.both_stores
 def test_kill_9_loses_at_most_the_last_second_and_never_half_a_chunk(fresh_store):
     proc = start_cli_run(fresh_store, *RUN_ARGS)
     try:
@@ -275,7 +280,7 @@ def test_kill_9_loses_at_most_the_last_second_and_never_half_a_chunk(fresh_store
     finally:
         if proc.poll() is None:
             proc.kill()
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     (run_id,) = store.runs()["run_id"]
     assert store.run(run_id)["status"] == "interrupted"
     frame = store.steps(run_id)
@@ -294,6 +299,7 @@ def _unshare_available() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.both_stores
 @pytest.mark.skipif(not _unshare_available(), reason="needs root and unshare to start a writer in its own pid "
                                                       "namespace")
 def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_store):
@@ -303,7 +309,7 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_stor
     proc = start_cli_run(fresh_store, *RUN_ARGS, prefix=("unshare", "-p", "-f", "--mount-proc"))
     try:
         wait_for_stored_steps(fresh_store, proc, more_than=0)
-        store = RunStore(fresh_store, stale_after_s=3.0)
+        store = open_store(fresh_store, stale_after_s=3.0)
         (run_id,) = store.runs()["run_id"]
         row = store.run(run_id)
         assert row["pid"] == 1 and row["pid_namespace"] != os.readlink("/proc/self/ns/pid")
@@ -327,6 +333,7 @@ def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(fresh_stor
             proc.kill()
 
 
+@pytest.mark.both_stores
 def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
     """The writer is killed and its pid goes to another process (as in a restarted container): that process has
     another start time, so the run is interrupted."""
@@ -336,23 +343,23 @@ def test_a_reused_pid_does_not_keep_a_dead_run_live(fresh_store):
     proc.wait(10)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with sqlite3.connect(fresh_store) as conn:  # the pid now names `other`, a live process
-            conn.execute("UPDATE runs SET pid = ?", (other.pid,))
+        store_sql(fresh_store, "UPDATE runs SET pid = ?", (other.pid,))  # the pid now names `other`, a live process
         assert psutil.pid_exists(other.pid)
-        store = RunStore(fresh_store)
+        store = open_store(fresh_store)
         assert store.runs()["status"].tolist() == ["interrupted"]
     finally:
         other.kill()
         other.wait()
 
 
+@pytest.mark.both_stores
 def test_a_live_writer_marked_interrupted_by_mistake_says_so_and_goes_on(fresh_store):
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000), store).start()
     try:
         wait_for(lambda: stored_steps(fresh_store) > 0, what="the first flush")
-        with sqlite3.connect(fresh_store) as conn:  # as a reader on another host whose stale limit passed would
-            conn.execute("UPDATE runs SET status = 'interrupted'")
+        # as a reader on another host whose stale limit passed would
+        store_sql(fresh_store, "UPDATE runs SET status = 'interrupted'")
         wait_for(lambda: store.run(run.run_id)["status"] == "running", timeout=10, what="the next flush")
     finally:
         run.stop()
@@ -426,7 +433,7 @@ def test_a_schema_1_store_is_migrated_in_place_after_a_backup(fresh_store):
     run = schema_1_store(fresh_store)
     with sqlite3.connect(fresh_store) as conn:
         original = list(conn.iterdump())
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     with sqlite3.connect(store.backup_path) as conn:  # the backup holds the store as it was, schema 1
         assert list(conn.iterdump()) == original and conn.execute("PRAGMA user_version").fetchone()[0] == 1
     with sqlite3.connect(fresh_store) as conn:
@@ -449,7 +456,7 @@ def test_a_schema_1_store_is_migrated_in_place_after_a_backup(fresh_store):
         (s for _, ln, st, s in run.grad_stats() if ln == 0 and st == 100), key=lambda s: s.param)
     series = RunManager(store).lane_series(run.run_id)
     assert [s.stats.records for s in series] == [300, 300]
-    assert RunStore(fresh_store).backup_path is None  # opened again: nothing more to migrate
+    assert open_store(fresh_store).backup_path is None  # opened again: nothing more to migrate
 
 
 def test_a_store_from_a_newer_schema_is_refused_and_left_byte_identical(fresh_store):
@@ -459,7 +466,7 @@ def test_a_store_from_a_newer_schema_is_refused_and_left_byte_identical(fresh_st
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     before = fresh_store.read_bytes()
     with pytest.raises(StoreError, match=rf"newer AMP Lab \(store schema {SCHEMA_VERSION + 1}.*left it untouched"):
-        RunStore(fresh_store)
+        open_store(fresh_store)
     assert fresh_store.read_bytes() == before
     assert main(["--store", str(fresh_store), "list"]) == 2
 
@@ -481,7 +488,7 @@ def test_a_damaged_chunk_is_reported_for_its_run_and_every_other_run_opens(fresh
     write_run(fresh_store, "damaged", [3000, 3000, 3000])
     write_run(fresh_store, "intact", [3000, 3000, 3000], seed=9)
     first, last = damage_one_chunk(fresh_store, "damaged")
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     series = manager.lane_series("damaged", max_points=100_000)  # every record: the damaged ones must be missing
     lane = series[1]
     assert lane.problems and f"steps {first}–{last}" in lane.problems[0] and "lane 1 (16-mixed)" in lane.problems[0]
@@ -510,9 +517,10 @@ def test_the_train_page_shows_a_damaged_run_with_a_message(fresh_store):
     assert len(at.get("plotly_chart")) == 5
 
 
+@pytest.mark.both_stores
 def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkeypatch):
     """Chunks but a track's last never change, summary blocks never: a follower decodes each column once."""
-    sink = RecordSink("r", RunStore(fresh_store))
+    sink = RecordSink("r", open_store(fresh_store))
     sink.open(CONFIG.to_dict(), "cpu", "test")
 
     def flush(start: int, count: int) -> None:
@@ -527,7 +535,7 @@ def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkey
     decoded = []
     real_decode = store_module.decode_array
     monkeypatch.setattr(store_module, "decode_array", lambda blob: decoded.append(1) or real_decode(blob))
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     follower = RecordFollower("r")
     first = follower.update(manager)
     assert decoded and [lane.stats.records for lane in first] == [15_000, 15_000]
@@ -541,10 +549,11 @@ def test_a_follower_of_a_stored_run_decodes_only_what_is_new(fresh_store, monkey
     assert len(decoded) == len(CONFIG.modes) * len(STEP_COLUMNS)  # the new chunk of each lane, each column once
 
 
+@pytest.mark.both_stores
 def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_store):
     write_run(fresh_store, "a", [60_000])
     write_run(fresh_store, "b", [500], seed=3)
-    manager = RunManager(RunStore(fresh_store))
+    manager = RunManager(open_store(fresh_store))
     series = compare.gather_lanes(manager, ["b/1", "a/0", "a/1", "nope/0"])
     assert [lane.key for lane in series] == ["b/1", "a/0", "a/1"]
     assert series[0].bucket_steps == 1 and series[1].bucket_steps > 1
@@ -552,11 +561,12 @@ def test_compare_gathers_lanes_through_the_summary_in_the_order_asked(fresh_stor
     assert [lane.stats.records for lane in series] == [500, 60_000, 60_000]
 
 
+@pytest.mark.both_stores
 def test_the_sink_times_what_storing_costs_the_run(fresh_store):
     """write_seconds is the store's whole cost to the writer (bench.scale's write_overhead reads it)."""
     config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=3000)
     started = time.perf_counter()
-    stored = Run(config, RunStore(fresh_store)).start()
+    stored = Run(config, open_store(fresh_store)).start()
     stored.join()
     elapsed = time.perf_counter() - started
     unstored = Run(config).start()

@@ -20,6 +20,7 @@ from torch import nn
 from amp_core.config import ConfigError
 from amp_core.measure import optimizer_state_tensors, tensor_bytes
 from amp_core.monitor import Monitor, MonitorConfig
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower
@@ -73,7 +74,7 @@ def fp16_loop(store: RunStore, steps: int = 40, overflow_at=(), fused: bool = Fa
 
 @pytest.fixture
 def store(fresh_store) -> RunStore:
-    return RunStore(fresh_store)
+    return open_store(fresh_store)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
@@ -220,7 +221,7 @@ def test_a_dashboard_follows_a_monitored_script_live_and_its_skips_are_exact(fre
     proc = start_script(fresh_store, "--steps", "40", "--pause-at", "9,24", "--overflow-at", "12,30")
     try:
         first = said(proc)
-        manager = RunManager(RunStore(fresh_store))
+        manager = RunManager(open_store(fresh_store))
         follower = RecordFollower(first["run_id"])
         (lane,) = follower.update(manager)
         assert lane.stats.records == 10 and proc.poll() is None  # the records are here; the script is still going
@@ -262,7 +263,7 @@ def test_sigkill_of_a_monitored_script_leaves_an_interrupted_run_with_its_record
         assert proc.wait(60) == -signal.SIGKILL
     finally:
         proc.kill()
-    manager = RunManager(RunStore(fresh_store))  # a dashboard (re)started after the script died
+    manager = RunManager(open_store(fresh_store))  # a dashboard (re)started after the script died
     info = manager.run_info(paused["run_id"])
     assert info["status"] == "interrupted" and info["lanes"][0]["status"] == "interrupted"
     assert info["lanes"][0]["steps_done"] == 15
@@ -277,7 +278,7 @@ def test_the_monitor_examples_run_and_finish(fresh_store, example, args):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--store", str(fresh_store), *args],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     (run_id,) = store.runs()["run_id"]
     run = store.run(run_id)
     frame = store.steps(run_id)
@@ -333,4 +334,4 @@ def test_the_debugger_and_layer_numerics_follow_a_monitored_script_live(fresh_st
     for name, page in pages.items():
         page.run()
         assert not page.exception and not live_caption(page), name  # finished: drawn once, no timer
-    assert first["run_id"] == RunManager(RunStore(fresh_store)).list_runs()["run_id"].tolist()[0]
+    assert first["run_id"] == RunManager(open_store(fresh_store)).list_runs()["run_id"].tolist()[0]

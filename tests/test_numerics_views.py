@@ -16,7 +16,7 @@ from torch import nn
 from amp_core.cli import main
 from amp_core.config import RunConfig
 from amp_core.probes import numerics
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from amp_core.views import numerics as views
 from amp_core.workloads import WORKLOADS, Data, Workload
@@ -106,9 +106,9 @@ def test_samples_survive_the_store_as_json(fresh_store):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(WORKLOADS, "growing", Growing())
         run = Run(RunConfig(workload="growing", modes=("16-mixed",), steps=20, batch_size=32, device="cpu",
-                            gradstats_every=0, amax_every=2, stop_on_divergence=False), RunStore()).start()
+                            gradstats_every=0, amax_every=2, stop_on_divergence=False), open_store()).start()
         run.join(120)
-    stored = views.amax_samples(RunStore(fresh_store).events(run.run_id))
+    stored = views.amax_samples(open_store(fresh_store).events(run.run_id))
     memory = views.amax_samples(pd.DataFrame([{"kind": e.kind, "lane": e.lane, "step": e.step, "data": e.data}
                                               for e in run.events()]))
     pd.testing.assert_frame_equal(stored, memory)

@@ -60,7 +60,16 @@ def test_ci_runs_exactly_the_readmes_test_command():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Run the tests", 1)[1]
     command = re.search(r"```bash\n(.+?)\n```", section, re.DOTALL).group(1).strip()
-    assert command == "python3 -m pip install -r requirements-dev.txt -e . && python3 -m pytest -q"
+    assert command == "python3 -m pip install -r requirements-dev.txt -e '.[all]' && python3 -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == command
     assert ci.index("python3 -m ruff check .") < len(ci) - 1
+
+
+def test_every_extra_is_pinned_and_the_suite_installs_them_all():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    everything = extras.pop("all")
+    assert everything == [f"amp-lab[{','.join(extras)}]"], "the 'all' extra names every other extra"
+    for name, requirements in extras.items():
+        for requirement in requirements:
+            assert re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[0-9][0-9A-Za-z.]*", requirement), (name, requirement)

@@ -7,7 +7,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from amp_core.views import tables
 from amp_core.views.plots import mode_color
@@ -24,7 +24,7 @@ def tiny(modes, steps=10, **changes) -> RunConfig:
 
 def stored_run(store_path: Path, modes) -> str:
     """A finished run written to the test's store by a thread of its own (not the page's manager)."""
-    run = Run(tiny(modes), RunStore(store_path)).start()
+    run = Run(tiny(modes), open_store(store_path)).start()
     run.join()
     assert run.status == "finished"
     return run.run_id
@@ -131,7 +131,7 @@ def test_three_lanes_of_two_runs(fresh_store):
 
 def test_the_diverged_column_appears_only_when_a_lane_diverged(fresh_store):
     config = tiny(("32-true", "bf16-mixed"), optimizer="sgd", faults=(FaultSpec.parse("grad_inf:layer2.bias@2"),))
-    run = Run(config, RunStore(fresh_store)).start()  # no scaler: the inf is applied and the weights turn inf
+    run = Run(config, open_store(fresh_store)).start()  # no scaler: the inf is applied and the weights turn inf
     run.join()
     at = page()
     assert not at.exception

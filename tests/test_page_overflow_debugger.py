@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def stored_run(fresh_store) -> str:
     config = RunConfig(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), steps=60, gradstats_every=10,
                        scaler=ScalerConfig(growth_interval=10),
                        faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
-    run = Run(config, RunStore(fresh_store)).start()
+    run = Run(config, open_store(fresh_store)).start()
     run.join(120)
     assert run.status == "finished"
     return run.run_id
@@ -121,7 +121,7 @@ def test_finished_run_from_the_store(stored_run):
 
 def test_a_run_with_a_scheduler_shows_the_scheduler_note_open(fresh_store):
     config = RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=12, scheduler="onecycle")
-    run = Run(config, RunStore(fresh_store)).start()
+    run = Run(config, open_store(fresh_store)).start()
     run.join(60)
     at = _page()
     assert not at.exception and not at.error

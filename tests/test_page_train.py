@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core.config import FaultSpec, RunConfig
 from amp_core.precision import default_modes
 from amp_core.probes.cost import TIMED_STEPS
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_a_failed_run_says_why_once(app):
 
 
 def test_run_picker_lists_runs_from_before_a_restart(fresh_store):
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     config = RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), device="cpu")
     store.create_run("old-run", config.to_dict(), "cpu", "x")
     with sqlite3.connect(fresh_store) as conn:  # as if the process that ran it had died

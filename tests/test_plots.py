@@ -214,13 +214,13 @@ def test_row_quantiles_are_numpys_for_every_row_with_records_missing():
 
 
 def test_a_band_over_a_very_long_run_is_estimated_from_the_summary_and_agrees_with_every_record(tmp_path):
-    from amp_core.records.store import RunStore
+    from amp_core.records.opening import open_store
     from amp_core.runner import RunManager
     from bench.scale import write_synthetic
 
     path = tmp_path / "runs.sqlite3"
     write_synthetic(path, "long", 1_000_000, modes=("32-true",))
-    (lane,) = RunManager(RunStore(path)).lane_series("long")
+    (lane,) = RunManager(open_store(path)).lane_series("long")
     assert lane.bucket_steps >= plots.LEVEL_BASE * plots.BAND_SAMPLES  # sampled from the summary
     estimated = plots.StepTimeBands().band(lane)
     rows = lane.source.raw_rows(lane.start, lane.stop, ["step_ms"])  # every record, for the exact figures

@@ -21,7 +21,7 @@ from amp_core import workloads
 from amp_core.config import RunConfig
 from amp_core.probes.numerics import probe_workload
 from amp_core.probes.optrace import trace_workload
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from amp_core.workloads import BUILT_IN, WORKLOADS, load_plugins, param_names
 from tests import streamlit_server
@@ -147,7 +147,7 @@ def test_the_cli_races_a_plugin_in_three_modes(fresh_store):
     assert proc.returncode == 0, proc.stderr
     for mode in MODES:
         assert f"\n{mode}" in proc.stdout
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     (run_id,) = store.runs()["run_id"]
     run = store.run(run_id)
     assert run["workload"] == "sine_mlp" and run["status"] == "finished"
@@ -170,7 +170,7 @@ def test_the_cli_refuses_a_broken_plugin_with_exit_2_naming_it(fresh_store, plug
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: workload plugin 'plugin_raises' not loaded: importing it failed: "
                                    "RuntimeError: the plugin could not find its data")
-    assert RunStore(fresh_store).runs().empty
+    assert open_store(fresh_store).runs().empty
     listed = cli(fresh_store, "list", extra_path=plugin_path, env={"AMP_LAB_WORKLOADS": "plugin_raises"})
     assert listed.returncode == 0  # commands that use no workload are not held up by a broken plugin
 
@@ -208,7 +208,7 @@ def test_the_app_serves_with_a_broken_plugin_and_races_the_good_one_on_the_train
 def test_a_stored_run_of_a_plugin_not_loaded_now_opens_on_every_page(plugin_path, fresh_store, monkeypatch):
     assert load_plugins(["my_workload"]) == []
     run = Run(RunConfig(workload="sine_mlp", modes=("32-true", "16-mixed"), steps=10, gradstats_every=5),
-              RunStore(fresh_store)).start()
+              open_store(fresh_store)).start()
     run.join(120)
     assert run.status == "finished"
     del WORKLOADS["sine_mlp"], workloads.PLUGIN_ORIGINS["sine_mlp"]  # a later server, without the plugin

@@ -16,7 +16,7 @@ from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.replay import ReplayError, replay_run
 from amp_core.probes.spikes import SpikeRule
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame, replay_text, steps_to_review
 from amp_core.workloads import WORKLOADS
@@ -147,7 +147,7 @@ def test_cli_replay_of_a_stored_run_prints_the_table_and_the_verdict(tmp_path):
     made = subprocess.run([*base, "run", "--workload", "mlp_regression", "--modes", ",".join(MIXED), "--steps", "45",
                            "--fault", "batch_outlier:30@40"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
-    run_id = RunStore(store).runs()["run_id"].iloc[0]
+    run_id = open_store(store).runs()["run_id"].iloc[0]
     proc = subprocess.run([*base, "replay", run_id, "--lane", "16-mixed", "--step", "40"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

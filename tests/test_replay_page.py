@@ -10,7 +10,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
@@ -24,7 +24,7 @@ SHOTS = Path(os.environ.get("AMP_LAB_SHOTS", ROOT / "artifacts"))
 def outlier_run(store: Path) -> str:
     config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed", "bf16-mixed"), steps=45,
                        faults=(FaultSpec.parse("batch_outlier:30@40"),))
-    run = Run(config, RunStore(store)).start()
+    run = Run(config, open_store(store)).start()
     run.join(120)
     assert run.status == "finished"
     return run.run_id

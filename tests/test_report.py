@@ -15,6 +15,7 @@ import pytest
 from figure_json import values
 
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager
 from amp_core.views import report
@@ -74,7 +75,7 @@ def run_with_events(store: RunStore) -> Run:
 
 @pytest.fixture
 def stored(fresh_store) -> tuple[RunStore, str]:
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     return store, run_with_events(store).run_id
 
 
@@ -121,7 +122,7 @@ def test_the_report_holds_every_chart_the_summary_config_and_events_and_escapes_
 
 
 def test_a_seeded_run_reports_its_seeds_and_the_rule(fresh_store):
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=8, batch_size=16,
                         seeds=2), store).start()
     run.join(120)
@@ -135,7 +136,7 @@ def test_a_seeded_run_reports_its_seeds_and_the_rule(fresh_store):
 
 def test_an_unknown_run_is_refused(fresh_store):
     with pytest.raises(ValueError, match="no run 'nope'"):
-        report.run_report_html(RunStore(fresh_store), "nope")
+        report.run_report_html(open_store(fresh_store), "nope")
 
 
 def cli(store: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -150,7 +151,7 @@ def test_cli_export_html_writes_the_report(tmp_path):
                "--batch-size", "16", "--seeds", "2")
     assert done.returncode == 0, done.stderr
     assert "32-true seed 1" in done.stdout and "across 2 seeds per mode" in done.stdout and "rule:" in done.stdout
-    (run_id,) = RunStore(store).runs()["run_id"].tolist()
+    (run_id,) = open_store(store).runs()["run_id"].tolist()
     out = tmp_path / "report.html"
     done = cli(store, "export", run_id, "--format", "html", "-o", str(out))
     assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.records import requests
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "monitor_script.py"
@@ -45,6 +45,7 @@ def inspector() -> AppTest:
     return page
 
 
+@pytest.mark.both_stores
 def test_a_trace_asked_from_the_op_inspector_is_answered_by_the_running_process(fresh_store):
     proc = start(fresh_store, "--steps", "30", "--pause-at", "5,12")
     try:
@@ -67,13 +68,14 @@ def test_a_trace_asked_from_the_op_inspector_is_answered_by_the_running_process(
     assert page.metric[0].label == "Ops (forward + backward)" and int(page.metric[0].value) > 10
     tables = [frame.value for frame in page.dataframe]
     assert any("addmm" in " ".join(map(str, table.get("op", []))) for table in tables)  # the model's Linear layers
-    events = RunStore(fresh_store).events(paused["run_id"])
+    events = open_store(fresh_store).events(paused["run_id"])
     assert "traced" in events["kind"].tolist()
 
 
+@pytest.mark.both_stores
 def test_layer_numerics_asked_at_the_next_step_are_answered(fresh_store):
     proc = start(fresh_store, "--steps", "20", "--pause-at", "4,10")
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     try:
         paused = said(proc)
         request_id = requests.ask(store, paused["run_id"], requests.LAYERS)
@@ -92,6 +94,7 @@ def test_layer_numerics_asked_at_the_next_step_are_answered(fresh_store):
     assert set(layers["shares"]["output"]) == {"fp16", "bf16", "fp8 e4m3fn", "fp8 e5m2"}
 
 
+@pytest.mark.both_stores
 def test_a_request_to_a_process_that_died_says_so_and_one_on_an_ended_run_is_refused(fresh_store):
     proc = start(fresh_store, "--steps", "40", "--pause-at", "5")
     try:
@@ -105,7 +108,7 @@ def test_a_request_to_a_process_that_died_says_so_and_one_on_an_ended_run_is_ref
     page.run()
     assert not page.exception
     assert any("Not answered: the process ended (interrupted) before it answered" in w.value for w in page.warning)
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     with pytest.raises(requests.RequestRefused, match=r"the run has ended \(interrupted\): no process is left"):
         requests.ask(store, paused["run_id"], requests.TRACE)
     page.run()

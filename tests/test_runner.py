@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunLimitError, RunManager, build_lane_state
 from amp_core.step import train_step
@@ -221,7 +222,7 @@ def test_sixteen_true_adam_divergence_says_why():
 
 
 def test_manager_limits_concurrent_runs_and_lists_them(no_leaked_threads):
-    manager = RunManager(RunStore(), max_running=1)
+    manager = RunManager(open_store(), max_running=1)
     run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000))
     with pytest.raises(RunLimitError, match="runs: 1 runs are already going"):
         manager.launch(RunConfig(workload="mlp_regression", modes=("32-true",), steps=10))

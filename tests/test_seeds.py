@@ -17,6 +17,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core.config import MAX_SEEDS, ConfigError, RunConfig
 from amp_core.distributed import DistributedRun
 from amp_core.records import STEP_FIELDS
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare, plots, summary
@@ -59,7 +60,7 @@ def test_a_torchrun_job_refuses_seed_replicates():
 
 # --- the run -------------------------------------------------------------------------------------------------------
 def test_lanes_are_modes_times_seeds_and_each_seed_shares_weights_and_batches(tmp_path):
-    store = RunStore(tmp_path / "runs.sqlite3")
+    store = open_store(tmp_path / "runs.sqlite3")
     run = seeded(seeds=3, store=store)
     assert [(lane.mode, lane.seed) for lane in run.lanes] == [(m, s) for s in range(3) for m in MODES]
     # Interleaved step by step: every lane's step k before any lane's step k + 1.
@@ -231,7 +232,7 @@ def test_train_page_launches_seeds_per_mode_and_draws_a_band_per_mode():
 
 def test_compare_page_groups_a_seeded_run_by_mode(fresh_store):
     run = Run(RunConfig(workload="mlp_regression", modes=MODES, steps=10, batch_size=16, seeds=2),
-              RunStore(fresh_store)).start()
+              open_store(fresh_store)).start()
     run.join(120)
     at = AppTest.from_file(str(ROOT / "pages" / "compare.py"), default_timeout=60).run()
     assert not at.exception and not at.error

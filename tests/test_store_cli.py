@@ -18,19 +18,21 @@ from cli_process import start_cli_run, wait_for_stored_steps
 from amp_core.cli import main
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.records import STEP_FIELDS
-from amp_core.records.store import RunStore, StoreError
+from amp_core.records.opening import open_store
+from amp_core.records.store import StoreError
 from amp_core.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.both_stores
 def test_a_run_round_trips_through_the_store(fresh_store):
     config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=30, gradstats_every=10,
                        scaler=ScalerConfig(init_scale=256.0),
                        faults=(FaultSpec(kind="grad_inf", step=12, modes=("16-mixed",)),), name="round trip")
-    run = Run(config, RunStore()).start()
+    run = Run(config, open_store()).start()
     run.join(60)
-    reopened = RunStore(fresh_store)  # as after a restart
+    reopened = open_store(fresh_store)  # as after a restart
     info = reopened.run(run.run_id)
     assert info["status"] == "finished" and info["name"] == "round trip"
     assert RunConfig.from_dict(info["config"]) == config
@@ -46,8 +48,9 @@ def test_a_run_round_trips_through_the_store(fresh_store):
     assert next(s for s in stats if s.param == "layer1.weight").inf == 1
 
 
+@pytest.mark.both_stores
 def test_writes_are_batched_not_one_transaction_per_step(fresh_store):
-    store = RunStore()
+    store = open_store()
     calls = []
     original = store.write_flush
 
@@ -68,7 +71,7 @@ def test_a_damaged_store_is_refused_and_left_untouched(tmp_path, content):
     path = tmp_path / "damaged.sqlite3"
     path.write_bytes(content)
     with pytest.raises(StoreError, match=r"left it untouched|damaged"):
-        RunStore(path)
+        open_store(path)
     assert path.read_bytes() == content
 
 
@@ -79,10 +82,11 @@ def test_another_programs_database_is_refused_and_left_untouched(tmp_path):
         conn.execute("INSERT INTO invoices VALUES (1, 9.5)")
     before = path.read_bytes()
     with pytest.raises(StoreError, match="belongs to another program \\(tables: invoices\\)"):
-        RunStore(path)
+        open_store(path)
     assert path.read_bytes() == before
 
 
+@pytest.mark.both_stores
 def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     """kill -9 mid-run: the run reads as interrupted, every record a committed flush wrote is there (no half chunk),
     and the last one is from less than 1.5 s before the kill (a flush every 0.5 s)."""
@@ -97,7 +101,7 @@ def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     finally:
         if proc.poll() is None:
             proc.kill()
-    store = RunStore(fresh_store)
+    store = open_store(fresh_store)
     runs = store.runs()
     assert runs["status"].tolist() == ["interrupted"]
     run_id = runs["run_id"][0]
@@ -111,6 +115,7 @@ def test_a_killed_process_leaves_an_interrupted_run_with_its_steps(fresh_store):
     assert set(store.events(run_id)["kind"]) >= {"started", "interrupted"}
 
 
+@pytest.mark.both_stores
 def test_cli_run_prints_a_table_and_writes_the_store(fresh_store, capsys):
     code = main(["run", "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed", "--steps", "20"])
     out = capsys.readouterr().out
@@ -118,10 +123,11 @@ def test_cli_run_prints_a_table_and_writes_the_store(fresh_store, capsys):
     assert "ms/step" in out and "speedup" in out and "peak MiB" in out and "final loss" in out and "skipped" in out
     assert out.splitlines()[2].startswith("32-true ") and out.splitlines()[3].startswith("bf16-mixed ")
     run_id = out.split()[1].rstrip(":")
-    assert len(RunStore().steps(run_id)) == 40
+    assert len(open_store().steps(run_id)) == 40
     assert main(["list"]) == 0 and run_id in capsys.readouterr().out
 
 
+@pytest.mark.both_stores
 def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
     assert main(["run", "--workload", "mlp_regression", "--modes", "32-true", "--steps", "5"]) == 0
     run_id = capsys.readouterr().out.split()[1].rstrip(":")
@@ -131,11 +137,12 @@ def test_cli_export_csv_and_parquet(fresh_store, tmp_path, capsys):
     assert len(csv) == len(parquet) == 5 and list(csv.columns) == list(STEP_FIELDS)
 
 
+@pytest.mark.both_stores
 def test_cli_run_samples_layer_amax_when_asked(fresh_store, capsys):
     assert main(["run", "--workload", "mlp_regression", "--modes", "16-mixed", "--steps", "12",
                  "--amax-every", "5"]) == 0
     run_id = capsys.readouterr().out.split()[1].rstrip(":")
-    sampled = RunStore().events(run_id).query("kind == 'layer_amax'")
+    sampled = open_store().events(run_id).query("kind == 'layer_amax'")
     assert sampled["step"].tolist() == [0, 5, 10]  # after steps 0, 5 and 10 of the one lane
 
 
@@ -180,11 +187,11 @@ def test_opening_the_store_again_keeps_the_locks_of_this_process(tmp_path):
     connection then took itself for the last one and removed the WAL under the first (a reader's next write left the
     file malformed). Here the other process closes its connection: the WAL must stay, and everything still reads."""
     path = tmp_path / "runs.sqlite3"
-    store = RunStore(path)
+    store = open_store(path)
     run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=5), store).start()
     run.join(60)
     assert len(store.steps(run.run_id)) == 5  # this thread's connection is open, in WAL mode
-    RunStore(path)  # opened again, as a reader following the store does
+    open_store(path)  # opened again, as a reader following the store does
     other = subprocess.run([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
                             "c.execute('SELECT COUNT(*) FROM runs').fetchone(); c.close()", str(path)],
                            capture_output=True, text=True, timeout=60)

@@ -15,6 +15,7 @@ import pytest
 from figure_json import spec, values
 from streamlit.testing.v1 import AppTest
 
+from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def amp_lab(store: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def only_run(store: Path) -> tuple[RunStore, str]:
-    opened = RunStore(store)
+    opened = open_store(store)
     (run_id,) = opened.runs()["run_id"]
     return opened, run_id
 

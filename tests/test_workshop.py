@@ -17,7 +17,7 @@ import pytest
 from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
 from amp_core.precision import CPU_NATIVE_ENV, cpu_math
-from amp_core.records.store import RunStore
+from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.workshop import (
     EXIT_CANNOT_TELL,
@@ -111,7 +111,7 @@ def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
     """A scenario run by another process, read back from its store (steps, events, gradient statistics): the checks
     read the same there, final, with the verdicts and figures the CLI printed."""
     done, store = cli_runs[name]
-    manager = RunManager(RunStore(store))
+    manager = RunManager(open_store(store))
     evidence = gather(manager, run_ids(done.stdout))
     assert evidence.ended and len(evidence.parts) == len(SCENARIOS[name].configs("cpu"))
     for part in evidence.parts:
@@ -187,7 +187,7 @@ def test_an_unknown_scenario_in_a_real_process_is_one_line_and_exit_2(tmp_path):
 
 # --- checks that fail when the run does not show their point ---------------------------------------------------
 def launched(scenario, tmp_path: Path) -> Evidence:
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     launch = ScenarioLaunch(manager, scenario, "cpu")
     assert launch.wait(120)
     return launch.evidence()
@@ -250,7 +250,7 @@ def test_an_initial_scale_that_fits_fails_the_too_high_check(tmp_path):
 
 
 def test_checks_wait_for_records_and_fail_when_the_run_ended_without_them(tmp_path):
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     scenario = SCENARIOS["spike-recovery"]
     before = evaluate(scenario, Evidence(manager, [], 1, ended=False))
     assert all(r.waiting and not r.held and not r.final and r.figure.startswith("waiting for run 1 of 1")
@@ -304,7 +304,7 @@ def test_each_scenario_builds_valid_runs_for_both_devices(name):
 
 
 def test_a_stopped_launch_ends_and_its_checks_say_what_never_came(tmp_path, stepped_launches):
-    manager = RunManager(RunStore(tmp_path / "runs.sqlite3"))
+    manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     launch = ScenarioLaunch(manager, SCENARIOS["speed"], "cpu")
     first = manager.get(launch.run_ids[0])
     first.wait_until(lambda run: run.lane_steps >= 6)

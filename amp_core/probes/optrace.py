@@ -285,6 +285,13 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        subclass = next((t for t in types if t is not torch.Tensor and t is not nn.Parameter), None)
+        if subclass is not None:
+            # A tensor subclass (torchao's float8 tensors) runs its own aten ops inside its __torch_dispatch__, where
+            # this mode is off: run it with the mode back on, so its real ops (_scaled_mm on float8 data, the casts
+            # and scales) are recorded instead of the wrapper's `mm`.
+            with self:
+                return subclass.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs)
         self._record(func, args, kwargs, out)
         return out

@@ -368,7 +368,7 @@ def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float 
     """A copy of the lane's state before S in another precision: weights cast, optimizer state loaded (and cast),
     the given loss scale, the lane's faults; no scheduler (it acts only after the step replayed)."""
     model = precision.prepare_module(copy.deepcopy(pre.model))
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, precision)
     optimizer.load_state_dict(copy.deepcopy(pre.optimizer.state_dict()))
     s = config.scaler
     scaler = precision.make_scaler(scale if scale is not None else s.init_scale, s.growth_factor, s.backoff_factor,

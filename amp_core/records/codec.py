@@ -91,7 +91,8 @@ def encode_columns(columns: dict[str, np.ndarray]) -> bytes:
     return b"".join(parts)
 
 
-def decode_columns(blob: bytes) -> dict[str, np.ndarray]:
+def decode_columns(blob: bytes, names=None) -> dict[str, np.ndarray]:
+    """What `encode_columns` stored; `names`: decode only these (the others are skipped unread)."""
     if blob[:4] != _SET:
         raise DamagedData("not a column set")
     try:
@@ -105,7 +106,8 @@ def decode_columns(blob: bytes) -> dict[str, np.ndarray]:
             at += 4
             if at + size > len(blob):
                 raise DamagedData(f"column {name!r} runs past the end")
-            out[name] = decode_array(blob[at:at + size])
+            if names is None or name in names:
+                out[name] = decode_array(blob[at:at + size])
             at += size
     except (struct.error, UnicodeDecodeError) as exc:
         raise DamagedData(str(exc)) from None

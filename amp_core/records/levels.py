@@ -126,7 +126,8 @@ def concat(parts: list[Buckets]) -> Buckets:
         return empty_buckets()
     if len(parts) == 1:
         return parts[0]
-    return {name: np.concatenate([p[name] for p in parts]) for name in BUCKET_COLUMNS}
+    names = [name for name in parts[0] if all(name in part for part in parts)]  # a reader may have asked for a few
+    return {name: np.concatenate([p[name] for p in parts]) for name in names}
 
 
 def select(buckets: Buckets, rows) -> Buckets:

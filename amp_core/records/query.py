@@ -51,13 +51,14 @@ TAIL_RECORDS = 256
 """Records at the end of a track read with every headline (the latest values, a final-loss window)."""
 
 
-def level_buckets(source, level: int, lo: int, hi: int) -> Buckets:
+def level_buckets(source, level: int, lo: int, hi: int, names=None) -> Buckets:
     """Buckets of `level` with ids in [lo, hi): the complete ones the source holds, the rest rebuilt from the level
-    below (and from the records under level 1) — the open end of a live track, or blocks not stored yet."""
+    below (and from the records under level 1) — the open end of a live track, or blocks not stored yet.
+    `names`: the bucket columns the caller reads (a stored track decodes only those; others may be left out)."""
     if hi <= lo:
         return empty_buckets()
     bound = source.level_bound(level)
-    parts = [source.complete(level, lo, min(hi, bound))] if lo < bound else []
+    parts = [source.complete(level, lo, min(hi, bound), names)] if lo < bound else []
     if hi > bound:
         first = max(lo, bound)
         if level == 1:

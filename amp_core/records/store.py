@@ -1,6 +1,12 @@
-"""RunStore: runs, lanes, columnar step chunks, summary levels, events and gradient statistics in one SQLite file
-(stdlib sqlite3, WAL), so a CLI run, a Monitor script or a torchrun job can write while a dashboard reads; migration
-of older stores, liveness of writers, export.
+"""RunStore: runs, lanes, columnar step chunks, summary levels, events and gradient statistics, so a CLI run, a
+Monitor script or a torchrun job can write while a dashboard reads; liveness of writers, export, copying runs between
+stores. `records.opening.open_store(target)` opens one: a `postgresql://` URL opens the PostgreSQL store
+(records/postgres.py, for clusters and teams), anything else a SQLite file (stdlib sqlite3, WAL; the embedded
+default, with migration of older files).
+
+Every query here is written once, in the SQL both engines speak (`?` parameters, `ON CONFLICT ... DO UPDATE`); what
+differs (connections, transactions, column types, versioning, which errors mean "the server is gone") is in the two
+store classes and `postgres.dialect_schema`.
 
 Schema 2 (this one): a track (one lane's records from one rank) is stored as chunks — `chunks` holds a chunk's step
 range, record count and its marked records, `chunk_columns` one encoded array per column (see records/chunks.py and
@@ -21,7 +27,7 @@ import sqlite3
 import threading
 import time
 import zlib
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,15 @@ import psutil
 
 from amp_core.records.chunks import TrackFlush, encode_track
 from amp_core.records.codec import DamagedData, decode_array, decode_columns, decode_rows
-from amp_core.records.levels import BLOCK_BUCKETS, Buckets, concat, empty_buckets, level_steps, select
+from amp_core.records.levels import (
+    BLOCK_BUCKETS,
+    BUCKET_COLUMNS,
+    Buckets,
+    concat,
+    empty_buckets,
+    level_steps,
+    select,
+)
 from amp_core.records.schema import STEP_COLUMNS, Event, GradStats, empty_steps_frame, steps_frame, typed
 from amp_core.records.tracks import TrackRecords
 
@@ -98,22 +112,47 @@ def _pack_stats(stats: list[dict]) -> bytes:
     return zlib.compress(json.dumps(stats, default=str).encode(), 6)
 
 
-def _create_tables(conn: sqlite3.Connection) -> None:
-    """SCHEMA statement by statement (executescript would commit the transaction it runs in)."""
-    for statement in SCHEMA.split(";"):
+def _create_tables(conn, schema: str = SCHEMA) -> None:
+    """`schema` statement by statement, in the caller's transaction (sqlite3's executescript would commit it)."""
+    for statement in schema.split(";"):
         if statement.strip():
             conn.execute(statement)
 
 
 class StoreError(RuntimeError):
-    """The store file cannot be used (damaged, another program's, a newer AMP Lab's), or some of its records cannot
-    be read. The file is left untouched."""
+    """The store cannot be used (a damaged file, another program's tables, a newer AMP Lab's schema), or some of its
+    records cannot be read. The store is left untouched."""
 
 
-def default_path() -> Path:
-    """$AMP_LAB_STORE, else ~/.amp_lab/runs.sqlite3."""
-    env = os.environ.get("AMP_LAB_STORE")
-    return Path(env).expanduser() if env else Path.home() / ".amp_lab" / "runs.sqlite3"
+class StoreUnreachable(StoreError):
+    """The store's server cannot be reached now (it went away, or is not up yet). A writer keeps its records and
+    tries again; a page says so and looks again."""
+
+
+BACKLOG_RECORDS = 1_000_000
+"""Default bound on the step records a writer holds for a store it cannot reach (`AMP_LAB_STORE_BACKLOG`)."""
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def default_target() -> str:
+    """$AMP_LAB_STORE (a file path or a PostgreSQL URL), else ~/.amp_lab/runs.sqlite3."""
+    return os.environ.get("AMP_LAB_STORE") or str(Path.home() / ".amp_lab" / "runs.sqlite3")
+
+
+def is_postgres_url(target: str | os.PathLike) -> bool:
+    return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
+
+
+def backlog_setting() -> int:
+    """$AMP_LAB_STORE_BACKLOG (step records), else BACKLOG_RECORDS; StoreError naming the setting if it is bad."""
+    raw = os.environ.get("AMP_LAB_STORE_BACKLOG", "")
+    try:
+        value = int(raw) if raw else BACKLOG_RECORDS
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise StoreError(f"AMP_LAB_STORE_BACKLOG must be a whole number of step records >= 1, got {raw!r}")
+    return value
 
 
 def _pid_namespace() -> str:
@@ -129,91 +168,105 @@ def _process_identity() -> tuple[str, int, float, str]:
     return socket.gethostname(), os.getpid(), psutil.Process().create_time(), _pid_namespace()
 
 
-class RunStore:
-    """One SQLite file. Safe to use from several threads and processes: WAL journal; writes open a connection each,
-    reads use one connection per thread."""
+def _dicts(cursor) -> list[dict[str, Any]]:
+    """A cursor's rows as dicts by column name (both engines' cursors have `description`)."""
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
-    def __init__(self, path: str | Path | None = None, *, stale_after_s: float = STALE_AFTER_S):
-        self.path = Path(path) if path else default_path()
+
+def _frame(cursor) -> pd.DataFrame:
+    """A cursor's rows as a frame (numbers with NULLs as float NaN, as pandas reads SQL)."""
+    names = [column[0] for column in cursor.description]
+    return pd.DataFrame.from_records(cursor.fetchall(), columns=names, coerce_float=True)
+
+
+class RunStore:
+    """What every store does, written once in the SQL both engines speak. Safe to use from several threads and
+    processes: a write is one transaction; reads use one connection per thread, and nested reads one transaction.
+    Open one with `records.opening.open_store`; the subclasses supply connections, transactions and their engine's
+    errors."""
+
+    location: str
+    """Where the store is, safe to show (a PostgreSQL URL without its password)."""
+    DRIVER_ERRORS: tuple[type[Exception], ...] = ()
+    """The driver's exceptions; they leave the store as StoreError (StoreUnreachable when the server is gone)."""
+    BEGIN_WRITE = "BEGIN"
+    BEGIN_READ = "BEGIN"
+
+    def __init__(self, *, stale_after_s: float = STALE_AFTER_S, backlog_records: int = BACKLOG_RECORDS):
         self.stale_after_s = stale_after_s
-        self.backup_path: Path | None = None
-        """Where the copy of a store migrated from an older schema was put (None: nothing was migrated)."""
-        version = self._check_file()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.backlog_records = backlog_records
+        """Step records a writer holds for this store while it cannot be reached (see RecordSink)."""
         self._local = threading.local()
         self._liveness_at = 0.0
-        if version == 1:
-            self._migrate_v1()
-        with self._write() as conn:
-            _create_tables(conn)
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        self.mark_interrupted()
 
-    def _check_file(self) -> int:
-        """The file's schema version (0: new or empty); StoreError, touching nothing, if it is not ours to open."""
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return 0
-        if self.path.is_dir():
-            raise StoreError(f"{self.path} is a folder, not a store file")
-        # SQLite reads the header, never open(): closing any other descriptor of the file drops every POSIX lock
-        # this process's connections hold on it (sqlite.org/howtocorrupt.html, 2.2); a writer in another process then
-        # took itself for the last connection, checkpointed and removed the WAL under a reader here, whose next write
-        # left the file malformed (a bench that opened a fresh RunStore while a server's run wrote).
-        try:
-            with closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)) as conn:
-                app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-                tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            if exc.sqlite_errorcode == sqlite3.SQLITE_NOTADB:
-                raise StoreError(f"{self.path} is not a SQLite database (damaged or another kind of file); AMP Lab "
-                                 "left it untouched. Move it away or set AMP_LAB_STORE to another path.") from None
-            raise StoreError(f"{self.path} is damaged ({exc}); AMP Lab left it untouched. "
-                             "Move it away or set AMP_LAB_STORE to another path.") from None
-        if app_id != APPLICATION_ID and tables:
-            raise StoreError(f"{self.path} belongs to another program (tables: {', '.join(tables[:5])}); "
-                             "AMP Lab left it untouched. Set AMP_LAB_STORE to another path.")
-        if version > SCHEMA_VERSION:
-            raise StoreError(f"{self.path} was written by a newer AMP Lab (store schema {version}; this one reads "
-                             f"schema {SCHEMA_VERSION} and older); AMP Lab left it untouched. Upgrade AMP Lab, or set "
-                             "AMP_LAB_STORE to another path.")
-        return version
+    # --- what a subclass supplies ----------------------------------------------------------------------------
+    def _connect(self):
+        """A new connection (autocommit; transactions are begun explicitly)."""
+        raise NotImplementedError
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        return conn
+    def _writer(self):
+        """A context manager giving the connection one write transaction runs on."""
+        raise NotImplementedError
 
+    def _error(self, exc: Exception) -> StoreError:
+        return StoreError(f"store {self.location}: {exc}")
+
+    def _broken(self, conn) -> bool:
+        """Whether a connection is lost for good (the server went away) and must be opened again."""
+        return False
+
+    def _release_reader(self) -> None:
+        """A read transaction ended on this thread (SQLite keeps the thread's connection; PostgreSQL pools it)."""
+
+    # --- transactions ----------------------------------------------------------------------------------------
     @contextmanager
     def _write(self):
         try:
-            with closing(self._connect()) as conn:
-                conn.execute("BEGIN IMMEDIATE")
+            with self._writer() as conn:
+                conn.execute(self.BEGIN_WRITE)
                 try:
                     yield conn
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    with suppress(*self.DRIVER_ERRORS):  # a lost connection: the server rolled it back itself
+                        conn.execute("ROLLBACK")
                     raise
                 conn.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"store {self.path}: {exc}") from exc
+        except self.DRIVER_ERRORS as exc:
+            raise self._error(exc) from exc
 
-    def _reader(self) -> sqlite3.Connection:
+    def _reader(self):
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self._connect()
             self._local.depth = 0
+            conn = self._local.conn = self._connect()
+        return conn
+
+    def _drop_reader(self) -> None:
+        conn, self._local.conn, self._local.depth = getattr(self._local, "conn", None), None, 0
+        if conn is not None:
+            with suppress(*self.DRIVER_ERRORS):  # it was broken: closing it only frees it
+                conn.close()
+
+    def _begin_read(self):
+        """This thread's connection in a new read transaction; a connection the server dropped since its last read
+        (the server restarted) is opened again once."""
+        conn = self._reader()
+        try:
+            conn.execute(self.BEGIN_READ)
+        except self.DRIVER_ERRORS:
+            if not self._broken(conn):
+                raise
+            self._drop_reader()
+            conn = self._reader()
+            conn.execute(self.BEGIN_READ)
         return conn
 
     @contextmanager
     def _read(self):
         """A read on this thread's connection; nested reads share one transaction (one consistent snapshot)."""
-        conn = self._reader()
         try:
-            if self._local.depth == 0:
-                conn.execute("BEGIN")
+            conn = self._begin_read() if getattr(self._local, "depth", 0) == 0 else self._reader()
             self._local.depth += 1
             try:
                 yield conn
@@ -221,60 +274,24 @@ class RunStore:
                 self._local.depth -= 1
                 if self._local.depth == 0:
                     conn.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"store {self.path}: {exc}") from exc
+                    self._release_reader()
+        except self.DRIVER_ERRORS as exc:
+            if getattr(self._local, "depth", 0) == 0 and self._broken(getattr(self._local, "conn", None)):
+                self._drop_reader()
+            raise self._error(exc) from exc
 
     def snapshot(self):
         """Reads inside `with store.snapshot():` on this thread all see the store as it was at the first one."""
         return self._read()
 
-    # --- migration -----------------------------------------------------------------------------------------
-    def _migrate_v1(self) -> None:
-        """Schema 1 (one row per step) -> 2, in place, in one transaction, after a backup copy of the file."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = self.path.with_name(f"{self.path.stem}.schema1-backup-{stamp}{self.path.suffix}")
+    def reachable(self) -> bool:
+        """Whether the store answers now (a page that showed it unreachable asks this to know when to redraw)."""
         try:
-            with closing(sqlite3.connect(self.path, timeout=30)) as source, closing(sqlite3.connect(backup)) as copy:
-                source.backup(copy)
-        except (sqlite3.DatabaseError, OSError) as exc:
-            raise StoreError(f"{self.path} uses an older store schema (1); a backup copy could not be made before "
-                             f"migrating it ({exc}), so it was left untouched") from None
-        self.backup_path = backup
-        try:
-            with self._write() as conn:
-                if conn.execute("PRAGMA user_version").fetchone()[0] != 1:
-                    return  # another process migrated it meanwhile
-                for statement in ("ALTER TABLE runs ADD COLUMN process_started_at REAL",
-                                  "ALTER TABLE runs ADD COLUMN pid_namespace TEXT NOT NULL DEFAULT ''",
-                                  "ALTER TABLE runs ADD COLUMN heartbeat_at REAL",
-                                  "ALTER TABLE lanes ADD COLUMN meta TEXT NOT NULL DEFAULT '{}'"):
-                    conn.execute(statement)
-                conn.execute("ALTER TABLE gradstats RENAME TO gradstats_schema1")
-                _create_tables(conn)
-                samples: dict[tuple[str, int, int], list[dict]] = {}
-                for run_id, lane, step, data in conn.execute("SELECT run_id, lane, step, data FROM gradstats_schema1 "
-                                                             "ORDER BY run_id, lane, step, param"):
-                    samples.setdefault((run_id, lane, step), []).append(json.loads(data))
-                conn.executemany("INSERT INTO gradstats VALUES (?, ?, ?, ?)",
-                                 [(*key, _pack_stats(stats)) for key, stats in samples.items()])
-                conn.execute("DROP TABLE gradstats_schema1")
-                old = [row[1] for row in conn.execute("PRAGMA table_info(steps)")]
-                tracks = conn.execute("SELECT DISTINCT run_id, lane FROM steps ORDER BY run_id, lane").fetchall()
-                for run_id, lane in tracks:
-                    rows = conn.execute(f"SELECT {', '.join(old)} FROM steps WHERE run_id = ? AND lane = ? "
-                                        "ORDER BY step", (run_id, lane)).fetchall()
-                    mode = rows[0][old.index("mode")]
-                    track = TrackRecords(run_id, lane, mode)
-                    track.extend({name: typed([row[old.index(name)] if name in old else None for row in rows], dtype)
-                                  for name, dtype in STEP_COLUMNS.items()})
-                    self._write_track(conn, run_id, encode_track(track))
-                conn.execute("DROP TABLE steps")
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except (StoreError, ValueError) as exc:
-            raise StoreError(f"{self.path} could not be migrated from store schema 1 ({exc}); it was left as it was "
-                             f"(a copy is at {backup})") from None
-        with closing(self._connect()) as conn:
-            conn.execute("VACUUM")  # schema 1 rows took ~500 bytes a step; give the space back
+            with self._read() as conn:
+                conn.execute("SELECT 1").fetchone()
+        except StoreUnreachable:
+            return False
+        return True
 
     # --- writing -------------------------------------------------------------------------------------------
     def create_run(self, run_id: str, config: dict[str, Any], device: str, torch_version: str,
@@ -309,16 +326,20 @@ class RunStore:
                          (status, error, run_id, lane))
 
     @staticmethod
-    def _write_track(conn: sqlite3.Connection, run_id: str, flush: TrackFlush | None) -> None:
+    def _write_track(conn, run_id: str, flush: TrackFlush | None) -> None:
         if flush is None:
             return
         key = (run_id, flush.lane, flush.rank)
         for chunk in flush.chunks:
-            conn.execute("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            conn.execute("INSERT INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, lane, rank, "
+                         "first_step) DO UPDATE SET last_step = excluded.last_step, records = excluded.records, "
+                         "marks = excluded.marks, marks_data = excluded.marks_data",
                          (*key, chunk.first_step, chunk.last_step, chunk.records, chunk.marks, chunk.marks_data))
-            conn.executemany("INSERT OR REPLACE INTO chunk_columns VALUES (?, ?, ?, ?, ?, ?)",
+            conn.executemany("INSERT INTO chunk_columns VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, lane, rank, "
+                             "name, first_step) DO UPDATE SET data = excluded.data",
                              [(*key, name, chunk.first_step, data) for name, data in chunk.columns.items()])
-        conn.executemany("INSERT OR REPLACE INTO levels VALUES (?, ?, ?, ?, ?, ?)",
+        conn.executemany("INSERT INTO levels VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, lane, rank, level, block) "
+                         "DO UPDATE SET data = excluded.data",
                          [(*key, level, block, data) for level, block, data in flush.blocks])
         conn.execute(
             "INSERT INTO tracks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, lane, rank) DO UPDATE SET "
@@ -338,7 +359,8 @@ class RunStore:
                 "INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(e.run_id, e.lane, e.step, e.kind, e.message, e.t_wall_s, json.dumps(e.data, default=str))
                  for e in events])
-            conn.executemany("INSERT OR REPLACE INTO gradstats VALUES (?, ?, ?, ?)",
+            conn.executemany("INSERT INTO gradstats VALUES (?, ?, ?, ?) ON CONFLICT (run_id, lane, step) "
+                             "DO UPDATE SET data = excluded.data",
                              [(run_id, lane, step, data) for lane, step, data in grad_stats])
             now = time.time()
             revived = conn.execute("UPDATE runs SET status = 'running', ended_at = NULL WHERE run_id = ? AND "
@@ -355,8 +377,8 @@ class RunStore:
     def add_request(self, run_id: str, kind: str) -> int:
         """A new open request for run `run_id`'s process; its id."""
         with self._write() as conn:
-            return int(conn.execute("INSERT INTO requests (run_id, kind, status, asked_at) VALUES (?, ?, 'open', ?)",
-                                    (run_id, kind, time.time())).lastrowid)
+            return int(conn.execute("INSERT INTO requests (run_id, kind, status, asked_at) VALUES (?, ?, 'open', ?) "
+                                    "RETURNING id", (run_id, kind, time.time())).fetchall()[0][0])
 
     def take_requests(self, run_id: str) -> list[tuple[int, str]]:
         """The open requests of a run as (id, kind), now marked taken (the process performs them). A read first: a
@@ -383,13 +405,11 @@ class RunStore:
         """One request: id, run_id, kind, status (open, taken, answered, refused), asked_at, answered_at, message,
         answer (bytes or None)."""
         with self._read() as conn:
-            cursor = conn.cursor()
-            cursor.row_factory = sqlite3.Row
-            row = cursor.execute("SELECT * FROM requests WHERE id = ?", (request_id,)).fetchone()
-        return dict(row) if row is not None else None
+            rows = _dicts(conn.execute("SELECT * FROM requests WHERE id = ?", (request_id,)))
+        return rows[0] if rows else None
 
     # --- liveness ------------------------------------------------------------------------------------------
-    def _writer_alive(self, row: sqlite3.Row, now: float) -> bool:
+    def _writer_alive(self, row: dict[str, Any], now: float) -> bool:
         """In this host's pid namespace the writer is its pid *and* its start time (a pid can be reused: containers
         restart from pid 1); elsewhere (another host, another container) only its heartbeat can tell."""
         host, _, _, namespace = _process_identity()
@@ -406,9 +426,7 @@ class RunStore:
         self._liveness_at = time.monotonic()
         now = time.time()
         with self._read() as conn:
-            cursor = conn.cursor()
-            cursor.row_factory = sqlite3.Row
-            live = cursor.execute(f"SELECT * FROM runs WHERE status IN {LIVE_STATUSES}").fetchall()
+            live = _dicts(conn.execute(f"SELECT * FROM runs WHERE status IN {LIVE_STATUSES}"))
         gone = [(row["run_id"], row["heartbeat_at"]) for row in live if not self._writer_alive(row, now)]
         if not gone:
             return []
@@ -416,7 +434,8 @@ class RunStore:
         with self._write() as conn:
             for run_id, beat in gone:  # unless the writer flushed meanwhile
                 if conn.execute(f"UPDATE runs SET status = 'interrupted', ended_at = ? WHERE run_id = ? AND status IN "
-                                f"{LIVE_STATUSES} AND heartbeat_at IS ?", (now, run_id, beat)).rowcount:
+                                f"{LIVE_STATUSES} AND COALESCE(heartbeat_at, -1) = ?",
+                                (now, run_id, -1 if beat is None else beat)).rowcount:
                     dead.append(run_id)
                     conn.execute("UPDATE lanes SET status = 'interrupted' WHERE run_id = ? AND status = 'running'",
                                  (run_id,))
@@ -434,26 +453,23 @@ class RunStore:
     def runs(self) -> pd.DataFrame:
         """Every run, newest first, with the number of step records written (kept per track, not counted)."""
         with self._read() as conn:
-            frame = pd.read_sql_query(
+            frame = _frame(conn.execute(
                 "SELECT r.run_id, r.name, r.workload, r.modes, r.status, r.device, r.created_at, r.ended_at, "
-                "COALESCE((SELECT SUM(t.records) FROM tracks t WHERE t.run_id = r.run_id), 0) AS steps_written "
-                "FROM runs r ORDER BY r.created_at DESC", conn)
+                "CAST(COALESCE((SELECT SUM(t.records) FROM tracks t WHERE t.run_id = r.run_id), 0) AS BIGINT) "
+                "AS steps_written FROM runs r ORDER BY r.created_at DESC"))
         frame["modes"] = [json.loads(modes) for modes in frame["modes"]]
         return frame
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         """A run's row with its config (dict) and lanes (list of dicts, meta a dict); None if unknown."""
         with self._read() as conn:
-            cursor = conn.cursor()
-            cursor.row_factory = sqlite3.Row
-            row = cursor.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            lanes = [dict(r) for r in cursor.execute("SELECT * FROM lanes WHERE run_id = ? ORDER BY lane",
-                                                     (run_id,)).fetchall()] if row is not None else []
-        if row is None:
+            rows = _dicts(conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)))
+            lanes = _dicts(conn.execute("SELECT * FROM lanes WHERE run_id = ? ORDER BY lane", (run_id,)))
+        if not rows:
             return None
         for lane in lanes:
             lane["meta"] = json.loads(lane["meta"])
-        out = dict(row)
+        out = rows[0]
         out["config"], out["modes"], out["lanes"] = json.loads(out["config"]), json.loads(out["modes"]), lanes
         return out
 
@@ -505,7 +521,7 @@ class RunStore:
 
     def events(self, run_id: str) -> pd.DataFrame:
         with self._read() as conn:
-            frame = pd.read_sql_query("SELECT * FROM events WHERE run_id = ? ORDER BY id", conn, params=(run_id,))
+            frame = _frame(conn.execute("SELECT * FROM events WHERE run_id = ? ORDER BY id", (run_id,)))
         frame["data"] = frame["data"].map(json.loads)
         return frame
 
@@ -530,13 +546,162 @@ class RunStore:
         if fmt not in ("csv", "parquet"):
             raise ValueError(f"format must be csv or parquet, got {fmt!r}")
         if self.run(run_id) is None:
-            raise KeyError(f"no run {run_id!r} in {self.path}")
+            raise KeyError(f"no run {run_id!r} in {self.location}")
         frame, out = self.steps(run_id), Path(out)
         if fmt == "csv":
             frame.to_csv(out, index=False)
         else:
             frame.to_parquet(out, index=False)
         return out
+
+
+class SQLiteStore(RunStore):
+    """One SQLite file (WAL journal): writes open a connection each, reads use one connection per thread."""
+
+    DRIVER_ERRORS = (sqlite3.DatabaseError,)
+    BEGIN_WRITE = "BEGIN IMMEDIATE"
+
+    def __init__(self, path: str | Path, *, stale_after_s: float = STALE_AFTER_S,
+                 backlog_records: int = BACKLOG_RECORDS):
+        super().__init__(stale_after_s=stale_after_s, backlog_records=backlog_records)
+        self.path = Path(path)
+        self.location = str(self.path)
+        self.backup_path: Path | None = None
+        """Where the copy of a store migrated from an older schema was put (None: nothing was migrated)."""
+        version = self._check_file()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if version == 1:
+            self._migrate_v1()
+        with self._write() as conn:
+            _create_tables(conn)
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self.mark_interrupted()
+
+    def _check_file(self) -> int:
+        """The file's schema version (0: new or empty); StoreError, touching nothing, if it is not ours to open."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return 0
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a store file")
+        # SQLite reads the header, never open(): closing any other descriptor of the file drops every POSIX lock
+        # this process's connections hold on it (sqlite.org/howtocorrupt.html, 2.2); a writer in another process then
+        # took itself for the last connection, checkpointed and removed the WAL under a reader here, whose next write
+        # left the file malformed (a bench that opened a fresh RunStore while a server's run wrote).
+        try:
+            with closing(sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)) as conn:
+                app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+                tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            if exc.sqlite_errorcode == sqlite3.SQLITE_NOTADB:
+                raise StoreError(f"{self.path} is not a SQLite database (damaged or another kind of file); AMP Lab "
+                                 "left it untouched. Move it away or set AMP_LAB_STORE to another path.") from None
+            raise StoreError(f"{self.path} is damaged ({exc}); AMP Lab left it untouched. "
+                             "Move it away or set AMP_LAB_STORE to another path.") from None
+        if app_id != APPLICATION_ID and tables:
+            raise StoreError(f"{self.path} belongs to another program (tables: {', '.join(tables[:5])}); "
+                             "AMP Lab left it untouched. Set AMP_LAB_STORE to another path.")
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{self.path} was written by a newer AMP Lab (store schema {version}; this one reads "
+                             f"schema {SCHEMA_VERSION} and older); AMP Lab left it untouched. Upgrade AMP Lab, or set "
+                             "AMP_LAB_STORE to another path.")
+        return version
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    @contextmanager
+    def _writer(self):
+        with closing(self._connect()) as conn:
+            yield conn
+
+    def _migrate_v1(self) -> None:
+        """Schema 1 (one row per step) -> 2, in place, in one transaction, after a backup copy of the file."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = self.path.with_name(f"{self.path.stem}.schema1-backup-{stamp}{self.path.suffix}")
+        try:
+            with closing(sqlite3.connect(self.path, timeout=30)) as source, closing(sqlite3.connect(backup)) as copy:
+                source.backup(copy)
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise StoreError(f"{self.path} uses an older store schema (1); a backup copy could not be made before "
+                             f"migrating it ({exc}), so it was left untouched") from None
+        self.backup_path = backup
+        try:
+            with self._write() as conn:
+                if conn.execute("PRAGMA user_version").fetchone()[0] != 1:
+                    return  # another process migrated it meanwhile
+                for statement in ("ALTER TABLE runs ADD COLUMN process_started_at REAL",
+                                  "ALTER TABLE runs ADD COLUMN pid_namespace TEXT NOT NULL DEFAULT ''",
+                                  "ALTER TABLE runs ADD COLUMN heartbeat_at REAL",
+                                  "ALTER TABLE lanes ADD COLUMN meta TEXT NOT NULL DEFAULT '{}'"):
+                    conn.execute(statement)
+                conn.execute("ALTER TABLE gradstats RENAME TO gradstats_schema1")
+                _create_tables(conn)
+                samples: dict[tuple[str, int, int], list[dict]] = {}
+                for run_id, lane, step, data in conn.execute("SELECT run_id, lane, step, data FROM gradstats_schema1 "
+                                                             "ORDER BY run_id, lane, step, param"):
+                    samples.setdefault((run_id, lane, step), []).append(json.loads(data))
+                conn.executemany("INSERT INTO gradstats VALUES (?, ?, ?, ?)",
+                                 [(*key, _pack_stats(stats)) for key, stats in samples.items()])
+                conn.execute("DROP TABLE gradstats_schema1")
+                old = [row[1] for row in conn.execute("PRAGMA table_info(steps)")]
+                tracks = conn.execute("SELECT DISTINCT run_id, lane FROM steps ORDER BY run_id, lane").fetchall()
+                for run_id, lane in tracks:
+                    rows = conn.execute(f"SELECT {', '.join(old)} FROM steps WHERE run_id = ? AND lane = ? "
+                                        "ORDER BY step", (run_id, lane)).fetchall()
+                    mode = rows[0][old.index("mode")]
+                    track = TrackRecords(run_id, lane, mode)
+                    track.extend({name: typed([row[old.index(name)] if name in old else None for row in rows], dtype)
+                                  for name, dtype in STEP_COLUMNS.items()})
+                    self._write_track(conn, run_id, encode_track(track))
+                conn.execute("DROP TABLE steps")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except (StoreError, ValueError) as exc:
+            raise StoreError(f"{self.path} could not be migrated from store schema 1 ({exc}); it was left as it was "
+                             f"(a copy is at {backup})") from None
+        with closing(self._connect()) as conn:
+            conn.execute("VACUUM")  # schema 1 rows took ~500 bytes a step; give the space back
+
+
+COPIED_TABLES = ("runs", "lanes", "tracks", "chunks", "chunk_columns", "levels", "gradstats")
+"""A run's rows, table by table, as they are (events apart: their ids are the target's own)."""
+
+
+def copy_runs(source: RunStore, target: RunStore) -> tuple[list[str], list[str], list[str]]:
+    """Copy every run of `source` that `target` does not hold and that has ended, each in one target transaction;
+    returns (copied, already there, still live) run ids. Either store may be SQLite or PostgreSQL."""
+    source.mark_interrupted()
+    with source._read() as conn:
+        runs = _dicts(conn.execute("SELECT run_id, status FROM runs ORDER BY created_at"))
+    with target._read() as conn:
+        present = {row[0] for row in conn.execute("SELECT run_id FROM runs")}
+    copied, there, live = [], [], []
+    for row in runs:
+        run_id = row["run_id"]
+        if run_id in present:
+            there.append(run_id)
+            continue
+        if row["status"] in LIVE_STATUSES:
+            live.append(run_id)
+            continue
+        with source._read() as src, target._write() as dst:
+            for table in COPIED_TABLES:
+                cursor = src.execute(f"SELECT * FROM {table} WHERE run_id = ?", (run_id,))
+                names = [column[0] for column in cursor.description]
+                rows = cursor.fetchall()
+                if rows:
+                    dst.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                                    rows)
+            events = src.execute("SELECT run_id, lane, step, kind, message, t_wall_s, data FROM events "
+                                 "WHERE run_id = ? ORDER BY id", (run_id,)).fetchall()
+            dst.executemany("INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)", events)
+        copied.append(run_id)
+    return copied, there, live
 
 
 class _ByteCache:
@@ -580,6 +745,8 @@ class StoredTrack:
         self._extent = (0, 0, -1)
         self._stats: dict = {}
         self._blocks: dict[tuple[int, int], Buckets] = {}
+        """Decoded columns of summary blocks (each column decoded when first asked for)."""
+        self._block_blobs: dict[tuple[int, int], bytes | None] = {}
         self._columns = _ByteCache(CACHE_BYTES)
         self._median = (-1, float("nan"))
         self._marks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -669,9 +836,11 @@ class StoredTrack:
         """Bucket ids below this are in complete stored blocks (the writer stores a block once it is complete)."""
         return (self._extent[2] // level_steps(level)) // BLOCK_BUCKETS * BLOCK_BUCKETS if self._extent[0] else 0
 
-    def complete(self, level: int, lo: int, hi: int) -> Buckets:
+    def complete(self, level: int, lo: int, hi: int, names=None) -> Buckets:
+        """`names`: the bucket columns the caller reads (default all; `id` always): only those are decoded."""
+        names = ["id", *(name for name in names or BUCKET_COLUMNS if name != "id")]
         first, last = lo // BLOCK_BUCKETS, (hi - 1) // BLOCK_BUCKETS
-        missing = [block for block in range(first, last + 1) if (level, block) not in self._blocks]
+        missing = [block for block in range(first, last + 1) if (level, block) not in self._block_blobs]
         if missing:
             with self.store._read() as conn:
                 rows = conn.execute("SELECT block, data FROM levels WHERE run_id = ? AND lane = ? AND rank = ? AND "
@@ -679,13 +848,23 @@ class StoredTrack:
                                                                           missing[-1])).fetchall()
             found = dict(rows)
             for block in missing:
+                self._block_blobs[(level, block)] = found.get(block)
+        parts = []
+        for block in range(first, last + 1):
+            decoded = self._blocks.setdefault((level, block), {})
+            wanted = [name for name in names if name not in decoded]
+            blob = self._block_blobs[(level, block)]
+            if wanted and blob is None:
+                decoded.update(empty_buckets())
+            elif wanted:
                 try:
-                    self._blocks[(level, block)] = decode_columns(found[block]) if block in found else empty_buckets()
+                    decoded.update(decode_columns(blob, wanted))
                 except DamagedData as exc:
                     span = level_steps(level) * BLOCK_BUCKETS
                     self._damaged(f"the summary of steps {block * span}–{(block + 1) * span - 1}", exc)
-                    self._blocks[(level, block)] = empty_buckets()
-        buckets = concat([self._blocks[(level, block)] for block in range(first, last + 1)])
+                    decoded.update(empty_buckets())
+            parts.append({name: decoded[name] for name in names})
+        buckets = concat(parts)
         return select(buckets, (buckets["id"] >= lo) & (buckets["id"] < hi))
 
     def marks(self, start: int, stop: int) -> dict[str, np.ndarray]:

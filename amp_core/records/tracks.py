@@ -206,8 +206,9 @@ class TrackRecords:
         bounds = self._bounds
         return bounds[level - 1] if level <= len(bounds) and level <= len(self._levels) else 0
 
-    def complete(self, level: int, lo: int, hi: int) -> Buckets:
-        """Complete buckets of `level` with ids in [lo, hi) (hi at most `level_bound(level)`)."""
+    def complete(self, level: int, lo: int, hi: int, names=None) -> Buckets:
+        """Complete buckets of `level` with ids in [lo, hi) (hi at most `level_bound(level)`); every column (held
+        decoded, `names` costs nothing to ignore)."""
         columns = self._levels[level - 1]
         count = columns.count
         return columns.rows(columns.search("id", lo, count), columns.search("id", hi, count))

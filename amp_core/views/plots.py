@@ -36,7 +36,18 @@ MEMORY_PARTS: tuple[tuple[str, str], ...] = (
 CHART_HEIGHT = 320
 
 
+RECIPE_OPTION_COLORS: dict[str, str] = {
+    "fp8-tensorwise": "#8c564b", "fp8-rowwise": "#e377c2", "fp8-rowwise-gw-hp": "#bcbd22",
+    "adamw-8bit": "#393b79", "adamw-4bit": "#637939", "adamw-fp8": "#843c39", "states-bf16": "#7b4173",
+    "sr": "#e7969c",
+}
+"""A recipe lane takes its last option's colour, so it never shares its plain mode's."""
+
+
 def mode_color(mode: str) -> str:
+    """The colour of a mode, or of a recipe (`MODE+OPTION...`) by its last option."""
+    if "+" in mode:
+        return RECIPE_OPTION_COLORS.get(mode.rsplit("+", 1)[1], "#7f7f7f")
     return MODE_COLORS.get(mode, "#7f7f7f")
 
 
@@ -344,7 +355,8 @@ class StepTimeBands:
             # records (every LEVEL_BASE-th step time, a systematic sample), not from every record of the run.
             every = LEVEL_BASE if size >= LEVEL_BASE * BAND_SAMPLES else 1
             if every > 1:
-                sampled = level_buckets(lane.source, 1, first // every, -(-last // every))
+                sampled = level_buckets(lane.source, 1, first // every, -(-last // every),
+                                        ("last_step", "last"))
                 steps = np.asarray(sampled["last_step"], dtype=np.int64)
                 ms = np.asarray(sampled["last"][:, FIELD_INDEX["step_ms"]], dtype=float)
             else:
@@ -559,15 +571,18 @@ def memory_unit(max_bytes: float) -> tuple[str, float]:
     return ("MiB", 2.0**20) if max_bytes >= 2**20 else ("KiB", 2.0**10)
 
 
-def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
-    """Bytes each lane holds at its latest step, by part (activations only where measured), one bar per mode; on CUDA
+def memory_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None) -> go.Figure:
+    """Bytes each lane holds at its latest step, by part (activations only where measured), one bar per lane named by
+    its recipe in full (or `labels`: lane key -> name, e.g. on Compare where two runs may share a mode); on CUDA
     also the allocator peak of the lane's own step above its start, and the lane's own peak (held at the start +
-    that). A lane of several ranks shows its largest rank's figures."""
+    that). Low-bit optimizer states count the bytes their codes and scales hold. A lane of several ranks shows its
+    largest rank's figures."""
     series = [max(ranks, key=lambda lane: lane.stats.peak_bytes if np.isfinite(lane.stats.peak_bytes) else -1)
               for ranks in by_lane(_lanes(records)).values()]
     if not series:
         return empty_figure("Memory", "no steps yet")
-    latest = [(lane.mode, lane.stats.latest) for lane in series]
+    latest = [((labels or {}).get(lane.key, lane.mode), lane.stats.latest) for lane in series]
+    colors = {(labels or {}).get(lane.key, lane.mode): mode_color(lane.mode) for lane in series}
     # A forward always saves some bytes for backward: none anywhere means nobody measured them (a Monitor, which does
     # not run the user's forward), and an empty bar would read as "no activations".
     parts = [part for part in MEMORY_PARTS if part[0] != "activations_bytes" or
@@ -581,7 +596,7 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure:
     unit, divisor = memory_unit(np.nanmax([v for vals in values.values() for v in vals] + [0.0]))
     labels = [label for _, label in parts]
     data = [{"type": "bar", "name": mode, "legendgroup": mode, "x": labels,
-             "y": [v / divisor for v in vals], "marker": {"color": mode_color(mode)},
+             "y": [v / divisor for v in vals], "marker": {"color": colors[mode]},
              "customdata": vals, "hovertemplate": "%{x}: %{y:.3g} " + unit + " (%{customdata:,.0f} B)<extra>"
              + mode + "</extra>"} for mode, vals in values.items()]
     layout = chart_layout("Memory held (latest step)", unit, barmode="group", hovermode="closest",

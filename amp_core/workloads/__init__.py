@@ -125,7 +125,7 @@ __all__ = ["BUILT_IN", "PLUGINS_ENV", "WORKLOADS", "Data", "PluginProblem", "Wor
 def check_launch(config: RunConfig) -> None:
     """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
     hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
-    from amp_core.precision import availability
+    from amp_core.precision import availability, get_precision
 
     if config.workload not in WORKLOADS:
         raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -136,6 +136,9 @@ def check_launch(config: RunConfig) -> None:
         ok, reason = availability(mode, config.device)
         if not ok:
             raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+        why = get_precision(mode, config.device).refuses_optimizer(config.optimizer, config.fused_optimizer)
+        if why:
+            raise ConfigError("optimizer", f"{mode}: {why}")
     if config.fused_optimizer:
         from amp_core.precision import fused_optimizer_support
 

@@ -215,7 +215,36 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
             Check("Without a scaler the NaN is applied", "bf16-mixed's loss turns NaN after the first NaN step and "
                   "the lane stops", checks.unscaled_applies_nan),
         )),
+    Scenario(
+        name="fp8", title="FP8 on this device",
+        watch="bf16-mixed and bf16-mixed+fp8-rowwise (torchao's float8 training: every eligible Linear's matmuls in "
+              "e4m3 with a scale per row) race from the same weights. Watch the loss lines stay together, and the "
+              "memory chart: FP8 holds exactly what bf16-mixed holds.",
+        caveat="FP8 buys speed on FP8 tensor cores (Ada, Hopper and later), never memory: the weights stay fp32 and "
+               "each matmul casts its operands afresh. On a CPU or an older GPU the float8 matmuls are emulated "
+               "(real FP8 numerics, no speed-up), so no speed is checked there.",
+        build=lambda device: (_config(_fp8_device(device), "FP8 on this device",
+                                      modes=("bf16-mixed", checks.FP8_LANE), workload="tiny_transformer",
+                                      size="small" if _fp8_device(device) == "cpu" else "large",
+                                      steps=60, batch_size=16, gradstats_every=0, memory_every=20),),
+        checks=(
+            Check("FP8 matmuls ran", "the op trace of the FP8 lane shows float8 matmuls (_scaled_mm) on float8 "
+                  "operands", checks.fp8_matmuls_ran),
+            Check("FP8 keeps up with bf16", "the FP8 lane's final loss within 5% of bf16-mixed's",
+                  checks.fp8_keeps_up),
+            Check("FP8 saves no memory", "parameters, gradients and optimizer state: the same bytes as bf16-mixed",
+                  checks.fp8_saves_no_memory),
+        ),
+        expects=lambda device: checks.fp8_expected_here(_fp8_device(device)),
+        charts=("loss", "memory")),
 )}
+
+
+def _fp8_device(device: str) -> str:
+    """The FP8 scenario runs where FP8 runs: CUDA with FP8 tensor cores, else emulated on the CPU."""
+    from amp_core.precision import availability
+
+    return "cuda" if device == "cuda" and availability(checks.FP8_LANE, "cuda")[0] else "cpu"
 
 
 def unknown_scenario(name: str) -> str:

@@ -328,3 +328,51 @@ def unscaled_applies_nan(evidence: Evidence) -> tuple[bool, str, str]:
     held = diverged(part, lane, mode) and bad is not None and bad[0] > fault.step
     figure = f"{mode}: loss {bad[1]} at step {bad[0]}, lane stopped" if bad else f"{mode}: loss finite throughout"
     return held, figure, "" if held else f"{mode} did not take the NaN into its weights."
+
+
+FP8_LANE = "bf16-mixed+fp8-rowwise"
+"""The FP8 scenario's recipe lane (raced against plain bf16-mixed)."""
+
+
+def fp8_expected_here(device: str) -> str:
+    """One line: whether FP8 matmuls run natively on `device` or emulated, and what that means for speed."""
+    from amp_core.precision import availability
+
+    note = availability(FP8_LANE, device)[1]
+    if device == "cuda":
+        return "Native FP8 tensor cores (compute capability 8.9+): the FP8 lane may be faster than bf16-mixed at a " \
+               f"large size; it holds the same memory. ({note})"
+    return ("Emulated on this CPU: real float8 matmuls (aten._scaled_mm), so the numerics are FP8's, but no speed-up "
+            "is expected and none is checked.")
+
+
+def fp8_matmuls_ran(evidence: Evidence) -> tuple[bool, str, str]:
+    part = evidence.part(0)
+    frame = _trace_of(part, FP8_LANE).to_frame()
+    scaled = frame[frame["op"] == "_scaled_mm"]
+    operands = scaled["in_dtypes"].str.split(", ").str[:2]
+    float8 = operands.map(lambda dtypes: all(d.startswith("float8") for d in dtypes)).all() if len(scaled) else False
+    held = bool(len(scaled)) and bool(float8)
+    figure = (f"{len(scaled)} float8 matmuls (_scaled_mm) in one traced step of {FP8_LANE}, operands "
+              f"{', '.join(sorted({d for ds in operands for d in ds}))}")
+    return held, figure, "" if held else "No Linear layer was converted to FP8 here: see the run's started event."
+
+
+def fp8_keeps_up(evidence: Evidence) -> tuple[bool, str, str]:
+    part = evidence.part(0)
+    ref = final_loss(part.lane("bf16-mixed", at_least=FINAL_WINDOW))
+    fp8 = final_loss(part.lane(FP8_LANE, at_least=FINAL_WINDOW))
+    gap = fp8 / ref - 1
+    held = abs(gap) <= LOSS_MATCH
+    return held, f"final loss: {FP8_LANE} {fp8:.4g}, bf16-mixed {ref:.4g} ({gap:+.1%})", "" if held else (
+        "FP8 drifted from bf16 here: look at Layer numerics for a layer whose ranges exceed e4m3's (448).")
+
+
+def fp8_saves_no_memory(evidence: Evidence) -> tuple[bool, str, str]:
+    part = evidence.part(0)
+    held_now = {mode: part.lane(mode).iloc[-1][["params_bytes", "grads_bytes", "optim_bytes"]].sum()
+                for mode in ("bf16-mixed", FP8_LANE)}
+    held = held_now["bf16-mixed"] == held_now[FP8_LANE]
+    figure = f"held (parameters + gradients + optimizer state): {held_now[FP8_LANE] / 2**20:.2f} MiB with FP8, " \
+             f"{held_now['bf16-mixed'] / 2**20:.2f} MiB with bf16-mixed"
+    return held, figure, "" if held else "The FP8 lane holds a different amount: its weights should stay fp32."
