@@ -11,9 +11,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig, field_docs
 from amp_core.precision import MODES, parse_modes
-from amp_core.records.store import StoreError, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import StoreError
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
@@ -28,6 +29,23 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, as for every other bad input
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def config_flag(parser: argparse.ArgumentParser, name: str, extra: str = "", *, scaler: bool = False,
+                **kwargs) -> None:
+    """`--name` for a RunConfig field (ScalerConfig's with `scaler`): its default and help are the field's own (one
+    source: config.py), `extra` says what only the command line needs."""
+    cls, defaults = (ScalerConfig, RUN_DEFAULTS.scaler) if scaler else (RunConfig, RUN_DEFAULTS)
+    default = getattr(defaults, name)
+    text = " ".join(part for part in (field_docs(cls)[name], extra) if part).replace("%", "%%")
+    flag = "--" + name.replace("_", "-")
+    if isinstance(default, bool):
+        parser.add_argument(flag, action="store_true", help=text, **kwargs)
+    elif isinstance(default, tuple):  # a list of names, comma-separated on the command line
+        parser.add_argument(flag, default=",".join(default), help=f"{text} (default: %(default)s)", **kwargs)
+    else:
+        parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)",
+                            **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,32 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     ui.set_defaults(handler=cmd_ui, takes_extra_args=True)
 
     run = sub.add_parser("run", parents=[plugins], help="train one workload in several precision modes side by side")
-    run.add_argument("--workload", default="digits_mlp",
-                     help=f"a built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module)")
-    run.add_argument("--modes", default="32-true,bf16-mixed",
-                     help=f"comma-separated modes ({', '.join(MODES)}) or recipes MODE+OPTION..., e.g. "
-                          "bf16-mixed+fp8-rowwise, 32-true+adamw-8bit, bf16-true+sr")
-    run.add_argument("--steps", type=int, default=200)
-    run.add_argument("--batch-size", type=int, default=64)
-    run.add_argument("--lr", type=float, default=1e-3)
-    run.add_argument("--optimizer", default="adam")
-    run.add_argument("--eps", type=float, default=1e-8, help="Adam/AdamW epsilon (16-true wants about 1e-4)")
-    run.add_argument("--fused-optimizer", action="store_true",
-                     help="fused Adam/AdamW kernel (with a GradScaler: no host sync in GradScaler.step)")
-    run.add_argument("--scheduler", default="none", help="none | onecycle")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--seeds", type=int, default=1, metavar="S",
-                     help="seed replicates per mode (lanes = modes x S; replicate s uses seed + s): the summary then "
-                          "says whether two modes differ by more than the spread across seeds")
-    run.add_argument("--size", default="small", help="small | medium | large | xl (a GPU size; not every workload)")
-    run.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    run.add_argument("--data-dir", default="", help="MNIST idx folder for digits_mlp")
-    run.add_argument("--grad-clip", type=float, default=0.0)
-    run.add_argument("--init-scale", type=float, default=2.0**16)
-    run.add_argument("--growth-interval", type=int, default=2000)
-    run.add_argument("--amax-every", type=int, default=0, metavar="N",
-                     help="sample every module's output and gradient abs max every N steps, off the timed step "
-                          "(the Layer numerics page's heatmap); 0: off")
+    config_flag(run, "workload", f"A built-in ({', '.join(sorted(BUILT_IN))}) or a plugin's (--workload-module).")
+    config_flag(run, "modes", f"Comma-separated (modes: {', '.join(MODES)}).")
+    for name in ("steps", "batch_size", "lr", "optimizer", "eps", "fused_optimizer", "scheduler", "seed"):
+        config_flag(run, name)
+    config_flag(run, "seeds", metavar="S")
+    for name in ("size", "device", "data_dir", "grad_clip"):
+        config_flag(run, name)
+    config_flag(run, "init_scale", scaler=True)
+    config_flag(run, "growth_interval", scaler=True)
+    config_flag(run, "amax_every", "(The Layer numerics page's heatmap.)", metavar="N")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
                           "lr_scale:10@100+20, init_scale:1024, batch_outlier:1000@40 (repeatable)")
@@ -254,8 +256,8 @@ def _print_recipe_notes(config: RunConfig) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from amp_core.config import check_launch
     from amp_core.distributed import job_rank
+    from amp_core.workloads import check_launch
 
     config = config_from_args(args)
     job = job_rank()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -209,7 +213,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
-        this device run each mode, does the data folder exist) is asked at launch: `amp_core.runner.check_launch`."""
+        this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
         from amp_core.precision import parse_recipe
 
         if not isinstance(self.workload, str) or not self.workload.strip():
@@ -281,28 +285,19 @@ class RunConfig:
         return cls(**data)
 
 
-def check_launch(config: RunConfig) -> None:
-    """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
-    hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
-    from amp_core.precision import availability, get_precision
-    from amp_core.workloads import WORKLOADS
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of a config dataclass -> the docstring under it, read once from the class's source: the help the CLI
+    and the Train form show, so that a setting's meaning is written once, where its default is."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value).replace("\n", " ")
+    return docs
 
-    if config.workload not in WORKLOADS:
-        raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
-    sizes = WORKLOADS[config.workload].sizes
-    if config.size not in sizes:
-        raise ConfigError("size", f"{config.workload} has no size {config.size!r}; it has {', '.join(sizes)}")
-    for mode in config.modes:
-        ok, reason = availability(mode, config.device)
-        if not ok:
-            raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
-        why = get_precision(mode, config.device).refuses_optimizer(config.optimizer, config.fused_optimizer)
-        if why:
-            raise ConfigError("optimizer", f"{mode}: {why}")
-    if config.fused_optimizer:
-        from amp_core.precision import fused_optimizer_support
 
-        ok, reason = fused_optimizer_support(config.device)
-        if not ok:
-            raise ConfigError("fused_optimizer", reason)
-    WORKLOADS[config.workload].check_config(config)
+RUN_DEFAULTS = RunConfig()
+"""Every RunConfig default (the CLI's flags and the Train form's widgets start from these)."""

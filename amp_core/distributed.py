@@ -20,8 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import resolve_device
 from amp_core.records.ranks import RankSink
+from amp_core.records.sink import new_run_id
 from amp_core.records.store import RunStore
-from amp_core.runner import Lane, Run
+from amp_core.runner import Lane, Run, RunHooks
 
 RANK_SEED_STRIDE = 1_000_003
 """Rank r samples its batches with seed + r * this: rank 0 sees exactly the batches of a one-process run."""
@@ -83,7 +84,8 @@ class LaneDDP(DistributedDataParallel):
 
 
 class DistributedRun(Run):
-    """A Run on one rank of a torchrun job (the process group already initialised: `init_job`).
+    """A Run on one rank of a torchrun job (the process group already initialised: `init_job`), built from a Run by
+    its hooks (RunHooks) and a RankSink.
 
     Every rank runs the same lanes in the same order, so their collectives line up: DDP's gradient all-reduce in
     every lane step, and the record flush (RankSink), at the same lane step on every rank. What would make one rank
@@ -100,31 +102,28 @@ class DistributedRun(Run):
             raise ConfigError("seeds", "seed replicates are not offered with --nproc (each rank already trains on "
                                        "batches of its own)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().__init__(config, store if self.rank == 0 else None, run_id)
-        self.sink = RankSink(self.run_id, store if self.rank == 0 else None, check_skips=True,
-                             on_agreed=self._stop_agreed)
-        self.run_id = self.sink.run_id
+        sink = RankSink(run_id or new_run_id(), store if self.rank == 0 else None, check_skips=True,
+                        on_agreed=self._stop_agreed)
+        hooks = RunHooks(lane_setup=[_wrap_in_ddp], setup_done=[self._rank_batches],
+                         after_lane_step=[self._end_job_if_failed], on_divergence=self._propose_stop)
+        super().__init__(config, sink=sink, hooks=hooks)
         self._proposed: set[int] = set()
 
-    def _setup(self) -> None:
-        super()._setup()
-        device_ids = [torch.cuda.current_device()] if self.device.startswith("cuda") else None
-        for lane in self.lanes:  # the same order on every rank: DDP's construction is a collective
-            lane.state.model = LaneDDP(lane.state.model, device_ids=device_ids)
-        self._generators = [torch.Generator().manual_seed(self.config.seed + self.rank * RANK_SEED_STRIDE)]
+    def _rank_batches(self, run: Run) -> None:
+        """This rank's own batches; rank 0 says what the job is."""
+        self.generators = [torch.Generator().manual_seed(self.config.seed + self.rank * RANK_SEED_STRIDE)]
         if self.rank == 0:
             self.sink.event("job", f"torchrun job of {self.world_size} ranks: each lane's model in DDP "
                             f"({dist.get_backend()}), each rank its own batches", ranks=self.world_size)
 
-    def _run_lane_step(self, lane: Lane, step: int) -> None:
-        super()._run_lane_step(lane, step)
+    def _end_job_if_failed(self, run: Run, lane: Lane, step: int) -> None:
         if lane.status == "failed":  # the other ranks wait in this lane's all-reduce: only ending the job frees them
             print(f"amp-lab rank {self.rank}: lane {lane.mode} failed at step {step}: {lane.error}; ending the job",
                   file=sys.stderr, flush=True)
             self.sink.flush_own()
             os._exit(1)
 
-    def _stop_diverged(self, lane: Lane, why: str, step: int) -> None:
+    def _propose_stop(self, run: Run, lane: Lane, why: str, step: int) -> None:
         """Propose the stop: every rank stops the lane at the next flush (see `_stop_agreed`)."""
         if lane.index not in self._proposed:
             self._proposed.add(lane.index)
@@ -138,4 +137,10 @@ class DistributedRun(Run):
         for index, (step, why) in first.items():
             lane = self.lanes[index]
             if lane.status == "running":
-                super()._stop_diverged(lane, why, step)
+                self.stop_lane(lane, why, step)
+
+
+def _wrap_in_ddp(run: Run, lane: Lane) -> None:
+    """The lane's model in DDP (the same order on every rank: DDP's construction is a collective)."""
+    device_ids = [torch.cuda.current_device()] if run.device.startswith("cuda") else None
+    lane.state.bind_model(LaneDDP(lane.state.model, device_ids=device_ids))

@@ -24,7 +24,7 @@ What a step measures, and what it costs:
 - skipped: exact. GradScaler calls `optimizer.step()` only when the gradients were finite, so a step hook on the
   optimizer (`Optimizer.register_step_post_hook`) that did not fire says the step was skipped; a fused optimizer (which
   skips on the device) is handed `optimizer.found_inf` by GradScaler, read with the other figures. The scale backing
-  off must agree: an event says so if it does not (step.record_step_events).
+  off must agree: an event says so if it does not (telemetry.recorder.record_step_events).
 - LR: what the optimizer held when its step began (a step pre-hook); on a skipped step, what it held after the
   previous step.
 - gradient norm (fp32) every `grad_norm_every` steps and on skipped steps, gradient statistics every
@@ -53,45 +53,33 @@ import os
 import socket
 import sys
 import time
-import uuid
 import weakref
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from amp_core.config import ConfigError
-from amp_core.measure import CudaMeter, HostMeter, InFlight, held_bytes, meter_for
 from amp_core.precision import MODES, mode_from_dtypes
-from amp_core.probes import gradstats
 from amp_core.probes.layerwatch import LayerWatch
+from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
-from amp_core.records.schema import STEP_COLUMNS, typed
-from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore, open_store
-from amp_core.step import StepResult, grad_norms, record_step_events, resolve_step
+from amp_core.records.sink import RecordSink, new_run_id
+from amp_core.records.store import RunStore
+from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
+from amp_core.telemetry.recorder import send_figures
+from amp_core.telemetry.sampled import StepProbes, named_grad_norms
+from amp_core.torch_private import scale_tensor, scaler_settings
 
 LANE = 0
 """A Monitor's run has one lane (its mode); under torchrun, one track per rank."""
-MAX_IN_FLIGHT = 256
-"""CUDA: at this many steps whose figures are still on their way, the oldest is waited for (the host is then that far
-ahead of the device, so the wait costs the device nothing)."""
 MONITOR_FLUSH_EVERY_S = 1.0
 """A Monitor's flush cadence: the dashboard redraws every second, and a flush (a few ms on the loop's own thread) twice
 as often would cost a loop of a few ms per step half a percent."""
 SOURCE = "monitor"
-ROW_FIELDS = ("step", "t_wall_s", "loss", "step_ms", "samples_per_s", "lr", "scale", "skipped", "grad_norm",
-              "params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "peak_above_start_bytes",
-              "lane_peak_bytes", "probe_ms")
-"""The StepRecord columns a Monitor's row holds, in this order."""
-PUSH_ROWS = 256
-"""Rows go to the sink at this many, or at half the flush interval, whichever comes first."""
-if set(ROW_FIELDS) - set(STEP_COLUMNS):
-    raise ImportError(f"Monitor rows name columns StepRecord does not have: {set(ROW_FIELDS) - set(STEP_COLUMNS)}")
 """`source` in the config a Monitor saves: how the pages tell a watched script from a run they can control."""
 
 
@@ -179,6 +167,13 @@ class Monitor:
     opens it); `settings` are MonitorConfig's fields; `process_group`: the group to gather ranks over (default: the
     job's default group, when one is initialised). ConfigError for a bad setting; StoreError if the store cannot
     be used.
+
+    A Monitor is a driver of the telemetry layer: an OptimizerWatch on the optimizer, a Meter window from one `step`
+    to the next, the sampled probes on the SamplingSchedule, and a StepRecorder writing the records, exactly as a
+    lane of the race. Extension point: `step_hooks`, callables `(monitor, result)` run at the end of every `step()`
+    on the loop's thread, after the step was measured and handed to the recorder (`result`: a telemetry.StepResult;
+    on CUDA its device figures may still be on their way). They must not sync the device; an integration (a
+    Trainer callback) or a request from the dashboard answered at the next step hangs here.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -193,8 +188,6 @@ class Monitor:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.device = self._params[0].device
-        self._meter: HostMeter | CudaMeter = meter_for(str(self.device))
-        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and self.scaler is not None
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -204,58 +197,53 @@ class Monitor:
             raise ConfigError("process_group", f"NCCL gathers through the current CUDA device (cuda:"
                                                f"{torch.cuda.current_device()}) but the model is on {self.device}: "
                                                "call torch.cuda.set_device(local_rank) before creating the Monitor")
-        # 48 random bits: run ids written from many hosts into one store never meet
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
         opened = None
         if self.rank == 0:
             opened = store if isinstance(store, RunStore) else open_store(store)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if self.world_size > 1:
-            self._sink: RecordSink | RankSink = RankSink(run_id, opened, group=process_group,
+            self._sink: RecordSink | RankSink = RankSink(new_run_id(), opened, group=process_group,
                                                          flush_every_s=self.config.flush_every_s, check_skips=ddp)
         else:
-            self._sink = RecordSink(run_id, opened, self.config.flush_every_s)
+            self._sink = RecordSink(new_run_id(), opened, self.config.flush_every_s)
         self.run_id = self._sink.run_id
         self._ddp = ddp
         self.mode = self.config.mode
         self.steps_done = 0
         self.closed = False
-        self._opened = False
-        self._in_flight: deque[tuple[StepResult, float | None]] = deque()
-        self._rows: list[tuple] = []
-        """Records not yet handed to the sink, each a tuple in ROW_FIELDS order."""
-        self._push_at = time.monotonic() + self.config.flush_every_s / 2
-        self._stepped = False
-        self._lr_used = math.nan
+        self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
+        """Run at the end of every `step()` (see the class docstring)."""
+        self._meter = meter_for(self.device)
+        self._watch = OptimizerWatch(optimizer, self.scaler)
+        self._schedule = SamplingSchedule(grad_norm_every=self.config.grad_norm_every,
+                                          gradstats_every=self.config.gradstats_every,
+                                          memory_every=self.config.memory_every, probe_budget=self.config.probe_budget)
+        self._probes = StepProbes(self._meter, _inner(model), self._names, self._params, optimizer, self._schedule,
+                                  lost_updates=False)
+        self._recorder = StepRecorder(self._sink)
+        self._track: LaneTrack | None = None
+        """The run's records (from the first step when the mode is seen from the loop)."""
         self._lr_next = float(optimizer.param_groups[0]["lr"])
-        self._found_inf: torch.Tensor | None = None
-        self._no_flag = torch.zeros((), device=self.device)
-        """CUDA, non-fused: the found-inf slot resolve_step reads (the skip is known on the host)."""
-        self._held = (0, 0, 0)
-        self._peak_above_start: int | None = None
-        self._lane_peak: int | None = None
-        self._memory: tuple[int, int] | None = None
-        """CUDA: (allocation at the window's start, bytes held then) of an open memory window."""
-        self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
-                       optimizer.register_step_post_hook(self._after_optimizer_step)]
+        self._loop_s = 0.0
+        """The loop's own host time between step() calls (what probe_budget compares the probes' with: the loop's,
+        not the process's, which may be doing other things)."""
         self._autocast_seen: tuple[bool, torch.dtype | None] | None = None
-        self._scale_before: float | None = None
-        self._stats_s = self._loop_s = 0.0
-        """Host time gradient statistics have taken so far, and the loop's own host time between step() calls (what
-        probe_budget compares them with: the loop's, not the process's, which may be doing other things)."""
-        self._window_host = time.perf_counter()
+        self._forward_hook = None
         if not self.mode:
             self._forward_hook = model.register_forward_pre_hook(self._see_autocast)
-            self._hooks.append(self._forward_hook)
         else:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
-        self._layers = LayerWatch(_inner(model), self.config.layers_every)  # layer diagnostics touch point (1/5)
+        # Layer diagnostics and the dashboard's requests ride on the recorder and the step hooks, like any extension.
+        self._layers = LayerWatch(_inner(model), self.config.layers_every)
         self._layers.between_steps(-1, 0)
-        self._desk = Desk(opened, self.run_id)  # requests touch point (1/3): a page's requests, rank 0 only
+        self._desk = Desk(opened, self.run_id)  # a page's requests, rank 0 only
         self._trace_asked: list[int] = []
         self._trace = None
-        self._window = self._start_window()
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        self._recorder.on_record.append(self._layer_failure)
+        self.step_hooks += (self._answer_trace, self._between_steps)
+        self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
@@ -264,70 +252,38 @@ class Monitor:
         samples/s."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
-        meter, window = self._meter, self._window
-        hooked_ms = self._layers.hooks_so_far_s() * 1e3  # layer diagnostics touch point (2/5)
-        if self._trace is not None:
-            self._answer_trace()  # requests touch point (2/3)
-        if meter.immediate:
-            step_ms = meter.elapsed_ms(window) - hooked_ms  # a watched step's hooks are probe time (host time only)
-        else:
-            meter.stop(window)
+        meter, window, watch, schedule = self._meter, self._window, self._watch, self._schedule
+        # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
+        hooked_s = self._layers.hooks_so_far_s()
+        meter.close(window)
+        window.excluded_s = hooked_s
         began = time.perf_counter()
         self._loop_s += began - self._window_host
-        if not self._opened:
+        if self._track is None:
             self._open()
-        step, scaler = self.steps_done, self.scaler
-        stepped, self._stepped = self._stepped, False
-        found_inf, self._found_inf = self._found_inf, None
-        result = StepResult(step=step, lr=self._lr_used if stepped else self._lr_next, t_wall_s=time.time(),
-                            scaled=scaler is not None)
+        step = self.steps_done
+        skipped = watch.skipped()
+        result = StepResult(step=step, lr=watch.lr_used if watch.stepped else self._lr_next, t_wall_s=time.time(),
+                            scaled=watch.scaled, skipped=skipped)
         self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-        if self._memory is not None:  # the allocator's peak over this step (its window opened before the step)
-            start, held_at_start = self._memory
-            self._memory = None
-            result.peak_above_start_bytes = meter.close_memory_window(start)
-            result.lane_peak_bytes = held_at_start + result.peak_above_start_bytes
-        if scaler is None:
-            result.skipped = False
-        elif not self._fused:
-            result.skipped = not stepped  # GradScaler stepped the optimizer only if the gradients were finite
-        elif meter.immediate:
-            result.skipped = bool(found_inf is not None and found_inf.item() > 0)  # a CPU tensor: no wait
-        # else a fused optimizer decided on the device: read with the other figures (resolve_step)
-        skipped = bool(result.skipped)
-        total = norms = None
-        if step % self.config.grad_norm_every == 0 or skipped:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            if grads:
-                norms, total = grad_norms(grads)
-        if meter.immediate:
-            result.step_ms = step_ms
-            result.loss = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU tensor: no wait
-            if scaler is not None:
-                result.scale, result.scale_after = self._scale_before, scaler.get_scale()
-            if total is not None:
-                result.grad_norm = total.item()
-        else:
-            self._send(window, result, loss, found_inf, total, norms)
-        self._probe(result, skipped)
-        result.probe_ms = (time.perf_counter() - began) * 1e3 + hooked_ms
-        if meter.immediate:
-            self._record(result, samples)
-        else:
-            self._in_flight.append((result, samples))
-            self._resolve()
+        norms = names = None
+        if schedule.grad_norm(step) or skipped:
+            norms, names = named_grad_norms(self._names, self._params)
+        send_figures(meter, window, result, loss, self.scaler, watch.found_inf, norms, names)
+        self._probes.close(result, self._opened, schedule.memory(step), schedule.grad_stats(step), self._loop_s)
+        result.probe_ms = (time.perf_counter() - began + hooked_s) * 1e3
+        self._recorder.add(self._track, result, samples)
         self.steps_done = step + 1
-        self._layers.between_steps(step, step + 1)  # layer diagnostics touch point (3/5)
+        for hook in self.step_hooks:
+            hook(self, result)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
-        if len(self._rows) >= PUSH_ROWS or time.monotonic() >= self._push_at:
-            self._push_rows()
         self._sink.flush_if_due()
-        self._window = self._start_window()
+        self._start_window()
 
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
-        self._resolve()
-        self._push_rows()
+        self._recorder.resolve()
+        self._answer_layers_and_requests()
         self._sink.flush()
 
     def close(self, status: str = "finished", error: str = "") -> None:
@@ -336,16 +292,17 @@ class Monitor:
         if self.closed:
             return
         self.closed = True
-        for hook in self._hooks:
-            hook.remove()
+        self._watch.remove()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
         self._layers.close()
         if self._trace is not None:
             self._trace.stop()
             self._trace = None
-        self._resolve(wait=True)
-        if not self._opened:
+        self._recorder.resolve(wait=True)
+        self._answer_layers_and_requests()
+        if self._track is None:
             self._open()
-        self._push_rows()
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
@@ -363,10 +320,34 @@ class Monitor:
         else:  # a crash: the run did not finish, and says why
             self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
 
-    # --- requests from the dashboard (amp_core.records.requests) ---------------------------------------------------
-    def _take_requests(self) -> None:
-        """Answer what the layer watch read; take the page's new requests: a layer pass or an op trace of the next
-        step."""
+    # --- layer diagnostics and requests from the dashboard (step hooks and the recorder's on_record) -------------
+    def _layer_failure(self, track: LaneTrack, result: StepResult) -> None:
+        """A recorded step that failed (skipped, or a loss or gradient norm not finite): the layer watch names the
+        first module that held inf/NaN (from this step's figures when it was watched, else the next step's)."""
+        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
+                   else "gradient norm not finite" if result.grad_norm is not None
+                   and not math.isfinite(result.grad_norm) else "")
+        if failure:
+            self._layers.failed(result.step, failure)
+
+    @staticmethod
+    def _between_steps(monitor: Monitor, result: StepResult) -> None:
+        """Step hook: the layer hooks come off the step that ended (on for the next when it is watched); every half
+        flush interval, the watched steps' figures become events and the page's requests are answered and taken;
+        an op trace a page asked for starts here, before the next step's window opens."""
+        monitor._layers.between_steps(result.step, result.step + 1)
+        if time.monotonic() >= monitor._push_at:
+            monitor._answer_layers_and_requests()
+        if monitor._trace_asked and monitor._trace is None:
+            monitor._start_trace()
+
+    def _answer_layers_and_requests(self) -> None:
+        """The watched steps' figures as events (one host transfer each: it waits for those steps on CUDA, which a
+        flush may); answer what the layer watch read; take the page's new requests: a layer pass or an op trace of
+        the next step."""
+        self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        for kind, message, step, data in self._layers.read():
+            self._sink.event(kind, message, LANE, step, **data)
         for request_id, answer in self._layers.answers:
             self._desk.answer(request_id, f"layer numerics of step {answer['step']}", answer)
         self._layers.answers = []
@@ -385,138 +366,38 @@ class Monitor:
         self._trace = StepTrace(_inner(self.model), label, self.mode or "?", str(self.device))
         self._trace.start()
 
-    def _answer_trace(self) -> None:
+    @staticmethod
+    def _answer_trace(monitor: Monitor, result: StepResult) -> None:
+        """Step hook: the op trace of the step that ended (started before its window: the step's time includes the
+        tracer's), to the pages that asked."""
+        if monitor._trace is None:
+            return
         from amp_core.probes.steptrace import to_answer
 
-        trace, self._trace = self._trace.stop(), None
-        asked, self._trace_asked = self._trace_asked, []
-        step = self.steps_done
-        self._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's", LANE,
-                         step)
+        trace, monitor._trace = monitor._trace.stop(), None
+        asked, monitor._trace_asked = monitor._trace_asked, []
+        step = result.step
+        monitor._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's",
+                            LANE, step)
         for request_id in asked:
-            self._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
+            monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
-    # --- hooks: what the optimizer and the model tell -----------------------------------------------------------
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._lr_used = float(optimizer.param_groups[0]["lr"])
-        # GradScaler hands a fused optimizer its found-inf flag (a device tensor) as this attribute.
-        self._found_inf = getattr(optimizer, "found_inf", None)
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._stepped = True
-
+    # --- what the model tells ------------------------------------------------------------------------------------
     def _see_autocast(self, module, args) -> None:
         device_type = self.device.type
         enabled = torch.is_autocast_enabled(device_type)
         self._autocast_seen = (enabled, torch.get_autocast_dtype(device_type) if enabled else None)
         self._forward_hook.remove()  # once is enough: a loop keeps its precision
-        self._hooks.remove(self._forward_hook)
+        self._forward_hook = None
 
     # --- measuring ---------------------------------------------------------------------------------------------
-    def _start_window(self) -> float | InFlight:
-        """Open the next step's timed window (and, on CUDA steps that measure memory, its allocator window)."""
-        if self._trace_asked and self._trace is None:
-            self._start_trace()  # a page asked for an op trace of this step
-        meter, scaler = self._meter, self.scaler
-        if meter.immediate:
-            if scaler is not None:
-                self._scale_before = scaler.get_scale()  # a CPU tensor: nothing to wait for
-            self._window_host = meter.start()
-            return self._window_host
-        scale = scaler._get_scale_async() if scaler is not None else None
-        # Before the scaler's first step its scale lives on the host: get_scale() answers from there, with no sync.
-        self._scale_before = scaler.get_scale() if scaler is not None and scale is None else None
-        upcoming = self.steps_done
-        if upcoming == 1 or (upcoming > 1 and upcoming % self.config.memory_every == 0):
-            held = sum(held_bytes(self._params, self.optimizer))  # tensor metadata: no sync
-            self._memory = (meter.open_memory_window(), held)
+    def _start_window(self) -> None:
+        """Open the next step's windows: the sampled probes' (the allocator's, on its memory steps), then the timed
+        one, which takes the scale the step begins with."""
+        self._watch.begin()
+        self._opened = self._probes.open(self.steps_done, memory=False, grad_stats=False)
         self._window_host = time.perf_counter()
-        return meter.start(scale)
-
-    def _send(self, flight: InFlight, result: StepResult, loss, found_inf, total, norms) -> None:
-        """CUDA: the step's device figures to pinned host memory behind it (no sync); read by `_resolve`."""
-        # A float loss is filled in on the device: a copy from pageable host memory would wait for the step.
-        values = [loss.detach().to(self.device) if isinstance(loss, torch.Tensor)
-                  else torch.full((), float(loss), device=self.device)]
-        if self.scaler is not None:
-            result.scale = self._scale_before  # None: it comes from the window's pinned copy
-            values += (found_inf if self._fused and found_inf is not None else self._no_flag,
-                       self.scaler._get_scale_async())
-        if total is not None:
-            values += (total, norms)
-            result.norm_names = [n for n, p in zip(self._names, self._params, strict=True) if p.grad is not None]
-        self._meter.send(flight, values)
-        result.in_flight = flight
-
-    def _probe(self, result: StepResult, skipped: bool) -> None:
-        """Sampled figures after the step (they may sync on CUDA): bytes held, the parameters that overflowed on a
-        skipped step, gradient statistics."""
-        step = result.step
-        if step <= 1 or step % self.config.memory_every == 0:
-            result.held = held_bytes(self._params, self.optimizer)
-        nonfinite = result.grad_norm is not None and not math.isfinite(result.grad_norm)
-        if skipped or nonfinite:
-            result.bad_params = gradstats.nonfinite_params(_inner(self.model))
-        every, budget = self.config.gradstats_every, self.config.probe_budget
-        sampled = (every and step % every == 0) or skipped
-        if sampled and (not budget or self._stats_s <= budget * self._loop_s):
-            started = time.perf_counter()
-            if result.scaled and result.scale is None:
-                self._meter.wait(result.in_flight)  # a sampled step: the scale it began with, read now (a sync)
-                result.scale = float(result.in_flight.scale_before[0])
-            result.grad_stats = gradstats.model_grad_stats(_inner(self.model), result.scale or 1.0)
-            self._stats_s += time.perf_counter() - started
-
-    def _resolve(self, wait: bool = False) -> None:
-        """CUDA: steps whose figures reached the host become records, oldest first (`wait`: all of them, a sync)."""
-        while self._in_flight:
-            result, samples = self._in_flight[0]
-            ready = self._meter.ready(result.in_flight)
-            if not (ready or wait or len(self._in_flight) >= MAX_IN_FLIGHT):
-                break
-            self._in_flight.popleft()
-            resolve_step(self._meter, result, wait=not ready)
-            self._record(result, samples)
-
-    def _record(self, result: StepResult, samples: int | None) -> None:
-        """One resolved step -> a row of its record (memory figures carried between measurements), and its events
-        when it has any. Rows reach the sink as columns now and then (`_push_rows`): building a StepRecord a step
-        costs a loop with a cold cache ~20 us, a tuple ~1 us."""
-        if result.held is not None:
-            self._held = result.held
-        if result.peak_above_start_bytes is not None:
-            self._peak_above_start, self._lane_peak = result.peak_above_start_bytes, result.lane_peak_bytes
-        params_bytes, grads_bytes, optim_bytes = self._held
-        on_cuda = not self._meter.immediate
-        self._rows.append((
-            result.step, result.t_wall_s, result.loss, result.step_ms,
-            samples / (result.step_ms / 1e3) if samples and result.step_ms > 0 else math.nan, result.lr,
-            math.nan if result.scale is None else result.scale, bool(result.skipped),
-            math.nan if result.grad_norm is None else result.grad_norm, params_bytes, grads_bytes, optim_bytes,
-            0, self._peak_above_start if on_cuda else None,
-            self._lane_peak if on_cuda else params_bytes + grads_bytes + optim_bytes, result.probe_ms))
-        if (result.skipped or result.grad_stats or result.bad_params or result.scale_after != result.scale
-                or not math.isfinite(result.loss)):  # what record_step_events writes events for
-            record_step_events(self._sink, LANE, result)
-        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
-                   else "gradient norm not finite" if result.grad_norm is not None
-                   and not math.isfinite(result.grad_norm) else "")
-        if failure:  # layer diagnostics touch point (4/5): name the first module that held inf/NaN
-            self._layers.failed(result.step, failure)
-
-    def _push_rows(self) -> None:
-        """The rows gathered so far to the sink, as columns (a figure the Monitor does not measure is NaN)."""
-        for kind, message, step, data in self._layers.read():  # layer diagnostics touch point (5/5)
-            self._sink.event(kind, message, LANE, step, **data)
-        self._take_requests()  # requests touch point (3/3)
-        rows, self._rows = self._rows, []
-        self._push_at = time.monotonic() + self.config.flush_every_s / 2
-        if not rows:
-            return
-        matrix = np.array(rows, dtype=np.float64)  # None -> NaN
-        columns = {name: typed(matrix[:, ROW_FIELDS.index(name)] if name in ROW_FIELDS else
-                               np.full(len(rows), np.nan), dtype) for name, dtype in STEP_COLUMNS.items()}
-        self._sink.extend_steps(LANE, self.mode, columns)
+        self._window = self._meter.open(scale_tensor(self.scaler))
 
     # --- the run in the store ---------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -524,9 +405,13 @@ class Monitor:
         if not self.mode:
             enabled, dtype = self._autocast_seen or (False, None)
             self.mode = mode_from_dtypes(dtype if enabled else None, self._params[0].dtype, self.device.type)
-        self._opened = True
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
+        self._track = self._recorder.track(LANE, self.mode, self._meter)
+
+    @property
+    def _opened_run(self) -> bool:
+        return self._track is not None
 
     def _saved_config(self) -> dict[str, Any]:
         config, optimizer, scaler = self.config, self.optimizer, self.scaler
@@ -535,7 +420,7 @@ class Monitor:
         saved = {"source": SOURCE, "name": config.name, "workload": workload,
                  "modes": [self.mode], "steps": total, "optimizer": type(optimizer).__name__.lower(),
                  "lr": float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])),
-                 "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._fused,
+                 "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._watch.fused,
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
                  "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
@@ -543,8 +428,7 @@ class Monitor:
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:
-            saved["scaler"] = {"init_scale": scaler._init_scale, "growth_factor": scaler._growth_factor,
-                               "backoff_factor": scaler._backoff_factor, "growth_interval": scaler._growth_interval}
+            saved["scaler"] = scaler_settings(scaler)
         return saved
 
 
@@ -552,11 +436,10 @@ def _flush_at_exit(ref: weakref.ref) -> None:
     """A script ending without closing its Monitor: its records are written (rank 0's own under torchrun: the other
     ranks may be gone), its status left running, so the store sees the process gone and marks it interrupted."""
     monitor = ref()
-    if monitor is None or monitor.closed or not monitor._opened:
+    if monitor is None or monitor.closed or not monitor._opened_run:
         return
     try:
-        monitor._resolve(wait=True)
-        monitor._push_rows()
+        monitor._recorder.resolve(wait=True)
         if isinstance(monitor._sink, RankSink):
             monitor._sink.flush_own()
         else:

@@ -233,7 +233,7 @@ class Float8Matmuls(RecipeOption):
     def note(self, device: str) -> str:
         if _device_type(device) == "cuda":
             return f"{self.help} Native FP8 tensor cores."
-        return (f"{self.help} Emulated here: real float8 matmuls (torch._scaled_mm on the CPU), no speed-up "
+        return (f"{self.help} Emulated here: real float8 matmuls (the aten._scaled_mm op on the CPU), no speed-up "
                 "expected.")
 
     def _keeps(self, layer: torch.nn.Linear, device: str) -> str:

@@ -3,50 +3,39 @@ RunManager: the process's runs."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import math
 import threading
 import time
 import traceback
-import uuid
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
 
 from amp_core import background
-from amp_core.config import ConfigError, RunConfig, check_launch
-from amp_core.measure import tensor_bytes
-from amp_core.precision import Precision, get_precision, resolve_device
-from amp_core.probes.faults import FaultPlan, init_scale_override, param_by_name
-from amp_core.probes.gradstats import GradStats
+from amp_core.config import ConfigError, RunConfig
+from amp_core.precision import Precision, resolve_device
+from amp_core.probes.faults import param_by_name
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.probes.replay import SnapshotRing
-from amp_core.records import Event, StepRecord, empty_steps_frame
-from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
-from amp_core.records.sink import RecordSink
-from amp_core.records.store import RunStore, StoredTrack
-from amp_core.step import LaneState, StepResult, record_step_events, resolve_step, train_step
+from amp_core.records import Event
+from amp_core.records.schema import GradStats
+from amp_core.records.sink import RecordSink, new_run_id
+from amp_core.records.store import RunStore
+from amp_core.runs import RunReader
+from amp_core.step import LaneState, build_lane_state, train_step
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
-from amp_core.workloads import WORKLOADS, Data, Workload
+from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
+from amp_core.workloads import WORKLOADS, Data, Workload, check_launch
 
-RESOLVE_EVERY_S = 0.25
-"""On CUDA, lane steps whose figures have reached the host become records at least this often."""
-RESOLVE_BATCH = 32
-"""... and whenever this many lane steps are waiting (a query per step waiting, never a wait)."""
 TEAM_MARGIN = 0.5
 """choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
 team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
 a CLI run that chose 2 threads kept 0.36-0.67 of its speed with two browser sessions watching, 0.82-0.86 with 1)."""
 MEASURE_ROUNDS = 3
 """choose_threads times one thread and the team alternately this many times and keeps the best of each."""
-MAX_IN_FLIGHT = 256
-"""At this many lane steps ahead of the device the loop waits for the oldest (see Run._resolve)."""
-
-
 @dataclass(slots=True)
 class LaneSnapshot:
     """A copy of a lane taken between two steps (for the op inspector): changing it changes nothing live."""
@@ -59,15 +48,6 @@ class LaneSnapshot:
     batch: tuple[torch.Tensor, torch.Tensor]
     scale: float | None = None
     """The lane's GradScaler scale at the snapshot (None: the mode has no scaler)."""
-
-
-@dataclass(slots=True)
-class HeldBytes:
-    """What a lane holds between steps (measured, not modelled): parameters, gradients, optimizer state."""
-
-    params_bytes: int = 0
-    grads_bytes: int = 0
-    optim_bytes: int = 0
 
 
 class Lane:
@@ -85,25 +65,8 @@ class Lane:
         self.error = ""
         self.steps_done = 0
         self.state: LaneState | None = None
-        self.held = HeldBytes()
-        self.activations_bytes = 0
-        """Bytes saved for backward at the last measured step (carried between measurements)."""
-        self.peak_above_start_bytes: int | None = None
-        """CUDA: the allocator peak above its step's start at the last measured step (carried between)."""
-        self.peak_bytes: int | None = None
-        """CUDA: the lane's own peak at the last measured step (carried between)."""
-
-    def lane_peak_bytes(self, on_cuda: bool) -> int | None:
-        """The lane's own peak (see StepRecord.lane_peak_bytes), from the last measurements."""
-        if on_cuda:
-            return self.peak_bytes
-        return self.held.params_bytes + self.held.grads_bytes + self.held.optim_bytes + self.activations_bytes
-
-
-def build_optimizer(config: RunConfig, model: torch.nn.Module, precision: Precision):
-    """The lane's optimizer: the recipe decides (torch's, or torchao's low-bit / stochastic-rounding Adam(W))."""
-    return precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=config.eps,
-                                     fused=config.fused_optimizer)
+        self.track: LaneTrack | None = None
+        """Its records and carried memory figures (telemetry), from the run's setup."""
 
 
 def divergence_hint(config: RunConfig, precision: Precision) -> str:
@@ -113,24 +76,6 @@ def divergence_hint(config: RunConfig, precision: Precision) -> str:
         return (f" — Adam's eps={config.eps:g} is 0 in {str(dtype).removeprefix('torch.')}, and its second moment "
                 "underflows there too: try eps=1e-4 or SGD for this mode")
     return ""
-
-
-def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
-                     device: str) -> LaneState:
-    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
-    precision = get_precision(mode, device)
-    model = precision.prepare_module(copy.deepcopy(base_model))
-    optimizer = build_optimizer(config, model, precision)
-    s = config.scaler
-    scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,
-                                   s.backoff_factor, s.growth_interval)
-    state = LaneState(index=index, precision=precision, workload=workload, model=model, optimizer=optimizer,
-                      scaler=scaler, grad_clip=config.grad_clip, faults=FaultPlan.for_lane(config.faults, mode),
-                      grad_norm_every=config.grad_norm_every)
-    if config.scheduler == "onecycle":
-        state.scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps,
-                                                              cycle_momentum=config.optimizer == "sgd")
-    return state
 
 
 def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
@@ -184,22 +129,70 @@ def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], r
     return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
 
 
+LaneHook = Callable[["Run", Lane, int], float | None]
+
+
+@dataclass(slots=True)
+class RunHooks:
+    """Where a Run is extended — the torchrun race, recipes, replay snapshots, tests — instead of by overriding its
+    methods. Every hook runs on the run's own thread, in the order of its list; none may call `st.*`.
+
+    - `build_lane(config, index, mode, base_model, workload, device) -> LaneState`: how a lane's model, optimizer,
+      scheduler and scaler are built (default `build_lane_state`; a recipe that builds its own optimizer replaces it);
+    - `lane_setup(run, lane)`: once every lane's state is built, for each lane in order (wrap its model:
+      `lane.state.bind_model(...)`);
+    - `setup_done(run)`: after the "started" event, before the first step (replace `run.generators`, say something);
+    - `before_lane_step(run, lane, step)` / `after_lane_step(run, lane, step)`: around each lane step, the lane's
+      batch in `run.batch_of(lane)`; after a failed step `lane.status` is "failed". Between two lane steps the lane's
+      model is quiet: a snapshot (`run.snapshot_lane`, or the state itself) can be taken there. A before hook that
+      measures returns the host seconds it took (else None): they join the step's probe_ms, outside its step_ms
+      (the replay snapshots, `take_snapshot`, are the first before hook when RunConfig.snapshot_every is set);
+    - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
+      ranks agree first);
+    - `run_end(run)`: the thread's last act, after the final status is set and the records are closed.
+    """
+
+    build_lane: Callable[..., LaneState] = build_lane_state
+    lane_setup: list[Callable[[Run, Lane], None]] = field(default_factory=list)
+    setup_done: list[Callable[[Run], None]] = field(default_factory=list)
+    before_lane_step: list[LaneHook] = field(default_factory=list)
+    after_lane_step: list[LaneHook] = field(default_factory=list)
+    on_divergence: Callable[[Run, Lane, str, int], None] | None = None
+    run_end: list[Callable[[Run], None]] = field(default_factory=list)
+
+
+def take_snapshot(run: Run, lane: Lane, step: int) -> float | None:
+    """[replay] A before_lane_step hook: the lane's rolling state snapshot when one is due (run.snapshots); returns
+    its host seconds (probe time)."""
+    if not run.snapshots.due(step):
+        return None
+    return run.snapshots.take(lane.state, step, run.batch_of(lane), run.generators[lane.replicate])
+
+
 class Run:
     """A launch: one workload, one lane per mode and seed replicate, driven by one background thread.
 
-    Run owns control (start, pause, resume, stop) and the loop; what the loop produces goes through its RecordSink.
+    Run owns the lifecycle (start, pause, resume, stop, join) and the interleaved loop; a StepRecorder (telemetry)
+    turns each lane step into records through its RecordSink. It is extended through `hooks` (RunHooks), never by
+    overriding its methods. `sink`: where the records go (default a RecordSink on `store`; torchrun: a RankSink).
     """
 
-    def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None):
+    def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None, *,
+                 sink: RecordSink | None = None, hooks: RunHooks | None = None):
         self.config = config
-        # 48 random bits: run ids written from many hosts into one store never meet
-        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
-        self.sink = RecordSink(self.run_id, store)
+        self.sink = sink if sink is not None else RecordSink(run_id or new_run_id(), store)
+        self.run_id = self.sink.run_id
+        self.hooks = hooks if hooks is not None else RunHooks()
+        self.recorder = StepRecorder(self.sink)
+        self.recorder.on_record.append(self._recorded)
         self.device = resolve_device(config.device)
         self.lanes = [Lane(i, mode, seed, seed - config.seed) for i, (mode, seed) in enumerate(config.lanes())]
         self.status = "pending"
         """pending | running | paused | finished | stopped | failed."""
         self.created_at = time.time()
+        self.generators: list[torch.Generator] = []
+        """One batch sampler per seed replicate (set up by the thread; a setup_done hook may replace them)."""
+        self.data: Data | None = None
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
@@ -209,18 +202,15 @@ class Run:
         self._thread: threading.Thread | None = None
         self._batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         """This step's batch of each seed replicate (every lane of a seed trains on its seed's)."""
-        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        """The batch of the lane stepping now (its seed's)."""
         self._amax_samplers: dict[int, LayerAmaxSampler] = {}
         """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self._samples = 0
         """Samples in the current batch (for samples/s)."""
-        self._in_flight: deque[tuple[Lane, LaneState, StepResult, int]] = deque()
-        """CUDA lane steps whose figures are still on their way to the host, oldest first."""
-        self._resolve_at = 0.0
-        self.data: Data | None = None
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
-        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay."""
+        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay; taken
+        by the `take_snapshot` before_lane_step hook."""
+        if self.snapshots.every > 0:
+            self.hooks = replace(self.hooks, before_lane_step=[take_snapshot, *self.hooks.before_lane_step])
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
@@ -291,6 +281,10 @@ class Run:
     def grad_stats(self) -> list[tuple[str, int, int, GradStats]]:
         return list(self.sink.grad_stats)
 
+    def batch_of(self, lane: Lane) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch `lane` trains on at the current step (its seed replicate's); for hooks on the run's thread."""
+        return self._batches[lane.replicate]
+
     def snapshot_lane(self, index: int) -> LaneSnapshot:
         """Copy lane `index` between two steps: its current weights, and the batch of the current step. ValueError if
         the lane holds no model (not started yet, or ended: the thread frees a lane's model when it ends)."""
@@ -308,6 +302,18 @@ class Run:
         for p in model.parameters():
             p.grad = None
         return LaneSnapshot(lane.mode, step, model, state.precision, state.workload, batch, scale)
+
+    # --- lanes (the run's thread; hooks may call these) ------------------------------------------------------
+    def stop_lane(self, lane: Lane, why: str, step: int) -> None:
+        """Stop a lane whose loss went non-finite now; its steps still on their way are dropped."""
+        dropped = self.recorder.drop(lane.track)
+        lane.status, lane.error = "diverged", why + divergence_hint(self.config, lane.state.precision)
+        self._free(lane)
+        self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step, steps_run_after=dropped)
+
+    def _free(self, lane: Lane) -> None:
+        lane.state = None
+        self._amax_samplers.pop(lane.index, None)
 
     # --- the thread ----------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -335,6 +341,8 @@ class Run:
                 final = self.status
             self.sink.event(final, f"run {final}")
             self.sink.close(final, [(lane.index, lane.status, lane.error) for lane in self.lanes])
+            for hook in self.hooks.run_end:
+                hook(self)
 
     def _setup(self) -> None:
         config, workload = self.config, WORKLOADS[self.config.workload]
@@ -347,14 +355,17 @@ class Run:
             if fault.kind in ("grad_inf", "grad_nan"):
                 param_by_name(bases[0], fault.param)  # an unknown name fails the run now, not at the fault's step
         for lane in self.lanes:
-            lane.state = build_lane_state(config, lane.index, lane.mode, bases[lane.replicate], workload, self.device)
+            lane.state = self.hooks.build_lane(config, lane.index, lane.mode, bases[lane.replicate], workload,
+                                               self.device)
+            lane.track = self.recorder.track(lane.index, lane.mode, lane.state.meter)
             lane.status = "running"
-            params_bytes = tensor_bytes(lane.state.model.parameters())
-            lane.held = HeldBytes(params_bytes, params_bytes, 0)  # grads match params; optimizer state after step 1
-        self._generators = [torch.Generator().manual_seed(config.seed + r) for r in range(config.seeds)]
-        first = self.lanes[0].state
+        self.generators = [torch.Generator().manual_seed(config.seed + r) for r in range(config.seeds)]
+        first = self.lanes[0].state  # measured on the lane's own model, before any hook wraps it
         threads = choose_threads(first, self.data.sample(torch.Generator().manual_seed(config.seed + 1),
                                                          config.batch_size), config.intra_op_threads)
+        for lane in self.lanes:
+            for hook in self.hooks.lane_setup:
+                hook(self, lane)
         lanes = f"{config.workload} x {', '.join(config.modes)}"
         if config.seeds > 1:
             lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
@@ -365,112 +376,71 @@ class Run:
                           for recipe, report in recipes.items() if "fp8_layers" in report)
         self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}",
                         intra_op_threads=torch.get_num_threads(), recipes=recipes)
+        for hook in self.hooks.setup_done:
+            hook(self)
 
     def _loop(self) -> None:
-        config = self.config
+        config, recorder, hooks = self.config, self.recorder, self.hooks
         for step in range(config.steps):
             # Every lane of a seed sees this same batch, in the same order.
-            self._batches = [self.data.sample(generator, config.batch_size) for generator in self._generators]
+            self._batches = [self.data.sample(generator, config.batch_size) for generator in self.generators]
             self._samples = WORKLOADS[config.workload].samples_in(self._batches[0])
             stepped = False
             for lane in self.lanes:
                 if not self._resume.is_set():
-                    self._resolve(wait=True)  # a paused run shows every step it made
+                    recorder.resolve(wait=True)  # a paused run shows every step it made
                     self.sink.flush()
                     self._resume.wait()
                 if self._stop.is_set():
                     break
                 if lane.status == "running":
-                    self._batch = self._batches[lane.replicate]
-                    self._run_lane_step(lane, step)
+                    probe_s = 0.0  # what the before hooks measured, outside the step's timed window
+                    for hook in hooks.before_lane_step:
+                        probe_s += hook(self, lane, step) or 0.0
+                    self._lane_step(lane, step, probe_s)
+                    for hook in hooks.after_lane_step:
+                        hook(self, lane, step)
                     stepped = True
-                if self._in_flight and (len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at):
-                    self._resolve()
                 self.sink.flush_if_due()
             if self._stop.is_set() or not stepped:
                 break
-        self._resolve(wait=True)
+        recorder.resolve(wait=True)
         stopped = self._stop.is_set()
         for lane in self.lanes:
             if lane.status == "running":
                 lane.status = "stopped" if stopped and lane.steps_done < config.steps else "finished"
 
-    def _run_lane_step(self, lane: Lane, step: int) -> None:
-        config, state = self.config, lane.state
-        measure = step <= 1 or step % config.memory_every == 0
-        stats = config.gradstats_every > 0 and step % config.gradstats_every == 0
-        # [replay] Before the step, outside its timed window: its host time joins the step's probe_ms below.
-        snapshot_s = (self.snapshots.take(state, step, self._batch, self._generators[lane.replicate])
-                      if self.snapshots.due(step) else 0.0)
+    def _lane_step(self, lane: Lane, step: int, probe_s: float) -> None:
+        state, schedule = lane.state, lane.state.schedule
         try:
             with self._step_lock:
-                result = train_step(state, self._batch, step, measure_memory=measure, collect_grad_stats=stats)
-            result.probe_ms += snapshot_s * 1e3
+                result = train_step(state, self._batches[lane.replicate], step, measure_memory=schedule.memory(step),
+                                     collect_grad_stats=schedule.grad_stats(step))
+            result.probe_ms += probe_s * 1e3
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
-            self._resolve(wait=True)  # its earlier steps still become records
+            self.recorder.resolve(wait=True)  # its earlier steps still become records
             lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
-            lane.state = None
-            self._amax_samplers.pop(lane.index, None)
+            self._free(lane)
             self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
             return
-        if result.in_flight is None:
-            self._record(lane, state, result, self._samples)
-        else:
-            self._in_flight.append((lane, state, result, self._samples))
-        if self.config.amax_every and step % self.config.amax_every == 0 and lane.state is not None:
+        self.recorder.add(lane.track, result, self._samples)
+        if schedule.amax(step) and lane.state is not None:
             self._sample_layer_amax(lane, step)
 
-    def _resolve(self, wait: bool = False) -> None:
-        """Turn CUDA lane steps whose figures have reached the host into records, oldest first, stopping at the first
-        still on its way; `wait` waits for all of them (a host sync: the run's end, a pause, a failing lane).
-
-        Past MAX_IN_FLIGHT waiting steps the oldest is waited for: the host is then that many steps ahead of the
-        device, so the wait costs the device nothing (the launch queue would stop the host soon anyway).
-        """
-        while self._in_flight:
-            lane, state, result, samples = self._in_flight[0]
-            ready = state.meter.ready(result.in_flight)
-            if not (ready or wait or len(self._in_flight) >= MAX_IN_FLIGHT):
-                break
-            self._in_flight.popleft()
-            resolve_step(state.meter, result, wait=not ready)
-            self._record(lane, state, result, samples)
-        self._resolve_at = time.monotonic() + RESOLVE_EVERY_S
-
-    def _record(self, lane: Lane, state: LaneState, result: StepResult, samples: int) -> None:
-        """One resolved lane step -> its StepRecord and events; a non-finite loss stops the lane (on CUDA it is
-        noticed here, when the figures arrive, so the lane may have queued a few more steps: they are dropped)."""
-        if result.held is not None:
-            lane.held = HeldBytes(*result.held)
-        if result.activations_bytes is not None:
-            lane.activations_bytes = result.activations_bytes
-        if result.peak_above_start_bytes is not None:
-            lane.peak_above_start_bytes, lane.peak_bytes = result.peak_above_start_bytes, result.lane_peak_bytes
-        step, held = result.step, lane.held
-        self.sink.step(StepRecord(
-            run_id=self.run_id, lane=lane.index, mode=lane.mode, step=step, t_wall_s=result.t_wall_s,
-            loss=result.loss, step_ms=result.step_ms, samples_per_s=samples / (result.step_ms / 1e3),
-            lr=result.lr, scale=result.scale, skipped=bool(result.skipped),
-            grad_norm=math.nan if result.grad_norm is None else result.grad_norm,
-            params_bytes=held.params_bytes, grads_bytes=held.grads_bytes, optim_bytes=held.optim_bytes,
-            activations_bytes=lane.activations_bytes, peak_above_start_bytes=lane.peak_above_start_bytes,
-            lane_peak_bytes=lane.lane_peak_bytes(not state.meter.immediate), probe_ms=result.probe_ms))
+    def _recorded(self, track: LaneTrack, result: StepResult) -> None:
+        """A lane step became a record: count it; a non-finite loss stops the lane (on CUDA it is noticed when the
+        figures arrive, so the lane may have queued a few more steps: they are dropped)."""
+        lane = self.lanes[track.lane]
+        step = result.step
         lane.steps_done = step + 1
-        record_step_events(self.sink, lane.index, result)
         if not math.isfinite(result.loss) and self.config.stop_on_divergence and lane.status == "running":
-            self._stop_diverged(lane, f"loss became {result.loss} at step {step}", step)
+            why = f"loss became {result.loss} at step {step}"
+            if self.hooks.on_divergence is None:
+                self.stop_lane(lane, why, step)
+            else:
+                self.hooks.on_divergence(self, lane, why, step)
         elif lane.steps_done >= self.config.steps and lane.status == "running":
             lane.status = "finished"
-
-    def _stop_diverged(self, lane: Lane, why: str, step: int) -> None:
-        """Stop a lane whose loss went non-finite; its steps still queued are dropped. (Under torchrun the ranks
-        stop a lane together: amp_core.distributed.DistributedRun.)"""
-        dropped = [entry for entry in self._in_flight if entry[0] is lane]
-        self._in_flight = deque(entry for entry in self._in_flight if entry[0] is not lane)
-        lane.status, lane.error = "diverged", why + divergence_hint(self.config, lane.state.precision)
-        lane.state = None
-        self._amax_samplers.pop(lane.index, None)
-        self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step, steps_run_after=len(dropped))
 
     def _sample_layer_amax(self, lane: Lane, step: int) -> None:
         """Per-module abs max on a shadow copy of the lane (its weights after this step, this step's batch), taken
@@ -483,7 +453,7 @@ class Run:
             if sampler is None:
                 sampler = LayerAmaxSampler(state.model, state.precision, state.workload.loss)
                 self._amax_samplers[lane.index] = sampler
-            sample = sampler.sample(self._batch, scale)
+            sample = sampler.sample(self._batches[lane.replicate], scale)
         except Exception as exc:  # a failed sample must not stop the lane
             self.sink.event("warning", f"layer amax sampling failed: {type(exc).__name__}: {exc}", lane.index, step)
             return
@@ -495,19 +465,18 @@ class RunLimitError(ConfigError):
     pass
 
 
-class RunManager:
-    """The process's runs (thread-safe). Pages share one through st.cache_resource."""
+class RunManager(RunReader):
+    """The process's runs (thread-safe), and every run read alike whether it trains here or is in the store
+    (RunReader). Pages share one through st.cache_resource."""
 
     def __init__(self, store: RunStore | None = None, max_running: int = 2, keep: int = 20, store_error: str = ""):
-        self.store = store
+        super().__init__(store)
         self.store_error = store_error
         """Why there is no store (the file was damaged or foreign); runs then live in memory only."""
         self.max_running = max_running
         self.keep = keep
         self._runs: dict[str, Run] = {}
         self._lock = threading.Lock()
-        self._problems: dict[str, list[str]] = {}
-        """Per run: what readers of its stored records could not read (a damaged chunk), said once each."""
 
     def launch(self, config: RunConfig) -> Run:
         """Create and start a run; RunLimitError if `max_running` runs are already going (a run counts from the
@@ -541,99 +510,3 @@ class RunManager:
     def stop_all(self, timeout: float = 30.0) -> None:
         for run in self.runs():
             run.stop(timeout)
-
-    # --- one view over live runs and the store ---------------------------------------------------------------
-    def list_runs(self) -> pd.DataFrame:
-        """Runs in the store and in memory, newest first: run_id, name, workload, modes, status, created_at."""
-        columns = ["run_id", "name", "workload", "modes", "status", "created_at"]
-        if self.store is not None:
-            self.store.check_liveness()
-        stored = self.store.runs()[columns] if self.store is not None else pd.DataFrame(columns=columns)
-        live = {r.run_id: r for r in self.runs()}
-        stored = stored[~stored["run_id"].isin(live)]
-        memory = pd.DataFrame([{"run_id": r.run_id, "name": r.config.name, "workload": r.config.workload,
-                                "modes": list(r.config.modes), "status": r.status, "created_at": r.created_at}
-                               for r in live.values()], columns=columns)
-        frames = [f for f in (memory, stored) if not f.empty]
-        if not frames:
-            return pd.DataFrame(columns=columns)
-        return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)
-
-    def track_sources(self, run_id: str, reuse: list | None = None) -> list:
-        """The run's tracks as sources for `amp_core.records.query`: in memory while the run is held here, else in
-        the store (StoredTrack, for one reader at a time; those in `reuse` keep what they cached)."""
-        run = self.get(run_id)
-        if run is not None:
-            return list(run.sink.records.tracks())
-        if self.store is None:
-            return []
-        return self.store.track_sources(run_id, reuse, self._problems.setdefault(run_id, []))
-
-    def lane_series(self, run_id: str, start: int | None = None, stop: int | None = None,
-                    max_points: int = MAX_POINTS, sources: list | None = None) -> list[LaneSeries]:
-        """Each track of a run read for charts and headlines: steps [start, stop) (default: all) in about
-        `max_points` points per figure, exact (see amp_core.records.query). `sources`: from `track_sources`."""
-        sources = self.track_sources(run_id) if sources is None else sources
-        stored = self.store is not None and any(isinstance(source, StoredTrack) for source in sources)
-        with self.store.snapshot() if stored else contextlib.nullcontext():  # one consistent view of the store
-            series = [read_lane(source, start, stop, max_points) for source in sources]
-        return [s for s in series if s.stats.records]
-
-    def steps(self, run_id: str, start: int = 0, stop: int | None = None) -> pd.DataFrame:
-        """A run's step records of steps [start, stop), every one (memory while the run is held here, else the
-        store; a damaged chunk's records are left out and said in `run_info(run_id)["problems"]`)."""
-        run = self.get(run_id)
-        if run is not None:
-            frame = run.frame(start)
-            return frame if stop is None else frame[frame["step"] < stop].reset_index(drop=True)
-        if self.store is None:
-            return empty_steps_frame()
-        return self.store.steps(run_id, start, stop, strict=False, problems=self._problems.setdefault(run_id, []))
-
-    def events(self, run_id: str) -> pd.DataFrame:
-        """A run's events as a DataFrame (run_id, lane, step, kind, message, t_wall_s, data)."""
-        run = self.get(run_id)
-        if run is not None:
-            return pd.DataFrame([dataclasses.asdict(e) for e in run.events()],
-                                columns=["run_id", "kind", "message", "lane", "step", "t_wall_s", "data"])
-        if self.store is not None:
-            return self.store.events(run_id)
-        return pd.DataFrame(columns=["run_id", "kind", "message", "lane", "step", "t_wall_s", "data"])
-
-    def run_info(self, run_id: str) -> dict | None:
-        """config (RunConfig dict), status, lanes [{lane, mode, status, error, steps_done, meta}] of a run, and
-        problems: what of its stored records could not be read so far (a damaged chunk), as messages."""
-        run = self.get(run_id)
-        if run is not None:
-            return {"run_id": run_id, "config": run.config.to_dict(), "status": run.status, "live": run.alive,
-                    "lanes": [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "error": lane.error,
-                               "steps_done": lane.steps_done, "meta": {"seed": lane.seed}}
-                              for lane in run.lanes],
-                    "problems": []}
-        if self.store is None:
-            return None
-        self.store.check_liveness()
-        row = self.store.run(run_id)
-        if row is None:
-            return None
-        counts: dict[int, int] = {}
-        for track in self.store.tracks(run_id):  # steps per lane: its rank-0 track (ranks step together)
-            counts[track["lane"]] = max(counts.get(track["lane"], 0), track["records"])
-        return {"run_id": run_id, "config": row["config"], "status": row["status"], "live": False,
-                "lanes": [{"lane": lane["lane"], "mode": lane["mode"], "status": lane["status"], "error": lane["error"],
-                           "steps_done": int(counts.get(lane["lane"], 0)), "meta": lane["meta"]}
-                          for lane in row["lanes"]],
-                "problems": list(self._problems.get(run_id, []))}
-
-    def grad_stats(self, run_id: str, lane: int, step: int | None = None) -> list[GradStats]:
-        """Gradient statistics of a lane (one step, or every sampled step)."""
-        run = self.get(run_id)
-        if run is not None:
-            return run.sink.grad_stats.get(lane, step)
-        return self.store.grad_stats(run_id, lane, step) if self.store is not None else []
-
-    def grad_stat_steps(self, run_id: str, lane: int) -> list[int]:
-        run = self.get(run_id)
-        if run is not None:
-            return run.sink.grad_stats.steps(lane)
-        return self.store.grad_stat_steps(run_id, lane) if self.store is not None else []

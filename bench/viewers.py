@@ -31,7 +31,8 @@ from pathlib import Path
 import psutil
 
 from amp_core.precision import default_modes
-from amp_core.records.store import RunStore, StoreError, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

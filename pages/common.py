@@ -122,7 +122,8 @@ def warm_up() -> WarmUp:
 @st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
-    from amp_core.records.store import StoreError, open_store
+    from amp_core.records.opening import open_store
+    from amp_core.records.store import StoreError
     from amp_core.runner import RunManager
 
     try:

@@ -6,7 +6,7 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
-from amp_core.records.store import LIVE_STATUSES
+from amp_core.runs import is_live
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
@@ -177,7 +177,11 @@ def show_amax_over_time(run_id: str) -> None:
     if info is None:
         st.warning("This run is gone from the store.")
         return
-    live = info["live"] or info["status"] in LIVE_STATUSES  # in this process, or written by another one
+    # Live: training here, or written by another process (the CLI, a Monitor script, torchrun).
+    live = is_live(info)
+    if live:
+        st.caption("🟢 live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
+                                                            for lane in info.lanes) + " at page load)")
     st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 
 
@@ -241,13 +245,13 @@ def requested_layers(run_id: str, live: bool) -> None:
 
 def amax_view(run_id: str) -> None:
     manager = get_manager()
-    info = manager.run_info(run_id) or {"config": {}, "lanes": [], "status": "", "live": False}
+    info = manager.run_info(run_id)
     events = manager.events(run_id)
     samples = numerics_views.amax_samples(events)
-    config = info["config"]
+    config = info.config if info is not None else {}
     attached_note(config)
     if config.get("source") == "monitor":
-        requested_layers(run_id, info["live"] or info["status"] in LIVE_STATUSES)
+        requested_layers(run_id, is_live(info))
     every = config.get("amax_every", 0) or config.get("layers_every", 0)
     if samples.empty:
         if every:
@@ -257,7 +261,7 @@ def amax_view(run_id: str) -> None:
         else:
             st.info("This run did not sample layer amax (its `amax_every` is 0): launch one above.")
         return
-    lanes = {lane["lane"]: lane["mode"] for lane in info["lanes"]}
+    lanes = {lane.lane: lane.mode for lane in info.lanes} if info is not None else {}
     sampled = sorted(set(samples["lane"]))
     row = st.columns([3, 2])
     lane = row[0].selectbox("Lane", sampled, format_func=lambda i: f"lane {i} · {lanes.get(i, '?')}",

@@ -7,6 +7,7 @@ from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_s
 from amp_core.probes import faults
 from amp_core.probes.replay import replay_run
 from amp_core.probes.spikes import SpikeRule
+from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views
 from amp_core.views.tables import content_widths
@@ -114,8 +115,7 @@ lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane
                     format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {STATUS_ICONS.get(lanes[i]['status'], '')}"
                                           f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
 mode = lanes[lane]["mode"]
-live_run = manager.get(run_id)
-live = live_run is not None and live_run.alive
+live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
 
 
 def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
@@ -153,13 +153,13 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
                                                                            "that are NaN (after unscaling)")})
         if table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
-    run = manager.get(run_id)
-    if was_live and not (run is not None and run.alive):
+    if was_live and not is_live(info):
         st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
 
 
 if live:
-    progress = ", ".join(f"lane {i} {lane_info['steps_done']}/{info['config']['steps']}"
+    total = info.config.get("steps") or 0  # 0: unknown (a Monitor's loop that did not say)
+    progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
     st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
     st.fragment(run_every=1.0)(store_guarded(draw_run))(run_id, lane, mode, True)

@@ -9,7 +9,16 @@ from __future__ import annotations
 import streamlit as st
 
 from amp_core import catalog
-from amp_core.config import MAX_SEEDS, OPTIMIZERS, ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import (
+    MAX_SEEDS,
+    OPTIMIZERS,
+    RUN_DEFAULTS,
+    ConfigError,
+    FaultSpec,
+    RunConfig,
+    ScalerConfig,
+    field_docs,
+)
 from pages.common import (
     device_panel,
     get_manager,
@@ -23,7 +32,8 @@ from pages.common import (
 
 REFRESH_S = 1.0  # the live view's redraw period while a run goes
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
-DEFAULT_WORKLOAD = "digits_mlp"
+DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
+DEFAULT_WORKLOAD = DEFAULTS.workload
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
 RECIPE_OPTION_HELP, RECIPE_PRESETS = catalog.recipes()
 # The live view's status mark, in Streamlit's own icon font: an emoji needs an emoji font, which a browser may lack
@@ -67,35 +77,37 @@ with st.container(border=True):
     c1.caption(entries[workload].description)
     # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
     c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
-    steps = c1.number_input("Steps", value=300, step=50, key="train_steps")
-    batch_size = c2.number_input("Batch size", value=64, step=16, key="train_batch")
-    optimizer = c3.selectbox("Optimizer", OPTIMIZERS, key="train_optimizer")
-    lr = c4.number_input("Learning rate", value=1e-3, step=1e-4, format="%.2e", key="train_lr",
-                         help="The peak LR when OneCycleLR is on.")
-    seed = c5.number_input("Seed", value=0, step=1, key="train_seed",
-                           help="Seeds the initial weights and the batch order, the same in every lane (with "
-                                "several seeds per mode: the first seed).")
-    seeds = c6.number_input("Seeds per mode", value=1, min_value=1, max_value=MAX_SEEDS, step=1, key="train_seeds",
-                            help="Seed replicates: each mode trains once per seed (seed, seed+1, …; every mode of a "
-                                 "seed starts from that seed's weights and sees its batches). Charts then show each "
-                                 "mode's mean across seeds with a min-max band, and the summary says whether two "
-                                 "modes differ by more than the spread across seeds.")
-    onecycle = c7.toggle("OneCycleLR", key="train_onecycle")
+    # Defaults and help are RunConfig's own (config.py: one source for the form and the CLI).
+    steps = c1.number_input("Steps", value=DEFAULTS.steps, step=50, key="train_steps", help=DOCS["steps"])
+    batch_size = c2.number_input("Batch size", value=DEFAULTS.batch_size, step=16, key="train_batch",
+                                 help=DOCS["batch_size"])
+    optimizer = c3.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index(DEFAULTS.optimizer),
+                             key="train_optimizer", help=DOCS["optimizer"])
+    lr = c4.number_input("Learning rate", value=DEFAULTS.lr, step=1e-4, format="%.2e", key="train_lr",
+                         help=DOCS["lr"])
+    seed = c5.number_input("Seed", value=DEFAULTS.seed, step=1, key="train_seed", help=DOCS["seed"])
+    seeds = c6.number_input("Seeds per mode", value=DEFAULTS.seeds, min_value=1, max_value=MAX_SEEDS, step=1,
+                            key="train_seeds", help=DOCS["seeds"])
+    onecycle = c7.toggle("OneCycleLR", value=DEFAULTS.scheduler == "onecycle", key="train_onecycle",
+                         help=DOCS["scheduler"])
     with st.expander("GradScaler settings (16-mixed only)"):
         g1, g2, g3, g4 = st.columns(4)
-        init_scale = g1.number_input("Initial scale", value=2.0**16, format="%g", key="train_init_scale")
-        growth_factor = g2.number_input("Growth factor", value=2.0, key="train_growth")
-        backoff_factor = g3.number_input("Backoff factor", value=0.5, key="train_backoff")
-        growth_interval = g4.number_input("Growth interval (steps)", value=2000, step=100, key="train_interval")
+        scaler_defaults, scaler_docs = DEFAULTS.scaler, field_docs(ScalerConfig)
+        init_scale = g1.number_input("Initial scale", value=scaler_defaults.init_scale, format="%g",
+                                     key="train_init_scale", help=scaler_docs["init_scale"])
+        growth_factor = g2.number_input("Growth factor", value=scaler_defaults.growth_factor, key="train_growth",
+                                        help=scaler_docs["growth_factor"])
+        backoff_factor = g3.number_input("Backoff factor", value=scaler_defaults.backoff_factor, key="train_backoff",
+                                         help=scaler_docs["backoff_factor"])
+        growth_interval = g4.number_input("Growth interval (steps)", value=scaler_defaults.growth_interval, step=100,
+                                          key="train_interval", help=scaler_docs["growth_interval"])
     with st.expander("More: Adam eps, fused Adam, gradient clipping, faults, name"):
         m0, m1, m2, m3 = st.columns([1, 1, 3, 2])
-        eps = m0.number_input("Adam/AdamW eps", value=1e-8, format="%.1e", key="train_eps",
-                              help="torch's default 1e-8 is 0 in fp16: a 16-true lane with Adam needs about 1e-4.")
-        fused = m0.toggle("Fused Adam/AdamW", key="train_fused",
-                          help="One fused kernel for the update, where the device has it; with a GradScaler the "
-                               "optimizer skips an overflowed step on the device, and GradScaler.step needs no host "
-                               "sync.")
-        grad_clip = m1.number_input("Clip grad norm (0 = off)", value=0.0, key="train_clip")
+        eps = m0.number_input("Adam/AdamW eps", value=DEFAULTS.eps, format="%.1e", key="train_eps", help=DOCS["eps"])
+        fused = m0.toggle("Fused Adam/AdamW", value=DEFAULTS.fused_optimizer, key="train_fused",
+                          help=DOCS["fused_optimizer"])
+        grad_clip = m1.number_input("Clip grad norm (0 = off)", value=DEFAULTS.grad_clip, key="train_clip",
+                                    help=DOCS["grad_clip"])
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
                                     help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
                                          "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
@@ -191,7 +203,7 @@ from amp_core.probes.cost import (  # noqa: E402
     estimate_step,
     relative_costs,
 )
-from amp_core.records.store import LIVE_STATUSES  # noqa: E402
+from amp_core.runs import is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
@@ -331,11 +343,6 @@ run_id = run_picker(manager, key="train_run_pick", label="Run", default=st.sessi
 if run_id is None:
     st.info("No runs yet: choose a workload and modes above and press Launch.")
     st.stop()
-
-
-def is_live(info: dict | None) -> bool:
-    """Alive in this process, or still being written by another (the store says it is going)."""
-    return info is not None and (info["live"] or info["status"] in LIVE_STATUSES)
 
 
 followers: dict[str, RecordFollower] = st.session_state.setdefault("train_followers", {})

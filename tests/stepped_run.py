@@ -28,22 +28,22 @@ class SteppedRun(Run):
         """The thread has finished its work (its last records flushed, its final status set)."""
         if pause_after is not None:
             self.pause_after = frozenset(pause_after)
+        self.hooks.after_lane_step.append(self._counted)
+        self.hooks.run_end.append(self._ended)
 
-    def _run_lane_step(self, lane, step) -> None:
-        super()._run_lane_step(lane, step)
-        with self.progress:
-            self.lane_steps += 1
-            if self.lane_steps in self.pause_after:
-                self.pause()  # on the run's own thread, between two lane steps
-            self.progress.notify_all()
+    @staticmethod
+    def _counted(run: SteppedRun, lane, step) -> None:
+        with run.progress:
+            run.lane_steps += 1
+            if run.lane_steps in run.pause_after:
+                run.pause()  # on the run's own thread, between two lane steps
+            run.progress.notify_all()
 
-    def _main(self) -> None:
-        try:
-            super()._main()
-        finally:
-            with self.progress:
-                self.ended = True
-                self.progress.notify_all()
+    @staticmethod
+    def _ended(run: SteppedRun) -> None:
+        with run.progress:
+            run.ended = True
+            run.progress.notify_all()
 
     def wait_until(self, condition: Callable[[SteppedRun], bool], timeout_s: float = 60.0) -> None:
         """Block until `condition(run)` holds, checked after every lane step and at the end; fail after `timeout_s`."""

@@ -1,7 +1,8 @@
 """A real browser watching a user's own script live: tests/monitor_script.py (a Monitor around an fp16 loop) runs
 in its own process, paused by the test halfway, while Chromium shows the Train page of a real server on the same
 store. The page must show the run as watched live (no pause/stop of its own), its loss chart must grow when the
-script goes on, and end as finished; a screenshot of the live view is saved to artifacts/monitor_live.png.
+script goes on, and end as finished; the Overflow debugger follows it live too, and stops its timer at the end.
+Screenshots of both live views: artifacts/monitor_live.png, artifacts/monitor_live_debugger.png.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 import pytest
 from test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS, SETTLED
 
-from amp_core.records.store import open_store
+from amp_core.records.opening import open_store
 from tests import streamlit_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "monitor_live.png"
+DEBUGGER_SCREENSHOT = ROOT / "artifacts" / "monitor_live_debugger.png"
 STEPS, PAUSE_AT = 60, 19
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no Debian chromium")]
@@ -55,9 +57,21 @@ def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
                 SCREENSHOT.parent.mkdir(exist_ok=True)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
 
+                # The Overflow debugger follows the same script live (another process, through the store).
+                debugger = browser.new_page(viewport={"width": 1440, "height": 900})
+                debugger.goto(f"http://127.0.0.1:{port}/overflow_debugger")
+                live = debugger.get_by_text("🟢 live: redrawn every second")
+                live.wait_for(timeout=90_000)
+                assert f"lane 0 {PAUSE_AT + 1} steps" in live.inner_text()
+                debugger.wait_for_function(SETTLED, timeout=60_000)
+                live.scroll_into_view_if_needed()  # the live view, below the fault-injection form
+                debugger.screenshot(path=str(DEBUGGER_SCREENSHOT), full_page=True)
+
                 script.stdin.write("\n")  # go on: the page follows the rest through the store
                 script.stdin.flush()
                 page.get_by_text("Run status: finished").wait_for(timeout=120_000)
+                live.wait_for(state="detached", timeout=60_000)  # the debugger saw the end: drawn once, no timer
+                assert debugger.locator("[data-testid='stException']").count() == 0
                 page.wait_for_function(LOSS_TOTAL_AT_LEAST, arg=STEPS, timeout=60_000)
                 assert sum(page.evaluate(LOSS_POINTS).values()) > before  # the chart moved
                 assert page.locator("[data-testid='stException']").count() == 0

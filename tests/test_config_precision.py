@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import (
     CPU_NATIVE_ENV,
     MODES,
@@ -22,6 +22,7 @@ from amp_core.precision import (
 )
 from amp_core.runner import RunManager
 from amp_core.switches import lane_step_switches
+from amp_core.workloads import check_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]

@@ -14,7 +14,9 @@ from amp_core import switches
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import availability
 from amp_core.runner import Run, build_lane_state
-from amp_core.step import grad_norms, resolve_step, train_step
+from amp_core.step import train_step
+from amp_core.telemetry import resolve_step
+from amp_core.telemetry.sampled import grad_norms
 from amp_core.workloads import WORKLOADS
 from amp_core.workloads.digits_mlp import DigitsMLP
 from bench.overhead import counting_syncs

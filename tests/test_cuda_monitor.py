@@ -10,7 +10,8 @@ from test_cuda import per_step_syncs
 from torch import nn
 
 from amp_core.monitor import Monitor
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

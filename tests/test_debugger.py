@@ -16,7 +16,8 @@ from format_layouts import LAYOUTS
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults, gradstats
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
 from amp_core.views import debugger

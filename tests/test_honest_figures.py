@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from amp_core import step as step_module
-from amp_core.config import SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
-from amp_core.measure import HostMeter, SavedTensorsProbe
+from amp_core.config import SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.measure import SavedTensorsProbe
 from amp_core.probes.cost import StepEstimate, estimate_step, step_flops
 from amp_core.runner import Run, build_lane_state
-from amp_core.step import grad_norms, train_step
-from amp_core.workloads import WORKLOADS
+from amp_core.step import train_step
+from amp_core.telemetry import HostMeter, Meter, Window
+from amp_core.telemetry.sampled import grad_norms
+from amp_core.workloads import WORKLOADS, check_launch
 from amp_core.workloads.base import Data, Workload
 
 GRADS = 100_000
@@ -135,52 +137,57 @@ def test_the_gradient_norm_is_measured_where_a_figure_needs_it():
 
 
 # --- the in-flight path: figures that reach the host later (CUDA's contract, on real torch on a CPU) ----------
-class LaggingMeter:
+class LaggingMeter(Meter):
     """CudaMeter's contract on a CPU: a step's figures become readable only once `lag` later steps were sent (a
-    device that is behind), or when waited for. Test instrumentation of the meter seam; the training is real."""
+    device that is behind), or when waited for. Test instrumentation of the meter seam (the telemetry's Meter
+    interface, implemented whole); the training is real."""
 
-    immediate = False
+    device = torch.device("cpu")
 
     def __init__(self, lag: int):
         self.lag = lag
         self.sent = 0
         self.waits = 0
 
-    class Flight:
-        def __init__(self, scale):
-            self.started = time.perf_counter()
-            self.scale_before = None if scale is None else scale.detach().clone().reshape(1)
-            self.ended = self.values = self.sequence = None
-            self.forced = False
+    def open(self, scale=None) -> Window:
+        window = Window(time.perf_counter(), scale_before=None if scale is None else float(scale))
+        window.done = False  # "forced": waited for
+        return window
 
-    def start(self, scale=None):
-        return self.Flight(scale)
+    def close(self, window) -> None:
+        window.end = time.perf_counter()
 
-    def stop(self, flight) -> None:
-        flight.ended = time.perf_counter()
-
-    def send(self, flight, values) -> None:
-        flight.values = torch.cat([v.detach().reshape(-1).float() for v in values])
+    def send(self, window, values) -> None:
+        window.values = torch.cat([torch.as_tensor(v).detach().reshape(-1).float() for v in values])
         self.sent += 1
-        flight.sequence = self.sent
+        window.start = (window.start, self.sent)
 
-    def ready(self, flight) -> bool:
-        return flight.forced or self.sent - flight.sequence >= self.lag
+    def ready(self, window) -> bool:
+        return window.done or self.sent - window.start[1] >= self.lag
 
-    def wait(self, flight) -> None:
+    def wait(self, window) -> None:
         self.waits += 1
-        flight.forced = True
+        window.done = True
 
-    def receive(self, flight):
-        assert self.ready(flight), "read before the figures were there"
-        scale = None if flight.scale_before is None else float(flight.scale_before[0])
-        return (flight.ended - flight.started) * 1e3, scale, flight.values.tolist()
+    def peek(self, window):
+        assert self.ready(window), "read before the figures were there"
+        return window.scale_before, window.values.tolist()
+
+    def on_host(self, window) -> None:
+        return None
+
+    def receive(self, window):
+        scale, values = self.peek(window)
+        return (window.end - window.start[0]) * 1e3, scale, values
 
     def open_memory_window(self) -> int:
         return 0
 
-    def close_memory_window(self, allocated_at_start: int) -> int:
-        return 4096
+    def close_memory_window(self, opened) -> int | None:
+        return None if opened is None else 4096
+
+    def lane_peak_bytes(self, held_bytes, peak_bytes):
+        return peak_bytes
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ transitively through amp_core's own modules; a second check imports the engine f
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def is_under(name: str, package: str) -> bool:
 def test_the_graph_sees_every_module_and_its_lazy_imports():
     graph = import_graph()
     assert {"amp_core.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
-    assert "amp_core.workloads" in graph["amp_core.config"], "a function-level import is part of the graph"
+    assert "amp_core.precision" in graph["amp_core.workloads"], "a function-level import is part of the graph"
 
 
 def test_engine_imports_no_plotly_streamlit_or_views():
@@ -105,6 +106,58 @@ def test_page_scripts_hold_no_bare_strings_that_magic_would_draw():
                 drawn.append(f"{path.name}:{node.lineno}: {str(node.value.value)[:50]}")
     assert not drawn
 
+
+def arrows_broken(graph: dict[str, set[str]], source: str, forbidden: str) -> list[str]:
+    """The modules under `source` that reach a module under `forbidden` (and through what)."""
+    return [f"{module} reaches {name} (imported by {via})" for module in graph if is_under(module, source)
+            for name, via in reached(graph, module).items() if is_under(name, forbidden)]
+
+
+def test_records_import_no_probe():
+    """The record types (GradStats included) live with the records: a probe writes records, never the reverse."""
+    problems = arrows_broken(import_graph(), "amp_core.records", "amp_core.probes")
+    assert not problems, "\n".join(problems)
+
+
+def test_views_read_run_sources_never_the_run_manager():
+    graph = import_graph()
+    problems = arrows_broken(graph, "amp_core.views", "amp_core.runner")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_monitor_drives_the_telemetry_never_the_runner():
+    graph = import_graph()
+    assert "amp_core.telemetry" in graph["amp_core.monitor"] or any(
+        is_under(name, "amp_core.telemetry") for name in graph["amp_core.monitor"])
+    problems = [*arrows_broken(graph, "amp_core.monitor", "amp_core.runner"),
+                *arrows_broken(graph, "amp_core.monitor", "amp_core.step"),
+                *arrows_broken(graph, "amp_core.telemetry", "amp_core.runner")]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_import_graph_has_no_circle():
+    """No amp_core module reaches itself through amp_core's own imports (config <-> workloads was one)."""
+    graph = import_graph()
+    internal = {module: {name for name in names if name in graph} for module, names in graph.items()}
+    circles = [module for module in internal if module in reached(internal, module)]
+    assert not circles, "modules on an import circle: " + ", ".join(sorted(circles))
+
+
+def test_only_torch_private_names_private_torch_apis():
+    """Private torch names (a leading underscore after `torch.`, or an attribute of a torch object) are wrapped in
+    amp_core/torch_private.py alone; aten ops (`torch.ops.aten._to_copy`) are operator names, not Python APIs."""
+    private_attribute = re.compile(r"\b(torch(?:\.[a-z_]+)*\._(?!_)[A-Za-z]\w*)|\b(scaler|optimizer)\._[a-z]\w*|"
+                                   r"_step_supports_amp_scaling|_get_scale_async|_found_inf_per_device|_get_mod_name")
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "torch_private.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for match in private_attribute.finditer(code):
+                if not match.group(0).startswith("torch.ops."):
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)}")
+    assert not problems, "\n".join(problems)
 
 def test_only_the_integrations_import_the_trainers():
     """transformers, accelerate and lightning are optional extras: only amp_core.integrations.<trainer> imports them

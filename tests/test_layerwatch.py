@@ -16,7 +16,8 @@ from torch import nn
 from amp_core.monitor import Monitor
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, FORMATS, figures, tensor_figures
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 from amp_core.views.numerics import amax_heatmap, amax_samples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,9 +27,10 @@ from amp_core.config import RunConfig
 from amp_core.records import STEP_COLUMNS, StepRecord
 from amp_core.records.chunks import CHUNK_MAX, CHUNK_MIN
 from amp_core.records.levels import FIELD_INDEX, FLAG_FIELDS, SUMMARY_FIELDS, level_steps
+from amp_core.records.opening import open_store
 from amp_core.records.query import MAX_POINTS, aggregate, read_lane
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import SCHEMA_VERSION, StoreError, open_store
+from amp_core.records.store import SCHEMA_VERSION, StoreError
 from amp_core.records.tracks import TrackRecords, marked
 from amp_core.runner import Run, RunManager
 from amp_core.views import compare

@@ -20,7 +20,8 @@ from torch import nn
 from amp_core.config import ConfigError
 from amp_core.measure import optimizer_state_tensors, tensor_bytes
 from amp_core.monitor import Monitor, MonitorConfig
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower
 
@@ -284,3 +285,53 @@ def test_the_monitor_examples_run_and_finish(fresh_store, example, args):
     assert run["status"] == "finished" and run["modes"] == ["16-mixed"] and len(frame) > 0
     assert f"run {run_id}: {len(frame)} steps (16-mixed)" in proc.stdout
     assert frame["skipped"].any()  # fp16 at the initial scale 2^16 overflows in the first steps: recorded as such
+
+
+def live_caption(page: AppTest) -> str:
+    return next((caption.value for caption in page.caption if caption.value.startswith("🟢 live")), "")
+
+
+def lane_overview(page: AppTest):
+    """The Overflow debugger's lane overview table."""
+    return next(frame.value for frame in page.dataframe if "skipped steps" in frame.value.columns)
+
+
+def test_the_debugger_and_layer_numerics_follow_a_monitored_script_live(fresh_store):
+    """A Monitor script in a process of its own moves on the Overflow debugger and Layer numerics pages: both see it
+    live (redrawn on a timer) while it trains, with the steps it has made, and static once it has finished."""
+    proc = start_script(fresh_store, "--steps", "40", "--pause-at", "9,24", "--overflow-at", "12")
+    pages = {name: AppTest.from_file(str(ROOT / "pages" / name), default_timeout=120)
+             for name in ("overflow_debugger.py", "layer_numerics.py")}
+    try:
+        first = said(proc)
+        seen = {}
+        for name, page in pages.items():
+            page.run()
+            assert not page.exception, (name, [e.value for e in page.exception])
+            seen[name] = live_caption(page)
+        assert "lane 0 10 steps" in seen["overflow_debugger.py"], seen
+        assert "lane 0 10 steps" in seen["layer_numerics.py"], seen
+        overview = lane_overview(pages["overflow_debugger.py"])
+        assert overview["steps"].tolist() == [10] and overview["skipped steps"].tolist() == [len(first["skipped"])]
+
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        second = said(proc)  # paused again after step 24: the pages follow through the store
+        for name, page in pages.items():
+            page.run()
+            assert not page.exception, (name, [e.value for e in page.exception])
+            assert "lane 0 25 steps" in live_caption(page), (name, live_caption(page))
+        overview = lane_overview(pages["overflow_debugger.py"])
+        assert overview["steps"].tolist() == [25] and overview["skipped steps"].tolist() == [len(second["skipped"])]
+        assert 12 in second["skipped"]
+
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        last = said(proc)
+        assert proc.wait(60) == 0 and 12 in last["skipped"]
+    finally:
+        proc.kill()
+    for name, page in pages.items():
+        page.run()
+        assert not page.exception and not live_caption(page), name  # finished: drawn once, no timer
+    assert first["run_id"] == RunManager(open_store(fresh_store)).list_runs()["run_id"].tolist()[0]

@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults
-from amp_core.records.store import open_store
+from amp_core.records.opening import open_store
 from amp_core.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]

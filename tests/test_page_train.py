@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core.config import FaultSpec, RunConfig
 from amp_core.precision import default_modes
 from amp_core.probes.cost import TIMED_STEPS
-from amp_core.records.store import open_store
+from amp_core.records.opening import open_store
 from amp_core.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]

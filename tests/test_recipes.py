@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from amp_core.config import ConfigError, RunConfig, check_launch
+from amp_core.config import ConfigError, RunConfig
 from amp_core.measure import held_bytes, plain_tensors
 from amp_core.precision import RECIPE_OPTIONS, availability, get_precision, parse_recipe, recipe_mode, uses_scaler
 from amp_core.probes.optrace import trace_workload
 from amp_core.runner import Run
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import WORKLOADS, check_launch
 from tests.cli_process import ROOT
 
 EVERY_OPTION = ("bf16-mixed+fp8-tensorwise", "bf16-mixed+fp8-rowwise", "bf16-mixed+fp8-rowwise-gw-hp",

@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.records import requests
-from amp_core.records.store import open_store
+from amp_core.records.opening import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "monitor_script.py"

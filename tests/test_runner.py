@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunLimitError, RunManager, build_lane_state
 from amp_core.step import train_step
 from amp_core.workloads import WORKLOADS
@@ -24,16 +25,15 @@ CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]
 
 
 class RecordingRun(Run):
-    """A real Run that also keeps each lane's initial weights and every batch it fed (test instrumentation)."""
+    """A real Run that also keeps each lane's initial weights and every batch it fed (test instrumentation, through
+    the run's hooks)."""
 
-    def _setup(self):
-        super()._setup()
-        self.initial = [copy.deepcopy(lane.state.model.state_dict()) for lane in self.lanes]
-        self.fed = []
-
-    def _run_lane_step(self, lane, step):
-        self.fed.append((lane.index, step, [t.clone() for t in self._batch]))
-        super()._run_lane_step(lane, step)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.initial, self.fed = [], []
+        self.hooks.lane_setup.append(lambda run, lane: run.initial.append(copy.deepcopy(lane.state.model.state_dict())))
+        self.hooks.before_lane_step.append(
+            lambda run, lane, step: run.fed.append((lane.index, step, [t.clone() for t in run.batch_of(lane)])))
 
 
 def finished(config: RunConfig, store: RunStore | None = None) -> Run:

@@ -16,8 +16,9 @@ from cli_process import ROOT, start_cli_run, store_sql, wait_for_stored_steps
 
 from amp_core.cli import main
 from amp_core.config import RunConfig
+from amp_core.records.opening import open_store
 from amp_core.records.sink import RecordSink
-from amp_core.records.store import SCHEMA_VERSION, StoreError, StoreUnreachable, open_store
+from amp_core.records.store import SCHEMA_VERSION, StoreError, StoreUnreachable
 from amp_core.runner import Run
 
 CONFIG = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=10)
@@ -122,7 +123,7 @@ def test_a_password_is_never_printed_logged_stored_or_shown(pg_cluster, tmp_path
 
 
 def test_processes_opening_a_new_database_at_once_make_one_schema(database):
-    code = "import sys; from amp_core.records.store import open_store; open_store(sys.argv[1]).runs()"
+    code = "import sys; from amp_core.records.opening import open_store; open_store(sys.argv[1]).runs()"
     procs = [subprocess.Popen([sys.executable, "-c", code, database], cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
     errors = [proc.communicate(timeout=120)[1] for proc in procs]
@@ -137,7 +138,7 @@ def test_another_programs_tables_or_a_newer_schema_are_refused_and_left_untouche
     with pytest.raises(StoreError, match="another program's tables"):
         open_store(database).runs()
     newer = pg_cluster.url(pg_cluster.new_database())
-    made = "import sys; from amp_core.records.store import open_store; open_store(sys.argv[1]).runs()"
+    made = "import sys; from amp_core.records.opening import open_store; open_store(sys.argv[1]).runs()"
     subprocess.run([sys.executable, "-c", made, newer], cwd=ROOT, check=True)  # (this process checks a store once)
     store_sql(newer, "UPDATE amp_lab_schema SET version = ?", (SCHEMA_VERSION + 1,))
     with pytest.raises(StoreError, match="newer AMP Lab"):

@@ -40,17 +40,13 @@ class HeldAtLastStep(SteppedRun):
     def __init__(self, *args, over: threading.Event, **kwargs):
         super().__init__(*args, **kwargs)
         self.go, self.over = threading.Event(), over
+        self.hooks.before_lane_step.append(self._hold_last_step)
+        self.hooks.run_end.append(lambda run: run.over.set())
 
-    def _run_lane_step(self, lane, step) -> None:
-        if step == self.config.steps - 1:
-            wait(self.go, "the pause to begin")
-        super()._run_lane_step(lane, step)
-
-    def _main(self) -> None:
-        try:
-            super()._main()
-        finally:
-            self.over.set()
+    @staticmethod
+    def _hold_last_step(run: HeldAtLastStep, lane, step) -> None:
+        if step == run.config.steps - 1:
+            wait(run.go, "the pause to begin")
 
 
 def test_a_pause_as_the_run_finishes_leaves_it_finished(no_leaked_threads):

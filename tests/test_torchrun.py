@@ -15,7 +15,8 @@ import pytest
 from figure_json import spec, values
 from streamlit.testing.v1 import AppTest
 
-from amp_core.records.store import RunStore, open_store
+from amp_core.records.opening import open_store
+from amp_core.records.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -17,7 +17,7 @@ import pytest
 from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
 from amp_core.precision import CPU_NATIVE_ENV, cpu_math
-from amp_core.records.store import open_store
+from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.workshop import (
     EXIT_CANNOT_TELL,

@@ -26,10 +26,10 @@ import pandas as pd
 import torch
 
 from amp_core import background
-from amp_core.config import RunConfig, check_launch
+from amp_core.config import RunConfig
 from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
 from amp_core.runner import Run
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import WORKLOADS, check_launch
 
 SLOW_FACTOR = 1.5
 """A mode taking this many times the baseline's time per step (or more) is flagged as far slower."""

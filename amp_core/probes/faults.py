@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig, check_launch
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.workloads import check_launch
 
 
 @dataclass(slots=True)
@@ -43,9 +44,33 @@ class FaultPlan:
             factor *= fault.factor
         return factor
 
+    def scale_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """The loss times the loss_scale faults active at `step` (the loss itself when none is)."""
+        if not self.faults:
+            return loss
+        factor = self.loss_factor(step)
+        return loss if factor == 1.0 else loss * factor
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Multiply every group's LR by the lr_scale faults active at `step`; returns the factor, for `restore_lr`."""
+        factor = self.lr_factor(step) if self.faults else 1.0
+        if factor != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+        return factor
+
+    @staticmethod
+    def restore_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """Undo `scale_lr` (after the optimizer step)."""
+        if factor != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] /= factor
+
     def perturb_batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch as this step trains on it: batch_outlier multiplies its floating tensors (inputs, and targets
         where they are values, not class indices) by its factor; a new tuple, the caller's batch is left alone."""
+        if not self.faults:
+            return batch
         factor = 1.0
         for fault in self._active("batch_outlier", step):
             factor *= fault.factor
@@ -55,13 +80,18 @@ class FaultPlan:
 
     def corrupt_grads(self, step: int, model: torch.nn.Module) -> None:
         """Put inf/NaN into the first element of the named parameter's gradient."""
+        if not self.faults:
+            return
         for kind, value in (("grad_inf", float("inf")), ("grad_nan", float("nan"))):
             for fault in self._active(kind, step):
                 param = param_by_name(model, fault.param)
                 if param.grad is not None:
                     param.grad.view(-1)[0] = value
 
-    def take_fired(self) -> list[tuple[int, FaultSpec]]:
+    def take_fired(self) -> list[tuple[int, FaultSpec]] | tuple:
+        """The faults that fired since the last call (an empty tuple, allocating nothing, on most steps)."""
+        if not self.fired:
+            return ()
         fired, self.fired = self.fired, []
         return fired
 

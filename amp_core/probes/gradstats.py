@@ -6,42 +6,15 @@ so they are what those formats do, ties and rounding included, not a threshold m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
+
+from amp_core.records.schema import GradStats
 
 HIST_LO = -140
 """Lowest log2 bin (below bf16's smallest subnormal, 2^-133); smaller magnitudes are counted in it."""
 HIST_HI = 20
 """Highest log2 bin; larger magnitudes are counted in it."""
 FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class GradStats:
-    """One parameter's gradient on one step (after unscale_)."""
-
-    param: str
-    numel: int
-    zeros: int
-    """Elements exactly 0."""
-    inf: int
-    nan: int
-    hist: list[int]
-    """Counts of finite non-zero |g| by floor(log2|g|), bins HIST_LO..HIST_HI (clamped at both ends)."""
-    scale: float
-    """The scale the 'scaled' fractions multiply by (1 for unscaled modes)."""
-    fractions: dict[str, float] = field(default_factory=dict)
-    """Of the finite non-zero elements: '{fmt}.{zero|subnormal|overflow}.{unscaled|scaled}' -> fraction."""
-    lost_update_fraction: float | None = None
-    """Of the elements with a finite non-zero gradient: share whose parameter did not change this step."""
-
-    @property
-    def total(self) -> int:
-        return sum(self.hist) + self.zeros + self.inf + self.nan
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from amp_core.config import ConfigError, RunConfig, check_launch
+from amp_core.config import ConfigError, RunConfig
 from amp_core.measure import held_bytes
 from amp_core.precision import parse_modes
-from amp_core.workloads import WORKLOADS
+from amp_core.workloads import WORKLOADS, check_launch
 
 PROBE_BATCHES = (4, 16)
 """The two batch sizes a CPU model is measured at (activations grow linearly in the batch between them)."""
@@ -60,7 +60,7 @@ def available_bytes(device: str) -> int:
 
 
 def _lane(config: RunConfig, recipe: str, batch: int):
-    from amp_core.runner import build_lane_state
+    from amp_core.step import build_lane_state
 
     workload = WORKLOADS[config.workload]
     model, _ = workload.seeded_model_and_batch(config)

@@ -25,10 +25,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from amp_core.config import ConfigError, RunConfig, check_launch
+from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import BASELINE_MODE, Precision, availability, get_precision
 from amp_core.probes import write_csv_for_cli
-from amp_core.workloads import WORKLOADS, Workload
+from amp_core.torch_private import foreach_copy_
+from amp_core.workloads import WORKLOADS, Workload, check_launch
 
 ROOT = "(root)"
 """Module path of the model itself."""
@@ -777,7 +778,7 @@ class LayerAmaxSampler:
         """Abs max of every module's output and output gradient in one forward + backward of the shadow in the
         model's mode (no parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
         with torch.no_grad():
-            torch._foreach_copy_(self._targets, self._sources)
+            foreach_copy_(self._targets, self._sources)
         inputs, target = (self.precision.prepare_input(t) for t in batch)
         recorder = _Recorder(self._names, lambda t: t.abs().amax() if t.numel() else None)
         with self.precision.step_context(), recorder:

@@ -18,15 +18,14 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
-from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_core.config import ConfigError, RunConfig, check_launch
+from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import Precision, get_precision
 from amp_core.probes import write_csv_for_cli
-from amp_core.workloads import WORKLOADS
+from amp_core.torch_private import ScopedModuleTracker, TorchDispatchMode
+from amp_core.workloads import WORKLOADS, check_launch
 
 ROOT = "(root)"
 """Module path of the model itself (its own ops, outside any child module)."""
@@ -252,22 +251,12 @@ def format_bytes(count: int) -> str:
     return f"{value:.1f} GiB"
 
 
-class _ScopedModuleTracker(ModuleTracker):
-    """torch's ModuleTracker, with its hooks on the traced modules only.
-
-    The stock tracker registers process-wide module hooks; those would also fire in a training thread that runs
-    while a live lane is traced. Here the same hook functions are attached to each traced module, and modules
-    are named by their dotted path instead of the tracker's "ClassName.child" form.
-    """
+class _ScopedModuleTracker(ScopedModuleTracker):
+    """The scoped module tracker (torch_private), which also knows each module's depth in the tree."""
 
     def __init__(self, names: dict[nn.Module, str]):
-        super().__init__()
-        self._names = names
+        super().__init__(names)
         self._depth = {name: _depth(name) for name in names.values()}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def _get_mod_name(self, mod: nn.Module) -> str:
-        return self._names[mod]
 
     def innermost(self) -> str:
         """The deepest module running now (a tie, possible in the backward at branches, goes to the larger path)."""
@@ -277,25 +266,6 @@ class _ScopedModuleTracker(ModuleTracker):
             if key > best_key and name in self._depth:
                 best, best_key = name, key
         return best
-
-    def enter_on_grad(self, tensor: torch.Tensor, name: str) -> None:
-        """Enter `name` when the backward reaches `tensor`. Needed for the module whose output is the root of the
-        backward: torch's multi-grad hook counts no call for the root node, so the stock tracker never enters it."""
-        self._hooks.append(tensor.register_hook(self._get_append_fn(name, True)))
-
-    def __enter__(self) -> _ScopedModuleTracker:
-        for module in self._names:
-            self._handles.append(module.register_forward_pre_hook(self._fw_pre_hook))
-            self._handles.append(module.register_forward_hook(self._fw_post_hook))
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 def _depth(name: str) -> int:

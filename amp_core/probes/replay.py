@@ -39,8 +39,10 @@ from amp_core.probes import gradstats
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.numerics import probe_step
 from amp_core.probes.spikes import LossBand, SpikeRule, loss_band
-from amp_core.step import LaneState, resolve_step, train_step
+from amp_core.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.switches import pin_intra_op_threads
+from amp_core.telemetry import SamplingSchedule, resolve_step
+from amp_core.torch_private import scaler_tensors
 from amp_core.workloads import WORKLOADS, Data, Workload
 
 VERDICTS = ("precision", "data", "unclear")
@@ -110,12 +112,8 @@ def _tree_bytes(value: Any) -> int:
 def _scaler_tensors(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor] | None:
     if not scaler.is_enabled():
         return None
-    # The scaler's own tensors, copied without a wait: GradScaler.state_dict() would read the scale to the host
-    # (a sync on CUDA). Before its first step the scaler holds only its initial values.
-    if scaler._scale is None:
-        return {"scale": torch.tensor(float(scaler._init_scale)),
-                "growth_tracker": torch.tensor(int(scaler._init_growth_tracker))}
-    return {"scale": _host_copy(scaler._scale), "growth_tracker": _host_copy(scaler._growth_tracker)}
+    # Copied without a wait (torch_private.scaler_tensors).
+    return {name: _host_copy(tensor) for name, tensor in scaler_tensors(scaler).items()}
 
 
 def _load_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -341,8 +339,6 @@ def _fresh_base(workload: Workload, config: RunConfig, data: Data, seed: int | N
 
 def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnapshot, workload: Workload, data: Data,
                    device: str) -> _Start:
-    from amp_core.runner import build_lane_state  # the runner imports this module: built the same way, lazily
-
     if snapshot.copied is not None:
         snapshot.copied.synchronize()  # the snapshot's device-to-host copies (replay thread only)
     state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, None), workload, device)
@@ -361,8 +357,6 @@ def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnaps
 
 def _from_seed(config: RunConfig, lane: int, mode: str, seed: int, workload: Workload, data: Data,
                device: str) -> _Start:
-    from amp_core.runner import build_lane_state
-
     state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, seed), workload, device)
     order = torch.Generator().manual_seed(seed)
     batch = data.sample(order, config.batch_size)
@@ -373,8 +367,6 @@ def _from_seed(config: RunConfig, lane: int, mode: str, seed: int, workload: Wor
 def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float | None) -> LaneState:
     """A copy of the lane's state before S in another precision: weights cast, optimizer state loaded (and cast),
     the given loss scale, the lane's faults; no scheduler (it acts only after the step replayed)."""
-    from amp_core.runner import build_optimizer
-
     model = precision.prepare_module(copy.deepcopy(pre.model))
     optimizer = build_optimizer(config, model, precision)
     optimizer.load_state_dict(copy.deepcopy(pre.optimizer.state_dict()))
@@ -382,7 +374,8 @@ def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float 
     scaler = precision.make_scaler(scale if scale is not None else s.init_scale, s.growth_factor, s.backoff_factor,
                                    s.growth_interval)
     return LaneState(index=pre.index, precision=precision, workload=pre.workload, model=model, optimizer=optimizer,
-                     scaler=scaler, grad_clip=pre.grad_clip, faults=FaultPlan(pre.faults.faults), grad_norm_every=1)
+                     scaler=scaler, grad_clip=pre.grad_clip, faults=FaultPlan(pre.faults.faults),
+                     schedule=SamplingSchedule(grad_norm_every=1))
 
 
 def _step_once(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int):

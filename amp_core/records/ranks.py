@@ -17,10 +17,10 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch.distributed as dist
 
-from amp_core.probes.gradstats import GradStats
-from amp_core.records.schema import Event, StepRecord
+from amp_core.records.schema import Event, GradStats, StepRecord
 from amp_core.records.sink import FLUSH_EVERY_S, RecordSink
 from amp_core.records.store import RunStore
+from amp_core.records.tracks import TrackRecords
 
 SAME_ON_EVERY_RANK = frozenset({"skipped_step", "scale_backoff", "scale_growth", "diverged", "started", "finished",
                                 "stopped", "interrupted"})
@@ -107,6 +107,10 @@ class RankSink:
     def step(self, record: StepRecord) -> None:
         record.rank = self.rank
         self.local.step(record)
+
+    def track(self, lane: int, mode: str) -> TrackRecords:
+        """This rank's in-memory records of lane `lane`, to append rows to."""
+        return self.local.records.track(lane, mode, self.rank)
 
     def extend_steps(self, lane: int, mode: str, columns: dict[str, np.ndarray], rank: int | None = None) -> None:
         self.local.extend_steps(lane, mode, columns, self.rank if rank is None else rank)

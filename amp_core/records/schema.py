@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ class StepRecord:
     step_ms: float = column("float32")
     """Time of the step's training work: perf_counter on a CPU; on CUDA the device's time between two events on the
     lane's stream (no host sync; for a model too small to keep the GPU busy, the device's compute, not the host's
-    launch time: see measure.CudaMeter). Sampled probes run outside it (probe_ms)."""
+    launch time: see telemetry.meters.CudaMeter). Sampled probes run outside it (probe_ms)."""
     samples_per_s: float = column("float32")
     lr: float
     """LR the optimizer used on this step (after any LR fault)."""
@@ -135,6 +135,33 @@ class Event:
     step: int | None = None
     t_wall_s: float = field(default_factory=time.time)
     data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class GradStats:
+    """One parameter's gradient on one step (after unscale_)."""
+
+    param: str
+    numel: int
+    zeros: int
+    """Elements exactly 0."""
+    inf: int
+    nan: int
+    hist: list[int]
+    """Counts of finite non-zero |g| by floor(log2|g|), bins gradstats.HIST_LO..HIST_HI (clamped at both ends)."""
+    scale: float
+    """The scale the 'scaled' fractions multiply by (1 for unscaled modes)."""
+    fractions: dict[str, float] = field(default_factory=dict)
+    """Of the finite non-zero elements: '{fmt}.{zero|subnormal|overflow}.{unscaled|scaled}' -> fraction."""
+    lost_update_fraction: float | None = None
+    """Of the elements with a finite non-zero gradient: share whose parameter did not change this step."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.hist) + self.zeros + self.inf + self.nan
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def steps_frame(parts: list[tuple[str, int, str, int, dict[str, np.ndarray]]]) -> pd.DataFrame:

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 
-from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import Dropped, TrackWriter
-from amp_core.records.schema import Event, StepRecord
+from amp_core.records.schema import Event, GradStats, StepRecord
 from amp_core.records.store import RunStore, StoreError, StoreUnreachable, pack_grad_stats, unpack_grad_stats
-from amp_core.records.tracks import RunRecords
+from amp_core.records.tracks import RunRecords, TrackRecords
 
 FLUSH_EVERY_S = 0.5
 """The store gets what was gathered at least this often (a kill -9 loses less than a second)."""
@@ -36,6 +36,12 @@ RETRY_MAX_S = 8.0
 CLOSE_WAIT_S = 120.0
 """How long the end of a run waits for an unreachable store before it gives up on what it still holds."""
 log = logging.getLogger("amp_core.store")
+
+
+def new_run_id() -> str:
+    """A run's id: when it began (sortable) and 48 random bits (run ids written from many hosts into one store never
+    meet)."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
 
 
 class GradStatsLog:
@@ -101,6 +107,10 @@ class RecordSink:
     def step(self, record: StepRecord) -> None:
         """One lane step's record (the training thread: a tuple appended, nothing more)."""
         self.records.append(record)
+
+    def track(self, lane: int, mode: str) -> TrackRecords:
+        """The in-memory records of lane `lane` (this process's track), to append rows to."""
+        return self.records.track(lane, mode)
 
     def extend_steps(self, lane: int, mode: str, columns: dict[str, np.ndarray], rank: int = 0) -> None:
         """Many records of one track at once, as columns (every STEP_COLUMNS column; steps increasing)."""

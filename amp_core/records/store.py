@@ -1,8 +1,8 @@
 """RunStore: runs, lanes, columnar step chunks, summary levels, events and gradient statistics, so a CLI run, a
 Monitor script or a torchrun job can write while a dashboard reads; liveness of writers, export, copying runs between
-stores. `open_store(target)` opens one: a `postgresql://` URL opens the PostgreSQL store (records/postgres.py, for
-clusters and teams), anything else a SQLite file (stdlib sqlite3, WAL; the embedded default, with migration of older
-files).
+stores. `records.opening.open_store(target)` opens one: a `postgresql://` URL opens the PostgreSQL store
+(records/postgres.py, for clusters and teams), anything else a SQLite file (stdlib sqlite3, WAL; the embedded
+default, with migration of older files).
 
 Every query here is written once, in the SQL both engines speak (`?` parameters, `ON CONFLICT ... DO UPDATE`); what
 differs (connections, transactions, column types, versioning, which errors mean "the server is gone") is in the two
@@ -35,7 +35,6 @@ import numpy as np
 import pandas as pd
 import psutil
 
-from amp_core.probes.gradstats import GradStats
 from amp_core.records.chunks import TrackFlush, encode_track
 from amp_core.records.codec import DamagedData, decode_array, decode_columns, decode_rows
 from amp_core.records.levels import (
@@ -47,7 +46,7 @@ from amp_core.records.levels import (
     level_steps,
     select,
 )
-from amp_core.records.schema import STEP_COLUMNS, Event, empty_steps_frame, steps_frame, typed
+from amp_core.records.schema import STEP_COLUMNS, Event, GradStats, empty_steps_frame, steps_frame, typed
 from amp_core.records.tracks import TrackRecords
 
 APPLICATION_ID = 0x414D504C  # "AMPL": marks a file as ours, so a foreign database is never touched
@@ -156,21 +155,6 @@ def backlog_setting() -> int:
     return value
 
 
-def open_store(target: str | os.PathLike | None = None, *, stale_after_s: float = STALE_AFTER_S,
-               backlog_records: int | None = None) -> RunStore:
-    """The store at `target` (default: `default_target()`): a `postgresql://user@host:port/db` URL opens the
-    PostgreSQL store, anything else is a SQLite file path. `backlog_records`: how many step records a writer holds
-    while the store's server is unreachable (default `backlog_setting()`). The one way every part of AMP Lab (CLI,
-    pages, Monitor, runner, integrations) opens a store."""
-    target = default_target() if target is None else target
-    backlog = backlog_setting() if backlog_records is None else backlog_records
-    if is_postgres_url(target):
-        from amp_core.records.postgres import PostgresStore  # psycopg only where a PostgreSQL store is asked for
-
-        return PostgresStore(target, stale_after_s=stale_after_s, backlog_records=backlog)
-    return SQLiteStore(Path(target).expanduser(), stale_after_s=stale_after_s, backlog_records=backlog)
-
-
 def _pid_namespace() -> str:
     """This process's pid namespace ('' where there is none to read): pids compare only inside one."""
     try:
@@ -199,7 +183,8 @@ def _frame(cursor) -> pd.DataFrame:
 class RunStore:
     """What every store does, written once in the SQL both engines speak. Safe to use from several threads and
     processes: a write is one transaction; reads use one connection per thread, and nested reads one transaction.
-    Open one with `open_store`; the subclasses supply connections, transactions and their engine's errors."""
+    Open one with `records.opening.open_store`; the subclasses supply connections, transactions and their engine's
+    errors."""
 
     location: str
     """Where the store is, safe to show (a PostgreSQL URL without its password)."""

@@ -82,11 +82,17 @@ class TrackRecords:
 
     # --- writing (one thread) ------------------------------------------------------------------------------
     def append(self, record: StepRecord) -> None:
-        if record.step <= self._last_step:
-            raise ValueError(f"lane {self.lane} rank {self.rank}: step {record.step} after step {self._last_step}; "
+        self.append_row(_values_of(record))
+
+    def append_row(self, row: tuple) -> None:
+        """One record as its values in STEP_COLUMNS order (None for a figure not measured): what a step recorder
+        appends, without building a StepRecord."""
+        step = row[0]
+        if step <= self._last_step:
+            raise ValueError(f"lane {self.lane} rank {self.rank}: step {step} after step {self._last_step}; "
                              "a track's steps must increase")
-        self._pending.append(_values_of(record))
-        self._last_step = record.step
+        self._pending.append(row)
+        self._last_step = step
         if len(self._pending) >= FOLD_ROWS:
             self._fold()
 

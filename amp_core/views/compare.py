@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from amp_core.records import STEP_FIELDS, empty_steps_frame
 from amp_core.records.query import LaneSeries
 from amp_core.records.schema import steps_frame
-from amp_core.records.store import LIVE_STATUSES
+from amp_core.runs import is_live
 from amp_core.views import summary
 from amp_core.views.plots import (
     MAX_POINTS,
@@ -38,7 +38,7 @@ from amp_core.views.plots import (
 from amp_core.views.summary import group_key, lane_key, seed_groups, seed_spread
 
 if TYPE_CHECKING:
-    from amp_core.runner import RunManager
+    from amp_core.runs import RunReader
 
 RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 """Dash style of the i-th run in a comparison (cycled past six runs)."""
@@ -65,18 +65,13 @@ def split_lane_key(key: str) -> tuple[str, int]:
     return run_id, int(lane)
 
 
-def _run_lanes(manager: RunManager, run_id: str) -> tuple[list[dict], bool] | None:
-    """[{lane, mode, status, meta}] of a run and whether it is held live here; None if unknown. Cheaper than
-    `RunManager.run_info` for a stored run (which counts every step record)."""
-    run = manager.get(run_id)
-    if run is not None:
-        return [{"lane": lane.index, "mode": lane.mode, "status": lane.status, "meta": {"seed": lane.seed}}
-                for lane in run.lanes], run.alive
-    row = manager.store.run(run_id) if manager.store is not None else None
-    return (row["lanes"], False) if row is not None else None
+def _run_lanes(manager: RunReader, run_id: str) -> tuple[list, bool] | None:
+    """The lanes of a run and whether it is live; None if unknown. (Its steps are not counted: cheaper.)"""
+    info = manager.run_info(run_id, count_steps=False)
+    return (list(info.lanes), is_live(info)) if info is not None else None
 
 
-def lane_table(manager: RunManager, run_ids: Iterable[str]) -> pd.DataFrame:
+def lane_table(manager: RunReader, run_ids: Iterable[str]) -> pd.DataFrame:
     """The lanes of `run_ids` (live or stored), in run then lane order: key, run_id, lane, mode, seed (None where the
     run did not record one), status, live, label ("mode · short id", "mode · seed N · short id" in a run with several
     seeds per mode). Runs the manager does not know are left out."""
@@ -110,17 +105,10 @@ def group_label(run_id: str, mode: str, seeds: int) -> str:
     return f"{mode} · {short_run_id(run_id)} · mean of {seeds} seeds"
 
 
-def live_run_ids(manager: RunManager, run_ids: Iterable[str]) -> list[str]:
+def live_run_ids(manager: RunReader, run_ids: Iterable[str]) -> list[str]:
     """Those of `run_ids` whose records still grow: a run this manager holds whose thread is alive, or a run that
     another process (the CLI) is writing to the store (its stored status is still pending/running/paused)."""
-    def growing(run_id: str) -> bool:
-        run = manager.get(run_id)
-        if run is not None:
-            return run.alive
-        row = manager.store.run(run_id) if manager.store is not None else None
-        return row is not None and row["status"] in LIVE_STATUSES
-
-    return [run_id for run_id in run_ids if growing(run_id)]
+    return [run_id for run_id in run_ids if is_live(manager.run_info(run_id))]
 
 
 def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
@@ -131,7 +119,7 @@ def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
     return wanted
 
 
-def gather_steps(manager: RunManager, lane_keys: Sequence[str]) -> pd.DataFrame:
+def gather_steps(manager: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
     """Every step record of the chosen lanes (for downloads and tables that need them all), read column by column
     through the manager (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
     given, each ordered by step. The same dtypes whatever the source: floats (None -> NaN), byte counts as nullable
@@ -154,7 +142,7 @@ def gather_steps(manager: RunManager, lane_keys: Sequence[str]) -> pd.DataFrame:
     return frame[list(STEP_FIELDS)]
 
 
-def gather_lanes(manager: RunManager, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
+def gather_lanes(manager: RunReader, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
     """The chosen lanes read for charts and the summary table (in the order given): exact totals, and an exact
     envelope of about `max_points` points per figure, so a comparison of long runs reads a few thousand points."""
     found: dict[str, list[LaneSeries]] = {}

@@ -426,7 +426,7 @@ def scale_text(value: float, mode: str) -> str:
 
 
 def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: list[dict]) -> pd.DataFrame:
-    """Per lane (lanes from RunManager.run_info): mode, status, steps, skipped steps, non-finite steps, and the scale
+    """Per lane (lanes from RunReader.run_info): mode, status, steps, skipped steps, non-finite steps, and the scale
     now / min / max as text ("no scaler" for a lane without a GradScaler)."""
     rows = []
     for lane in lanes:

@@ -33,7 +33,7 @@ class RecordFollower:
         self._sources: list = []
 
     def update(self, manager) -> list[LaneSeries]:
-        """Read the run through `manager` (a RunManager); returns its lanes (also kept in `series`)."""
+        """Read the run through `manager` (a RunReader); returns its lanes (also kept in `series`)."""
         self._sources = manager.track_sources(self.run_id, reuse=self._sources)
         self.series = manager.lane_series(self.run_id, max_points=self.max_points, sources=self._sources)
         return self.series
@@ -74,7 +74,7 @@ def lane_status(run_status: str, lane_status: str) -> str:
 
 
 def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
-    """One row per lane of a run (`RunManager.run_info`), its figures from `series`: every figure of the run's
+    """One row per lane of a run (`RunReader.run_info`), its figures from `series`: every figure of the run's
     headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
     total = int(info["config"].get("steps") or 0)
     alone = len(info["lanes"]) == 1

@@ -32,7 +32,7 @@ from amp_core.views.summary import (
 
 if TYPE_CHECKING:
     from amp_core.records.store import RunStore
-    from amp_core.runner import RunManager
+    from amp_core.runs import RunReader
 
 LAST_K = 20
 """The final-loss window of the report's summary (the Compare page's default)."""
@@ -57,11 +57,11 @@ document.querySelectorAll('script[type="application/json"].figure').forEach(func
 """
 
 
-def _manager(source: RunManager | RunStore) -> RunManager:
+def _manager(source: RunReader | RunStore) -> RunReader:
     from amp_core.records.store import RunStore
-    from amp_core.runner import RunManager
+    from amp_core.runs import RunReader
 
-    return RunManager(source) if isinstance(source, RunStore) else source
+    return RunReader(source) if isinstance(source, RunStore) else source
 
 
 def lane_labels(run_id: str, lanes_info: list[dict]) -> dict[str, str]:
@@ -87,7 +87,7 @@ def _figure_block(index: int, figure) -> str:
             f'<script type="application/json" class="figure" data-target="{target}">{payload}</script>')
 
 
-def report_figures(manager: RunManager, run_id: str, info: dict) -> list:
+def report_figures(manager: RunReader, run_id: str, info: dict) -> list:
     """The report's charts, in order: the Train page's (loss, step time, memory, scale, LR, ranks when a job had
     several), loss against time at median speed, and loss minus the baseline's when there are several lanes."""
     series = manager.lane_series(run_id)
@@ -125,7 +125,7 @@ def _events_section(events: pd.DataFrame, labels: dict[str, str], run_id: str) -
     return _table(frame) + more
 
 
-def run_report_html(source: RunManager | RunStore, run_id: str) -> str:
+def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     """Run `run_id` as one self-contained HTML page (see the module's docstring); ValueError if the run is unknown."""
     manager = _manager(source)
     info = manager.run_info(run_id)

@@ -193,7 +193,7 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
 
 # --- seed replicates -----------------------------------------------------------------------------------------------
 def lane_seeds(run_id: str, lanes_info: list[dict]) -> dict[str, int]:
-    """Lane key -> seed, from a run's lanes as `RunManager.run_info` gives them (`meta["seed"]`); lanes without one
+    """Lane key -> seed, from a run's lanes as `RunReader.run_info` gives them (`meta["seed"]`); lanes without one
     (runs from before seed replicates, a Monitor's) are left out."""
     return {lane_key(run_id, int(lane["lane"])): int(lane["meta"]["seed"]) for lane in lanes_info
             if isinstance(lane.get("meta"), dict) and lane["meta"].get("seed") is not None}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from amp_core.catalog import PLUGINS_ENV
-from amp_core.config import SIZES
+from amp_core.config import SIZES, ConfigError, RunConfig
 from amp_core.workloads.base import Data, Workload, contract_problems
 from amp_core.workloads.checkerboard_cnn import CheckerboardCNN
 from amp_core.workloads.digits_mlp import DigitsMLP
@@ -120,3 +120,29 @@ def param_names(workload: str, size: str = "small") -> list[str]:
 
 __all__ = ["BUILT_IN", "PLUGINS_ENV", "WORKLOADS", "Data", "PluginProblem", "Workload", "load_plugins",
            "param_names", "plugin_modules"]
+
+
+def check_launch(config: RunConfig) -> None:
+    """What a RunConfig cannot check on its own, asked at launch: the workload is registered here, its own settings
+    hold (a data folder exists), and this device runs every mode. ConfigError naming the field."""
+    from amp_core.precision import availability, get_precision
+
+    if config.workload not in WORKLOADS:
+        raise ConfigError("workload", f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
+    sizes = WORKLOADS[config.workload].sizes
+    if config.size not in sizes:
+        raise ConfigError("size", f"{config.workload} has no size {config.size!r}; it has {', '.join(sizes)}")
+    for mode in config.modes:
+        ok, reason = availability(mode, config.device)
+        if not ok:
+            raise ConfigError("modes", f"{mode} cannot run on this device: {reason}")
+        why = get_precision(mode, config.device).refuses_optimizer(config.optimizer, config.fused_optimizer)
+        if why:
+            raise ConfigError("optimizer", f"{mode}: {why}")
+    if config.fused_optimizer:
+        from amp_core.precision import fused_optimizer_support
+
+        ok, reason = fused_optimizer_support(config.device)
+        if not ok:
+            raise ConfigError("fused_optimizer", reason)
+    WORKLOADS[config.workload].check_config(config)

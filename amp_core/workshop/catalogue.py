@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+import amp_core.workshop.checks as checks
+import amp_core.workshop.speed as speed
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import resolve_device
-from amp_core.workshop import checks, speed
 from amp_core.workshop.evidence import Evidence
 from amp_core.workshop.verdicts import Check
 

@@ -342,7 +342,7 @@ def fp8_expected_here(device: str) -> str:
     if device == "cuda":
         return "Native FP8 tensor cores (compute capability 8.9+): the FP8 lane may be faster than bf16-mixed at a " \
                f"large size; it holds the same memory. ({note})"
-    return ("Emulated on this CPU: real float8 matmuls (torch._scaled_mm), so the numerics are FP8's, but no speed-up "
+    return ("Emulated on this CPU: real float8 matmuls (aten._scaled_mm), so the numerics are FP8's, but no speed-up "
             "is expected and none is checked.")
 
 
