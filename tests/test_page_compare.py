@@ -15,7 +15,7 @@ from amp_core.views.plots import mode_color
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "compare.py")
 DOWNLOADS = ["Records · CSV", "Records · Parquet", "Summary · CSV", "Loss vs step · HTML", "Loss vs time · HTML",
-             "Step time per lane · median and p10-p90 band · HTML"]
+             "Step time per lane · median and p10-p90 band · HTML", "Memory held (latest step) · HTML"]
 
 
 def tiny(modes, steps=10, **changes) -> RunConfig:
@@ -69,7 +69,7 @@ def test_one_lane(fresh_store):
     assert "final loss" not in table.columns
     assert table["speedup"].tolist() == ["1.00×"] and table["lane"].iloc[0].startswith("★ bf16-mixed · ")
     assert at.selectbox(key="cmp_baseline").value == f"{run_id}/1"
-    assert len(charts(at)) == 3  # one lane: no difference chart
+    assert len(charts(at)) == 4  # one lane: no difference chart; loss, loss vs time, step time, memory
     assert downloads(at) == [*DOWNLOADS, "Report · HTML"]
     assert not any("different runs" in caption.value for caption in at.caption)
 
@@ -93,7 +93,8 @@ def test_three_lanes_of_two_runs(fresh_store):
     assert sum(c["width"] for c in config.values()) <= tables.TABLE_WIDTH_PX
     assert config["skipped steps"]["label"] == "skipped" and "GradScaler" in config["skipped steps"]["help"]
 
-    loss_vs_step, difference, loss_vs_time, step_time = charts(at)
+    loss_vs_step, difference, loss_vs_time, step_time, memory = charts(at)
+    assert memory["layout"]["title"]["text"].startswith("Memory held") and len(memory["data"]) == 3  # a bar per lane
     lines = [t for t in loss_vs_step["data"] if t["mode"] == "lines"]
     assert [t["line"]["color"] for t in lines] == [mode_color(m) for m in ("16-mixed", "bf16-mixed", "32-true")]
     assert [t["line"]["dash"] for t in lines] == ["solid", "dash", "dash"]
@@ -117,7 +118,7 @@ def test_three_lanes_of_two_runs(fresh_store):
     at.toggle(key="cmp_log_ms").set_value(True).run()
     at.toggle(key="cmp_raw_step_times").set_value(True).run()
     assert not at.exception
-    loss_vs_step, _, loss_vs_time, step_time = charts(at)
+    loss_vs_step, _, loss_vs_time, step_time, _ = charts(at)
     assert loss_vs_step["layout"]["yaxis"]["type"] == "linear"
     assert step_time["layout"]["yaxis"]["type"] == "log"
     assert step_time["layout"]["yaxis"]["minorloglabels"] == "complete"
@@ -216,7 +217,7 @@ def test_reachable_from_the_app(fresh_store, runs):
     at.switch_page("pages/compare.py").run()
     assert not at.exception
     assert at.title[0].value == "Compare runs"
-    assert len(at.get("plotly_chart")) == 4 * runs  # loss, loss minus the baseline's, loss vs time, step time
+    assert len(at.get("plotly_chart")) == 5 * runs  # loss, loss minus the baseline's, loss vs time, step time, memory
 
 
 def test_a_damaged_store_leaves_the_page_working_in_memory(fresh_store):

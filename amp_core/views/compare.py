@@ -52,9 +52,9 @@ BYTE_STEP_COLUMNS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_
 
 # --- choosing lanes -----------------------------------------------------------------------------------------------
 def short_run_id(run_id: str) -> str:
-    """The random tail of a run id ("20250101-120000-a1b2c3" -> "a1b2c3"): enough to tell runs apart on a chart."""
-    tail = run_id.rsplit("-", 1)[-1]
-    return tail if tail else run_id[-6:]
+    """The last 6 hex digits of a run id's random tail ("20250101-120000-9f8e7da1b2c3" -> "a1b2c3"): enough to tell
+    runs apart on a chart (the tail's 48 random bits keep ids from colliding across hosts; 24 tell runs apart)."""
+    return run_id.rsplit("-", 1)[-1][-6:] or run_id[-6:]
 
 
 def split_lane_key(key: str) -> tuple[str, int]:

@@ -241,10 +241,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 
 def _fp8_device(device: str) -> str:
-    """The FP8 scenario runs where FP8 runs: CUDA with FP8 tensor cores, else emulated on the CPU."""
+    """The FP8 scenario runs where FP8 runs: CUDA with FP8 tensor cores, else emulated on the CPU. Read where there is
+    no GPU at all, a CUDA scenario stays a CUDA one (its runs are refused at launch with the reason, as any mode's)."""
+    import torch
+
     from amp_core.precision import availability
 
-    return "cuda" if device == "cuda" and availability(checks.FP8_LANE, "cuda")[0] else "cpu"
+    if device != "cuda" or not torch.cuda.is_available():
+        return device
+    return "cuda" if availability(checks.FP8_LANE, "cuda")[0] else "cpu"
 
 
 def unknown_scenario(name: str) -> str:
