@@ -307,10 +307,15 @@ class OptimizerStates(RecipeOption):
         return ""
 
     def note(self, device: str) -> str:
-        if _device_type(device) == "cpu":
-            return (f"{self.help} torchao compiles its optimizer step (torch.compile): the first step takes seconds "
-                    "to a minute here.")
-        return self.help
+        return _compiled_optimizer_note(self.help, device)
+
+
+def _compiled_optimizer_note(help_text: str, device: str) -> str:
+    """torchao's low-bit and stochastic-rounding optimizers compile their step: say what that costs on a CPU."""
+    if _device_type(device) == "cpu":
+        return f"{help_text} torchao compiles its optimizer step (torch.compile): the first step takes seconds to a " \
+               "minute here."
+    return help_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,10 +332,7 @@ class StochasticRounding(RecipeOption):
         return ""
 
     def note(self, device: str) -> str:
-        if _device_type(device) == "cpu":
-            return (f"{self.help} torchao compiles its optimizer step (torch.compile): the first step takes seconds "
-                    "to a minute here.")
-        return self.help
+        return _compiled_optimizer_note(self.help, device)
 
 
 RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (

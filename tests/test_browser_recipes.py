@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS_AT_LEAST, SETTLED
+from tests.test_browser import (  # noqa: F401  (server: the real server fixture)
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    LOSS_POINTS_AT_LEAST,
+    SETTLED,
+    server,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "recipes_memory.png"
@@ -34,17 +39,6 @@ MEMORY_BARS = """() => {
 }"""
 
 
-@pytest.fixture
-def server(tmp_path):
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, tmp_path / "runs.sqlite3")
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
-
-
 def add_lane(page, mode: str, option: str) -> None:
     """The builder: choose a mode and one option, press Add lane."""
     page.get_by_label("Mode", exact=True).click()
@@ -59,7 +53,7 @@ def add_lane(page, mode: str, option: str) -> None:
 
 
 @pytest.mark.timeout(1200)  # torchao compiles its optimizer step in the server: a minute or more on a busy CPU
-def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_recipe(server):
+def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_recipe(server):  # noqa: F811
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
