@@ -4,15 +4,15 @@ the next step"; a request to a process that died says so; a request on an ended 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
+from test_monitor import said
+from test_monitor import start_script as start
 
 from amp_core.records import requests
 from amp_core.records.opening import open_store
@@ -22,15 +22,6 @@ SCRIPT = ROOT / "tests" / "monitor_script.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def start(store: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--store", str(store), *args], cwd=ROOT, env=ENV,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def said(proc: subprocess.Popen) -> dict:
-    line = proc.stdout.readline()
-    assert line, f"the script ended early: {proc.stderr.read()}"
-    return json.loads(line)
 
 
 def go_on(proc: subprocess.Popen) -> None:
