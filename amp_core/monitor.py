@@ -70,8 +70,8 @@ from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
-from amp_core.telemetry.recorder import send_figures
-from amp_core.telemetry.sampled import StepProbes, named_grad_norms
+from amp_core.telemetry.recorder import attach_window, send_figures
+from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
 from amp_core.torch_private import scale_tensor, scaler_settings
 
 LANE = 0
@@ -108,18 +108,20 @@ class MonitorConfig:
     """Gradient range histograms every N steps (and on every skipped step); 0 turns them off."""
     memory_every: int = 25
     """Measure memory on steps 0, 1 and every N steps; other steps carry the figures."""
-    probe_budget: float = 0.005
+    probe_budget: float = 0.0025
     """Gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k parameters on a
-    CPU core) are taken on their sampled and skipped steps only while they have taken at most this share of the
-    loop's own time so far, so that watching a large model does not slow it; 0 lifts the limit."""
+    CPU core) are taken on their sampled and skipped steps, and layer diagnostics on their sampled steps, each only
+    while they have taken at most this share of the loop's own time so far, so that watching a model does not slow
+    it; 0 lifts the limit."""
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
     layers_every: int = 200
-    """Every N steps (and after a failed step, and on request) each module's output and output-gradient ranges are
-    measured by hooks during the step (amp_core.probes.layerwatch): the race's layer amax heatmap, with the shares a
-    cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0 samples only after failed steps and on
-    request. The hooks' host time is the step's probe time, not its step time."""
+    """Every N steps while within `probe_budget` (and after a failed step, and on request, always) each module's
+    output and output-gradient ranges are measured by hooks during the step (amp_core.probes.layerwatch): the race's
+    layer amax heatmap, with the shares a cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0
+    samples only after failed steps and on request. The hooks' host time is the step's probe time, not its step
+    time; a watched step costs a few steps' time on a CPU, so on a small model the budget spaces them further."""
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
@@ -235,7 +237,7 @@ class Monitor:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
         # Layer diagnostics and the dashboard's requests ride on the recorder and the step hooks, like any extension.
-        self._layers = LayerWatch(_inner(model), self.config.layers_every)
+        self._layers = LayerWatch(_inner(model), self.config.layers_every, self.config.probe_budget)
         self._layers.between_steps(-1, 0)
         self._desk = Desk(opened, self.run_id)  # a page's requests, rank 0 only
         self._trace_asked: list[int] = []
@@ -243,6 +245,14 @@ class Monitor:
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         self._recorder.on_record.append(self._layer_failure)
         self.step_hooks += (self._answer_trace, self._between_steps)
+        self._plain: list[tuple] = []
+        """Plain steps kept for the next drain: (step, lr, t_wall_s, window, samples, host seconds)."""
+        self._plain_until = 0
+        """Steps before this one may be plain (`_plain_step`)."""
+        self._plain_sink = not isinstance(self._sink, RankSink)
+        """Under torchrun every step goes the full way: the ranks flush together by counting steps."""
+        self._due = 0.0
+        """A plain step meeting this time (`time.monotonic()`) takes the full path: a flush or a layer read is due."""
         self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -252,16 +262,20 @@ class Monitor:
         samples/s."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
-        meter, window, watch, schedule = self._meter, self._window, self._watch, self._schedule
-        # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
-        hooked_s = self._layers.hooks_so_far_s()
-        meter.close(window)
-        window.excluded_s = hooked_s
+        window = self._window
+        self._meter.close(window)
         began = time.perf_counter()
         self._loop_s += began - self._window_host
+        step = self.steps_done
+        if step < self._plain_until and self._plain_step(loss, samples, began, window, step):
+            return
+        # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
+        hooked_s = self._layers.hooks_so_far_s()
+        window.excluded_s = hooked_s
+        meter, watch, schedule = self._meter, self._watch, self._schedule
         if self._track is None:
             self._open()
-        step = self.steps_done
+        self._drain()  # the plain steps before this one are recorded first: records and events stay in step order
         skipped = watch.skipped()
         result = StepResult(step=step, lr=watch.lr_used if watch.stepped else self._lr_next, t_wall_s=time.time(),
                             scaled=watch.scaled, skipped=skipped)
@@ -280,11 +294,53 @@ class Monitor:
         self._sink.flush_if_due()
         self._start_window()
 
+    def _plain_step(self, loss: torch.Tensor | float, samples: int | None, began: float, window, step: int) -> bool:
+        """Most steps sample nothing, fail nothing and meet no flush (`step < _plain_until`, decided when a full
+        step opened the window): such a step sends its figures and keeps them; its record is made with the others
+        at the next drain (a flush, or the next full step), in one batch. Right after the user's step the host's
+        caches hold the model, not this code: each call made here costs microseconds, so this path makes few.
+        False (nothing kept) when the step is not plain after all: the full path takes it."""
+        watch = self._watch
+        if (watch.scaled and not watch.stepped) or len(self.step_hooks) != 2 or time.monotonic() >= self._due:
+            return False  # skipped by the scaler, a hook added since, or a flush (or a layer read) is due
+        meter, scaler = self._meter, self.scaler
+        meter.send(window, [loss, scale_tensor(scaler)] if watch.scaled else [loss])
+        there = meter.on_host(window)
+        if there is not None and not math.isfinite(there[1][0]):
+            return False  # a loss that is not finite (known at once on a CPU) arms the layer watch now
+        self._plain.append((step, watch.lr_used if watch.stepped else self._lr_next, time.time(), window, samples,
+                            time.perf_counter() - began))
+        self._lr_next = float(self.optimizer.param_groups[0]["lr"])
+        self.steps_done = step = step + 1
+        if step < self._plain_until:  # the next step's window as _start_window opens it, nothing sampled on it
+            watch.stepped = False
+            self._window_host = time.perf_counter()
+            self._window = meter.open(scale_tensor(scaler))
+        else:
+            self._start_window()
+        return True
+
+    def _drain(self) -> None:
+        """The plain steps kept so far become StepResults for the recorder, oldest first."""
+        if not self._plain:
+            return
+        plain, self._plain = self._plain, []
+        meter, track, recorder, scaled = self._meter, self._track, self._recorder, self._watch.scaled
+        for step, lr, t_wall_s, window, samples, probe_s in plain:
+            result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=scaled, skipped=False,
+                                probe_ms=probe_s * 1e3)
+            attach_window(meter, window, result)
+            recorder.add(track, result, samples)
+
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
+        self._drain()
         self._recorder.resolve()
         self._answer_layers_and_requests()
         self._sink.flush()
+        # A request taken, or a failure recorded, here watches the coming steps: they take the full path again.
+        self._plain_until = self._next_full_step(self.steps_done)
+        self._due = self._due_at()
 
     def close(self, status: str = "finished", error: str = "") -> None:
         """The last records and the run's final status (finished, unless told otherwise); idempotent. Under
@@ -299,6 +355,7 @@ class Monitor:
         if self._trace is not None:
             self._trace.stop()
             self._trace = None
+        self._drain()
         self._recorder.resolve(wait=True)
         self._answer_layers_and_requests()
         if self._track is None:
@@ -335,7 +392,7 @@ class Monitor:
         """Step hook: the layer hooks come off the step that ended (on for the next when it is watched); every half
         flush interval, the watched steps' figures become events and the page's requests are answered and taken;
         an op trace a page asked for starts here, before the next step's window opens."""
-        monitor._layers.between_steps(result.step, result.step + 1)
+        monitor._layers.between_steps(result.step, result.step + 1, monitor._loop_s)
         if time.monotonic() >= monitor._push_at:
             monitor._answer_layers_and_requests()
         if monitor._trace_asked and monitor._trace is None:
@@ -393,11 +450,38 @@ class Monitor:
     # --- measuring ---------------------------------------------------------------------------------------------
     def _start_window(self) -> None:
         """Open the next step's windows: the sampled probes' (the allocator's, on its memory steps), then the timed
-        one, which takes the scale the step begins with."""
+        one, which takes the scale the step begins with; and up to which step the steps may be plain ones."""
+        step = self.steps_done
         self._watch.begin()
-        self._opened = self._probes.open(self.steps_done, memory=False, grad_stats=False)
+        self._opened = self._probes.open(step, memory=False, grad_stats=False)
+        self._plain_until = self._next_full_step(step)
+        if not self._plain:
+            self._due = self._due_at()
         self._window_host = time.perf_counter()
         self._window = self._meter.open(scale_tensor(self.scaler))
+
+    def _due_at(self) -> float:
+        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due."""
+        return min(self._push_at, self._sink.flush_due_at) if self._plain_sink else 0.0
+
+    def _next_full_step(self, step: int) -> int:
+        """The first step from `step` on that takes the full path whatever happens: one that samples a figure, or
+        is watched by the layer watch, or arms it for the next. `step` itself when anything else watches the steps
+        (a trace, a layer request or failure, a hook that is not the Monitor's own, a fused optimizer, ranks)."""
+        layers = self._layers
+        if (self._track is None or not self._plain_sink or len(self.step_hooks) != 2 or self._watch.fused
+                or self._opened is not NOTHING_OPENED or not layers.idle(step, self._loop_s) or self._trace_asked
+                or self._trace is not None):
+            return step
+        if step <= 1:
+            return step  # memory on steps 0 and 1
+        schedule = self._schedule
+        everies = [schedule.grad_norm_every, schedule.memory_every, schedule.gradstats_every]
+        full = min(-(-step // every) * every for every in everies if every)
+        if layers.every:
+            watched = -(-(step + 1) // layers.every) * layers.every
+            full = min(full, watched - 1)  # the step before a watched one arms it
+        return full
 
     # --- the run in the store ---------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -439,6 +523,7 @@ def _flush_at_exit(ref: weakref.ref) -> None:
     if monitor is None or monitor.closed or not monitor._opened_run:
         return
     try:
+        monitor._drain()
         monitor._recorder.resolve(wait=True)
         if isinstance(monitor._sink, RankSink):
             monitor._sink.flush_own()

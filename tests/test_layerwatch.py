@@ -48,6 +48,7 @@ def fp16_loop(store: RunStore, steps: int, plant_at: set[int], **settings) -> tu
     scaler = torch.amp.GradScaler("cpu")
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(64, 10, generator=generator), torch.randn(64, 1, generator=generator)
+    settings.setdefault("probe_budget", 0)  # every sampled step watched, whatever the machine's speed
     with Monitor(model, optimizer, scaler, store=store, **settings) as monitor:
         for step in range(steps):
             planted.armed = step in plant_at

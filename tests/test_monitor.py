@@ -112,6 +112,23 @@ def test_the_users_own_clipping_and_onecycle_keep_skips_exact_and_record_the_lr_
     assert store.run(monitor.run_id)["config"]["scheduler"] == "onecycle"
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_plain_steps_kept_for_the_next_drain_record_what_full_steps_record(store):
+    """Most steps take the Monitor's plain path (figures kept, recorded in a batch at the next drain): their records
+    must equal those of a Monitor that takes the full path on every step (gradient norm every step)."""
+    plain, backed_off, lrs = fp16_loop(store, steps=60, overflow_at=(17, 18, 40), onecycle=True)
+    full, _, _ = fp16_loop(store, steps=60, overflow_at=(17, 18, 40), onecycle=True, grad_norm_every=1)
+    assert plain._plain_until > 2, "the plain path was never open"
+    columns = ["step", "loss", "lr", "scale", "skipped", "params_bytes"]
+    kept, every = store.steps(plain.run_id)[columns], store.steps(full.run_id)[columns]
+    assert kept["step"].tolist() == list(range(60))
+    assert kept.equals(every)
+    assert kept["lr"].tolist() == pytest.approx(lrs, rel=1e-12)
+    assert kept.loc[kept["skipped"], "step"].tolist() == backed_off and {17, 18, 40} <= set(backed_off)
+    kinds = lambda run: store.events(run)[["kind", "step"]].fillna(-1).values.tolist()  # noqa: E731
+    assert kinds(plain.run_id) == kinds(full.run_id)  # the same skips and scale changes, in step order
+
+
 def test_bf16_autocast_without_a_scaler(store):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -137,6 +137,11 @@ class LayerWatch:
 
     model: nn.Module
     every: int
+    budget: float = 0.0
+    """Sampled steps are watched only while the sampled watches so far have taken at most this share of the loop's
+    own time (`between_steps`' `loop_s`); 0: no limit. Failed steps and requests are always watched."""
+    spent_s: float = 0.0
+    """Host time of the sampled watches so far (their hooks')."""
     names: dict[nn.Module, str] = field(init=False)
     current: WatchedStep | None = None
     pending: list[WatchedStep] = field(default_factory=list)
@@ -155,12 +160,15 @@ class LayerWatch:
         self.names = {module: name or ROOT for name, module in self.model.named_modules()}
 
     # --- driven by the Monitor ----------------------------------------------------------------------------------
-    def between_steps(self, ended: int, upcoming: int) -> None:
+    def between_steps(self, ended: int, upcoming: int, loop_s: float = 0.0) -> None:
         """After step `ended`: its hooks come off (its figures wait for the flush); hooks go on for `upcoming` when
-        it is sampled, requested, or follows an unwatched failure."""
+        it is sampled (and within the budget, `loop_s` being the loop's own time so far), requested, or follows an
+        unwatched failure."""
         watched = self.current
         if watched is not None:
             watched.recorder.__exit__()
+            if watched.why == "sampled":
+                self.spent_s += watched.recorder.hook_s
             self.pending.append(watched)
             self.current = None
         why = ""
@@ -168,10 +176,19 @@ class LayerWatch:
             why = f"after step {self.watch_next[0]} failed ({self.watch_next[1]})"
         elif self.requests:
             why = "requested"
-        elif self.every and upcoming % self.every == 0:
+        elif self._sampled(upcoming, loop_s):
             why = "sampled"
         if why:
             self._arm(upcoming, why)
+
+    def idle(self, upcoming: int, loop_s: float = 0.0) -> bool:
+        """No step is watched now, and `between_steps(upcoming - 1, upcoming, loop_s)` would arm none."""
+        return (self.current is None and self.watch_next is None and not self.requests
+                and not self._sampled(upcoming, loop_s))
+
+    def _sampled(self, step: int, loop_s: float) -> bool:
+        return bool(self.every) and step % self.every == 0 and (
+            not self.budget or self.spent_s <= self.budget * loop_s)
 
     def failed(self, step: int, why: str) -> None:
         """Step `step` was skipped by the scaler or its loss or gradient norm was not finite: its own figures name the

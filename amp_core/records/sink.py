@@ -130,6 +130,11 @@ class RecordSink:
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    @property
+    def flush_due_at(self) -> float:
+        """When (`time.monotonic()`) `flush_if_due` flushes next."""
+        return self._last_flush + self.flush_every_s
+
     def _writer(self, track) -> TrackWriter:
         writer = self._writers.get((track.lane, track.rank))
         if writer is None:

@@ -93,6 +93,12 @@ def send_figures(meter: Meter, window: Window, result: StepResult, loss: torch.T
         values += (total, per_param)
         result.norm_names = norm_names
     meter.send(window, values)
+    attach_window(meter, window, result)
+
+
+def attach_window(meter: Meter, window: Window, result: StepResult) -> None:
+    """Give `result` the window its figures were sent in (`send_figures`'s layout); where the meter has them on the
+    host already (a CPU), they are filled in now."""
     result.window = window
     there = meter.on_host(window)
     if there is not None:
