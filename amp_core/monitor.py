@@ -63,7 +63,16 @@ import torch
 
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, mode_from_dtypes
+from amp_core.probes.attached_replay import (
+    REPLAY_COST_EVENT,
+    REPLAY_OFF_EVENT,
+    REPLAY_ON_EVENT,
+    REPLAY_SETTINGS,
+    AttachedReplay,
+    LossFn,
+)
 from amp_core.probes.layerwatch import LayerWatch
+from amp_core.probes.replay import REPLAYED_EVENT, report_data
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
@@ -123,6 +132,14 @@ class MonitorConfig:
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
+    replay: str | bool = "auto"
+    """Keep the state before each step (a host copy, outside the timed window) and replay a failed step (skipped, a
+    non-finite loss, a loss above the robust band) in its mode, 32-true, 16-mixed, bf16-mixed and float64, to tell
+    precision from data (amp_core.probes.attached_replay). "auto": on for a state (weights, buffers, optimizer state)
+    of at most 64 MiB, off above it with the bytes it would cost said; True / False: on / off. A plain loop passes the
+    step's batch and its loss closure: `monitor.step(loss, batch=..., loss_fn=...)`; the callbacks do it themselves."""
+    replay_max: int = 3
+    """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not isinstance(self.workload, str) \
@@ -136,6 +153,10 @@ class MonitorConfig:
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
         _whole("layers_every", self.layers_every, 0)
+        _whole("replay_max", self.replay_max, 0)
+        if self.replay not in REPLAY_SETTINGS or (self.replay == 1 and self.replay is not True) \
+                or (self.replay == 0 and self.replay is not False):
+            raise ConfigError("replay", f"must be 'auto', True or False, got {self.replay!r}")
         if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
                 or not 0 <= self.probe_budget < 1:
             raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
@@ -178,8 +199,14 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None = None, scheduler=None, *, name: str = "", mode: str = "",
-                 store: RunStore | str | os.PathLike | None = None, process_group=None, **settings):
+                 store: RunStore | str | os.PathLike | None = None, process_group=None, loss_fn: LossFn | None = None,
+                 replay_without: tuple = (), **settings):
         self.config = MonitorConfig(name=name, mode=mode, **settings)
+        self.loss_fn = loss_fn
+        """The loop's loss as a function of (model, batch), for replays (or given to `step`)."""
+        self.grad_clip = 0.0
+        """The loop's gradient clipping (max norm; 0: none), which a replay applies too (the callbacks set it).
+        `replay_without`: objects the replay's copy of the model must leave out (a Lightning module's trainer)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         named = [(n, p) for n, p in _inner(model).named_parameters() if p.requires_grad]
@@ -214,6 +241,8 @@ class Monitor:
         self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
         """Run at the end of every `step()` (see the class docstring)."""
         self._meter = meter_for(self.device)
+        self._replay = AttachedReplay(_inner(model), optimizer, self.scaler, self.config.replay, self.config.replay_max,
+                                      without=replay_without)
         self._watch = OptimizerWatch(optimizer, self.scaler)
         self._schedule = SamplingSchedule(grad_norm_every=self.config.grad_norm_every,
                                           gradstats_every=self.config.gradstats_every,
@@ -246,10 +275,12 @@ class Monitor:
         self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
-    def step(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
+    def step(self, loss: torch.Tensor | float, samples: int | None = None, *, batch: Any = None,
+             loss_fn: LossFn | None = None) -> None:
         """Record one optimizer step: call once per iteration after `scaler.update()` (and the scheduler's step),
         before the next `zero_grad()` (its gradient figures read the gradients). `samples`: the batch's size, for
-        samples/s."""
+        samples/s. `batch` (the step's batch, as the loss closure takes it) and `loss_fn(model, batch) -> loss` (or
+        the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
         meter, window, watch, schedule = self._meter, self._window, self._watch, self._schedule
@@ -276,9 +307,16 @@ class Monitor:
         self.steps_done = step + 1
         for hook in self.step_hooks:
             hook(self, result)
+        if self._replay.on:  # after the step was measured: its window is closed, the next one not yet open
+            self._replay_if_failed(step, loss, skipped, batch, loss_fn or self.loss_fn)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
         self._sink.flush_if_due()
         self._start_window()
+
+    @property
+    def replay_on(self) -> bool:
+        """Failed steps are replayed (MonitorConfig.replay): a caller keeps each step's batch for `step`."""
+        return self._replay.on
 
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
@@ -303,6 +341,12 @@ class Monitor:
         self._answer_layers_and_requests()
         if self._track is None:
             self._open()
+        kept = self._replay.kept
+        if kept is not None and kept.copies:
+            self.note(REPLAY_COST_EVENT, f"replay kept the state before each step: {kept.copies} host copies of "
+                                         f"{kept.nbytes() / 2**20:.3g} MiB, {kept.copy_s / kept.copies * 1e3:.3g} ms "
+                                         "each, outside the timed window", copies=kept.copies, kept_bytes=kept.nbytes(),
+                      copy_ms=kept.copy_s / kept.copies * 1e3, replays=self._replay.replays)
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
@@ -382,6 +426,28 @@ class Monitor:
         for request_id in asked:
             monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
+    # --- replays of failed steps (amp_core.probes.attached_replay) -----------------------------------------------
+    def _replay_if_failed(self, step: int, loss, skipped: bool | None, batch: Any, loss_fn: LossFn | None) -> None:
+        """A failed step (skipped, a non-finite loss, a loss above the band) is replayed from the state kept before
+        it, here, on the loop's thread between two windows; its report becomes a `replayed` event."""
+        # The loss on the host: free on a CPU; on CUDA a host sync, made only when replays are on (their one cost
+        # beyond the copy: a failure must be seen before the kept state is overwritten by the next step's).
+        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+        failure = self._replay.failure(step, value, bool(skipped))
+        if not failure or not self._replay.due(step):
+            return
+        if batch is None or loss_fn is None:
+            if not self._replay.missing_said:
+                self._replay.missing_said = True
+                self.note(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the step's "
+                                            "batch and a loss closure (monitor.step(loss, batch=..., loss_fn=...))",
+                          failed_step=step)
+            return
+        report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
+                                     loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
+        self._sink.event(REPLAYED_EVENT, f"step {step} failed ({failure}), replayed in every mode: "
+                                         f"{report.verdict.line()}", LANE, step, report=report_data(report))
+
     # --- what the model tells ------------------------------------------------------------------------------------
     def _see_autocast(self, module, args) -> None:
         device_type = self.device.type
@@ -394,6 +460,7 @@ class Monitor:
     def _start_window(self) -> None:
         """Open the next step's windows: the sampled probes' (the allocator's, on its memory steps), then the timed
         one, which takes the scale the step begins with."""
+        self._replay.keep()  # the state before the next step (when replays are on): before its window opens
         self._watch.begin()
         self._opened = self._probes.open(self.steps_done, memory=False, grad_stats=False)
         self._window_host = time.perf_counter()
@@ -408,6 +475,12 @@ class Monitor:
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
         self._track = self._recorder.track(LANE, self.mode, self._meter)
+        replay = self._replay
+        data = replay.describe()
+        if replay.on:
+            kept = replay.kept
+            data |= {"copy_ms": kept.copy_s / max(kept.copies, 1) * 1e3, "kept_bytes": kept.nbytes()}
+        self.note(REPLAY_ON_EVENT if replay.on else REPLAY_OFF_EVENT, replay.why, **data)
 
     @property
     def _opened_run(self) -> bool:
@@ -424,7 +497,7 @@ class Monitor:
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
                  "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
-                 "layers_every": config.layers_every,
+                 "layers_every": config.layers_every, "replay": self._replay.describe(),
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,6 +282,34 @@ class ReplayReport:
                 f"{self.recorded_loss!r}")
 
 
+REPLAYED_EVENT = "replayed"
+"""Event kind: a replay's report (`report_data`), recorded in the run it replayed (an attached run's own replays, and a
+race's replays asked from a page, the CLI or a workshop scenario)."""
+
+
+def report_data(report: ReplayReport) -> dict[str, Any]:
+    """The report as plain data for an event (`report_from_data` reads it back)."""
+    data = {name: getattr(report, name) for name in ReplayReport.__slots__ if name not in ("rows", "band", "rule",
+                                                                                           "verdict")}
+    data["rows"] = [{name: getattr(row, name) for name in ModeReplay.__slots__} for row in report.rows]
+    band = report.band
+    data["band"] = None if band is None else {name: getattr(band, name) for name in LossBand.__slots__}
+    data["rule"] = {name: getattr(report.rule, name) for name in SpikeRule.__slots__}
+    data["verdict"] = {"kind": report.verdict.kind, "why": report.verdict.why}
+    return data
+
+
+def report_from_data(data: dict[str, Any]) -> ReplayReport:
+    """A report recorded by `report_data` (a `replayed` event's data)."""
+    fields = {key: value for key, value in data.items() if key in ReplayReport.__slots__}
+    fields["rows"] = [ModeReplay(**{**row, "nonfinite_params": tuple(row["nonfinite_params"])})
+                      for row in data["rows"]]
+    fields["band"] = LossBand(**data["band"]) if data.get("band") else None
+    fields["rule"] = SpikeRule(**data["rule"])
+    fields["verdict"] = Verdict(**data["verdict"])
+    return ReplayReport(**fields)
+
+
 def judge(rows: list[ModeReplay], band: LossBand | None, rule: SpikeRule, faults: list[str]) -> Verdict:
     """precision: fp32 is finite and in the band and only narrower formats break; data: fp32 breaks too (the batch's
     loss is an outlier, or non-finite, in the reference); unclear: no mode breaks on replay."""
@@ -391,10 +420,6 @@ def _set_rng(rng: list[torch.Tensor] | None, device: str) -> None:
         torch.cuda.set_rng_state(rng[1], torch.device(device))
 
 
-def _update(before: list[torch.Tensor], state: LaneState) -> list[torch.Tensor]:
-    return [p.detach().double() - b for p, b in zip(state.params, before, strict=True)]
-
-
 def _norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(torch.sum(t * t)) for t in tensors))
 
@@ -420,7 +445,11 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
                 _step_once(state, batch, s)
                 batch = data.sample(start.data_order, config.batch_size)
             state.faults.take_fired()
-            rows, fired = _replay_modes(config, state, mode, batch, step, history, scales, rule, devices, notes)
+            fired = [fault.describe() for fault in state.faults.faults if fault.kind in PLANTED_IN_EVERY_MODE
+                     and fault.active(step)]
+            subject = _LaneSubject(config, state, batch, step, scales)
+            rows = replay_modes(subject, replay_targets(config.modes, device, notes), loss_band(history, rule),
+                                devices)
     finally:
         if threads:
             pin_intra_op_threads(own_threads)
@@ -437,14 +466,74 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
     return report
 
 
-def _replay_modes(config: RunConfig, pre: LaneState, mode: str, batch: tuple[torch.Tensor, torch.Tensor], step: int,
-                  history: list[float], scales: dict[str, float], rule: SpikeRule, devices: list,
-                  notes: list[str]) -> tuple[list[ModeReplay], list[str]]:
-    device = pre.precision.device
-    band = loss_band(history, rule)
-    rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+@dataclass(slots=True)
+class Fork:
+    """One mode's own copy of the state before S: its model and parameters, and how its one step runs."""
+
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    step: Callable[[], tuple[float, bool, float | None, float | None]]
+    """Runs the step once: (loss, skipped, scale used, scale after)."""
+    scale_source: str = ""
+    """Where its loss scale came from (empty: the mode has no scaler)."""
+
+
+class ReplaySubject:
+    """What a replay steps, in any precision: the state before S, its batch, and how one step of it runs. The race's
+    lanes (`_LaneSubject`: the run's train_step and workload) and an attached loop (`AttachedSubject`: the user's
+    model, optimizer and loss closure, kept by a Monitor) are the two kinds; `replay_modes` treats them alike."""
+
+    device: str
+    own_mode: str
+
+    def fork(self, name: str, precision: Precision) -> Fork:
+        """The state before S in `precision` (the own mode's may be the subject's own copy: it steps last)."""
+        raise NotImplementedError
+
+    def first_nonfinite(self, precision: Precision, scale: float | None) -> tuple[str, str]:
+        """(`module (phase)`, why) of the first module that held inf/NaN in `precision` (Layer numerics' probe)."""
+        raise NotImplementedError
+
+
+def named_first(found) -> tuple[str, str]:
+    return (f"{found.module} ({found.phase})", found.why) if found is not None else ("", "")
+
+
+class _LaneSubject(ReplaySubject):
+    """A lane of the race before step S: its forks run the run's own train_step, its faults included."""
+
+    def __init__(self, config: RunConfig, pre: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int,
+                 scales: dict[str, float]):
+        self.config, self.pre, self.batch, self.step, self.scales = config, pre, batch, step, scales
+        self.device, self.own_mode = pre.precision.device, pre.precision.mode
+        self.fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
+        self.outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
+
+    def fork(self, name: str, precision: Precision) -> Fork:
+        if name == self.own_mode:
+            state, source = self.pre, "the lane's own scaler" if precision.uses_scaler else ""
+        else:
+            scale = self.scales.get(name) if precision.uses_scaler else None
+            source = ("" if not precision.uses_scaler else
+                      "the run's lane of this mode at this step" if scale is not None else "the initial scale")
+            state = _fork(self.config, self.pre, precision, scale)
+
+        def step() -> tuple[float, bool, float | None, float | None]:
+            result = _step_once(state, self.batch, self.step)
+            return result.loss, bool(result.skipped), result.scale, result.scale_after
+
+        return Fork(state.model, state.params, step, source)
+
+    def first_nonfinite(self, precision: Precision, scale: float | None) -> tuple[str, str]:
+        return named_first(probe_step(self.fp32_weights, precision, self.pre.workload.loss, self.outlier,
+                                 scale=scale).first_nonfinite)
+
+
+def replay_targets(modes, device: str, notes: list[str]) -> list[tuple[str, Precision, bool]]:
+    """(name, Precision, is a reference) of `modes` and 32-true that this device runs (the others are left out with
+    a note), then float64 where the device has it."""
     targets: list[tuple[str, Precision, bool]] = []
-    for name in dict.fromkeys([*config.modes, BASELINE_MODE]):
+    for name in dict.fromkeys([*modes, BASELINE_MODE]):
         ok, reason = availability(name, device)
         if not ok:
             notes.append(f"{name} is left out: {reason}")
@@ -453,49 +542,47 @@ def _replay_modes(config: RunConfig, pre: LaneState, mode: str, batch: tuple[tor
     wide = float64_reference(device)
     if wide is not None:
         targets.append((FLOAT64_REFERENCE, wide, True))
-    fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
-    outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
+    return targets
+
+
+def replay_modes(subject: ReplaySubject, targets: list[tuple[str, Precision, bool]], band: LossBand | None,
+                 devices: list) -> list[ModeReplay]:
+    """Step S once in every target, each on its own fork of the subject's state before S, from the same random
+    state; a row per target with what broke and the update against fp32's."""
+    device = subject.device
+    rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
     results: dict[str, tuple] = {}
-    fired = [fault.describe() for fault in pre.faults.faults if fault.kind in PLANTED_IN_EVERY_MODE
-             and fault.active(step)]
-    # The other modes first, on copies; the lane's own state steps last (it is the replay's own copy already).
-    for name, precision, reference in sorted(targets, key=lambda target: target[0] == mode):
-        if name == mode:
-            fork, source = pre, "the lane's own scaler" if precision.uses_scaler else ""
-        else:
-            scale = scales.get(name) if precision.uses_scaler else None
-            source = ("" if not precision.uses_scaler else
-                      "the run's lane of this mode at this step" if scale is not None else "the initial scale")
-            fork = _fork(config, pre, precision, scale)
+    # The other modes first, on copies; the own mode's fork steps last (it may be the replay's own copy already).
+    for name, precision, reference in sorted(targets, key=lambda target: target[0] == subject.own_mode):
+        fork = subject.fork(name, precision)
         before = [p.detach().double().clone() for p in fork.params]
         _set_rng(rng, device)
-        result = _step_once(fork, batch, step)
+        loss, skipped, scale, scale_after = fork.step()
         grads = [p.grad for p in fork.params if p.grad is not None]
         finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
         first, why = "", ""
         bad = tuple(entry["param"] for entry in gradstats.nonfinite_params(fork.model)) if not finite else ()
-        if not (finite and math.isfinite(result.loss)):
+        if not (finite and math.isfinite(loss)):
             _set_rng(rng, device)
-            found = probe_step(fp32_weights, precision, pre.workload.loss, outlier, scale=result.scale).first_nonfinite
-            if found is not None:
-                first, why = f"{found.module} ({found.phase})", found.why
-        results[name] = (reference, result, finite, first, why, bad, source, _update(before, fork))
+            first, why = subject.first_nonfinite(precision, scale)
+        update = [p.detach().double() - b for p, b in zip(fork.params, before, strict=True)]
+        results[name] = (reference, loss, skipped, scale, scale_after, finite, first, why, bad, fork.scale_source,
+                         update)
     reference_update = results[BASELINE_MODE][-1]
     reference_norm = _norm(reference_update)
     rows = []
     for name, _precision, _reference in targets:
-        reference, result, finite, first, why, bad, source, update = results[name]
+        reference, loss, skipped, scale, scale_after, finite, first, why, bad, source, update = results[name]
         norm = _norm(update)
         dot = sum(float(torch.sum(a * b)) for a, b in zip(update, reference_update, strict=True))
         cosine = dot / (norm * reference_norm) if norm > 0 and reference_norm > 0 else math.nan
         rows.append(ModeReplay(
-            mode=name, reference=reference, loss=result.loss, grads_finite=finite, skipped=bool(result.skipped),
-            first_nonfinite=first, first_nonfinite_why=why, nonfinite_params=bad, scale=result.scale,
-            scale_after=result.scale_after, scale_source=source, update_norm=norm,
-            update_rel_norm=norm / reference_norm if reference_norm > 0 else math.nan,
+            mode=name, reference=reference, loss=loss, grads_finite=finite, skipped=skipped, first_nonfinite=first,
+            first_nonfinite_why=why, nonfinite_params=bad, scale=scale, scale_after=scale_after, scale_source=source,
+            update_norm=norm, update_rel_norm=norm / reference_norm if reference_norm > 0 else math.nan,
             update_cosine=cosine if math.isfinite(cosine) else math.nan,
-            loss_above_band=band is not None and math.isfinite(result.loss) and result.loss > band.upper))
-    return rows, fired
+            loss_above_band=band is not None and math.isfinite(loss) and loss > band.upper))
+    return rows
 
 
 # --- entry points: a run of this process, or a stored one -------------------------------------------------------
@@ -536,10 +623,12 @@ def resolve_lane(info: dict, lane: str | int) -> int:
                               f"{', '.join(str(e['lane']) + ' (' + e['mode'] + ')' for e in lanes)}")
 
 
-def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None) -> ReplayReport:
+def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None, *,
+               record: bool = False) -> ReplayReport:
     """Replay step `step` of lane `lane` (a number or a mode name) of run `run_id` through a RunManager: from the
-    run's snapshots when this process holds the run, else by re-training the lane from its seed. ReplayError (a
-    ConfigError) naming the field for an unknown run, lane or step, or a step out of the snapshots' reach."""
+    run's snapshots when this process holds the run, else by re-training the lane from its seed. `record`: the
+    report also becomes a `replayed` event of the run (`record_replay`). ReplayError (a ConfigError) naming the field
+    for an unknown run, lane or step, or a step out of the snapshots' reach."""
     rule = rule or SpikeRule()
     info = manager.run_info(run_id)
     if info is None:
@@ -580,8 +669,20 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
             raise ReplayError("device", f"{mode} cannot run here: {reason}")
         data = workload.load_data(config)
         start = _from_seed(config, index, mode, seed, workload, data, device)
-    return replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
-                       data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule, threads=threads)
+    report = replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
+                         data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule,
+                         threads=threads)
+    if record:
+        record_replay(manager, report)
+    return report
+
+
+def record_replay(manager: Any, report: ReplayReport) -> None:
+    """The report as a `replayed` event of its run (RunManager.record_event): the pages and a workshop scenario's
+    checks read it from the records."""
+    manager.record_event(report.run_id, REPLAYED_EVENT, f"step {report.step} replayed in every mode: "
+                                                        f"{report.verdict.line()}", report.lane, report.step,
+                         report=report_data(report))
 
 
 def _run_threads(events) -> int | None:
