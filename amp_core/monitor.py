@@ -72,7 +72,7 @@ from amp_core.probes.attached_replay import (
     LossFn,
 )
 from amp_core.probes.layerwatch import LayerWatch
-from amp_core.probes.replay import REPLAYED_EVENT, report_data
+from amp_core.probes.replay_modes import REPLAYED_EVENT, report_data
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk

@@ -6,6 +6,7 @@ from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
 from amp_core.probes import faults
 from amp_core.probes.replay import replay_run
+from amp_core.probes.replay_modes import recorded_replays
 from amp_core.probes.spikes import SpikeRule
 from amp_core.runs import is_live
 from amp_core.views import debugger
@@ -201,7 +202,7 @@ else:
     st.dataframe(review, hide_index=True, key="dbg_review",
                  column_config={"loss": st.column_config.NumberColumn(format="%.4g"),
                                 "band ≤": st.column_config.NumberColumn(format="%.4g")})
-recorded = replay_views.recorded_replays(manager.events(run_id), lane)
+recorded = recorded_replays(manager.events(run_id), lane)
 
 
 def show_replay(replayed) -> None:

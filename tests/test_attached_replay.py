@@ -18,10 +18,10 @@ from streamlit.testing.v1 import AppTest
 from amp_core.config import ConfigError
 from amp_core.monitor import MonitorConfig
 from amp_core.probes.attached_replay import REPLAY_AUTO_MAX_BYTES, REPLAY_COST_EVENT, REPLAY_OFF_EVENT, REPLAY_ON_EVENT
-from amp_core.probes.replay import REPLAYED_EVENT
+from amp_core.probes.replay_modes import REPLAYED_EVENT, recorded_replays
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
-from amp_core.views.replay import recorded_replays, replay_frame
+from amp_core.views.replay import replay_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}

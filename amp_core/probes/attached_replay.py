@@ -29,7 +29,7 @@ from torch import nn
 from amp_core.config import ConfigError
 from amp_core.precision import Precision
 from amp_core.probes.numerics import prepare_batch, probe_step
-from amp_core.probes.replay import (
+from amp_core.probes.replay_modes import (
     Fork,
     ReplayReport,
     ReplaySubject,

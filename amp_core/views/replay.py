@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.probes.replay import REPLAYED_EVENT, ReplayReport, report_from_data
+from amp_core.probes.replay_modes import ReplayReport
 from amp_core.probes.spikes import SpikeRule, band_upper
 from amp_core.views.plots import chart_layout, log_axis, mode_color
 
@@ -87,15 +87,6 @@ def replay_text(report: ReplayReport) -> str:
     lines += [f"note: {note}" for note in report.notes]
     lines.append(report.verdict.line())
     return "\n".join(lines)
-
-
-def recorded_replays(events: pd.DataFrame, lane: int) -> list[ReplayReport]:
-    """The replays recorded in a run's events for `lane` (an attached run's own, and a race's asked from a page, the
-    CLI or a workshop scenario), oldest first."""
-    if events.empty:
-        return []
-    mine = events[(events["kind"] == REPLAYED_EVENT) & (events["lane"] == lane)]
-    return [report_from_data(data["report"]) for data in mine["data"] if isinstance(data, dict) and "report" in data]
 
 
 def steps_to_review(steps: pd.DataFrame, lane: int, rule: SpikeRule) -> pd.DataFrame:
