@@ -135,9 +135,10 @@ class MonitorConfig:
     replay: str | bool = "auto"
     """Keep the state before each step (a host copy, outside the timed window) and replay a failed step (skipped, a
     non-finite loss, a loss above the robust band) in its mode, 32-true, 16-mixed, bf16-mixed and float64, to tell
-    precision from data (amp_core.probes.attached_replay). "auto": on for a state (weights, buffers, optimizer state)
-    of at most 64 MiB, off above it with the bytes it would cost said; True / False: on / off. A plain loop passes the
-    step's batch and its loss closure: `monitor.step(loss, batch=..., loss_fn=...)`; the callbacks do it themselves."""
+    precision from data (amp_core.probes.attached_replay). "auto": on when the Monitor is given a `loss_fn` (the
+    callbacks give theirs) and the state (weights, buffers, optimizer state) is at most 64 MiB, off otherwise with
+    the reason and the bytes it would cost said; True / False: on / off. A plain loop passes each step's batch:
+    `monitor.step(loss, batch=...)`."""
     replay_max: int = 3
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
 
@@ -242,7 +243,7 @@ class Monitor:
         """Run at the end of every `step()` (see the class docstring)."""
         self._meter = meter_for(self.device)
         self._replay = AttachedReplay(_inner(model), optimizer, self.scaler, self.config.replay, self.config.replay_max,
-                                      without=replay_without)
+                                      without=replay_without, has_loss_fn=loss_fn is not None)
         self._watch = OptimizerWatch(optimizer, self.scaler)
         self._schedule = SamplingSchedule(grad_norm_every=self.config.grad_norm_every,
                                           gradstats_every=self.config.gradstats_every,
@@ -439,9 +440,9 @@ class Monitor:
         if batch is None or loss_fn is None:
             if not self._replay.missing_said:
                 self._replay.missing_said = True
-                self.note(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the step's "
-                                            "batch and a loss closure (monitor.step(loss, batch=..., loss_fn=...))",
-                          failed_step=step)
+                self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the "
+                                                   "step's batch and a loss closure (monitor.step(loss, batch=..., "
+                                                   "loss_fn=...))", LANE, step)
             return
         report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
                                      loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)

@@ -119,3 +119,34 @@ def test_the_overflow_debugger_shows_an_attached_runs_replays(fresh_store):
     assert any("Replay is on (replay=True)" in caption.value for caption in at.caption)
     table = next(df.value for df in at.dataframe if "first inf/NaN" in df.value.columns)
     assert table["first inf/NaN"].iloc[0] == "amplify (forward)"
+
+
+def test_a_loop_without_a_loss_closure_keeps_nothing_by_default_and_a_failed_step_says_what_was_missing(fresh_store):
+    import torch
+    from torch import nn
+
+    from amp_core.monitor import Monitor
+
+    def loop(**settings) -> str:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        with Monitor(model, optimizer, store=fresh_store, **settings) as monitor:
+            for step in range(3):
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y) * (math.inf if step == 1 else 1.0)
+                loss.backward()
+                optimizer.step()
+                monitor.step(loss)
+        return monitor.run_id
+
+    manager = RunManager(open_store(fresh_store))
+    default = loop()
+    (off,) = events_of(manager, default, REPLAY_OFF_EVENT)
+    assert "only for a loop that gives the Monitor a loss_fn" in off[1] and not off[2]["on"]
+    asked = loop(replay=True)
+    assert events_of(manager, asked, REPLAY_ON_EVENT)
+    (missing,) = events_of(manager, asked, REPLAY_OFF_EVENT)
+    assert missing[0] == 1 and "step 1 failed (loss inf) and was not replayed: pass the step's batch" in missing[1]
+    assert not events_of(manager, asked, REPLAYED_EVENT)

@@ -5,8 +5,10 @@ user's loss closure in the run's own mode, 32-true, the mixed 16-bit modes and f
 step and outside its timed window, through the race's replay machinery (probes.replay: `replay_modes`, `judge`).
 
 What it costs, and when it is on (`MonitorConfig.replay`):
-- "auto" (the default): on when the copy is at most REPLAY_AUTO_MAX_BYTES (64 MiB: about 5M parameters with Adam's
-  two fp32 moments), off above with the reason and the bytes it would cost; True / False: on / off whatever the size.
+- "auto" (the default): on when the Monitor has a loss closure (the callbacks give theirs; a plain loop passes
+  `loss_fn=`: without one nothing could be replayed, so nothing is copied) and the copy is at most
+  REPLAY_AUTO_MAX_BYTES (64 MiB: about 5M parameters with Adam's two fp32 moments), off otherwise with the reason and
+  the bytes it would cost; True / False: on / off whatever the size (True with no loss_fn: pass it to `step`).
 - On: the copy is made once per step, between `monitor.step()` and the next step's timed window, into host buffers
   allocated once (a memcpy of the state: on a CPU a few ms per 64 MiB; from a GPU into pinned memory without a wait).
   Its host time is said in the `replay_on` event and summed in each `replayed` event; the step's loss is read on the
@@ -235,7 +237,8 @@ class AttachedReplay:
     replay of a failed step. See the module's docstring."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                 setting: str | bool, max_replays: int, rule: SpikeRule | None = None, without: tuple = ()):
+                 setting: str | bool, max_replays: int, rule: SpikeRule | None = None, without: tuple = (),
+                 has_loss_fn: bool = True):
         self.rule = rule or SpikeRule()
         self.max_replays = max_replays
         self.bytes, measured = state_bytes(model, optimizer)
@@ -243,6 +246,10 @@ class AttachedReplay:
         self.kept: KeptState | None = None
         if setting is False:
             self.why = f"replay is off (replay=False); keeping the state before each step would copy {size} each step"
+        elif setting == "auto" and not has_loss_fn:
+            self.why = (f"replay is off: replay='auto' keeps the state before each step ({size}) only for a loop that "
+                        "gives the Monitor a loss_fn (without one no step could be replayed); "
+                        "Monitor(..., loss_fn=...) turns it on")
         elif setting == "auto" and self.bytes > REPLAY_AUTO_MAX_BYTES:
             self.why = (f"replay is off: the model's state ({size}) is above replay='auto''s limit of "
                         f"{_mib(REPLAY_AUTO_MAX_BYTES)} (each step would copy it to the host); replay=True turns it on")
