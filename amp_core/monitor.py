@@ -444,8 +444,13 @@ class Monitor:
                                                    "step's batch and a loss closure (monitor.step(loss, batch=..., "
                                                    "loss_fn=...))", LANE, step)
             return
-        report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
-                                     loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
+        try:
+            report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
+                                         loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
+        except Exception as exc:  # a diagnostic never stops the user's training: the event says what went wrong
+            self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and its replay failed: "
+                                               f"{type(exc).__name__}: {exc}", LANE, step)
+            return
         self._sink.event(REPLAYED_EVENT, f"step {step} failed ({failure}), replayed in every mode: "
                                          f"{report.verdict.line()}", LANE, step, report=report_data(report))
 

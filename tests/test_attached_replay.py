@@ -22,6 +22,8 @@ from amp_core.probes.replay_modes import REPLAYED_EVENT, recorded_replays
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame
+from tests.test_browser import CHROMIUM, SETTLED
+from tests.test_replay_page import SHOTS, served_page
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -150,3 +152,25 @@ def test_a_loop_without_a_loss_closure_keeps_nothing_by_default_and_a_failed_ste
     (missing,) = events_of(manager, asked, REPLAY_OFF_EVENT)
     assert missing[0] == 1 and "step 1 failed (loss inf) and was not replayed: pass the step's batch" in missing[1]
     assert not events_of(manager, asked, REPLAYED_EVENT)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_an_attached_runs_replay_in_chromium(tmp_path):
+    store = tmp_path / "runs.sqlite3"
+    run_script(store, "replay_monitor_script.py", "--model", "amplified", "--outlier-at", "30", "--factor", "1000",
+               "--replay", "true")
+    with served_page(store, "overflow_debugger") as page:
+        verdict = page.get_by_role("heading", name="verdict: precision")
+        verdict.wait_for(timeout=120_000)
+        page.wait_for_function(SETTLED, timeout=60_000)
+        assert page.locator("[data-testid='stException']").count() == 0
+        assert page.get_by_role("button", name="Replay", exact=True).count() == 0  # it replays itself
+        page.get_by_text("only the narrower formats break", exact=False).first.wait_for()
+        verdict.evaluate("heading => heading.scrollIntoView({block: 'start'})")
+        table = page.locator("[data-testid='stDataFrame']", has_text="update vs fp32")
+        table.locator(".dvn-scroller").wait_for()
+        fit = table.locator(".dvn-scroller").evaluate("s => [s.scrollWidth, s.clientWidth]")
+        assert fit[0] <= fit[1] + 1, fit  # every column of the replay's table shows
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "attached_replay_verdict.png"))

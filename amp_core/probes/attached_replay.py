@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -254,12 +255,17 @@ class AttachedReplay:
             self.why = (f"replay is off: the model's state ({size}) is above replay='auto''s limit of "
                         f"{_mib(REPLAY_AUTO_MAX_BYTES)} (each step would copy it to the host); replay=True turns it on")
         else:
-            self.kept = KeptState(model, optimizer, scaler, without)
+            try:
+                self.kept = KeptState(model, optimizer, scaler, without)
+            except Exception as exc:  # a diagnostic never stops the user's training: it says why it is off
+                self.why = f"replay is off: the loop's state could not be copied for replays ({exc})"
+        if self.kept is not None:
             self.why = (f"replay is on ({'replay=True' if setting is True else 'replay=auto'}): the state before each "
                         f"step ({size}) is copied to the host between steps, outside the timed window; a failed step "
                         f"is replayed in its mode, 32-true, {', '.join(ATTACHED_MODES)} and float64")
         self.setting = setting
-        self.history: list[float] = []
+        self.history: deque[float] = deque(maxlen=self.rule.window + 1)
+        """The last losses (the band's window, and the step's own)."""
         self.replays = 0
         self.last_failed: int | None = None
         self.missing_said = False
@@ -301,7 +307,7 @@ class AttachedReplay:
         began = time.perf_counter()
         self.replays += 1
         notes: list[str] = []
-        history = self.history[:-1]
+        history = list(self.history)[:-1]
         band = loss_band(history, self.rule)
         subject = AttachedSubject(self.kept, batch, loss_fn, mode, device, grad_clip)
         devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
