@@ -212,12 +212,12 @@ def show_replay(replayed) -> None:
     st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
     replay_table = replay_views.replay_frame(replayed)
     replay_widths = content_widths(replay_table, max_px=132)
-    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", column_config={
+    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", placeholder="NaN", column_config={
         **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
         "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
         "what broke": st.column_config.Column(width=replay_widths["what broke"],
-                                              help="band: the loss is above the band; inf/NaN: in the gradients; "
-                                                   "skip: the GradScaler skipped the step"),
+                                              help="band: the loss is above the band; loss: the loss is inf/NaN; "
+                                                   "inf/NaN: in the gradients; skip: the GradScaler skipped the step"),
         "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
         "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
                                                   help="×: this update's norm over fp32's (0: no step); cos: the "

@@ -121,6 +121,7 @@ def test_the_overflow_debugger_shows_an_attached_runs_replays(fresh_store):
     assert any("Replay is on (replay=True)" in caption.value for caption in at.caption)
     table = next(df.value for df in at.dataframe if "first inf/NaN" in df.value.columns)
     assert table["first inf/NaN"].iloc[0] == "amplify (forward)"
+    assert table["what broke"].iloc[0] == "loss · inf/NaN · skip" and math.isnan(table["loss"].iloc[0])
 
 
 def test_a_loop_without_a_loss_closure_keeps_nothing_by_default_and_a_failed_step_says_what_was_missing(fresh_store):

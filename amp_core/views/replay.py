@@ -15,14 +15,15 @@ from amp_core.views.plots import chart_layout, log_axis, mode_color, spike_trace
 
 REPLAY_COLUMNS = ["mode", "loss", "what broke", "first inf/NaN", "scale", "update vs fp32"]
 """What a replay's table shows: each mode (▶ the lane's own, `ref` the references), its loss, what broke (`band`: the
-loss is above the band, `inf/NaN`: gradients, `skip`: the scaler skipped the step), the first module that held
-inf/NaN, the scaler's scale before → after the step, and its update against fp32's (×: norm ratio, cos: cosine)."""
+loss is above the band, `loss`: the loss itself is inf/NaN, `inf/NaN`: gradients, `skip`: the scaler skipped the
+step), the first module that held inf/NaN, the scaler's scale before → after the step, and its update against fp32's
+(×: norm ratio, cos: cosine)."""
 
 
 def _broke(row) -> str:
     parts = []
     if not math.isfinite(row.loss):
-        parts.append(f"loss {row.loss}")
+        parts.append("loss")
     elif row.loss_above_band:
         parts.append("band")
     if not row.grads_finite:
