@@ -452,8 +452,9 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     from amp_core.workshop import SCENARIOS, ScenarioLaunch, exit_code, headline, unknown_scenario
 
     if args.workshop_command == "list":
+        width = max(len(name) for name in SCENARIOS) + 2  # the titles in one column, whatever the names
         for scenario in SCENARIOS.values():
-            print(f"{scenario.name:<16}{scenario.title}")
+            print(f"{scenario.name:<{width}}{scenario.title}")
         return 0
     scenario = SCENARIOS.get(args.name)
     if scenario is None:

@@ -63,7 +63,16 @@ import torch
 
 from amp_core.config import ConfigError
 from amp_core.precision import MODES, mode_from_dtypes
+from amp_core.probes.attached_replay import (
+    REPLAY_COST_EVENT,
+    REPLAY_OFF_EVENT,
+    REPLAY_ON_EVENT,
+    REPLAY_SETTINGS,
+    AttachedReplay,
+    LossFn,
+)
 from amp_core.probes.layerwatch import LayerWatch
+from amp_core.probes.replay_modes import REPLAYED_EVENT, report_data
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
@@ -125,6 +134,16 @@ class MonitorConfig:
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
+    replay: str | bool = "auto"
+    """Replay a failed step in its mode, 32-true, 16-mixed, bf16-mixed and float64 from the state before it, to tell
+    precision from data (amp_core.probes.attached_replay). "auto": the steps the scaler skipped (their state is
+    copied then, as the skip left it: nothing on the other steps), when the Monitor is given a `loss_fn` (the
+    callbacks give theirs) and the state (weights, buffers, optimizer state) is at most 64 MiB; off otherwise with
+    the reason and the bytes said. True: every failed step (skipped, a non-finite loss, a loss above the robust
+    band), keeping a host copy of the state before each step (outside the timed window). False: off. A plain loop
+    passes each step's batch: `monitor.step(loss, batch=...)`."""
+    replay_max: int = 3
+    """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not isinstance(self.workload, str) \
@@ -138,6 +157,10 @@ class MonitorConfig:
         _whole("gradstats_every", self.gradstats_every, 0)
         _whole("memory_every", self.memory_every, 1)
         _whole("layers_every", self.layers_every, 0)
+        _whole("replay_max", self.replay_max, 0)
+        if self.replay not in REPLAY_SETTINGS or (self.replay == 1 and self.replay is not True) \
+                or (self.replay == 0 and self.replay is not False):
+            raise ConfigError("replay", f"must be 'auto', True or False, got {self.replay!r}")
         if isinstance(self.probe_budget, bool) or not isinstance(self.probe_budget, (int, float)) \
                 or not 0 <= self.probe_budget < 1:
             raise ConfigError("probe_budget", f"must be a share of the loop's time in [0, 1), got "
@@ -180,8 +203,14 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None = None, scheduler=None, *, name: str = "", mode: str = "",
-                 store: RunStore | str | os.PathLike | None = None, process_group=None, **settings):
+                 store: RunStore | str | os.PathLike | None = None, process_group=None, loss_fn: LossFn | None = None,
+                 replay_without: tuple = (), **settings):
         self.config = MonitorConfig(name=name, mode=mode, **settings)
+        self.loss_fn = loss_fn
+        """The loop's loss as a function of (model, batch), for replays (or given to `step`)."""
+        self.grad_clip = 0.0
+        """The loop's gradient clipping (max norm; 0: none), which a replay applies too (the callbacks set it).
+        `replay_without`: objects the replay's copy of the model must leave out (a Lightning module's trainer)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         named = [(n, p) for n, p in _inner(model).named_parameters() if p.requires_grad]
@@ -216,6 +245,8 @@ class Monitor:
         self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
         """Run at the end of every `step()` (see the class docstring)."""
         self._meter = meter_for(self.device)
+        self._replay = AttachedReplay(_inner(model), optimizer, self.scaler, self.config.replay, self.config.replay_max,
+                                      without=replay_without, has_loss_fn=loss_fn is not None)
         self._watch = OptimizerWatch(optimizer, self.scaler)
         self._schedule = SamplingSchedule(grad_norm_every=self.config.grad_norm_every,
                                           gradstats_every=self.config.gradstats_every,
@@ -244,6 +275,7 @@ class Monitor:
         self._trace = None
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         self._recorder.on_record.append(self._layer_failure)
+        self._recorder.on_record.append(lambda track, result: self._replay.recorded(result.step, result.loss))
         self.step_hooks += (self._answer_trace, self._between_steps)
         self._plain: list[tuple] = []
         """Plain steps kept for the next drain: (step, lr, t_wall_s, window, samples, host seconds)."""
@@ -256,10 +288,12 @@ class Monitor:
         self._start_window()
 
     # --- the user's loop -----------------------------------------------------------------------------------------
-    def step(self, loss: torch.Tensor | float, samples: int | None = None) -> None:
+    def step(self, loss: torch.Tensor | float, samples: int | None = None, *, batch: Any = None,
+             loss_fn: LossFn | None = None) -> None:
         """Record one optimizer step: call once per iteration after `scaler.update()` (and the scheduler's step),
         before the next `zero_grad()` (its gradient figures read the gradients). `samples`: the batch's size, for
-        samples/s."""
+        samples/s. `batch` (the step's batch, as the loss closure takes it) and `loss_fn(model, batch) -> loss` (or
+        the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
         window = self._window
@@ -290,6 +324,8 @@ class Monitor:
         self.steps_done = step + 1
         for hook in self.step_hooks:
             hook(self, result)
+        if self._replay.on:  # after the step was measured: its window is closed, the next one not yet open
+            self._replay_if_failed(step, loss, skipped, batch, loss_fn or self.loss_fn, result)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
         self._sink.flush_if_due()
         self._start_window()
@@ -332,6 +368,11 @@ class Monitor:
             attach_window(meter, window, result)
             recorder.add(track, result, samples)
 
+    @property
+    def replay_on(self) -> bool:
+        """Failed steps are replayed (MonitorConfig.replay): a caller keeps each step's batch for `step`."""
+        return self._replay.on
+
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
         self._drain()
@@ -360,6 +401,12 @@ class Monitor:
         self._answer_layers_and_requests()
         if self._track is None:
             self._open()
+        kept = self._replay.kept
+        if kept is not None and kept.copies:
+            self.note(REPLAY_COST_EVENT, f"replay kept the state before each step: {kept.copies} host copies of "
+                                         f"{kept.nbytes() / 2**20:.3g} MiB, {kept.copy_s / kept.copies * 1e3:.3g} ms "
+                                         "each, outside the timed window", copies=kept.copies, kept_bytes=kept.nbytes(),
+                      copy_ms=kept.copy_s / kept.copies * 1e3, replays=self._replay.replays)
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
@@ -439,6 +486,50 @@ class Monitor:
         for request_id in asked:
             monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
+    # --- replays of failed steps (amp_core.probes.attached_replay) -----------------------------------------------
+    def _replay_if_failed(self, step: int, loss, skipped: bool | None, batch: Any, loss_fn: LossFn | None,
+                          result: StepResult) -> None:
+        """A failed step (skipped, a non-finite loss, a loss above the band) is replayed from the state kept before
+        it, here, on the loop's thread between two windows; its report becomes a `replayed` event."""
+        replay = self._replay
+        if not replay.every_step and not skipped:
+            # replay="auto": only a skipped step (known on the host) can be replayed without a copy before each step.
+            if result.filled and not math.isfinite(result.loss) and not replay.missing_said:
+                replay.missing_said = True
+                self._sink.event(REPLAY_OFF_EVENT, f"step {step}'s loss is {result.loss} after the optimizer "
+                                                   "stepped: replaying it needs the state from before the step, "
+                                                   "which replay='auto' does not keep (replay=True: a copy before "
+                                                   "each step)", LANE, step)
+            return
+        # The loss on the host: free on a CPU; on CUDA a host sync, made only with replay=True (its one cost beyond
+        # the copy: a failure must be seen before the kept state is overwritten by the next step's) or on a skip.
+        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+        failure = replay.failure(step, value, bool(skipped))
+        if not failure or not replay.due(step):
+            return
+        if not replay.every_step:
+            # The band is the recorded losses before this step: on CUDA the records still on their way are waited
+            # for (a sync, on this skipped step only). The skip left the state as it was before the step: copy it.
+            self._drain()
+            self._recorder.resolve(wait=True)
+            replay.kept.keep(backed_off=True)
+        if batch is None or loss_fn is None:
+            if not self._replay.missing_said:
+                self._replay.missing_said = True
+                self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the "
+                                                   "step's batch and a loss closure (monitor.step(loss, batch=..., "
+                                                   "loss_fn=...))", LANE, step)
+            return
+        try:
+            report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
+                                         loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
+        except Exception as exc:  # a diagnostic never stops the user's training: the event says what went wrong
+            self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and its replay failed: "
+                                               f"{type(exc).__name__}: {exc}", LANE, step)
+            return
+        self._sink.event(REPLAYED_EVENT, f"step {step} failed ({failure}), replayed in every mode: "
+                                         f"{report.verdict.line()}", LANE, step, report=report_data(report))
+
     # --- what the model tells ------------------------------------------------------------------------------------
     def _see_autocast(self, module, args) -> None:
         device_type = self.device.type
@@ -452,6 +543,7 @@ class Monitor:
         """Open the next step's windows: the sampled probes' (the allocator's, on its memory steps), then the timed
         one, which takes the scale the step begins with; and up to which step the steps may be plain ones."""
         step = self.steps_done
+        self._replay.keep()  # the state before the next step (replay=True): before its window opens
         self._watch.begin()
         self._opened = self._probes.open(step, memory=False, grad_stats=False)
         self._plain_until = self._next_full_step(step)
@@ -467,9 +559,11 @@ class Monitor:
     def _next_full_step(self, step: int) -> int:
         """The first step from `step` on that takes the full path whatever happens: one that samples a figure, or
         is watched by the layer watch, or arms it for the next. `step` itself when anything else watches the steps
-        (a trace, a layer request or failure, a hook that is not the Monitor's own, a fused optimizer, ranks)."""
+        (a trace, a layer request or failure, a hook that is not the Monitor's own, a fused optimizer, ranks, a copy
+        of the state before each step for replays)."""
         layers = self._layers
         if (self._track is None or not self._plain_sink or len(self.step_hooks) != 2 or self._watch.fused
+                or self._replay.every_step
                 or self._opened is not NOTHING_OPENED or not layers.idle(step, self._loop_s) or self._trace_asked
                 or self._trace is not None):
             return step
@@ -492,6 +586,12 @@ class Monitor:
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
         self._track = self._recorder.track(LANE, self.mode, self._meter)
+        replay = self._replay
+        data = replay.describe()
+        if replay.on:
+            kept = replay.kept
+            data |= {"copy_ms": kept.copy_s / max(kept.copies, 1) * 1e3, "kept_bytes": kept.nbytes()}
+        self.note(REPLAY_ON_EVENT if replay.on else REPLAY_OFF_EVENT, replay.why, **data)
 
     @property
     def _opened_run(self) -> bool:
@@ -508,7 +608,7 @@ class Monitor:
                  "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
                  "memory_every": config.memory_every, "probe_budget": config.probe_budget,
                  "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
-                 "layers_every": config.layers_every,
+                 "layers_every": config.layers_every, "replay": self._replay.describe(),
                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
                  "pid": os.getpid(), "faults": []}
         if scaler is not None:

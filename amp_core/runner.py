@@ -503,6 +503,18 @@ class RunManager(RunReader):
         with self._lock:
             return self._runs.get(run_id)
 
+    def record_event(self, run_id: str, kind: str, message: str, lane: int | None = None, step: int | None = None,
+                     **data) -> None:
+        """An event about a run made after the fact (a replay's report): through its sink when this process holds it
+        (written at its next flush, or now when it has ended), else straight into the store."""
+        run = self.get(run_id)
+        if run is not None:
+            run.sink.event(kind, message, lane, step, **data)
+            if not run.alive:
+                run.sink.flush()
+        elif self.store is not None:
+            self.store.add_events([Event(run_id, kind, message, lane, step, data=data)])
+
     def runs(self) -> list[Run]:
         with self._lock:
             return list(self._runs.values())

@@ -6,6 +6,7 @@ from amp_core.config import FAULT_KINDS, ConfigError
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
 from amp_core.probes import faults
 from amp_core.probes.replay import replay_run
+from amp_core.probes.replay_modes import recorded_replays
 from amp_core.probes.spikes import SpikeRule
 from amp_core.runs import is_live
 from amp_core.views import debugger
@@ -167,11 +168,19 @@ else:
     draw_run(run_id, lane, mode, False)
 
 # ---- replay: precision or data? -----------------------------------------------------------------------------
+attached = info.config.get("source") == "monitor"  # a Monitor's (or a trainer callback's) run: it replays itself
 st.subheader("Replay a step: precision or data?")
 st.caption("A step is replayed from the lane's weights before it, once in every mode of the run and in fp32 and "
            "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the loss "
-           "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. A run "
-           "this server holds replays from its snapshots; a stored run is re-trained from its seed to the step.")
+           "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. "
+           + ("An attached run replays its own failed steps (skipped, a non-finite loss, a loss above the band) in "
+              "its process, right after the step, from the copy of its state the Monitor kept before it."
+              if attached else "A run this server holds replays from its snapshots; a stored run is re-trained from "
+                               "its seed to the step."))
+if attached:
+    replay_setting = info.config.get("replay") or {}
+    st.caption(replay_views.sentence(replay_setting.get("why", "this Monitor recorded no replay setting (it predates "
+                                                                "replays)")))
 default_rule = SpikeRule()
 with st.expander(f"Spike band: median + {default_rule.k:g}·MAD over {default_rule.window} steps (change)"):
     band_row = st.columns(2)
@@ -181,46 +190,34 @@ with st.expander(f"Spike band: median + {default_rule.k:g}·MAD over {default_ru
                                       value=default_rule.k, step=0.5, key="dbg_spike_k")
 spike_rule = SpikeRule(window=int(band_window), k=float(band_k),
                        min_history=min(default_rule.min_history, int(band_window)))
+st.session_state["spike_rule"] = spike_rule  # the Train page's loss chart marks spikes by the same band
 lane_steps_now = manager.steps(run_id)
 review = replay_views.steps_to_review(lane_steps_now, lane, spike_rule)
 st.plotly_chart(replay_views.spike_loss_figure(lane_steps_now, lane, mode, spike_rule), key="dbg_spike_chart")
 st.caption(f"Spike band: {spike_rule.describe()}.")
 if review.empty:
-    st.caption("No skipped step, non-finite loss or spike in this lane so far; any step can still be replayed.")
+    st.caption("No skipped step, non-finite loss or spike in this lane so far"
+               + ("." if attached else "; any step can still be replayed."))
 else:
     st.dataframe(review, hide_index=True, key="dbg_review",
                  column_config={"loss": st.column_config.NumberColumn(format="%.4g"),
                                 "band ≤": st.column_config.NumberColumn(format="%.4g")})
-last_step = max(int(lanes[lane]["steps_done"]) - 1, 0)
-replay_row = st.columns([2, 1, 3])
-replay_step_value = replay_row[0].number_input(
-    "Step to replay", min_value=0, max_value=last_step,
-    value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
-    key=f"dbg_replay_step_{run_id}_{lane}", help="Opens on the lane's first spike, else its first skipped step or "
-                                                 "non-finite loss (a scaler's first steps often skip while it finds "
-                                                 "its scale).")
-if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
-    with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
-        try:
-            st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
-                                                               spike_rule)
-        except ConfigError as error:
-            st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
-replayed = st.session_state.get("dbg_replay_report")
-if isinstance(replayed, str):
-    st.error(replayed)
-elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
+recorded = recorded_replays(manager.events(run_id), lane)
+
+
+def show_replay(replayed) -> None:
+    """A replay's verdict, table, first inf/NaN modules and where it came from."""
     verdict = replayed.verdict
     st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
     st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
     replay_table = replay_views.replay_frame(replayed)
     replay_widths = content_widths(replay_table, max_px=132)
-    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", column_config={
+    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", placeholder="NaN", column_config={
         **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
         "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
         "what broke": st.column_config.Column(width=replay_widths["what broke"],
-                                              help="band: the loss is above the band; inf/NaN: in the gradients; "
-                                                   "skip: the GradScaler skipped the step"),
+                                              help="band: the loss is above the band; loss: the loss is inf/NaN; "
+                                                   "inf/NaN: in the gradients; skip: the GradScaler skipped the step"),
         "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
         "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
                                                   help="×: this update's norm over fp32's (0: no step); cos: the "
@@ -232,6 +229,42 @@ elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane)
     st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
                f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
                + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
+
+
+if attached:
+    if recorded:
+        chosen_replay = st.selectbox("Replayed step", range(len(recorded)), index=len(recorded) - 1,
+                                     format_func=lambda i: f"step {recorded[i].step} · {recorded[i].verdict.kind}",
+                                     key=f"dbg_attached_replay_{run_id}")
+        show_replay(recorded[chosen_replay])
+    else:
+        st.info("No step of this run has been replayed"
+                + (" so far." if live else ".") + (" Replays are off for it (see above)."
+                                                   if not (info.config.get("replay") or {}).get("on") else ""))
+else:
+    last_step = max(int(lanes[lane]["steps_done"]) - 1, 0)
+    replay_row = st.columns([2, 1, 3])
+    replay_step_value = replay_row[0].number_input(
+        "Step to replay", min_value=0, max_value=last_step,
+        value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
+        key=f"dbg_replay_step_{run_id}_{lane}", help="Opens on the lane's first spike, else its first skipped step "
+                                                     "or non-finite loss (a scaler's first steps often skip while it "
+                                                     "finds its scale).")
+    if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
+        with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
+            try:
+                st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
+                                                                   spike_rule, record=True)
+            except ConfigError as error:
+                st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
+    replayed = st.session_state.get("dbg_replay_report")
+    if isinstance(replayed, str):
+        st.error(replayed)
+    elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
+        show_replay(replayed)
+    elif recorded:
+        st.caption(f"Replayed earlier (recorded in the run): {len(recorded)} step(s); the latest:")
+        show_replay(recorded[-1])
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")

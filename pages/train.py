@@ -203,6 +203,7 @@ from amp_core.probes.cost import (  # noqa: E402
     estimate_step,
     relative_costs,
 )
+from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
@@ -436,10 +437,14 @@ def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> Non
     raw = o3.toggle("Every step's time", key="train_raw_step_times",
                     help="The step-time chart draws each lane's median and p10-p90 band (one stall does not flatten "
                          "it); this adds the measured step times themselves.")
+    # Spikes by the band the Overflow debugger sets (its expander), else the default one.
+    spike_rule = st.session_state.get("spike_rule", SpikeRule())
     figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                  bands=follower.bands, seeds=seeds)
+                                  bands=follower.bands, seeds=seeds, spikes=spike_rule)
     left, right = st.columns(2)
     left.plotly_chart(figures["loss"], key="train_chart_loss")
+    left.caption(f"○ a loss spike: above {spike_rule.describe()}; set on the Overflow debugger, which lists them "
+                 "with a Replay button.")
     right.plotly_chart(figures["step_time"], key="train_chart_step_time")
     left.plotly_chart(figures["scale"], key="train_chart_scale")
     right.plotly_chart(figures["memory"], key="train_chart_memory")

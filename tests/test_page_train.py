@@ -240,3 +240,23 @@ def test_the_lr_chart_appears_when_the_lr_moves(app):
     app.run()
     assert "train_chart_lr" in charts(app)
     assert not any("constant at" in text.value for text in app.markdown)
+
+
+def test_a_planted_outlier_is_marked_as_a_spike_on_the_loss_chart(fresh_store):
+    from figure_json import values
+
+    from amp_core.runner import Run
+
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=45, device="cpu",
+                       faults=(FaultSpec.parse("batch_outlier:30@40"),))
+    run = Run(config, open_store(fresh_store)).start()
+    run.join(120)
+    assert run.status == "finished"
+    at = AppTest.from_file(PAGE, default_timeout=120).run()
+    assert not at.exception
+    assert at.selectbox(key="train_run_pick").value == run.run_id
+    traces = {trace["name"]: trace for trace in charts(at)["train_chart_loss"]["data"]}
+    for mode in ("32-true", "16-mixed"):  # the same outlier batch spikes every lane's loss
+        assert values(traces[f"{mode} spike"]["x"]).tolist() == [40]
+    assert "16-mixed skipped" in traces  # the 16-mixed lane also skipped it: both marks, at the same step
+    assert any(caption.value.startswith("○ a loss spike: above median + 6·MAD") for caption in at.caption)

@@ -3,6 +3,7 @@ its skipped step and spike listed, the Replay button's table and verdict (and a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -52,13 +53,11 @@ def test_the_replay_button_shows_the_table_and_the_verdict(fresh_store):
     assert any(md.value.endswith("verdict: unclear") for md in at.markdown)
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
-def test_the_replay_button_works_in_chromium(tmp_path):
+@contextlib.contextmanager
+def served_page(store: Path, path: str):
+    """A 1440 x 900 Chromium page on `path` of an app server of its own over `store`; both stop after."""
     from playwright.sync_api import sync_playwright
 
-    store = tmp_path / "runs.sqlite3"
-    outlier_run(store)
     port = streamlit_server.free_port()
     proc = streamlit_server.start(port, store)
     try:
@@ -67,25 +66,35 @@ def test_the_replay_button_works_in_chromium(tmp_path):
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
-                page.goto(f"http://127.0.0.1:{port}/overflow_debugger")
-                button = page.get_by_role("button", name="Replay", exact=True)
-                button.wait_for(timeout=90_000)
-                page.wait_for_function(SETTLED, timeout=90_000)
-                assert page.get_by_role("spinbutton", name="Step to replay").input_value() == "40"
-                button.click()
-                verdict = page.get_by_role("heading", name="verdict: data")
-                verdict.wait_for(timeout=120_000)
-                page.wait_for_function(SETTLED, timeout=60_000)
-                assert page.locator("[data-testid='stException']").count() == 0
-                page.get_by_text("fp32 breaks too on this batch", exact=False).first.wait_for()
-                verdict.evaluate("heading => heading.scrollIntoView({block: 'start'})")
-                page.wait_for_timeout(1000)  # the data grid draws a moment after Streamlit settles
-                table = page.locator("[data-testid='stDataFrame']", has_text="update vs fp32")
-                fit = table.locator(".dvn-scroller").evaluate("s => [s.scrollWidth, s.clientWidth]")
-                assert fit[0] <= fit[1] + 1, fit  # every column of the replay's table shows
-                SHOTS.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(SHOTS / "replay_verdict.png"))
+                page.goto(f"http://127.0.0.1:{port}/{path}")
+                yield page
             finally:
                 browser.close()
     finally:
         streamlit_server.stop(proc)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_the_replay_button_works_in_chromium(tmp_path):
+    store = tmp_path / "runs.sqlite3"
+    outlier_run(store)
+    with served_page(store, "overflow_debugger") as page:
+        button = page.get_by_role("button", name="Replay", exact=True)
+        button.wait_for(timeout=90_000)
+        page.wait_for_function(SETTLED, timeout=90_000)
+        assert page.get_by_role("spinbutton", name="Step to replay").input_value() == "40"
+        button.click()
+        verdict = page.get_by_role("heading", name="verdict: data")
+        verdict.wait_for(timeout=120_000)
+        page.wait_for_function(SETTLED, timeout=60_000)
+        assert page.locator("[data-testid='stException']").count() == 0
+        page.get_by_text("fp32 breaks too on this batch", exact=False).first.wait_for()
+        verdict.evaluate("heading => heading.scrollIntoView({block: 'start'})")
+        page.wait_for_timeout(1000)  # the data grid draws a moment after Streamlit settles
+        table = page.locator("[data-testid='stDataFrame']", has_text="update vs fp32")
+        fit = table.locator(".dvn-scroller").evaluate("s => [s.scrollWidth, s.clientWidth]")
+        assert fit[0] <= fit[1] + 1, fit  # every column of the replay's table shows
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "replay_verdict.png"))
+

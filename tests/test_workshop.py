@@ -249,6 +249,27 @@ def test_an_initial_scale_that_fits_fails_the_too_high_check(tmp_path):
     assert result_of(results, "NaN from the model collapses the scale").held
 
 
+def test_precision_or_data_fails_when_the_planted_faults_do_not_show_their_point(tmp_path):
+    """An initial scale that fits (nothing overflows) and an 'outlier' of x1 (an ordinary batch): both checks fail
+    and say why, read from the replays the scenario recorded after its run."""
+    scenario = SCENARIOS["precision-or-data"]
+    tame = dataclasses.replace(scenario, build=lambda device: tuple(
+        dataclasses.replace(config, faults=tuple(dataclasses.replace(fault, factor=2.0**4 if fault.kind ==
+                                                                     "init_scale" else 1.0)
+                                                 for fault in config.faults))
+        for config in scenario.build(device)))
+    evidence = launched(tame, tmp_path)
+    results = evaluate(tame, evidence)
+    overflow = result_of(results, "The overflow is precision")
+    assert not overflow.held and overflow.final and overflow.figure == "16-mixed skipped no step before the outlier"
+    assert "nothing overflowed fp16" in overflow.explanation
+    outlier = result_of(results, "The outlier is data")
+    assert not outlier.held and outlier.figure.startswith("step 40: verdict unclear")
+    assert "no mode breaks on replay" in outlier.explanation
+    events = evidence.manager.events(evidence.parts[0].run_id)
+    assert events[events["kind"] == "replayed"]["step"].tolist() == [40]  # recorded in the run, by the launch
+
+
 def test_checks_wait_for_records_and_fail_when_the_run_ended_without_them(tmp_path):
     manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
     scenario = SCENARIOS["spike-recovery"]

@@ -5,6 +5,7 @@ the trainer itself logged (HF, logging_steps=1) or its training_step returned (L
 
     python tests/trainer_script.py hf --store S --steps 8 --accumulate 2 --pause-at 3 [--fp16 | --bf16]
     python tests/trainer_script.py lightning --store S --steps 8 --precision 16-true --pause-at 3
+    python tests/trainer_script.py hf --store S --steps 5 --replay --nan-at 3
 """
 
 from __future__ import annotations
@@ -26,13 +27,34 @@ def pause(callback, step: int, pause_at: set[int]) -> None:
         sys.stdin.readline()
 
 
+def replay_setting(args) -> dict:
+    return {"replay": True} if args.replay else {}
+
+
+class EmptyLabelsAt:
+    """The Trainer's default collator, except that batch number `at` has every label -100 (all padding): a batch
+    whose language-model loss is NaN (a mean over no tokens) in every format."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, features):
+        from transformers import default_data_collator
+
+        batch = default_data_collator(features)
+        if self.calls == self.at:
+            batch["labels"] = torch.full_like(batch["labels"], -100)
+        self.calls += 1
+        return batch
+
+
 def hf(args) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from amp_core.integrations.transformers import AmpLabCallback
     from examples.hf_trainer import LoggedLosses
 
-    amp_lab = AmpLabCallback(name="hf test", store=args.store)
+    amp_lab = AmpLabCallback(name="hf test", store=args.store, **replay_setting(args))
 
     class Pause(TrainerCallback):
         def on_step_end(self, training_args, state, control, **kwargs):
@@ -45,7 +67,7 @@ def hf(args) -> dict:
                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, fp16=args.fp16,
                                  bf16=args.bf16, disable_tqdm=True, seed=0)
     logged = LoggedLosses()
-    Trainer(model=model, args=training, train_dataset=PatternData(samples=64),
+    Trainer(model=model, args=training, train_dataset=PatternData(samples=64), data_collator=EmptyLabelsAt(args.nan_at),
             callbacks=[amp_lab, logged, Pause()]).train()
     return {"run_id": amp_lab.monitor.run_id, "mode": amp_lab.monitor.mode,
             "losses": [logged.losses[step] for step in sorted(logged.losses)]}
@@ -58,7 +80,7 @@ def lightning(args) -> dict:
     from examples.lightning_module import SineFit
 
     warnings.filterwarnings("ignore")
-    amp_lab = AmpLabCallback(name="lightning test", store=args.store)
+    amp_lab = AmpLabCallback(name="lightning test", store=args.store, **replay_setting(args))
 
     class Pause(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -67,6 +89,8 @@ def lightning(args) -> dict:
 
     torch.manual_seed(0)
     x = torch.linspace(-3, 3, 256).unsqueeze(1)
+    if args.nan_at >= 0:  # one batch (the loader does not shuffle) holds a NaN input: its loss is NaN
+        x[32 * args.nan_at * args.accumulate] = float("nan")
     data = torch.utils.data.TensorDataset(x, torch.sin(x))
     module = SineFit()
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=args.precision, max_steps=args.steps,
@@ -86,6 +110,8 @@ def main() -> None:
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--replay", action="store_true", help="replay failed steps (MonitorConfig.replay=True)")
+    parser.add_argument("--nan-at", type=int, default=-1, help="the batch of this step makes the loss NaN")
     args = parser.parse_args()
     print("AMPLAB " + json.dumps(hf(args) if args.trainer == "hf" else lightning(args)), flush=True)
 

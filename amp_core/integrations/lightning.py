@@ -13,6 +13,10 @@ reads the precision plugin (its mode, its scaler) and records the mode the ops r
 it differs from the plugin's, and when fp16 runs without loss scaling (no GradScaler: e.g. "16-true"). Lightning
 2.6 itself turns precision="16-mixed" on a CPU into "bf16-mixed" (with a warning) before any callback sees it, so such
 a run is recorded as the bf16-mixed it is. No host sync is added: the loss stays a device tensor until a flush.
+
+Replays (MonitorConfig.replay, e.g. `AmpLabCallback(replay=True)`): the step's batches come from
+`on_train_batch_start`, its loss from `training_step` on the replay's copy of the module (which has no trainer: a
+`self.log` there warns and logs nothing), its clipping from `gradient_clip_val`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class AmpLabCallback(Callback):
         self._losses: list[torch.Tensor] = []
         """The batches' losses of the optimizer step under way (device tensors, as Lightning returned them)."""
         self._samples = 0
+        self._batches: list = []
+        """(batch, batch_idx) of the optimizer step under way, kept for a replay when replays are on."""
         self._stepping = False
         self._op_dtypes: OpDtypes | None = None
         self._plugin = None
@@ -45,9 +51,16 @@ class AmpLabCallback(Callback):
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         settings = {"total_steps": max(int(trainer.max_steps), 0), "integration": INTEGRATION, **self.settings}
         self.monitor = Monitor(pl_module, trainer.optimizers[0], getattr(plugin, "scaler", None), scheduler,
-                               name=self.name, store=self.store, **settings)
+                               name=self.name, store=self.store, loss_fn=_replayed_loss, replay_without=(trainer,),
+                               **settings)
+        if trainer.gradient_clip_algorithm in (None, "norm"):
+            self.monitor.grad_clip = float(trainer.gradient_clip_val or 0.0)
         self._plugin = plugin
         self._op_dtypes = OpDtypes(pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.monitor is not None and self.monitor.replay_on:
+            self._batches.append((batch, batch_idx))  # a reference: kept for a replay of this step
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepping = True  # this batch ends an optimizer step (the scaler may still skip it)
@@ -69,8 +82,8 @@ class AmpLabCallback(Callback):
                           getattr(self._plugin, "scaler", None) is not None)
             self._op_dtypes.remove()
         step_loss = sum(self._losses) if self._losses else float("nan")
-        monitor.step(step_loss, samples=self._samples or None)
-        self._losses, self._samples, self._stepping = [], 0, False
+        monitor.step(step_loss, samples=self._samples or None, batch=self._batches or None)
+        self._losses, self._samples, self._stepping, self._batches = [], 0, False, []
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:
@@ -81,3 +94,11 @@ class AmpLabCallback(Callback):
         if self.monitor is not None:
             self._op_dtypes.remove()
             self.monitor.close("interrupted", f"the Trainer raised {type(exception).__name__}: {exception}")
+
+
+def _replayed_loss(module, batches) -> torch.Tensor:
+    """A replay's loss of one optimizer step: the module's training_step on each of its batches (on the replay's copy
+    of the module, which has no trainer to log into), averaged as Lightning accumulates them."""
+    losses = [module.training_step(batch, batch_idx) for batch, batch_idx in batches]
+    losses = [loss["loss"] if isinstance(loss, dict) else loss for loss in losses]
+    return sum(loss.float() for loss in losses) / len(losses)

@@ -16,6 +16,11 @@ What really ran is recorded, not what was asked: the mode comes from the dtypes 
 first forward and the scaler really present, and an event says so when the Trainer was asked for another (with
 transformers 5.23 / accelerate 1.15, `fp16=True, use_cpu=True` applies no autocast: every op runs in fp32).
 The callback adds no host sync: the loss stays a device tensor until the Monitor's flush.
+
+Replays (MonitorConfig.replay, e.g. `AmpLabCallback(replay=True)`): the step's micro-batches are the inputs the model
+was handed (a forward pre-hook), its loss `model(**inputs).loss` weighted as the Trainer weighs it, its clipping
+`max_grad_norm`; a failed step is replayed from the Monitor's copy of the state before it (amp_core.probes.
+attached_replay).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class AmpLabCallback(TrainerCallback):
         """Per micro-batch: the model was handed `num_items_in_batch`, so its loss is already normalised over the whole
         accumulated batch (the Trainer then does not divide it by the accumulation steps)."""
         self._samples = 0
+        self._inputs: list[tuple[tuple, dict]] = []
+        """The step's micro-batches (the model's positional and keyword inputs), kept for a replay when it is on."""
         self._handles: list = []
         self._op_dtypes: OpDtypes | None = None
         self._args = None
@@ -64,7 +71,9 @@ class AmpLabCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the user's
         scaler = getattr(optimizer, "scaler", None)
         settings = {"total_steps": int(state.max_steps or 0), "integration": INTEGRATION, **self.settings}
-        self.monitor = Monitor(model, inner, scaler, lr_scheduler, name=self.name, store=self.store, **settings)
+        self.monitor = Monitor(model, inner, scaler, lr_scheduler, name=self.name, store=self.store,
+                               loss_fn=_replayed_loss, **settings)
+        self.monitor.grad_clip = float(args.max_grad_norm or 0.0)
         self._args, self._optimizer = args, optimizer
         self._op_dtypes = OpDtypes(model)
         self._handles = [model.register_forward_pre_hook(self._see_inputs, with_kwargs=True),
@@ -80,8 +89,12 @@ class AmpLabCallback(TrainerCallback):
             note_what_ran(monitor, _asked_mode(args), self._op_dtypes, getattr(self._optimizer, "scaler", None)
                           is not None)
             self._op_dtypes.remove()
-        monitor.step(self._step_loss(), samples=self._samples or None)
-        self._losses, self._scaled_for_accumulation, self._samples = [], [], 0
+        batch = None
+        if monitor.replay_on:  # the step's micro-batches as the model was handed them, with their loss factors
+            batch = [(args_, kwargs, factor) for (args_, kwargs), factor in zip(self._inputs, self._factors(),
+                                                                                 strict=False)]
+        monitor.step(self._step_loss(), samples=self._samples or None, batch=batch)
+        self._losses, self._scaled_for_accumulation, self._samples, self._inputs = [], [], 0, []
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is None:
@@ -96,6 +109,8 @@ class AmpLabCallback(TrainerCallback):
         if not (module.training and torch.is_grad_enabled()):
             return
         self._scaled_for_accumulation.append(kwargs.get("num_items_in_batch") is not None)
+        if self.monitor is not None and self.monitor.replay_on:
+            self._inputs.append((args, kwargs))  # references: the Trainer is done with them after the step
         first = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)), None)
         self._samples += int(first.shape[0]) if first is not None and first.dim() else 0
 
@@ -113,9 +128,17 @@ class AmpLabCallback(TrainerCallback):
         losses = self._losses
         if not losses:
             return math.nan  # the model returned no loss (the Trainer computed it from the outputs)
-        args, count = self._args, len(losses)
+        return sum(loss.float() * factor for loss, factor in zip(losses, self._factors(), strict=True))
+
+    def _factors(self) -> list[float]:
+        """Per micro-batch of the step, what the Trainer multiplies its loss by (see `_step_loss`)."""
+        args, count = self._args, max(len(self._losses), len(self._inputs))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         factors = [(world if args.average_tokens_across_devices else 1) if scaled else 1 / count
                    for scaled in self._scaled_for_accumulation[:count]]
-        factors += [1 / count] * (count - len(factors))
-        return sum(loss.float() * factor for loss, factor in zip(losses, factors, strict=True))
+        return factors + [1 / count] * (count - len(factors))
+
+
+def _replayed_loss(model, micro_batches) -> torch.Tensor:
+    """A replay's loss of one optimizer step: the model's loss on each micro-batch, weighted as the Trainer does."""
+    return sum(model(*args, **kwargs).loss.float() * factor for args, kwargs, factor in micro_batches)

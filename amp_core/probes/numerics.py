@@ -45,6 +45,8 @@ DEFAULT_NUMERICS_BATCH = RunConfig.__dataclass_fields__["batch_size"].default
 
 _CONTAINERS = (tuple, list)
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Closure = Callable[[nn.Module, Any], torch.Tensor]
+"""A user's loss as a function of the model and the batch (attach mode: the replay of a Monitor's step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,21 +510,38 @@ class _Pass:
     grads: dict[str, torch.Tensor]
 
 
-def _run_pass(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[torch.Tensor, torch.Tensor],
-              scale: float | None, rng: list[torch.Tensor]) -> _Pass:
+def prepare_batch(precision: Precision, batch: Any) -> Any:
+    """A batch of any shape (a tensor, tuple, list or dict of them, other values as they are) as `precision` trains
+    on it: every tensor on the device, floating ones in the parameter dtype."""
+    if isinstance(batch, torch.Tensor):
+        return precision.prepare_input(batch)
+    if isinstance(batch, dict):
+        return type(batch)((key, prepare_batch(precision, value)) for key, value in batch.items())
+    if isinstance(batch, _CONTAINERS):
+        return type(batch)(prepare_batch(precision, value) for value in batch)
+    return batch
+
+
+def _run_pass(model: nn.Module, precision: Precision, loss: Loss | None, batch: Any, scale: float | None,
+              rng: list[torch.Tensor], closure: Closure | None = None) -> _Pass:
     """One forward + backward of `model` (a throwaway copy) as the training step runs it, recorded."""
     for parameter in model.parameters():
         parameter.grad = None  # before the cast: Module.to() would cast a gradient in place, under a caller's feet
     model = precision.prepare_module(model)
-    inputs, target = (precision.prepare_input(t) for t in batch)
-    loss_module = _LossModule(loss)
-    recorder = _Recorder(_module_names(model, loss_module), lambda t: t.clone())
+    if closure is None:
+        inputs, target = (precision.prepare_input(t) for t in batch)
+        loss_module = _LossModule(loss)
+        names = _module_names(model, loss_module)
+    else:
+        names = {module: name or ROOT for name, module in model.named_modules()}
+        batch = prepare_batch(precision, batch)
+    recorder = _Recorder(names, lambda t: t.clone())
     # The same random state in both passes (dropout masks match); the process's own RNG is restored after.
     with torch.random.fork_rng(devices=_cuda_devices(precision)), precision.step_context():
         _set_rng_state(precision, rng)
         with recorder:
             with precision.forward_context():
-                value = loss_module(model(inputs), target)
+                value = loss_module(model(inputs), target) if closure is None else closure(model, batch)
             (value * scale if scale is not None else value).backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return _Pass(recorder, float(value.detach().float()), grads)
@@ -559,14 +578,16 @@ def _ranges(recorder: _Recorder, grad_factor: float, casts: bool) -> tuple[list[
             [measure(c.grads, grad_factor) for c in recorder.calls])
 
 
-def probe_step(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[torch.Tensor, torch.Tensor], *,
-               scale: float | None = None, copy_model: bool = True, label: str = "") -> NumericsReport:
+def probe_step(model: nn.Module, precision: Precision, loss: Loss | None, batch: Any, *, scale: float | None = None,
+               copy_model: bool = True, label: str = "", closure: Closure | None = None) -> NumericsReport:
     """Probe one forward + backward of `model` in `precision` against fp32 (32-true) on the same weights and batch.
 
     The model is deep-copied first unless `copy_model` is False (pass False only for a model that is already a
     throwaway copy): the caller's parameters, gradients and buffers are never touched. `scale` is the loss scale of
     the mode's backward (default: a fresh GradScaler's initial scale in modes that have one; ignored in modes
     without). Works for any model, loss and batch: a built-in workload, one registered at run time, a lane snapshot.
+    `closure(model, batch)`, when given, computes the loss instead of `loss(model(inputs), target)` (a user's own
+    loss: `model(**inputs).loss`, a LightningModule's training_step); `batch` is then any structure of tensors.
     """
     if not precision.uses_scaler:
         scale = None
@@ -578,11 +599,11 @@ def probe_step(model: nn.Module, precision: Precision, loss: Loss, batch: tuple[
     # One copy serves both passes: a pass changes no weight (no optimizer step; a dtype cast and back is exact),
     # only buffers a forward updates (BatchNorm's running statistics), which are put back in between.
     buffers = [buffer.clone() for buffer in work.buffers()]
-    reference = _run_pass(work, reference_precision, loss, batch, None, rng)
+    reference = _run_pass(work, reference_precision, loss, batch, None, rng, closure)
     with torch.no_grad():
         for buffer, saved in zip(work.buffers(), buffers, strict=True):
             buffer.copy_(saved)
-    actual = _run_pass(work, precision, loss, batch, scale, rng)
+    actual = _run_pass(work, precision, loss, batch, scale, rng, closure)
 
     # The casts are measured on the fp32 values: what fp16 and bf16 do to the true values (a tensor the mode already
     # holds in fp16 shows its own overflow as inf and its underflow as zeros, and its error against fp32).

@@ -16,36 +16,41 @@ Where the weights before step S come from (said in every report's `source`):
 from __future__ import annotations
 
 import copy
-import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import (
-    BASELINE_MODE,
-    FLOAT64_REFERENCE,
     Precision,
     availability,
-    float64_reference,
-    get_precision,
     resolve_device,
 )
-from amp_core.probes import gradstats
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.numerics import probe_step
-from amp_core.probes.spikes import LossBand, SpikeRule, loss_band
+from amp_core.probes.replay_modes import (
+    REPLAYED_EVENT,
+    Fork,
+    ReplayReport,
+    ReplaySubject,
+    judge,
+    named_first,
+    replay_modes,
+    replay_targets,
+    report_data,
+    set_rng,
+)
+from amp_core.probes.spikes import SpikeRule, loss_band
 from amp_core.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.switches import pin_intra_op_threads
 from amp_core.telemetry import SamplingSchedule, resolve_step
 from amp_core.torch_private import scaler_tensors
 from amp_core.workloads import WORKLOADS, Data, Workload
 
-VERDICTS = ("precision", "data", "unclear")
 PLANTED_IN_EVERY_MODE = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "batch_outlier")
 """Fault kinds a replay plants on step S in every mode, as the run planted them in the lane."""
 
@@ -192,131 +197,6 @@ class SnapshotRing:
         return usable[-1]
 
 
-# --- the replay ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ModeReplay:
-    """Step S replayed in one mode (or reference), from the lane's weights before S."""
-
-    mode: str
-    reference: bool
-    """32-true or float64: what the other modes are judged against."""
-    loss: float
-    grads_finite: bool
-    skipped: bool
-    """The GradScaler skipped the optimizer step."""
-    first_nonfinite: str
-    """`module (forward|backward)` of the first module that held inf/NaN (Layer numerics' probe), or ''."""
-    first_nonfinite_why: str
-    nonfinite_params: tuple[str, ...]
-    """Parameters whose gradient held inf/NaN (an overflow inside a weight gradient's own sum shows only here)."""
-    scale: float | None
-    """The loss scale this mode's GradScaler used (None: no scaler)."""
-    scale_after: float | None
-    scale_source: str
-    """Where the scale came from: the lane's own scaler, another lane's record of this step, or the initial scale."""
-    update_norm: float
-    """‖w_after − w_before‖ over all parameters (fp64)."""
-    update_rel_norm: float
-    """The update's norm over the fp32 reference's update norm (1: the same size; 0: no step)."""
-    update_cosine: float
-    """Cosine between this mode's update and the fp32 update (NaN when either is zero or non-finite)."""
-    loss_above_band: bool
-    """The loss is above the lane's robust band (a spike)."""
-
-    def broke(self) -> bool:
-        return not math.isfinite(self.loss) or not self.grads_finite or self.loss_above_band
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    kind: str
-    """precision | data | unclear."""
-    why: str
-
-    def line(self) -> str:
-        return f"verdict: {self.kind} — {self.why}"
-
-
-@dataclass(slots=True)
-class ReplayReport:
-    run_id: str
-    lane: int
-    mode: str
-    step: int
-    source: str
-    """Where the state before S came from, in words (a snapshot of step K in this process, or a re-run from 0)."""
-    start_step: int
-    """The step the lane's own mode re-trained from (the snapshot's; 0 for a re-run)."""
-    rows: list[ModeReplay]
-    recorded_loss: float | None
-    """The run's record of the lane's loss at S (None: not recorded)."""
-    band: LossBand | None
-    rule: SpikeRule
-    faults: list[str]
-    """Faults that fired on S in the replay (in every mode)."""
-    verdict: Verdict
-    notes: list[str] = field(default_factory=list)
-    replay_s: float = 0.0
-
-    @property
-    def own(self) -> ModeReplay:
-        return next(row for row in self.rows if row.mode == self.mode)
-
-    @property
-    def reproduced(self) -> bool | None:
-        """Whether the replay's loss of S in the lane's own mode equals the recorded one bit for bit (None: no
-        record). NaN equals NaN here: a step that broke is reproduced when it breaks again."""
-        if self.recorded_loss is None:
-            return None
-        mine = self.own.loss
-        return mine == self.recorded_loss or (math.isnan(mine) and math.isnan(self.recorded_loss))
-
-    def reproduction_line(self) -> str:
-        if self.recorded_loss is None:
-            return "the run recorded no loss for this step"
-        if self.reproduced:
-            return f"reproduced: the lane's {self.mode} loss {self.own.loss!r} equals the recorded one bit for bit"
-        return (f"NOT reproduced: the replay's {self.mode} loss {self.own.loss!r} differs from the recorded "
-                f"{self.recorded_loss!r}")
-
-
-def judge(rows: list[ModeReplay], band: LossBand | None, rule: SpikeRule, faults: list[str]) -> Verdict:
-    """precision: fp32 is finite and in the band and only narrower formats break; data: fp32 breaks too (the batch's
-    loss is an outlier, or non-finite, in the reference); unclear: no mode breaks on replay."""
-    reference = next(row for row in rows if row.mode == BASELINE_MODE)
-    others = [row for row in rows if not row.reference and row.mode != BASELINE_MODE]
-    band_text = (f"band ≤ {band.upper:.4g} (median {band.median:.4g}, {band.points} steps)" if band is not None
-                 else f"no band yet (fewer than {rule.min_history} finite losses before this step)")
-    planted = f"planted on this step in every mode: {'; '.join(faults)}. " if faults else ""
-    broken = [row for row in others if row.broke()]
-
-    def what(row: ModeReplay) -> str:
-        parts = []
-        if not math.isfinite(row.loss):
-            parts.append(f"loss {row.loss}")
-        elif row.loss_above_band:
-            parts.append(f"loss {row.loss:.4g} above the band")
-        if not row.grads_finite:
-            parts.append("inf/NaN gradients" + (" (step skipped)" if row.skipped else ""))
-        if row.first_nonfinite:
-            parts.append(f"first non-finite {row.first_nonfinite}")
-        elif row.nonfinite_params:
-            parts.append(f"inf/NaN first in the gradient of {', '.join(row.nonfinite_params[:3])}")
-        return f"{row.mode}: {', '.join(parts)}"
-
-    if reference.broke():
-        how = (f"loss {reference.loss:.4g} above the {band_text}" if reference.loss_above_band
-               else f"loss {reference.loss}" if not math.isfinite(reference.loss) else "inf/NaN gradients")
-        spread = f"; {len(broken)} of {len(others)} other modes break too" if others else ""
-        return Verdict("data", f"{planted}fp32 breaks too on this batch ({how}){spread}")
-    if broken:
-        return Verdict("precision", f"{planted}fp32 is finite (loss {reference.loss:.4g}, {band_text}) and only the "
-                                    f"narrower formats break: {'; '.join(what(row) for row in broken)}")
-    losses = ", ".join(f"{row.mode} {row.loss:.4g}" for row in rows)
-    return Verdict("unclear", f"{planted}no mode breaks on replay ({losses}; {band_text})")
-
-
 @dataclass(slots=True)
 class _Start:
     """Where the lane's own mode starts re-training: its state, RNG, data order and batch at `step`."""
@@ -383,22 +263,6 @@ def _step_once(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step:
     return resolve_step(state.meter, result, wait=True)  # a host sync on CUDA: the replay's thread, not the run's
 
 
-def _set_rng(rng: list[torch.Tensor] | None, device: str) -> None:
-    if rng is None:
-        return
-    torch.set_rng_state(rng[0])
-    if len(rng) > 1:
-        torch.cuda.set_rng_state(rng[1], torch.device(device))
-
-
-def _update(before: list[torch.Tensor], state: LaneState) -> list[torch.Tensor]:
-    return [p.detach().double() - b for p, b in zip(state.params, before, strict=True)]
-
-
-def _norm(tensors: list[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(torch.sum(t * t)) for t in tensors))
-
-
 def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: int, step: int, start: _Start,
                 data: Data, history: list[float], recorded_loss: float | None, scales: dict[str, float],
                 rule: SpikeRule, threads: int | None = None) -> ReplayReport:
@@ -414,13 +278,17 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
     devices = [torch.device(device)] if start.state.precision.device_type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):  # the replay's draws leave the process's RNG as it was
-            _set_rng(start.rng, device)
+            set_rng(start.rng, device)
             state, batch = start.state, start.batch
             for s in range(start.step, step):
                 _step_once(state, batch, s)
                 batch = data.sample(start.data_order, config.batch_size)
             state.faults.take_fired()
-            rows, fired = _replay_modes(config, state, mode, batch, step, history, scales, rule, devices, notes)
+            fired = [fault.describe() for fault in state.faults.faults if fault.kind in PLANTED_IN_EVERY_MODE
+                     and fault.active(step)]
+            subject = _LaneSubject(config, state, batch, step, scales)
+            rows = replay_modes(subject, replay_targets(config.modes, device, notes), loss_band(history, rule),
+                                devices)
     finally:
         if threads:
             pin_intra_op_threads(own_threads)
@@ -437,65 +305,34 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
     return report
 
 
-def _replay_modes(config: RunConfig, pre: LaneState, mode: str, batch: tuple[torch.Tensor, torch.Tensor], step: int,
-                  history: list[float], scales: dict[str, float], rule: SpikeRule, devices: list,
-                  notes: list[str]) -> tuple[list[ModeReplay], list[str]]:
-    device = pre.precision.device
-    band = loss_band(history, rule)
-    rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-    targets: list[tuple[str, Precision, bool]] = []
-    for name in dict.fromkeys([*config.modes, BASELINE_MODE]):
-        ok, reason = availability(name, device)
-        if not ok:
-            notes.append(f"{name} is left out: {reason}")
-            continue
-        targets.append((name, get_precision(name, device), name == BASELINE_MODE))
-    wide = float64_reference(device)
-    if wide is not None:
-        targets.append((FLOAT64_REFERENCE, wide, True))
-    fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
-    outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
-    results: dict[str, tuple] = {}
-    fired = [fault.describe() for fault in pre.faults.faults if fault.kind in PLANTED_IN_EVERY_MODE
-             and fault.active(step)]
-    # The other modes first, on copies; the lane's own state steps last (it is the replay's own copy already).
-    for name, precision, reference in sorted(targets, key=lambda target: target[0] == mode):
-        if name == mode:
-            fork, source = pre, "the lane's own scaler" if precision.uses_scaler else ""
+class _LaneSubject(ReplaySubject):
+    """A lane of the race before step S: its forks run the run's own train_step, its faults included."""
+
+    def __init__(self, config: RunConfig, pre: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int,
+                 scales: dict[str, float]):
+        self.config, self.pre, self.batch, self.step, self.scales = config, pre, batch, step, scales
+        self.device, self.own_mode = pre.precision.device, pre.precision.mode
+        self.fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
+        self.outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
+
+    def fork(self, name: str, precision: Precision) -> Fork:
+        if name == self.own_mode:
+            state, source = self.pre, "the lane's own scaler" if precision.uses_scaler else ""
         else:
-            scale = scales.get(name) if precision.uses_scaler else None
+            scale = self.scales.get(name) if precision.uses_scaler else None
             source = ("" if not precision.uses_scaler else
                       "the run's lane of this mode at this step" if scale is not None else "the initial scale")
-            fork = _fork(config, pre, precision, scale)
-        before = [p.detach().double().clone() for p in fork.params]
-        _set_rng(rng, device)
-        result = _step_once(fork, batch, step)
-        grads = [p.grad for p in fork.params if p.grad is not None]
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-        first, why = "", ""
-        bad = tuple(entry["param"] for entry in gradstats.nonfinite_params(fork.model)) if not finite else ()
-        if not (finite and math.isfinite(result.loss)):
-            _set_rng(rng, device)
-            found = probe_step(fp32_weights, precision, pre.workload.loss, outlier, scale=result.scale).first_nonfinite
-            if found is not None:
-                first, why = f"{found.module} ({found.phase})", found.why
-        results[name] = (reference, result, finite, first, why, bad, source, _update(before, fork))
-    reference_update = results[BASELINE_MODE][-1]
-    reference_norm = _norm(reference_update)
-    rows = []
-    for name, _precision, _reference in targets:
-        reference, result, finite, first, why, bad, source, update = results[name]
-        norm = _norm(update)
-        dot = sum(float(torch.sum(a * b)) for a, b in zip(update, reference_update, strict=True))
-        cosine = dot / (norm * reference_norm) if norm > 0 and reference_norm > 0 else math.nan
-        rows.append(ModeReplay(
-            mode=name, reference=reference, loss=result.loss, grads_finite=finite, skipped=bool(result.skipped),
-            first_nonfinite=first, first_nonfinite_why=why, nonfinite_params=bad, scale=result.scale,
-            scale_after=result.scale_after, scale_source=source, update_norm=norm,
-            update_rel_norm=norm / reference_norm if reference_norm > 0 else math.nan,
-            update_cosine=cosine if math.isfinite(cosine) else math.nan,
-            loss_above_band=band is not None and math.isfinite(result.loss) and result.loss > band.upper))
-    return rows, fired
+            state = _fork(self.config, self.pre, precision, scale)
+
+        def step() -> tuple[float, bool, float | None, float | None]:
+            result = _step_once(state, self.batch, self.step)
+            return result.loss, bool(result.skipped), result.scale, result.scale_after
+
+        return Fork(state.model, state.params, step, source)
+
+    def first_nonfinite(self, precision: Precision, scale: float | None) -> tuple[str, str]:
+        return named_first(probe_step(self.fp32_weights, precision, self.pre.workload.loss, self.outlier,
+                                 scale=scale).first_nonfinite)
 
 
 # --- entry points: a run of this process, or a stored one -------------------------------------------------------
@@ -536,10 +373,12 @@ def resolve_lane(info: dict, lane: str | int) -> int:
                               f"{', '.join(str(e['lane']) + ' (' + e['mode'] + ')' for e in lanes)}")
 
 
-def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None) -> ReplayReport:
+def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None, *,
+               record: bool = False) -> ReplayReport:
     """Replay step `step` of lane `lane` (a number or a mode name) of run `run_id` through a RunManager: from the
-    run's snapshots when this process holds the run, else by re-training the lane from its seed. ReplayError (a
-    ConfigError) naming the field for an unknown run, lane or step, or a step out of the snapshots' reach."""
+    run's snapshots when this process holds the run, else by re-training the lane from its seed. `record`: the
+    report also becomes a `replayed` event of the run (`record_replay`). ReplayError (a ConfigError) naming the field
+    for an unknown run, lane or step, or a step out of the snapshots' reach."""
     rule = rule or SpikeRule()
     info = manager.run_info(run_id)
     if info is None:
@@ -580,8 +419,20 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
             raise ReplayError("device", f"{mode} cannot run here: {reason}")
         data = workload.load_data(config)
         start = _from_seed(config, index, mode, seed, workload, data, device)
-    return replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
-                       data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule, threads=threads)
+    report = replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
+                         data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule,
+                         threads=threads)
+    if record:
+        record_replay(manager, report)
+    return report
+
+
+def record_replay(manager: Any, report: ReplayReport) -> None:
+    """The report as a `replayed` event of its run (RunManager.record_event): the pages and a workshop scenario's
+    checks read it from the records."""
+    manager.record_event(report.run_id, REPLAYED_EVENT, f"step {report.step} replayed in every mode: "
+                                                        f"{report.verdict.line()}", report.lane, report.step,
+                         report=report_data(report))
 
 
 def _run_threads(events) -> int | None:

@@ -373,6 +373,15 @@ class RunStore:
                              (run_id, "the run's process is still writing: it had been marked interrupted", now))
             conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (now, run_id))
 
+    def add_events(self, events: list[Event]) -> None:
+        """Events about runs written after the fact by a process that is not their writer (a replay's report on a
+        stored run): inserted only, the runs' status and heartbeat left as they are."""
+        with self._write() as conn:
+            conn.executemany(
+                "INSERT INTO events (run_id, lane, step, kind, message, t_wall_s, data) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(e.run_id, e.lane, e.step, e.kind, e.message, e.t_wall_s, json.dumps(e.data, default=str))
+                 for e in events])
+
     # --- requests from a page to a live process (amp_core.records.requests) ---------------------------------
     def add_request(self, run_id: str, kind: str) -> int:
         """A new open request for run `run_id`'s process; its id."""

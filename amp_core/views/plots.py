@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from amp_core.probes.spikes import SpikeRule, band_upper
 from amp_core.records.levels import FIELD_INDEX, LEVEL_BASE
 from amp_core.records.query import MAX_POINTS, LaneSeries, level_buckets
 from amp_core.views.summary import by_lane, seed_groups, seed_spread
@@ -193,6 +194,25 @@ def marker_trace(mode: str, x: np.ndarray, y: np.ndarray, name: str, symbol: str
              "hovertemplate": "step %{x}: skipped<extra>" + mode + "</extra>"}
     trace.update(extra)
     return trace
+
+
+SPIKE_MARKER = {"symbol": "circle-open", "size": 12, "color": "#d62728", "line": {"width": 2}}
+"""How a loss spike (above the robust band) is marked, on the Train page and the Overflow debugger alike."""
+
+
+def spike_trace(x: np.ndarray, y: np.ndarray, name: str, legendgroup: str = "spike", **extra) -> dict:
+    """Loss spikes as open red circles."""
+    trace = {"type": "scatter", "mode": "markers", "name": name, "legendgroup": legendgroup, "x": x, "y": y,
+             "marker": SPIKE_MARKER, "hovertemplate": "step %{x}: spike, loss %{y:.4g}<extra></extra>"}
+    trace.update(extra)
+    return trace
+
+
+def spike_steps(steps: np.ndarray, losses: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    """Indices of the steps whose loss lies above the band of the steps before them (probes.spikes)."""
+    upper = band_upper(losses, rule)
+    with np.errstate(invalid="ignore"):
+        return np.flatnonzero(np.isfinite(losses) & (losses > upper))
 
 
 def chart_layout(title: str, y_title: str, **extra) -> dict:
@@ -404,11 +424,14 @@ def band_traces(mode: str, band: dict[str, np.ndarray], name: str, legendgroup: 
 
 
 def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto", smoothing: float = 0.0,
-                max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None) -> go.Figure:
-    """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x. The y
-    axis is `loss_axis`'s: by default log when the loss spans a wide range, else linear with spikes off the axis.
-    A mode with several seed replicates (`seeds`: lane key -> seed) is one mean line across its seeds inside their
-    min-max band, each seed's skipped steps marked."""
+                max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None,
+                spikes: SpikeRule | None = None) -> go.Figure:
+    """Loss vs step per lane (EMA-smoothed if asked, the raw curve then faint behind it); skipped steps as x; with
+    `spikes`, each loss above its robust band (probes.spikes) as an open red circle, on a lane drawn step by step (a
+    lane read as an envelope of buckets is not marked: its band would be the buckets'). The y axis is `loss_axis`'s:
+    by default log when the loss spans a wide range, else linear with spikes off the axis. A mode with several seed
+    replicates (`seeds`: lane key -> seed) is one mean line across its seeds inside their min-max band, each seed's
+    skipped steps marked."""
     series = _lanes(records, max_points)
     if not series:
         return empty_figure("Loss", "no steps yet")
@@ -441,11 +464,13 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
             marks = np.interp(skipped, shown_steps, shown) if len(shown_steps) else np.full(len(skipped), np.nan)
         else:
             shown_steps, shown, marks = steps, raw, np.asarray(at_skips["loss"], dtype=float)
-        drawn.append((lane.mode, steps, raw, shown_steps, shown, skipped, marks))
-    shown_all = [shown for *_, shown, _, _ in drawn] or [np.asarray(t["y"], dtype=float) for t in spread]
+        spiked = (spike_steps(steps, raw, spikes) if spikes is not None and lane.bucket_steps == 1
+                  else np.array([], dtype=int))
+        drawn.append((lane.mode, steps, raw, shown_steps, shown, skipped, marks, spiked))
+    shown_all = [shown for *_, shown, _, _, _ in drawn] or [np.asarray(t["y"], dtype=float) for t in spread]
     yaxis, why, clip = loss_axis(np.concatenate(shown_all) if shown_all else np.array([]), axis)
     data = spread
-    for mode, steps, raw, shown_steps, shown, skipped, marks in drawn:
+    for mode, steps, raw, shown_steps, shown, skipped, marks, spiked in drawn:
         if smoothing > 0:
             data.append(line_trace(mode, steps, raw, opacity=0.25, showlegend=False, hoverinfo="skip"))
         data.append(line_trace(mode, shown_steps, shown))
@@ -457,6 +482,12 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
             at = np.where(np.isfinite(marks), marks, top)  # inf/NaN: on top
             data.append(marker_trace(mode, skipped, np.minimum(at, top) if clip is not None else at,
                                      f"{mode} skipped"))
+        if len(spiked):
+            at = raw[spiked]
+            data.append(spike_trace(steps[spiked], np.minimum(at, clip[1]) if clip is not None else at,
+                                    f"{mode} spike", legendgroup=mode, customdata=at,
+                                    hovertemplate="step %{x}: spike, loss %{customdata:.4g}<extra>" + mode
+                                                  + "</extra>"))
     title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "") + (f" · {why}" if why else "")
     return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis=yaxis)})
 
@@ -606,16 +637,18 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, st
 
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, loss_axis: str = "auto", smoothing: float = 0.0,
                   raw_step_times: bool = False, bands: StepTimeBands | None = None,
-                  max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None) -> dict[str, go.Figure]:
+                  max_points: int = MAX_POINTS, seeds: dict[str, int] | None = None,
+                  spikes: SpikeRule | None = None) -> dict[str, go.Figure]:
     """Every chart of the Train page, keyed loss / step_time / memory / scale / lr (the records split once), and
     `ranks` (each rank's median step time) when a lane ran on several ranks (a torchrun job): its loss and step
     time are then drawn as the median across ranks inside a min-max band. With several seeds per mode (`seeds`: lane
     key -> seed) loss and step time draw each mode as its mean across seeds inside a min-max band; the memory, scale
     and LR charts draw each mode's first seed (every seed of a mode holds the same bytes and steps the same LR; the
-    scale of each seed is in the lanes table)."""
+    scale of each seed is in the lanes table). `spikes`: the band that marks loss spikes (None: none marked)."""
     series = _lanes(records, max_points)
     firsts = [lane for group in seed_groups(series, seeds).values() for lane in group[0]]  # each mode's first seed
-    figures = {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points, seeds=seeds),
+    figures = {"loss": loss_figure(series, axis=loss_axis, smoothing=smoothing, max_points=max_points, seeds=seeds,
+                                   spikes=spikes),
                "step_time": step_time_figure(series, max_points, raw=raw_step_times, bands=bands, seeds=seeds),
                "memory": memory_figure(firsts), "scale": scale_figure(firsts, max_points),
                "lr": lr_figure(firsts, max_points)}

@@ -9,20 +9,21 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.probes.replay import ReplayReport
+from amp_core.probes.replay_modes import ReplayReport
 from amp_core.probes.spikes import SpikeRule, band_upper
-from amp_core.views.plots import chart_layout, log_axis, mode_color
+from amp_core.views.plots import chart_layout, log_axis, mode_color, spike_trace
 
 REPLAY_COLUMNS = ["mode", "loss", "what broke", "first inf/NaN", "scale", "update vs fp32"]
 """What a replay's table shows: each mode (▶ the lane's own, `ref` the references), its loss, what broke (`band`: the
-loss is above the band, `inf/NaN`: gradients, `skip`: the scaler skipped the step), the first module that held
-inf/NaN, the scaler's scale before → after the step, and its update against fp32's (×: norm ratio, cos: cosine)."""
+loss is above the band, `loss`: the loss itself is inf/NaN, `inf/NaN`: gradients, `skip`: the scaler skipped the
+step), the first module that held inf/NaN, the scaler's scale before → after the step, and its update against fp32's
+(×: norm ratio, cos: cosine)."""
 
 
 def _broke(row) -> str:
     parts = []
     if not math.isfinite(row.loss):
-        parts.append(f"loss {row.loss}")
+        parts.append("loss")
     elif row.loss_above_band:
         parts.append("band")
     if not row.grads_finite:
@@ -137,10 +138,7 @@ def spike_loss_figure(steps: pd.DataFrame, lane: int, mode: str, rule: SpikeRule
     review = steps_to_review(steps, lane, rule)
     spikes = review[review["what"] == "spike"]
     if len(spikes):
-        figure.add_trace(go.Scatter(x=spikes["step"], y=spikes["loss"], mode="markers", name="spike",
-                                    marker={"symbol": "circle-open", "size": 12, "color": "#d62728",
-                                            "line": {"width": 2}},
-                                    hovertemplate="step %{x}: spike, loss %{y:.4g}<extra></extra>"))
+        figure.add_trace(spike_trace(spikes["step"], spikes["loss"], "spike"))
     skipped = mine[mine["skipped"].astype(bool)]
     if len(skipped):
         figure.add_trace(go.Scatter(x=skipped["step"], y=skipped["loss"], mode="markers", name="skipped",

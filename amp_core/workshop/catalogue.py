@@ -42,6 +42,9 @@ class Scenario:
     """What the table is."""
     charts: tuple[str, ...] = ("loss", "scale")
     """Which of the Train page's charts tell the story (keys of views.plots.train_figures)."""
+    after_run: Callable[[object, str], None] | None = None
+    """(manager, run_id) -> work on a run once it has ended, on the launch's thread (the replays a scenario's checks
+    read), or None."""
 
     def configs(self, device: str = "auto") -> tuple[RunConfig, ...]:
         """The runs for `device` ('auto': CUDA when there is a GPU, else the CPU)."""
@@ -215,6 +218,29 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
             Check("Without a scaler the NaN is applied", "bf16-mixed's loss turns NaN after the first NaN step and "
                   "the lane stops", checks.unscaled_applies_nan),
         )),
+    Scenario(
+        name="precision-or-data", title="Precision or data? Replay the step that blew up",
+        watch="32-true, 16-mixed and bf16-mixed race with two planted failures: 16-mixed's GradScaler starts at "
+              "2^24, so its first steps overflow fp16 and skip (precision), and at step 40 one batch's inputs and "
+              "targets are x30 (data). When the run ends both steps are replayed from the lanes' snapshots in every "
+              "mode and in fp32 and float64, and the Overflow debugger shows their tables and verdicts.",
+        caveat="A replay judges one step from the weights before it: precision means fp32 took the batch in its "
+               "stride and only the narrow format broke; data means fp32 broke too. The outlier also makes 16-mixed "
+               "skip (its scaled gradients overflow): that skip is the data's, not fp16's, which the replay tells "
+               "apart and the scale chart cannot.",
+        build=lambda device: (_config(device, "precision or data", workload="mlp_regression",
+                                      modes=("32-true", "16-mixed", "bf16-mixed"), steps=60, gradstats_every=0,
+                                      faults=(FaultSpec(kind="init_scale", factor=2.0**24, modes=("16-mixed",)),
+                                              FaultSpec(kind="batch_outlier", step=40, factor=30.0))),),
+        checks=(
+            Check("The overflow is precision", "16-mixed's first skipped step, replayed: fp32 is finite and only "
+                  "fp16 breaks; the replay names where inf/NaN appeared first", checks.overflow_is_precision),
+            Check("The outlier is data", "step 40, replayed: fp32's loss is far above its band too",
+                  checks.outlier_is_data),
+            Check("The replays reproduce the run", "each replayed step's 16-mixed loss equals the recorded one bit "
+                  "for bit: the snapshot and the run's batches give the same step back", checks.replays_reproduce),
+        ),
+        after_run=checks.replay_the_failures),
     Scenario(
         name="fp8", title="FP8 on this device",
         watch="bf16-mixed and bf16-mixed+fp8-rowwise (torchao's float8 training: every eligible Linear's matmuls in "

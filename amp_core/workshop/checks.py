@@ -376,3 +376,83 @@ def fp8_saves_no_memory(evidence: Evidence) -> tuple[bool, str, str]:
     figure = f"held (parameters + gradients + optimizer state): {held_now[FP8_LANE] / 2**20:.2f} MiB with FP8, " \
              f"{held_now['bf16-mixed'] / 2**20:.2f} MiB with bf16-mixed"
     return held, figure, "" if held else "The FP8 lane holds a different amount: its weights should stay fp32."
+
+
+# --- precision or data? (two failed steps of one run, replayed after it) ------------------------------------------
+REPLAY_LANE = "16-mixed"
+"""The lane whose failed steps the precision-or-data scenario replays."""
+
+
+def replay_the_failures(manager, run_id: str) -> None:
+    """After the run (on the scenario's launch thread, never the training thread): replay its 16-mixed lane's first
+    skipped step before the outlier (the planted overflow) and the outlier's step, through the Replay button's own
+    code, each report recorded in the run as a `replayed` event (what the checks read)."""
+    from amp_core.config import RunConfig
+    from amp_core.probes.replay import replay_run
+
+    info = manager.run_info(run_id)
+    lane = next(entry["lane"] for entry in info["lanes"] if entry["mode"] == REPLAY_LANE)
+    outlier = fault_of(RunConfig.from_dict(info["config"]), "batch_outlier").step
+    steps = manager.steps(run_id)
+    mine = steps[(steps["lane"] == lane) & steps["skipped"].astype(bool) & (steps["step"] < outlier)]
+    for step in dict.fromkeys([*[int(s) for s in mine["step"].head(1)], outlier]):
+        replay_run(manager, run_id, lane, step, record=True)
+
+
+def _replays(evidence: Evidence) -> tuple[Part, dict[int, object]]:
+    from amp_core.probes.replay_modes import recorded_replays
+
+    part = evidence.part(0)
+    lane = part.lane_index(REPLAY_LANE)
+    reports = {report.step: report for report in recorded_replays(evidence.manager.events(part.run_id), lane)}
+    if not reports:
+        raise Waiting("the replays, made when the run has ended")
+    return part, reports
+
+
+def _replay_at(reports: dict, step: int):
+    if step not in reports:
+        raise Waiting(f"the replay of step {step}")
+    return reports[step]
+
+
+def overflow_is_precision(evidence: Evidence) -> tuple[bool, str, str]:
+    part, reports = _replays(evidence)
+    lane = part.lane(REPLAY_LANE)
+    outlier = fault_of(part.config, "batch_outlier").step
+    skipped = lane[lane["skipped"].astype(bool) & (lane["step"] < outlier)]
+    if skipped.empty:
+        return False, f"{REPLAY_LANE} skipped no step before the outlier", (
+            "The planted initial scale fit this model's gradients: nothing overflowed fp16, so there was no step to "
+            "replay.")
+    step = int(skipped["step"].iat[0])
+    report = _replay_at(reports, step)
+    own = report.own
+    named = own.first_nonfinite or (f"the gradient of {own.nonfinite_params[0]}" if own.nonfinite_params else "")
+    held = report.verdict.kind == "precision" and bool(named)
+    figure = f"step {step}: verdict {report.verdict.kind}; {REPLAY_LANE}'s first inf/NaN: {named or 'none named'}"
+    why = "" if held else (f"The replay says: {report.verdict.why}." if report.verdict.kind != "precision" else
+                           "The replay judged it precision but named no module or parameter that held inf/NaN.")
+    return held, figure, why
+
+
+def outlier_is_data(evidence: Evidence) -> tuple[bool, str, str]:
+    part, reports = _replays(evidence)
+    step = fault_of(part.config, "batch_outlier").step
+    report = _replay_at(reports, step)
+    reference = next(row for row in report.rows if row.mode == "32-true")
+    held = report.verdict.kind == "data"
+    band = f"its band ≤ {report.band.upper:.4g}" if report.band is not None else "no band yet"
+    figure = f"step {step}: verdict {report.verdict.kind}; fp32's loss {reference.loss:.4g} ({band})"
+    why = "" if held else f"The replay says: {report.verdict.why}."
+    return held, figure, why
+
+
+def replays_reproduce(evidence: Evidence) -> tuple[bool, str, str]:
+    _, reports = _replays(evidence)
+    steps = sorted(reports)
+    missed = [step for step in steps if reports[step].reproduced is False]
+    figure = (f"{len(steps) - len(missed)} of {len(steps)} replayed steps (step {', '.join(map(str, steps))}) "
+              f"reproduced bit for bit")
+    why = "" if not missed else " ".join(f"Step {step}: {reports[step].reproduction_line()}." for step in missed)
+    return not missed, figure, why

@@ -28,23 +28,31 @@ class ScenarioLaunch:
         self._stop = threading.Event()
         self.run_ids: list[str] = [manager.launch(self.configs[0]).run_id]
         self._chain = None
-        if len(self.configs) > 1:
+        if len(self.configs) > 1 or scenario.after_run is not None:
             self._chain = background.start(self._launch_rest, f"amp-workshop-{scenario.name}", stop=self._stop.set)
 
     def _launch_rest(self) -> None:
+        """Each run after the one before has ended; the scenario's after-run work on each run once it has ended."""
         from amp_core.config import ConfigError
 
-        for config in self.configs[1:]:
+        for index, config in enumerate(self.configs):
+            if index:
+                try:
+                    self.run_ids.append(self.manager.launch(config).run_id)
+                except ConfigError as error:
+                    self.error = f"run {len(self.run_ids) + 1} of {len(self.configs)} did not start: {error}"
+                    return
             run = self.manager.get(self.run_ids[-1])
             while run is not None and run.alive and not self._stop.is_set():
                 run.join(0.2)
             if self._stop.is_set():
                 return
-            try:
-                self.run_ids.append(self.manager.launch(config).run_id)
-            except ConfigError as error:
-                self.error = f"run {len(self.run_ids) + 1} of {len(self.configs)} did not start: {error}"
-                return
+            if self.scenario.after_run is not None:
+                try:
+                    self.scenario.after_run(self.manager, self.run_ids[-1])
+                except ConfigError as error:
+                    self.error = f"after run {index + 1} of {len(self.configs)}: {error}"
+                    return
 
     @property
     def going(self) -> bool:
