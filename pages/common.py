@@ -291,10 +291,11 @@ def presenter_style() -> None:
     st.html(PRESENTER_CSS)
 
 
-def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | None:
+def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> tuple[int, dict] | None:
     """A button asking an attached run's process for `kind` at its next step (amp_core.records.requests), and where
     the last request from this page stands: waiting, refused, or its process gone, each said in words. Returns the
-    answer's data once it has arrived, else None. The caller redraws it (a fragment) while the run is live."""
+    last request's id and its answer's data once it has arrived, else None. The caller redraws it (a fragment) while
+    the run is live."""
     from amp_core.records import requests
 
     store = get_manager().store
@@ -319,7 +320,7 @@ def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | 
         st.warning("The request is gone from the store.")
     elif current.status == "answered":
         st.success(f"Answered: {current.message}.")
-        return current.answer
+        return request_id, current.answer
     elif current.status in ("refused", "gone"):
         st.warning(f"Not answered: {current.message}.")
     else:
@@ -327,3 +328,18 @@ def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | 
                 + ("waiting for the process to read it at its next flush…" if current.status == "open" else
                    "the process took it and answers after its next step…"))
     return None
+
+
+def first_nonfinite_list(events: pd.DataFrame, key: str, lane: int | None = None) -> bool:
+    """An attached run's first inf/NaN events (amp_core.probes.layerwatch), the newest three as messages and all as a
+    table (`lane`: that lane's only); False when there are none."""
+    from amp_core.views.numerics import first_nonfinite_events
+
+    first = first_nonfinite_events(events, lane)
+    if first.empty:
+        return False
+    st.markdown("**First inf/NaN of each failed step**")
+    for message in first["message"].head(3):
+        st.error(message, icon=":material/local_fire_department:")
+    st.dataframe(first.drop(columns="message"), hide_index=True, key=key)
+    return True

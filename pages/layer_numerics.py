@@ -8,9 +8,17 @@ from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
 from amp_core.runs import is_live
 from amp_core.views import numerics as numerics_views
+from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import attached_request, get_manager, live_lane_probe, run_picker, store_guarded
+from pages.common import (
+    attached_request,
+    first_nonfinite_list,
+    get_manager,
+    live_lane_probe,
+    run_picker,
+    store_guarded,
+)
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -189,22 +197,11 @@ def attached_note(config: dict) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
     if config.get("source") != "monitor":
         return
-    writer = f"the AMP Lab callback of a {config['integration']}" if config.get("integration") else "a Monitor"
     every = config.get("layers_every", 0)
-    st.caption(f"An attached run: {writer} in `{config.get('script') or 'a script'}` measures every module's output "
-               "and output gradient with hooks during the script's own step"
+    st.caption(f"An attached run: {attached_writer(config)} measures every module's output and output gradient with "
+               "hooks during the script's own step"
                + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")
-
-
-def show_first_nonfinite_events(events) -> None:
-    first = numerics_views.first_nonfinite_events(events)
-    if first.empty:
-        return
-    st.markdown("**First inf/NaN of each failed step**")
-    for message in first["message"].head(3):
-        st.error(message, icon=":material/local_fire_department:")
-    st.dataframe(first.drop(columns="message"), hide_index=True, key="lnum_first_nonfinite")
 
 
 def one_format(table, key: str):
@@ -229,7 +226,8 @@ def show_cast_shares(events, lane: int, which: str) -> None:
 
 def requested_layers(run_id: str, live: bool) -> None:
     """An attached run: ask its process for every module's figures at its next step; the answer when it arrives."""
-    answer = attached_request("lnum", "layers", run_id, live)
+    answered = attached_request("lnum", "layers", run_id, live)
+    answer = answered[1] if answered is not None else None
     if not answer or not answer.get("layers"):
         return
     layers = answer["layers"]
@@ -270,7 +268,7 @@ def amax_view(run_id: str) -> None:
                          format_func={"output": "outputs", "grad": "output gradients"}.get)
     st.markdown(f"**{numerics_views.amax_story(samples, lane, which)}**")
     st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
-    show_first_nonfinite_events(events)
+    first_nonfinite_list(events, "lnum_first_nonfinite")
     show_cast_shares(events, lane, which)
 
 

@@ -10,9 +10,10 @@ from amp_core.probes.spikes import SpikeRule
 from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views
+from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import STATUS_ICONS, get_manager, run_picker, store_guarded
+from pages.common import STATUS_ICONS, first_nonfinite_list, get_manager, run_picker, store_guarded
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -116,10 +117,16 @@ lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane
                                           f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
 mode = lanes[lane]["mode"]
 live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
+attached = info["config"].get("source") == "monitor"  # a Monitor or a trainer callback in the user's own process
+if attached:
+    st.caption(f"An attached run: {attached_writer(info['config'])} writes it. Its skipped steps and scale are its own "
+               "GradScaler's; after a failed step its layer hooks name the first module whose output (or gradient) "
+               "held inf/NaN. Its model lives in that process: fault injection and replay need a run AMP Lab trains.")
 
 
 def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
-    """The part that moves while a run trains: lane overview, fault effects, scale timeline, skipped steps."""
+    """The part that moves while a run trains: lane overview, fault effects, scale timeline, skipped steps, the first
+    inf/NaN modules an attached run named."""
     info = manager.run_info(run_id)
     steps, events = manager.steps(run_id), manager.events(run_id)
     try:
@@ -153,6 +160,9 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
                                                                            "that are NaN (after unscaling)")})
         if table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
+    if not first_nonfinite_list(events, "dbg_first_nonfinite", lane) and attached:
+        st.caption("No first inf/NaN named so far: after a failed step the run's layer hooks name the first module "
+                   "whose output (or, failing that, gradient) held inf/NaN.")
     if was_live and not is_live(info):
         st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
 
@@ -166,12 +176,61 @@ if live:
 else:
     draw_run(run_id, lane, mode, False)
 
+
+def replay_panel(run_id: str, lane: int, steps_done: int, review, spike_rule: SpikeRule) -> None:
+    """The step picker, the Replay button and the last replay's verdict and table (runs AMP Lab trains)."""
+    last_step = max(steps_done - 1, 0)
+    replay_row = st.columns([2, 1, 3])
+    replay_step_value = replay_row[0].number_input(
+        "Step to replay", min_value=0, max_value=last_step,
+        value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
+        key=f"dbg_replay_step_{run_id}_{lane}",
+        help="Opens on the lane's first spike, else its first skipped step or non-finite loss (a scaler's first steps "
+             "often skip while it finds its scale).")
+    if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
+        with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
+            try:
+                st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
+                                                                   spike_rule)
+            except ConfigError as error:
+                st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
+    replayed = st.session_state.get("dbg_replay_report")
+    if isinstance(replayed, str):
+        st.error(replayed)
+    elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
+        verdict = replayed.verdict
+        st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
+        st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
+        replay_table = replay_views.replay_frame(replayed)
+        replay_widths = content_widths(replay_table, max_px=132)
+        st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", column_config={
+            **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
+            "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
+            "what broke": st.column_config.Column(width=replay_widths["what broke"],
+                                                  help="band: the loss is above the band; inf/NaN: in the gradients; "
+                                                       "skip: the GradScaler skipped the step"),
+            "scale": st.column_config.Column(width=replay_widths["scale"],
+                                             help="The GradScaler's scale, before → after"),
+            "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
+                                                      help="×: this update's norm over fp32's (0: no step); cos: the "
+                                                           "cosine between the two updates")})
+        st.caption("▶ the lane's own mode · ref: the references every mode is judged against.")
+        for row in replayed.rows:
+            if row.first_nonfinite_why:
+                st.caption(f"**{row.mode}** · first inf/NaN in `{row.first_nonfinite}`: {row.first_nonfinite_why}")
+        st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
+                   f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
+                   + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
+
+
 # ---- replay: precision or data? -----------------------------------------------------------------------------
-st.subheader("Replay a step: precision or data?")
-st.caption("A step is replayed from the lane's weights before it, once in every mode of the run and in fp32 and "
-           "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the loss "
-           "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. A run "
-           "this server holds replays from its snapshots; a stored run is re-trained from its seed to the step.")
+st.subheader("Loss spikes and failed steps" if attached else "Replay a step: precision or data?")
+if not attached:
+    st.caption("A step is replayed from the lane's weights before it, once in every mode of the run and in fp32 and "
+               "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the "
+               "loss band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. "
+               "A run this server holds replays from its snapshots; a stored run is re-trained from its seed to the "
+               "step.")
 default_rule = SpikeRule()
 with st.expander(f"Spike band: median + {default_rule.k:g}·MAD over {default_rule.window} steps (change)"):
     band_row = st.columns(2)
@@ -186,52 +245,17 @@ review = replay_views.steps_to_review(lane_steps_now, lane, spike_rule)
 st.plotly_chart(replay_views.spike_loss_figure(lane_steps_now, lane, mode, spike_rule), key="dbg_spike_chart")
 st.caption(f"Spike band: {spike_rule.describe()}.")
 if review.empty:
-    st.caption("No skipped step, non-finite loss or spike in this lane so far; any step can still be replayed.")
+    st.caption("No skipped step, non-finite loss or spike in this lane so far"
+               + ("." if attached else "; any step can still be replayed."))
 else:
     st.dataframe(review, hide_index=True, key="dbg_review",
                  column_config={"loss": st.column_config.NumberColumn(format="%.4g"),
                                 "band ≤": st.column_config.NumberColumn(format="%.4g")})
-last_step = max(int(lanes[lane]["steps_done"]) - 1, 0)
-replay_row = st.columns([2, 1, 3])
-replay_step_value = replay_row[0].number_input(
-    "Step to replay", min_value=0, max_value=last_step,
-    value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
-    key=f"dbg_replay_step_{run_id}_{lane}", help="Opens on the lane's first spike, else its first skipped step or "
-                                                 "non-finite loss (a scaler's first steps often skip while it finds "
-                                                 "its scale).")
-if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
-    with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
-        try:
-            st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
-                                                               spike_rule)
-        except ConfigError as error:
-            st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
-replayed = st.session_state.get("dbg_replay_report")
-if isinstance(replayed, str):
-    st.error(replayed)
-elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
-    verdict = replayed.verdict
-    st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
-    st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
-    replay_table = replay_views.replay_frame(replayed)
-    replay_widths = content_widths(replay_table, max_px=132)
-    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", column_config={
-        **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
-        "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
-        "what broke": st.column_config.Column(width=replay_widths["what broke"],
-                                              help="band: the loss is above the band; inf/NaN: in the gradients; "
-                                                   "skip: the GradScaler skipped the step"),
-        "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
-        "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
-                                                  help="×: this update's norm over fp32's (0: no step); cos: the "
-                                                       "cosine between the two updates")})
-    st.caption("▶ the lane's own mode · ref: the references every mode is judged against.")
-    for row in replayed.rows:
-        if row.first_nonfinite_why:
-            st.caption(f"**{row.mode}** · first inf/NaN in `{row.first_nonfinite}`: {row.first_nonfinite_why}")
-    st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
-               f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
-               + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
+if attached:
+    st.caption("An attached run cannot be replayed here: its model and data live in the process that wrote it.")
+else:
+    replay_panel(run_id, lane, int(lanes[lane]["steps_done"]), review, spike_rule)
+
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")
