@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from amp_core.probes.cost import ProbeBoard
     from amp_core.runner import RunManager
 
-STATUS_ICONS = {"running": "🟢", "paused": "⏸️", "pending": "⏳", "finished": "✅", "stopped": "⏹️",
-                "failed": "❌", "interrupted": "⚠️", "diverged": "💥"}
+# Marks in Streamlit's own icon font (Markdown only): an emoji needs an emoji font, which a plain Linux box may lack
+# (Debian's Chromium with no emoji font drew each as an empty box). Plain-text labels (a picker's options, a table's
+# cells) say the status in words.
+LIVE_MARK = ":green[:material/radio_button_checked:]"
+"""Before a page's "live: redrawn every ..." caption."""
 CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
 """What the Train form needs beyond the light catalog: which modes this device runs (imports torch), and the workload
 plugins named in $AMP_LAB_WORKLOADS (loaded once per server, never from anything typed on a page)."""
@@ -248,9 +251,8 @@ def run_label(row: pd.Series, status: bool = True) -> str:
     """A run as pickers list it; `status` False leaves its status out (for a page that shows it live elsewhere)."""
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(row["created_at"]))
     name = f"{row['name']} · " if row.get("name") else ""
-    head = f"{STATUS_ICONS.get(row['status'], '')} " if status else ""
     tail = f" · {row['status']}" if status else ""
-    return f"{head}{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
+    return f"{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
 
 
 def run_picker(manager: RunManager, key: str, label: str = "Run", default: str | None = None,

@@ -12,6 +12,7 @@ from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import (
+    LIVE_MARK,
     attached_request,
     first_nonfinite_list,
     get_manager,
@@ -188,7 +189,7 @@ def show_amax_over_time(run_id: str) -> None:
     # Live: training here, or written by another process (the CLI, a Monitor script, torchrun).
     live = is_live(info)
     if live:
-        st.caption("🟢 live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
+        st.caption(f"{LIVE_MARK} live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
                                                             for lane in info.lanes) + " at page load)")
     st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 

@@ -13,7 +13,7 @@ from amp_core.views import replay as replay_views
 from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import STATUS_ICONS, first_nonfinite_list, get_manager, run_picker, store_guarded
+from pages.common import LIVE_MARK, first_nonfinite_list, get_manager, run_picker, store_guarded
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -48,8 +48,8 @@ st.caption("Which parameters overflowed, and when; how the GradScaler's scale ba
 
 # ---- fault injection ------------------------------------------------------------------------------------
 # Open by default: a newcomer finds the demo here whether or not runs exist (collapse it to give the run room).
-with st.expander("💉 Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
-                 expanded=True):
+with st.expander("Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
+                 expanded=True, icon=":material/syringe:"):
     st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
                 "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
                 "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
@@ -113,8 +113,8 @@ if info is None:
 lanes = {lane["lane"]: lane for lane in info["lanes"]}
 lane_ids = list(lanes)
 lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane(info["lanes"])),
-                    format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {STATUS_ICONS.get(lanes[i]['status'], '')}"
-                                          f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
+                    format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {lanes[i]['status']}",
+                    key=f"dbg_lane_{run_id}")
 mode = lanes[lane]["mode"]
 live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
 attached = info["config"].get("source") == "monitor"  # a Monitor or a trainer callback in the user's own process
@@ -171,7 +171,7 @@ if live:
     total = info.config.get("steps") or 0  # 0: unknown (a Monitor's loop that did not say)
     progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
-    st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
+    st.caption(f"{LIVE_MARK} live: redrawn every second ({progress} at page load)")
     st.fragment(run_every=1.0)(store_guarded(draw_run))(run_id, lane, mode, True)
 else:
     draw_run(run_id, lane, mode, False)

@@ -333,7 +333,8 @@ if launch_now and config is not None:
     else:
         st.session_state["train_run_id"] = run.run_id
         st.session_state["train_run_pick"] = run.run_id
-        st.toast(f"Launched {config.workload} × {', '.join(config.modes)} ({run.run_id})", icon="🚀")
+        st.toast(f"Launched {config.workload} × {', '.join(config.modes)} ({run.run_id})",
+                 icon=":material/rocket_launch:")
 
 # --- the run: picker, controls, live view ------------------------------------------------------------------------
 st.divider()

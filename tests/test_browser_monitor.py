@@ -60,7 +60,7 @@ def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
                 # The Overflow debugger follows the same script live (another process, through the store).
                 debugger = browser.new_page(viewport={"width": 1440, "height": 900})
                 debugger.goto(f"http://127.0.0.1:{port}/overflow_debugger")
-                live = debugger.get_by_text("🟢 live: redrawn every second")
+                live = debugger.get_by_text("live: redrawn every second")
                 live.wait_for(timeout=90_000)
                 assert f"lane 0 {PAUSE_AT + 1} steps" in live.inner_text()
                 debugger.wait_for_function(SETTLED, timeout=60_000)

@@ -26,7 +26,7 @@ pytestmark = [
 
 # The checks as drawn: each is a paragraph starting with its mark.
 CHECK_MARKS = """() => Array.from(document.querySelectorAll('[data-testid="stMarkdownContainer"] p'))
-    .map(p => p.textContent.trim()).filter(t => /^[✓✗⏳] /.test(t)).map(t => t[0])"""
+    .map(p => p.textContent.trim()).filter(t => /^[✓✗…] /.test(t)).map(t => t[0])"""
 ALL_HELD = f"(count) => {{ const marks = ({CHECK_MARKS})(); return marks.length === count && " \
            "marks.every(m => m === '✓'); }"
 # The text size of every chart as plotly drew it.
