@@ -116,6 +116,20 @@ class WarmUp:
         return self.facts or read_device_facts()
 
 
+def app_frame() -> None:
+    """Draw this page inside app.py's frame (sidebar, wide layout, device panel); every page calls it first.
+
+    Streamlit reads a pages/ folder the old way until an app's st.navigation has run once in the server: a page opened
+    by its own URL first (a bookmark, a reload after a restart) then runs alone, narrow and without the sidebar. Here
+    that is put right: say st.navigation has taken over (what its first run would set) and run again, so that app.py
+    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
 @st.cache_resource(show_spinner=False)
 def warm_up() -> WarmUp:
     """The server's one warm-up, started by the first script run of any session."""

@@ -20,7 +20,7 @@ from amp_core.views.summary import (
     summarize,
 )
 from amp_core.views.tables import content_widths
-from pages.common import LIVE_MARK, get_manager, run_label, store_guarded
+from pages.common import LIVE_MARK, app_frame, get_manager, run_label, store_guarded
 
 LIVE_REFRESH_S = 2.0
 # Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
@@ -31,6 +31,7 @@ SUMMARY_HEADERS = {
     "skipped steps": ("skipped", "Optimizer steps the GradScaler skipped (inf/NaN gradients)"),
 }
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Compare runs")
 st.caption("Pick runs, then the lanes to lay side by side. Colour is the precision mode (as on every page); the "
            "dash style tells runs apart. Live runs keep updating.")

@@ -13,6 +13,7 @@ from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import (
     LIVE_MARK,
+    app_frame,
     attached_request,
     first_nonfinite_list,
     get_manager,
@@ -235,9 +236,9 @@ def requested_layers(run_id: str, live: bool) -> None:
     for message in answer["messages"]:
         st.caption(message)
     table = numerics_views.cast_shares_table(layers, "output")
-    table.insert(1, "output |max|", layers["output_amax"])
-    table.insert(2, "grad |max|", layers["grad_amax"])
-    shown = one_format(table.astype({"output |max|": str, "grad |max|": str}), "lnum_requested_format")
+    table.insert(1, "output |max|", numerics_views.amax_texts(layers["output_amax"]))
+    table.insert(2, "grad |max|", numerics_views.amax_texts(layers["grad_amax"]))
+    shown = one_format(table, "lnum_requested_format")
     st.dataframe(shown, hide_index=True, key="lnum_requested",
                  column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
@@ -273,6 +274,7 @@ def amax_view(run_id: str) -> None:
     show_cast_shares(events, lane, which)
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Layer numerics")
 st.caption("Where in a model precision breaks: the first module whose output or gradient holds inf or NaN, each "
            "module's error against an fp32 run of the same weights and batch, and each module's ranges against "

@@ -9,7 +9,7 @@ from amp_core.runs import is_live
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import attached_request, get_manager, live_lane_probe, run_picker
+from pages.common import app_frame, attached_request, get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
@@ -116,6 +116,7 @@ def show_summary(trace: optrace.OpTrace) -> None:
                   help="Ops that took a bf16/fp16 result and produced fp32")
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Op inspector")
 st.caption(f"Every row is an aten op that really ran on this machine ({DEVICE}) in one forward + backward, after "
            "autocast rewrote it: the casts it inserted are ops too. No policy table is consulted.")

@@ -11,9 +11,9 @@ from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views
 from amp_core.views.live import attached_writer
-from amp_core.views.tables import content_widths
+from amp_core.views.tables import content_widths, fit_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import LIVE_MARK, first_nonfinite_list, get_manager, run_picker, store_guarded
+from pages.common import LIVE_MARK, app_frame, first_nonfinite_list, get_manager, run_picker, store_guarded
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -25,6 +25,14 @@ FAULT_HELP = {
     "batch_outlier": "the batch's inputs (and value targets) x factor for a few steps: a data outlier",
 }
 PERCENT = st.column_config.NumberColumn(format="%.4f%%")
+# The lane overview's longest header, shortened (the help says it in full): nine columns fit a 1440-px window.
+OVERVIEW_LABELS = {"steps with inf/NaN applied": "inf/NaN applied"}
+OVERVIEW_HELP = {
+    "skipped steps": "Steps the GradScaler skipped: inf/NaN in the scaled gradients",
+    "steps with inf/NaN applied": "Steps whose inf/NaN gradients the optimizer applied (a lane with no GradScaler to "
+                                  "catch them)",
+    "scale now": "The GradScaler's scale after the last step", "scale min": "Its lowest scale so far",
+    "scale max": "Its highest scale so far"}
 LR_SCHEDULER_NOTE = (
     "**Why the LR scheduler waits too.** On a skipped step `scaler.step(optimizer)` does not call "
     "`optimizer.step()`. A loop that calls `scheduler.step()` anyway moves the schedule past a step that never "
@@ -42,6 +50,7 @@ def parameter_names(workload: str) -> list[str]:
     return param_names(workload)
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Overflow debugger")
 st.caption("Which parameters overflowed, and when; how the GradScaler's scale backs off and grows back; and what "
            "GradScaler cannot see: gradients that silently underflow to zero.")
@@ -136,7 +145,10 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         st.warning(f"This run's fault plan cannot be read ({error}); faults are not shown.")
         windows = effects = None
     overview = debugger.lane_overview(steps, events, info["lanes"])
-    st.dataframe(overview, hide_index=True, key="dbg_overview")
+    widths = content_widths(overview, OVERVIEW_LABELS)
+    st.dataframe(overview, hide_index=True, key="dbg_overview", column_config={
+        column: st.column_config.Column(OVERVIEW_LABELS.get(column, column), width=width,
+                                        help=OVERVIEW_HELP.get(column)) for column, width in widths.items()})
     if effects is not None and not effects.empty:
         st.markdown("**What the fault did**")
         for row in effects.itertuples(index=False):
@@ -151,7 +163,8 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         st.caption("None so far." if uses_scaler(mode) else
                    f"{mode} has no GradScaler: an inf/NaN gradient here would be applied, not skipped.")
     else:
-        widths = content_widths(table, max_px=2000)
+        # The parameters (the one column that may run long) get the rest of the row; a cut cell shows whole on click.
+        widths = fit_widths(content_widths(table, max_px=2000), "parameters")
         st.dataframe(table, hide_index=True, key="dbg_skipped", column_config={
             **{column: st.column_config.Column(width=width) for column, width in widths.items()},
             "inf": st.column_config.NumberColumn(width=widths["inf"], help="Elements of the parameters' gradients "
@@ -300,10 +313,12 @@ st.markdown("**Share of the finite non-zero gradient each format loses** (from r
             "GradScaler sees only inf/NaN: a gradient that becomes 0 or loses bits as a subnormal trains "
             "silently wrong. Scaling moves the whole histogram right, out of the underflow zone.")
 fractions = debugger.fractions_frame(stats)
-value_columns = [c for c in fractions.columns if c != "format"]
+value_columns = list(debugger.FRACTION_COLUMNS)
 fractions[value_columns] = fractions[value_columns] * 100
-st.dataframe(fractions, hide_index=True, column_config=dict.fromkeys(value_columns, PERCENT), key="dbg_fractions",
-             placeholder="— (nothing finite)")
+st.dataframe(fractions, hide_index=True, key="dbg_fractions", placeholder="— (nothing finite)", column_config={
+    "gradient": st.column_config.Column(help="unscaled: the gradient after `unscale_`; x scale: the same values times "
+                                             "the scale, as the fp16 backward held them"),
+    **dict.fromkeys(value_columns, PERCENT)})
 if stats.lost_update_fraction is not None:
     st.metric("Updates lost to rounding", f"{stats.lost_update_fraction:.2%}",
               help="Of the elements with a finite non-zero gradient: the share whose weight did not change "

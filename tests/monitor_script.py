@@ -5,8 +5,8 @@ the test decides when it goes on, or kills it there.
 
     python tests/monitor_script.py --store S --steps 40 --pause-at 9,19 --overflow-at 12,25 --plant-at 30,31
 
---plant-at plants an inf in one module instead: at those steps the ReLU's (module "1") output is multiplied by 1e39,
-so its forward output is the first to hold inf (the first-inf/NaN event names it).
+--plant-at plants an overflow in one module instead: at those steps the ReLU's (module "1") fp16 output is multiplied
+by 1e5, past fp16's 65504, so its forward output is the first to hold inf (the first-inf/NaN event names it).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     x, y = torch.randn(64, 10), torch.randn(64, 1) * 5 + 10
     skipped, planted = [], [False]
     # Registered before the Monitor's layer hooks, so they see the planted inf as module "1"'s own output.
-    model[1].register_forward_hook(lambda module, args, output: output * 1e39 if planted[0] else None)
+    model[1].register_forward_hook(lambda module, args, output: output * 1e5 if planted[0] else None)
     with Monitor(model, optimizer, scaler, name="monitor test script", store=args.store, gradstats_every=10) as monitor:
         for step in range(args.steps):
             planted[0] = step in args.plant_at

@@ -214,11 +214,11 @@ def test_hand_made_gradient_fractions_and_histogram(dtype):
     assert scaled["x_lo"].tolist() == [-14, -4, 6, 16]
     assert unscaled["count"].sum() + sum(debugger.special_counts(stats)[k] for k in ("zero", "inf", "NaN")) == 8
     assert unscaled["share"].sum() == pytest.approx(0.5)
-    table = debugger.fractions_frame(stats).set_index("format")
-    assert table.loc["fp16", "becomes 0 (unscaled)"] == 0.25
-    assert table.loc["fp16", "subnormal (unscaled)"] == 0.25
-    assert table.loc["fp16", "overflows to inf (x 65536)"] == 0.25
-    assert table.loc["bf16"].sum() == 0.0
+    table = debugger.fractions_frame(stats).set_index(["format", "gradient"])
+    assert table.loc[("fp16", "unscaled"), "becomes 0"] == 0.25
+    assert table.loc[("fp16", "unscaled"), "subnormal"] == 0.25
+    assert table.loc[("fp16", "x 65536"), "overflows to inf"] == 0.25
+    assert table.loc["bf16"].sum().sum() == 0.0
 
 
 @pytest.mark.parametrize(("value", "fp16_class", "bf16_class"), [
@@ -259,8 +259,9 @@ def test_clamped_end_bins():
     hist = debugger.histogram_frame(stats)
     assert hist[["bin", "clamped"]].values.tolist() == [[gradstats.HIST_LO, True], [gradstats.HIST_HI, True]]
     assert "scaled" not in set(hist["series"])  # scale 1: nothing to shift
-    assert list(debugger.fractions_frame(stats).columns) == [
-        "format", "becomes 0 (unscaled)", "subnormal (unscaled)", "overflows to inf (unscaled)"]
+    fractions = debugger.fractions_frame(stats)
+    assert list(fractions.columns) == ["format", "gradient", "becomes 0", "subnormal", "overflows to inf"]
+    assert fractions["gradient"].tolist() == ["unscaled", "unscaled"]  # one row per format
 
 
 # ---- 16-true with a tiny LR loses updates ---------------------------------------------------------------

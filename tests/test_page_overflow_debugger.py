@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 from test_monitor import said, start_script
+from test_requests import go_on
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults
@@ -112,14 +113,14 @@ def test_finished_run_from_the_store(stored_run):
     assert any(a["text"].startswith("no finite non-zero gradient here") for a in histogram["layout"]["annotations"])
     assert any("inf or NaN at this step" in c.value for c in at.caption)
     # Nothing finite at that step: the lost shares are "—", not a made-up 0 %.
-    assert _frames(at)["dbg_fractions"].drop(columns="format").isna().all().all()
+    assert _frames(at)["dbg_fractions"].drop(columns=["format", "gradient"]).isna().all().all()
     at.selectbox(key=f"dbg_stat_step_{stored_run}_0").set_value(50).run()
     assert not at.exception
     histogram = _chart(at, "dbg_histogram")
     assert any(t["name"].endswith("(scaled)") for t in histogram["data"])  # 16-mixed: the scaled view too
-    fractions = _frames(at)["dbg_fractions"].set_index("format")
-    assert list(fractions.index) == ["fp16", "bf16"]
-    assert fractions.loc["fp16", "subnormal (unscaled)"] > 0  # digits_mlp's small gradients: fp16 subnormals
+    fractions = _frames(at)["dbg_fractions"].set_index(["format", "gradient"])
+    assert [fmt for fmt, _ in fractions.index] == ["fp16", "fp16", "bf16", "bf16"]  # unscaled, then x the scale
+    assert fractions.loc[("fp16", "unscaled"), "subnormal"] > 0  # digits_mlp's small gradients: fp16 subnormals
 
 
 def test_a_run_with_a_scheduler_shows_the_scheduler_note_open(fresh_store):
@@ -262,8 +263,7 @@ def test_an_attached_run_is_followed_live_with_its_skips_and_first_inf_named(fre
         assert _chart(at, "dbg_spike_chart")["data"]  # the loss against its spike band
         assert not [b for b in at.button if b.key == "dbg_replay"]  # its model lives in the script's process
         assert any("cannot be replayed here" in c.value for c in at.caption)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
+        go_on(proc)
         said(proc)
         assert proc.wait(60) == 0
     finally:

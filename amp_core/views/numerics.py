@@ -253,6 +253,11 @@ def _amax_text(value: float | str | None) -> str:
     return "–" if value is None else value if isinstance(value, str) else f"{value:.3g}"
 
 
+def amax_texts(values: list[float | str | None]) -> list[str]:
+    """Abs-max figures as a table shows them: 3 significant digits, "inf" / "nan" as recorded, "–" for none."""
+    return [_amax_text(value) for value in values]
+
+
 def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.DataFrame:
     """The latest sampled step's per-module shares of values a cast to each format overflows / makes subnormal /
     flushes to zero (attached runs' samples carry them; a race's do not: empty then). Columns: module, then
