@@ -20,7 +20,7 @@ from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
-from amp_core.views import debugger
+from amp_core.views import debugger, tables
 from amp_core.workloads import WORKLOADS, param_names
 
 # ---- helpers --------------------------------------------------------------------------------------------
@@ -426,3 +426,18 @@ def test_stored_run_reads_back_the_same(tmp_path):
     assert table[["step", "parameters"]].values.tolist() == [[9, "fc1.bias (1 NaN)"]]
     assert debugger.scale_changes(events, 0)["step"].tolist() == [9]
     assert debugger.fault_windows(manager.run_info(run.run_id)["config"], "16-mixed")["start"].tolist() == [9]
+
+
+def test_a_long_parameters_cell_gives_way_and_the_numbers_stay_whole():
+    params = [{"param": f"blocks.{i}.mlp.weight", "nan": 1000 + i} for i in range(30)]
+    events = pd.DataFrame([{"kind": "skipped_step", "lane": 0, "step": 20, "message": "",
+                            "data": {"params": params, "scale_before": 262144.0, "scale_after": 131072.0}}])
+    table = debugger.skipped_steps_table(events, 0)
+    widths = tables.content_widths(table, max_px=2000)
+    assert sum(widths.values()) > tables.TABLE_WIDTH_PX  # thirty parameters: wider than the page
+    fitted = tables.fit_widths(widths, "parameters")
+    assert sum(fitted.values()) <= tables.TABLE_WIDTH_PX
+    assert {c: w for c, w in fitted.items() if c != "parameters"} == {c: w for c, w in widths.items()
+                                                                      if c != "parameters"}
+    short = tables.content_widths(table.assign(parameters="fc1.weight (3 NaN)"))
+    assert tables.fit_widths(short, "parameters") == short  # what fits is left alone

@@ -48,7 +48,7 @@ def fit_widths(widths: dict[str, int], flexible: str, room_px: int = TABLE_WIDTH
     row fits `room_px` (never below `min_px`): every other column, numbers included, keeps its whole width. A cell
     cut short shows whole when clicked."""
     others = sum(width for column, width in widths.items() if column != flexible)
-    return {**widths, flexible: max(min_px, min(widths[flexible], room_px - others))}
+    return {**widths, flexible: min(widths[flexible], max(min_px, room_px - others))}
 
 
 def markdown_table(table: pd.DataFrame) -> str:
