@@ -278,7 +278,22 @@ def run_picker(manager: RunManager, key: str, label: str = "Run", default: str |
     ids = runs["run_id"].tolist()
     labels = dict(zip(ids, (run_label(row, status) for _, row in runs.iterrows()), strict=True))
     index = ids.index(default) if default in ids else 0
-    return st.selectbox(label, ids, index=index, format_func=labels.get, key=key)
+    return fresh_selectbox(label, ids, labels, key, index=index)
+
+
+def fresh_selectbox(label: str, options: list, labels: dict, key: str, **kwargs):
+    """st.selectbox whose options are shown as `labels[option]`, and whose chosen option shows its label as it is now.
+
+    A label that changes while its option stays chosen (a run's status: running, then finished) would otherwise stay
+    as it was in the browser: Streamlit keeps the chosen value and sends the new labels, but the box goes on showing
+    the text the browser last drew. Setting the value again makes Streamlit send it, with the new text."""
+    chosen, shown = st.session_state.get(key), st.session_state.get(f"{key}__label")
+    if chosen in labels and shown is not None and shown != labels[chosen]:
+        st.session_state[key] = chosen
+        kwargs.pop("index", None)  # the value comes from the session state (both would earn a warning on the page)
+    value = st.selectbox(label, options, format_func=labels.get, key=key, **kwargs)
+    st.session_state[f"{key}__label"] = labels.get(value)
+    return value
 
 
 PRESENTER_KEY = "presenter"

@@ -13,7 +13,15 @@ from amp_core.views import replay as replay_views
 from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths, fit_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import LIVE_MARK, app_frame, first_nonfinite_list, get_manager, run_picker, store_guarded
+from pages.common import (
+    LIVE_MARK,
+    app_frame,
+    first_nonfinite_list,
+    fresh_selectbox,
+    get_manager,
+    run_picker,
+    store_guarded,
+)
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -121,9 +129,8 @@ if info is None:
     st.stop()
 lanes = {lane["lane"]: lane for lane in info["lanes"]}
 lane_ids = list(lanes)
-lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane(info["lanes"])),
-                    format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {lanes[i]['status']}",
-                    key=f"dbg_lane_{run_id}")
+lane = fresh_selectbox("Lane", lane_ids, {i: f"lane {i} · {lanes[i]['mode']} · {lanes[i]['status']}" for i in lane_ids},
+                       f"dbg_lane_{run_id}", index=lane_ids.index(debugger.default_lane(info["lanes"])))
 mode = lanes[lane]["mode"]
 live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
 attached = info["config"].get("source") == "monitor"  # a Monitor or a trainer callback in the user's own process

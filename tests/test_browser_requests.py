@@ -90,6 +90,8 @@ def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_
                     timeout=60_000)
                 inspector.get_by_text(ANSWERED_TRACE).wait_for(state="detached")
                 expect(inspector.get_by_role("button", name="Trace the next step")).to_be_disabled(timeout=30_000)
+                run = inspector.locator("[data-testid='stSelectbox']", has_text="Run").locator("input")
+                expect(run).to_have_value(re.compile(r"^monitor test script · .* · interrupted$"), timeout=30_000)
                 screenshot(inspector, "requests_gone")
             finally:
                 browser.close()
