@@ -10,7 +10,7 @@ import streamlit as st
 
 from pages.common import device_panel, get_manager, plugin_panel, store_banner, store_panel, wait_for_store, warm_up
 
-st.set_page_config(page_title="AMP Lab", page_icon="🧪", layout="wide")
+st.set_page_config(page_title="AMP Lab", page_icon=":material/science:", layout="wide")
 
 warm = warm_up()
 pages = [

@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from amp_core.probes.cost import ProbeBoard
     from amp_core.runner import RunManager
 
-STATUS_ICONS = {"running": "🟢", "paused": "⏸️", "pending": "⏳", "finished": "✅", "stopped": "⏹️",
-                "failed": "❌", "interrupted": "⚠️", "diverged": "💥"}
+# Marks in Streamlit's own icon font (Markdown only): an emoji needs an emoji font, which a plain Linux box may lack
+# (Debian's Chromium with no emoji font drew each as an empty box). Plain-text labels (a picker's options, a table's
+# cells) say the status in words.
+LIVE_MARK = ":green[:material/radio_button_checked:]"
+"""Before a page's "live: redrawn every ..." caption."""
 CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
 """What the Train form needs beyond the light catalog: which modes this device runs (imports torch), and the workload
 plugins named in $AMP_LAB_WORKLOADS (loaded once per server, never from anything typed on a page)."""
@@ -111,6 +114,20 @@ class WarmUp:
         """The facts, once read (waits for the warm-up's first part; reads them here if it failed, to raise why)."""
         self.core.wait()
         return self.facts or read_device_facts()
+
+
+def app_frame() -> None:
+    """Draw this page inside app.py's frame (sidebar, wide layout, device panel); every page calls it first.
+
+    Streamlit reads a pages/ folder the old way until an app's st.navigation has run once in the server: a page opened
+    by its own URL first (a bookmark, a reload after a restart) then runs alone, narrow and without the sidebar. Here
+    that is put right: say st.navigation has taken over (what its first run would set) and run again, so that app.py
+    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
 
 
 @st.cache_resource(show_spinner=False)
@@ -248,9 +265,8 @@ def run_label(row: pd.Series, status: bool = True) -> str:
     """A run as pickers list it; `status` False leaves its status out (for a page that shows it live elsewhere)."""
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(row["created_at"]))
     name = f"{row['name']} · " if row.get("name") else ""
-    head = f"{STATUS_ICONS.get(row['status'], '')} " if status else ""
     tail = f" · {row['status']}" if status else ""
-    return f"{head}{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
+    return f"{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
 
 
 def run_picker(manager: RunManager, key: str, label: str = "Run", default: str | None = None,
@@ -262,7 +278,22 @@ def run_picker(manager: RunManager, key: str, label: str = "Run", default: str |
     ids = runs["run_id"].tolist()
     labels = dict(zip(ids, (run_label(row, status) for _, row in runs.iterrows()), strict=True))
     index = ids.index(default) if default in ids else 0
-    return st.selectbox(label, ids, index=index, format_func=labels.get, key=key)
+    return fresh_selectbox(label, ids, labels, key, index=index)
+
+
+def fresh_selectbox(label: str, options: list, labels: dict, key: str, **kwargs):
+    """st.selectbox whose options are shown as `labels[option]`, and whose chosen option shows its label as it is now.
+
+    A label that changes while its option stays chosen (a run's status: running, then finished) would otherwise stay
+    as it was in the browser: Streamlit keeps the chosen value and sends the new labels, but the box goes on showing
+    the text the browser last drew. Setting the value again makes Streamlit send it, with the new text."""
+    chosen, shown = st.session_state.get(key), st.session_state.get(f"{key}__label")
+    if chosen in labels and shown is not None and shown != labels[chosen]:
+        st.session_state[key] = chosen
+        kwargs.pop("index", None)  # the value comes from the session state (both would earn a warning on the page)
+    value = st.selectbox(label, options, format_func=labels.get, key=key, **kwargs)
+    st.session_state[f"{key}__label"] = labels.get(value)
+    return value
 
 
 PRESENTER_KEY = "presenter"
@@ -291,10 +322,11 @@ def presenter_style() -> None:
     st.html(PRESENTER_CSS)
 
 
-def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | None:
+def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> tuple[int, dict] | None:
     """A button asking an attached run's process for `kind` at its next step (amp_core.records.requests), and where
     the last request from this page stands: waiting, refused, or its process gone, each said in words. Returns the
-    answer's data once it has arrived, else None. The caller redraws it (a fragment) while the run is live."""
+    last request's id and its answer's data once it has arrived, else None. The caller redraws it (a fragment) while
+    the run is live."""
     from amp_core.records import requests
 
     store = get_manager().store
@@ -319,7 +351,7 @@ def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | 
         st.warning("The request is gone from the store.")
     elif current.status == "answered":
         st.success(f"Answered: {current.message}.")
-        return current.answer
+        return request_id, current.answer
     elif current.status in ("refused", "gone"):
         st.warning(f"Not answered: {current.message}.")
     else:
@@ -327,3 +359,18 @@ def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> dict | 
                 + ("waiting for the process to read it at its next flush…" if current.status == "open" else
                    "the process took it and answers after its next step…"))
     return None
+
+
+def first_nonfinite_list(events: pd.DataFrame, key: str, lane: int | None = None) -> bool:
+    """An attached run's first inf/NaN events (amp_core.probes.layerwatch), the newest three as messages and all as a
+    table (`lane`: that lane's only); False when there are none."""
+    from amp_core.views.numerics import first_nonfinite_events
+
+    first = first_nonfinite_events(events, lane)
+    if first.empty:
+        return False
+    st.markdown("**First inf/NaN of each failed step**")
+    for message in first["message"].head(3):
+        st.error(message, icon=":material/local_fire_department:")
+    st.dataframe(first.drop(columns="message"), hide_index=True, key=key)
+    return True

@@ -20,7 +20,7 @@ from amp_core.views.summary import (
     summarize,
 )
 from amp_core.views.tables import content_widths
-from pages.common import get_manager, run_label, store_guarded
+from pages.common import LIVE_MARK, app_frame, get_manager, run_label, store_guarded
 
 LIVE_REFRESH_S = 2.0
 # Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
@@ -31,6 +31,7 @@ SUMMARY_HEADERS = {
     "skipped steps": ("skipped", "Optimizer steps the GradScaler skipped (inf/NaN gradients)"),
 }
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Compare runs")
 st.caption("Pick runs, then the lanes to lay side by side. Colour is the precision mode (as on every page); the "
            "dash style tells runs apart. Live runs keep updating.")
@@ -111,7 +112,7 @@ except StoreError as error:
     st.error(f"The run store could not be read: {error}")
     st.stop()
 if live:
-    st.caption(f"🟢 {len(live)} of the chosen runs {'is' if len(live) == 1 else 'are'} still training: "
+    st.caption(f"{LIVE_MARK} {len(live)} of the chosen runs {'is' if len(live) == 1 else 'are'} still training: "
                f"this part refreshes every {LIVE_REFRESH_S:g} s.")
 
 
@@ -189,9 +190,9 @@ def comparison() -> None:
                    "first rank; the downloads hold every rank's records, with their `rank`.")
         series = [ranks_of_lane[0] for ranks_of_lane in by_lane(series).values()]
     if len({lane.run_id for lane in series}) > 1:
-        st.caption("⚠️ These lanes come from different runs: they ran at different times, maybe with different "
-                   "settings or with other runs beside them, so their speed compares less fairly than lanes of one "
-                   "run (which take turns step by step).")
+        st.caption(":orange[:material/warning:] These lanes come from different runs: they ran at different times, "
+                   "maybe with different settings or with other runs beside them, so their speed compares less fairly "
+                   "than lanes of one run (which take turns step by step).")
 
     st.subheader("Charts")
     c1, c2, c3 = st.columns(3)

@@ -4,6 +4,7 @@ import streamlit as st
 
 from amp_core.probes import formats
 from amp_core.views import formats as format_views
+from pages.common import app_frame
 
 LABELS = (0.5, 0.5)
 SOFTMAX_FORWARD = ("logits (stored)", "exp(logits)", "naive softmax", "stable softmax")
@@ -20,6 +21,7 @@ def softmax_tables(logits: list[float], key: str) -> None:
                      column_config={"dtype": st.column_config.TextColumn(width=70)})
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Number formats")
 st.caption("Every figure on this page comes from `torch.finfo` or from storing values in real torch dtypes "
            "on this machine; TF32 (no torch dtype) from its bit layout.")

@@ -8,9 +8,19 @@ from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
 from amp_core.runs import is_live
 from amp_core.views import numerics as numerics_views
+from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import attached_request, get_manager, live_lane_probe, run_picker, store_guarded
+from pages.common import (
+    LIVE_MARK,
+    app_frame,
+    attached_request,
+    first_nonfinite_list,
+    get_manager,
+    live_lane_probe,
+    run_picker,
+    store_guarded,
+)
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -180,7 +190,7 @@ def show_amax_over_time(run_id: str) -> None:
     # Live: training here, or written by another process (the CLI, a Monitor script, torchrun).
     live = is_live(info)
     if live:
-        st.caption("🟢 live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
+        st.caption(f"{LIVE_MARK} live: redrawn every 2 s (" + ", ".join(f"lane {lane.lane} {lane.steps_done} steps"
                                                             for lane in info.lanes) + " at page load)")
     st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 
@@ -189,22 +199,11 @@ def attached_note(config: dict) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
     if config.get("source") != "monitor":
         return
-    writer = f"the AMP Lab callback of a {config['integration']}" if config.get("integration") else "a Monitor"
     every = config.get("layers_every", 0)
-    st.caption(f"An attached run: {writer} in `{config.get('script') or 'a script'}` measures every module's output "
-               "and output gradient with hooks during the script's own step"
+    st.caption(f"An attached run: {attached_writer(config)} measures every module's output and output gradient with "
+               "hooks during the script's own step"
                + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")
-
-
-def show_first_nonfinite_events(events) -> None:
-    first = numerics_views.first_nonfinite_events(events)
-    if first.empty:
-        return
-    st.markdown("**First inf/NaN of each failed step**")
-    for message in first["message"].head(3):
-        st.error(message, icon=":material/local_fire_department:")
-    st.dataframe(first.drop(columns="message"), hide_index=True, key="lnum_first_nonfinite")
 
 
 def one_format(table, key: str):
@@ -229,16 +228,17 @@ def show_cast_shares(events, lane: int, which: str) -> None:
 
 def requested_layers(run_id: str, live: bool) -> None:
     """An attached run: ask its process for every module's figures at its next step; the answer when it arrives."""
-    answer = attached_request("lnum", "layers", run_id, live)
+    answered = attached_request("lnum", "layers", run_id, live)
+    answer = answered[1] if answered is not None else None
     if not answer or not answer.get("layers"):
         return
     layers = answer["layers"]
     for message in answer["messages"]:
         st.caption(message)
     table = numerics_views.cast_shares_table(layers, "output")
-    table.insert(1, "output |max|", layers["output_amax"])
-    table.insert(2, "grad |max|", layers["grad_amax"])
-    shown = one_format(table.astype({"output |max|": str, "grad |max|": str}), "lnum_requested_format")
+    table.insert(1, "output |max|", numerics_views.amax_texts(layers["output_amax"]))
+    table.insert(2, "grad |max|", numerics_views.amax_texts(layers["grad_amax"]))
+    shown = one_format(table, "lnum_requested_format")
     st.dataframe(shown, hide_index=True, key="lnum_requested",
                  column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
@@ -270,10 +270,11 @@ def amax_view(run_id: str) -> None:
                          format_func={"output": "outputs", "grad": "output gradients"}.get)
     st.markdown(f"**{numerics_views.amax_story(samples, lane, which)}**")
     st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
-    show_first_nonfinite_events(events)
+    first_nonfinite_list(events, "lnum_first_nonfinite")
     show_cast_shares(events, lane, which)
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Layer numerics")
 st.caption("Where in a model precision breaks: the first module whose output or gradient holds inf or NaN, each "
            "module's error against an fp32 run of the same weights and batch, and each module's ranges against "

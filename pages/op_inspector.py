@@ -5,11 +5,11 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
-from amp_core.records.store import LIVE_STATUSES
+from amp_core.runs import is_live
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import attached_request, get_manager, live_lane_probe, run_picker
+from pages.common import app_frame, attached_request, get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
@@ -84,17 +84,22 @@ def attached_trace() -> list[optrace.OpTrace]:
         st.info("Pick a run written by a Monitor or a trainer callback (AmpLabCallback) in your own script: its "
                 "process traces its next step on request.")
         return []
-    live = info["live"] or info["status"] in LIVE_STATUSES
-    arrived = st.session_state.setdefault("opi_attached_traces", {})
+    live = is_live(info)
+    # Per run: the request whose trace is shown, and the trace.
+    arrived: dict[str, tuple[int, optrace.OpTrace]] = st.session_state.setdefault("opi_attached_traces", {})
 
     def status() -> None:
-        answer = attached_request("opi", "trace", run_id, live)
-        if answer is not None and run_id not in arrived:
-            arrived[run_id] = from_answer(answer)
+        live_now = is_live(manager.run_info(run_id))
+        answered = attached_request("opi", "trace", run_id, live_now)
+        if answered is not None and answered[0] != arrived.get(run_id, (None,))[0]:  # a new trace: draw the page
+            arrived[run_id] = (answered[0], from_answer(answered[1]))
             st.rerun(scope="app")
+        if live and not live_now:
+            st.rerun(scope="app")  # the run ended: draw the page once more, with no timer
 
-    st.fragment(status, run_every=1.0 if live and run_id not in arrived else None)()
-    return [arrived[run_id]] if run_id in arrived else []
+    # While the run is live the status is looked at every second: a request asked again later is followed too.
+    st.fragment(status, run_every=1.0 if live else None)()
+    return [arrived[run_id][1]] if run_id in arrived else []
 
 
 def show_summary(trace: optrace.OpTrace) -> None:
@@ -111,6 +116,7 @@ def show_summary(trace: optrace.OpTrace) -> None:
                   help="Ops that took a bf16/fp16 result and produced fp32")
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Op inspector")
 st.caption(f"Every row is an aten op that really ran on this machine ({DEVICE}) in one forward + backward, after "
            "autocast rewrote it: the casts it inserted are ops too. No policy table is consulted.")

@@ -11,9 +11,18 @@ from amp_core.probes.spikes import SpikeRule
 from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views
-from amp_core.views.tables import content_widths
+from amp_core.views.live import attached_writer
+from amp_core.views.tables import content_widths, fit_widths
 from amp_core.workloads import WORKLOADS, param_names
-from pages.common import STATUS_ICONS, get_manager, run_picker, store_guarded
+from pages.common import (
+    LIVE_MARK,
+    app_frame,
+    first_nonfinite_list,
+    fresh_selectbox,
+    get_manager,
+    run_picker,
+    store_guarded,
+)
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -25,6 +34,14 @@ FAULT_HELP = {
     "batch_outlier": "the batch's inputs (and value targets) x factor for a few steps: a data outlier",
 }
 PERCENT = st.column_config.NumberColumn(format="%.4f%%")
+# The lane overview's longest header, shortened (the help says it in full): nine columns fit a 1440-px window.
+OVERVIEW_LABELS = {"steps with inf/NaN applied": "inf/NaN applied"}
+OVERVIEW_HELP = {
+    "skipped steps": "Steps the GradScaler skipped: inf/NaN in the scaled gradients",
+    "steps with inf/NaN applied": "Steps whose inf/NaN gradients the optimizer applied (a lane with no GradScaler to "
+                                  "catch them)",
+    "scale now": "The GradScaler's scale after the last step", "scale min": "Its lowest scale so far",
+    "scale max": "Its highest scale so far"}
 LR_SCHEDULER_NOTE = (
     "**Why the LR scheduler waits too.** On a skipped step `scaler.step(optimizer)` does not call "
     "`optimizer.step()`. A loop that calls `scheduler.step()` anyway moves the schedule past a step that never "
@@ -42,14 +59,15 @@ def parameter_names(workload: str) -> list[str]:
     return param_names(workload)
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Overflow debugger")
 st.caption("Which parameters overflowed, and when; how the GradScaler's scale backs off and grows back; and what "
            "GradScaler cannot see: gradients that silently underflow to zero.")
 
 # ---- fault injection ------------------------------------------------------------------------------------
 # Open by default: a newcomer finds the demo here whether or not runs exist (collapse it to give the run room).
-with st.expander("💉 Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
-                 expanded=True):
+with st.expander("Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
+                 expanded=True, icon=":material/syringe:"):
     st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
                 "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
                 "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
@@ -112,15 +130,20 @@ if info is None:
     st.stop()
 lanes = {lane["lane"]: lane for lane in info["lanes"]}
 lane_ids = list(lanes)
-lane = st.selectbox("Lane", lane_ids, index=lane_ids.index(debugger.default_lane(info["lanes"])),
-                    format_func=lambda i: f"lane {i} · {lanes[i]['mode']} · {STATUS_ICONS.get(lanes[i]['status'], '')}"
-                                          f" {lanes[i]['status']}", key=f"dbg_lane_{run_id}")
+lane = fresh_selectbox("Lane", lane_ids, {i: f"lane {i} · {lanes[i]['mode']} · {lanes[i]['status']}" for i in lane_ids},
+                       f"dbg_lane_{run_id}", index=lane_ids.index(debugger.default_lane(info["lanes"])))
 mode = lanes[lane]["mode"]
 live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
+attached = info["config"].get("source") == "monitor"  # a Monitor or a trainer callback in the user's own process
+if attached:
+    st.caption(f"An attached run: {attached_writer(info['config'])} writes it. Its skipped steps and scale are its own "
+               "GradScaler's; after a failed step its layer hooks name the first module whose output (or gradient) "
+               "held inf/NaN. Its model lives in that process: fault injection and replay need a run AMP Lab trains.")
 
 
 def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
-    """The part that moves while a run trains: lane overview, fault effects, scale timeline, skipped steps."""
+    """The part that moves while a run trains: lane overview, fault effects, scale timeline, skipped steps, the first
+    inf/NaN modules an attached run named."""
     info = manager.run_info(run_id)
     steps, events = manager.steps(run_id), manager.events(run_id)
     try:
@@ -130,7 +153,10 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         st.warning(f"This run's fault plan cannot be read ({error}); faults are not shown.")
         windows = effects = None
     overview = debugger.lane_overview(steps, events, info["lanes"])
-    st.dataframe(overview, hide_index=True, key="dbg_overview")
+    widths = content_widths(overview, OVERVIEW_LABELS)
+    st.dataframe(overview, hide_index=True, key="dbg_overview", column_config={
+        column: st.column_config.Column(OVERVIEW_LABELS.get(column, column), width=width,
+                                        help=OVERVIEW_HELP.get(column)) for column, width in widths.items()})
     if effects is not None and not effects.empty:
         st.markdown("**What the fault did**")
         for row in effects.itertuples(index=False):
@@ -145,7 +171,8 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         st.caption("None so far." if uses_scaler(mode) else
                    f"{mode} has no GradScaler: an inf/NaN gradient here would be applied, not skipped.")
     else:
-        widths = content_widths(table, max_px=2000)
+        # The parameters (the one column that may run long) get the rest of the row; a cut cell shows whole on click.
+        widths = fit_widths(content_widths(table, max_px=2000), "parameters")
         st.dataframe(table, hide_index=True, key="dbg_skipped", column_config={
             **{column: st.column_config.Column(width=width) for column, width in widths.items()},
             "inf": st.column_config.NumberColumn(width=widths["inf"], help="Elements of the parameters' gradients "
@@ -154,6 +181,9 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
                                                                            "that are NaN (after unscaling)")})
         if table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
+    if not first_nonfinite_list(events, "dbg_first_nonfinite", lane) and attached:
+        st.caption("No first inf/NaN named so far: after a failed step the run's layer hooks name the first module "
+                   "whose output (or, failing that, gradient) held inf/NaN.")
     if was_live and not is_live(info):
         st.rerun()  # the run just ended: redraw the whole page once, statically, with its last statistics
 
@@ -162,19 +192,75 @@ if live:
     total = info.config.get("steps") or 0  # 0: unknown (a Monitor's loop that did not say)
     progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
-    st.caption(f"🟢 live: redrawn every second ({progress} at page load)")
+    st.caption(f"{LIVE_MARK} live: redrawn every second ({progress} at page load)")
     st.fragment(run_every=1.0)(store_guarded(draw_run))(run_id, lane, mode, True)
 else:
     draw_run(run_id, lane, mode, False)
 
+
+def show_replay(replayed) -> None:
+    """A replay's verdict, table, first inf/NaN modules and where it came from."""
+    verdict = replayed.verdict
+    st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
+    st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
+    replay_table = replay_views.replay_frame(replayed)
+    replay_widths = content_widths(replay_table, max_px=132)
+    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", placeholder="NaN", column_config={
+        **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
+        "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
+        "what broke": st.column_config.Column(width=replay_widths["what broke"],
+                                              help="band: the loss is above the band; loss: the loss is inf/NaN; "
+                                                   "inf/NaN: in the gradients; skip: the GradScaler skipped the step"),
+        "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
+        "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
+                                                  help="×: this update's norm over fp32's (0: no step); cos: the "
+                                                       "cosine between the two updates")})
+    st.caption("▶ the lane's own mode · ref: the references every mode is judged against.")
+    for row in replayed.rows:
+        if row.first_nonfinite_why:
+            st.caption(f"**{row.mode}** · first inf/NaN in `{row.first_nonfinite}`: {row.first_nonfinite_why}")
+    st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
+               f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
+               + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
+
+
+
+def replay_panel(run_id: str, lane: int, steps_done: int, review, spike_rule: SpikeRule, recorded) -> None:
+    """The step picker, the Replay button and the last replay's verdict and table (runs AMP Lab trains); replays
+    recorded in the run earlier show when none was asked here."""
+    last_step = max(steps_done - 1, 0)
+    replay_row = st.columns([2, 1, 3])
+    replay_step_value = replay_row[0].number_input(
+        "Step to replay", min_value=0, max_value=last_step,
+        value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
+        key=f"dbg_replay_step_{run_id}_{lane}",
+        help="Opens on the lane's first spike, else its first skipped step or non-finite loss (a scaler's first steps "
+             "often skip while it finds its scale).")
+    if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
+        with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
+            try:
+                st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
+                                                                   spike_rule, record=True)
+            except ConfigError as error:
+                st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
+    replayed = st.session_state.get("dbg_replay_report")
+    if isinstance(replayed, str):
+        st.error(replayed)
+    elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
+        show_replay(replayed)
+    elif recorded:
+        st.caption(f"Replayed earlier (recorded in the run): {len(recorded)} step(s); the latest:")
+        show_replay(recorded[-1])
+
+
 # ---- replay: precision or data? -----------------------------------------------------------------------------
-attached = info.config.get("source") == "monitor"  # a Monitor's (or a trainer callback's) run: it replays itself
 st.subheader("Replay a step: precision or data?")
 st.caption("A step is replayed from the lane's weights before it, once in every mode of the run and in fp32 and "
            "float64, each on its own copy, away from the training: *precision* when fp32 is finite and in the loss "
            "band and only narrower formats break, *data* when fp32 breaks too, *unclear* when no mode breaks. "
            + ("An attached run replays its own failed steps (skipped, a non-finite loss, a loss above the band) in "
-              "its process, right after the step, from the copy of its state the Monitor kept before it."
+              "its process, right after the step, from a copy of its state from before the step (see its setting "
+              "below); it cannot be replayed here: its model and data live in that process."
               if attached else "A run this server holds replays from its snapshots; a stored run is re-trained from "
                                "its seed to the step."))
 if attached:
@@ -205,32 +291,6 @@ else:
 recorded = recorded_replays(manager.events(run_id), lane)
 
 
-def show_replay(replayed) -> None:
-    """A replay's verdict, table, first inf/NaN modules and where it came from."""
-    verdict = replayed.verdict
-    st.markdown(f"### Replay of step {replayed.step} · verdict: {verdict.kind}")
-    st.markdown(f"**Lane {replayed.lane} ({replayed.mode})** — {verdict.why}")
-    replay_table = replay_views.replay_frame(replayed)
-    replay_widths = content_widths(replay_table, max_px=132)
-    st.dataframe(replay_table, hide_index=True, key="dbg_replay_table", placeholder="NaN", column_config={
-        **{column: st.column_config.Column(width=width) for column, width in replay_widths.items()},
-        "loss": st.column_config.NumberColumn(format="%.6g", width=replay_widths["loss"]),
-        "what broke": st.column_config.Column(width=replay_widths["what broke"],
-                                              help="band: the loss is above the band; loss: the loss is inf/NaN; "
-                                                   "inf/NaN: in the gradients; skip: the GradScaler skipped the step"),
-        "scale": st.column_config.Column(width=replay_widths["scale"], help="The GradScaler's scale, before → after"),
-        "update vs fp32": st.column_config.Column(width=replay_widths["update vs fp32"],
-                                                  help="×: this update's norm over fp32's (0: no step); cos: the "
-                                                       "cosine between the two updates")})
-    st.caption("▶ the lane's own mode · ref: the references every mode is judged against.")
-    for row in replayed.rows:
-        if row.first_nonfinite_why:
-            st.caption(f"**{row.mode}** · first inf/NaN in `{row.first_nonfinite}`: {row.first_nonfinite_why}")
-    st.caption(f"From: {replayed.source} (steps {replayed.start_step}-{replayed.step}, "
-               f"{replayed.replay_s:.2f} s). {replay_views.sentence(replayed.reproduction_line())}"
-               + "".join(f" {replay_views.sentence(note)}" for note in replayed.notes))
-
-
 if attached:
     if recorded:
         chosen_replay = st.selectbox("Replayed step", range(len(recorded)), index=len(recorded) - 1,
@@ -242,29 +302,7 @@ if attached:
                 + (" so far." if live else ".") + (" Replays are off for it (see above)."
                                                    if not (info.config.get("replay") or {}).get("on") else ""))
 else:
-    last_step = max(int(lanes[lane]["steps_done"]) - 1, 0)
-    replay_row = st.columns([2, 1, 3])
-    replay_step_value = replay_row[0].number_input(
-        "Step to replay", min_value=0, max_value=last_step,
-        value=min(replay_views.first_to_replay(review, last_step), last_step), step=1,
-        key=f"dbg_replay_step_{run_id}_{lane}", help="Opens on the lane's first spike, else its first skipped step "
-                                                     "or non-finite loss (a scaler's first steps often skip while it "
-                                                     "finds its scale).")
-    if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
-        with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
-            try:
-                st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),
-                                                                   spike_rule, record=True)
-            except ConfigError as error:
-                st.session_state["dbg_replay_report"] = f"Cannot replay: **{error.field}**: {error.why}"
-    replayed = st.session_state.get("dbg_replay_report")
-    if isinstance(replayed, str):
-        st.error(replayed)
-    elif replayed is not None and (replayed.run_id, replayed.lane) == (run_id, lane):
-        show_replay(replayed)
-    elif recorded:
-        st.caption(f"Replayed earlier (recorded in the run): {len(recorded)} step(s); the latest:")
-        show_replay(recorded[-1])
+    replay_panel(run_id, lane, int(lanes[lane]["steps_done"]), review, spike_rule, recorded)
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")
@@ -309,10 +347,12 @@ st.markdown("**Share of the finite non-zero gradient each format loses** (from r
             "GradScaler sees only inf/NaN: a gradient that becomes 0 or loses bits as a subnormal trains "
             "silently wrong. Scaling moves the whole histogram right, out of the underflow zone.")
 fractions = debugger.fractions_frame(stats)
-value_columns = [c for c in fractions.columns if c != "format"]
+value_columns = list(debugger.FRACTION_COLUMNS)
 fractions[value_columns] = fractions[value_columns] * 100
-st.dataframe(fractions, hide_index=True, column_config=dict.fromkeys(value_columns, PERCENT), key="dbg_fractions",
-             placeholder="— (nothing finite)")
+st.dataframe(fractions, hide_index=True, key="dbg_fractions", placeholder="— (nothing finite)", column_config={
+    "gradient": st.column_config.Column(help="unscaled: the gradient after `unscale_`; x scale: the same values times "
+                                             "the scale, as the fp16 backward held them"),
+    **dict.fromkeys(value_columns, PERCENT)})
 if stats.lost_update_fraction is not None:
     st.metric("Updates lost to rounding", f"{stats.lost_update_fraction:.2%}",
               help="Of the elements with a finite non-zero gradient: the share whose weight did not change "

@@ -20,6 +20,7 @@ from amp_core.config import (
     field_docs,
 )
 from pages.common import (
+    app_frame,
     device_panel,
     get_manager,
     plugin_panel,
@@ -60,6 +61,7 @@ def workload_entries() -> dict[str, catalog.WorkloadEntry]:
     return {entry.name: entry for entry in catalog.builtin_workloads()}
 
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Train")
 st.caption("Every lane starts from the same weights and sees the same batches; one thread steps them in turn "
            "(A B C A B C …) so the machine's noise hits every lane alike.")
@@ -334,7 +336,8 @@ if launch_now and config is not None:
     else:
         st.session_state["train_run_id"] = run.run_id
         st.session_state["train_run_pick"] = run.run_id
-        st.toast(f"Launched {config.workload} × {', '.join(config.modes)} ({run.run_id})", icon="🚀")
+        st.toast(f"Launched {config.workload} × {', '.join(config.modes)} ({run.run_id})",
+                 icon=":material/rocket_launch:")
 
 # --- the run: picker, controls, live view ------------------------------------------------------------------------
 st.divider()

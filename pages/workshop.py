@@ -12,11 +12,12 @@ from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
 from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate, headline
-from pages.common import PRESENTER_KEY, get_manager, presenter_on, presenter_style, store_guarded
+from pages.common import PRESENTER_KEY, app_frame, get_manager, presenter_on, presenter_style, store_guarded
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
 CARDS_PER_ROW = 3
 
+app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 manager = get_manager()
 presenter = st.toggle("Presenter view", value=presenter_on(), key="workshop_presenter",
                       help="Large fonts, one column, fewer controls, charts sized for a 1280×720 projector. It stays "

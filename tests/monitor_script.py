@@ -3,7 +3,10 @@ under a Monitor, with overflows forced at chosen steps. It says on stdout (one J
 at the end, which steps skipped by its own public-API check (the scale backed off), and waits on stdin at each pause:
 the test decides when it goes on, or kills it there.
 
-    python tests/monitor_script.py --store S --steps 40 --pause-at 9,19 --overflow-at 12,25
+    python tests/monitor_script.py --store S --steps 40 --pause-at 9,19 --overflow-at 12,25 --plant-at 30,31
+
+--plant-at plants an overflow in one module instead: at those steps the ReLU's (module "1") fp16 output is multiplied
+by 1e5, past fp16's 65504, so its forward output is the first to hold inf (the first-inf/NaN event names it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--pause-at", type=numbers, default=set())
     parser.add_argument("--overflow-at", type=numbers, default=set())
+    parser.add_argument("--plant-at", type=numbers, default=set())
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -35,9 +39,12 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     x, y = torch.randn(64, 10), torch.randn(64, 1) * 5 + 10
-    skipped = []
+    skipped, planted = [], [False]
+    # Registered before the Monitor's layer hooks, so they see the planted inf as module "1"'s own output.
+    model[1].register_forward_hook(lambda module, args, output: output * 1e5 if planted[0] else None)
     with Monitor(model, optimizer, scaler, name="monitor test script", store=args.store, gradstats_every=10) as monitor:
         for step in range(args.steps):
+            planted[0] = step in args.plant_at
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = nn.functional.mse_loss(model(x), y)

@@ -62,3 +62,19 @@ def test_the_device_panel_says_when_the_cpu_override_decides(monkeypatch, value,
         assert mixed in modes
     finally:
         common.warm_up.clear()  # the next test's server detects again
+
+
+# Characters that need an emoji font: pictographs, and symbols whose default presentation is an emoji (or that have
+# no glyph in the common text fonts: DejaVu, Liberation, Streamlit's Source Sans). Debian's Chromium with no emoji font
+# draws each as an empty box; Streamlit's own icon font (`:material/name:`) draws everywhere.
+EMOJI = re.compile("[\U0001f000-\U0001faff\u231a\u231b\u23e9-\u23fa\u2614\u2615\u2648-\u2653\u267f\u2693\u26a1"
+                   "\u26aa\u26ab\u26bd\u26be\u26c4\u26c5\u26ce\u26d4\u26ea\u26f2-\u26f5\u26fa\u26fd\u2705\u270a\u270b"
+                   "\u2728\u274c\u274e\u2753-\u2755\u2757\u2795-\u2797\u27b0\u27bf\u2b1b\u2b1c\u2b50\u2b55\ufe0f]")
+
+
+def test_what_the_pages_draw_needs_no_emoji_font():
+    sources = [ROOT / "app.py", *(path for folder in ("pages", "amp_core/views", "amp_core/workshop")
+                                  for path in sorted((ROOT / folder).glob("*.py")))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {match.group()!r}" for path in sources
+             for number, line in enumerate(path.read_text().splitlines(), start=1) for match in EMOJI.finditer(line)]
+    assert not found, found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ LOSS_TOTAL_AT_LEAST = f"""(atLeast) => Object.values(({LOSS_POINTS})()).reduce((
 
 
 def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     store = tmp_path / "runs.sqlite3"
     port = streamlit_server.free_port()
@@ -60,7 +61,7 @@ def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
                 # The Overflow debugger follows the same script live (another process, through the store).
                 debugger = browser.new_page(viewport={"width": 1440, "height": 900})
                 debugger.goto(f"http://127.0.0.1:{port}/overflow_debugger")
-                live = debugger.get_by_text("🟢 live: redrawn every second")
+                live = debugger.get_by_text("live: redrawn every second")
                 live.wait_for(timeout=90_000)
                 assert f"lane 0 {PAUSE_AT + 1} steps" in live.inner_text()
                 debugger.wait_for_function(SETTLED, timeout=60_000)
@@ -71,6 +72,11 @@ def test_a_monitored_script_is_watched_live_in_the_browser(tmp_path):
                 script.stdin.flush()
                 page.get_by_text("Run status: finished").wait_for(timeout=120_000)
                 live.wait_for(state="detached", timeout=60_000)  # the debugger saw the end: drawn once, no timer
+                # The pickers say so too (the browser shows a chosen option's new label, not the one it first drew).
+                lane = debugger.locator("[data-testid='stSelectbox']", has_text="Lane").locator("input")
+                expect(lane).to_have_value("lane 0 · 16-mixed · finished", timeout=30_000)
+                run = debugger.locator("[data-testid='stSelectbox']", has_text="Run").locator("input")
+                expect(run).to_have_value(re.compile(r"^monitor test script · .* · finished$"), timeout=30_000)
                 assert debugger.locator("[data-testid='stException']").count() == 0
                 page.wait_for_function(LOSS_TOTAL_AT_LEAST, arg=STEPS, timeout=60_000)
                 assert sum(page.evaluate(LOSS_POINTS).values()) > before  # the chart moved

@@ -7,6 +7,7 @@ Runs are made beforehand in the server's store (CLI-like, by their own threads);
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from pathlib import Path
@@ -71,17 +72,17 @@ def tick_value(text: str) -> float:
     return float(text[:-1]) * SI[text[-1]] if text[-1] in SI else float(text)
 
 
-@pytest.fixture
-def server(tmp_path):
-    store = tmp_path / "runs.sqlite3"
-    # Two runs for Compare (their 32-true lanes train identically), then the debugger's spike run, newest.
-    for modes in (("32-true", "bf16-mixed"), ("32-true",)):
-        config = RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16)
-        Run(config, open_store(store)).start().join()
-    spike = RunConfig(workload="digits_mlp", modes=("16-mixed", "bf16-mixed"), steps=60, gradstats_every=10,
-                      scaler=ScalerConfig(growth_interval=10),
-                      faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
-    Run(spike, open_store(store)).start().join(120)
+def spike_race(store: Path, modes: tuple[str, ...]) -> None:
+    """The debugger's race, finished in `store`: digits_mlp with a loss spike at steps 20-21 that overflows fp16."""
+    config = RunConfig(workload="digits_mlp", modes=modes, steps=60, gradstats_every=10,
+                       scaler=ScalerConfig(growth_interval=10),
+                       faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
+    Run(config, open_store(store)).start().join(120)
+
+
+@contextlib.contextmanager
+def serving(store: Path):
+    """A fresh server on `store`, its URL."""
     port = streamlit_server.free_port()
     proc = streamlit_server.start(port, store)
     try:
@@ -89,6 +90,18 @@ def server(tmp_path):
         yield f"http://127.0.0.1:{port}"
     finally:
         streamlit_server.stop(proc)
+
+
+@pytest.fixture
+def server(tmp_path):
+    store = tmp_path / "runs.sqlite3"
+    # Two runs for Compare (their 32-true lanes train identically), then the debugger's spike run, newest.
+    for modes in (("32-true", "bf16-mixed"), ("32-true",)):
+        config = RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16)
+        Run(config, open_store(store)).start().join()
+    spike_race(store, ("16-mixed", "bf16-mixed"))
+    with serving(store) as url:
+        yield url
 
 
 def open_page(browser, url: str):
@@ -215,5 +228,39 @@ def test_my_pages_read_whole_at_1440(server):
             eventually(assert_tables_fit, page)
             screenshot(page, "formats")
             page.close()
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def three_lane_server(tmp_path):
+    """A fresh server on a store holding one finished race of three lanes with a loss spike that overflows fp16."""
+    store = tmp_path / "runs.sqlite3"
+    spike_race(store, ("16-mixed", "bf16-mixed", "32-true"))
+    with serving(store) as url:
+        yield url
+
+
+def test_the_overflow_debugger_of_three_lanes_opened_by_its_url_fits(three_lane_server):
+    """The page's URL is the server's first visit (a bookmark, a reload after a restart): it is still drawn inside the
+    app (sidebar, wide layout), and no table of the three lanes runs past its column, before and after a replay."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = open_page(browser, f"{three_lane_server}/overflow_debugger")
+            page.locator("[data-testid='stSidebar']").get_by_text("Overflow debugger").wait_for(timeout=60_000)
+            assert "AMP Lab" in page.title(), page.title()  # the app's page config, not the file's name alone
+            page.get_by_text("Gradient magnitudes against fp16 and bf16").wait_for(timeout=60_000)
+            overview = page.locator("[data-testid='stDataFrame'] table").first
+            assert overview.get_attribute("aria-rowcount") == "4"  # the header and the three lanes
+            eventually(assert_tables_fit, page)
+            page.get_by_role("button", name="Replay", exact=True).click()
+            page.get_by_text("Replay of step 20").wait_for(timeout=120_000)
+            page.wait_for_function(SETTLED, timeout=60_000)
+            eventually(assert_tables_fit, page)
+            screenshot(page, "overflow_debugger_3_lanes")
+            assert page.locator("[data-testid='stException']").count() == 0
         finally:
             browser.close()

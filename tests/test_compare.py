@@ -334,7 +334,7 @@ def test_format_summary_shows_a_dash_for_missing_figures():
                              "skipped_steps": 0, "diverged": True}])
     row = compare.format_summary(summary).iloc[0]
     assert (row["memory ratio"], row["final loss (mean of last 20)"], row["final loss Δ"], row["latest loss"],
-            row["diverged"]) == ("—", "—", "—", "—", "💥 yes")
+            row["diverged"]) == ("—", "—", "—", "—", "yes")
 
 
 def test_csv_and_parquet_downloads_round_trip(two_runs):

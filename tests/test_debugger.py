@@ -20,7 +20,7 @@ from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.step import train_step
-from amp_core.views import debugger
+from amp_core.views import debugger, tables
 from amp_core.workloads import WORKLOADS, param_names
 
 # ---- helpers --------------------------------------------------------------------------------------------
@@ -214,11 +214,11 @@ def test_hand_made_gradient_fractions_and_histogram(dtype):
     assert scaled["x_lo"].tolist() == [-14, -4, 6, 16]
     assert unscaled["count"].sum() + sum(debugger.special_counts(stats)[k] for k in ("zero", "inf", "NaN")) == 8
     assert unscaled["share"].sum() == pytest.approx(0.5)
-    table = debugger.fractions_frame(stats).set_index("format")
-    assert table.loc["fp16", "becomes 0 (unscaled)"] == 0.25
-    assert table.loc["fp16", "subnormal (unscaled)"] == 0.25
-    assert table.loc["fp16", "overflows to inf (x 65536)"] == 0.25
-    assert table.loc["bf16"].sum() == 0.0
+    table = debugger.fractions_frame(stats).set_index(["format", "gradient"])
+    assert table.loc[("fp16", "unscaled"), "becomes 0"] == 0.25
+    assert table.loc[("fp16", "unscaled"), "subnormal"] == 0.25
+    assert table.loc[("fp16", "x 65536"), "overflows to inf"] == 0.25
+    assert table.loc["bf16"].sum().sum() == 0.0
 
 
 @pytest.mark.parametrize(("value", "fp16_class", "bf16_class"), [
@@ -259,8 +259,9 @@ def test_clamped_end_bins():
     hist = debugger.histogram_frame(stats)
     assert hist[["bin", "clamped"]].values.tolist() == [[gradstats.HIST_LO, True], [gradstats.HIST_HI, True]]
     assert "scaled" not in set(hist["series"])  # scale 1: nothing to shift
-    assert list(debugger.fractions_frame(stats).columns) == [
-        "format", "becomes 0 (unscaled)", "subnormal (unscaled)", "overflows to inf (unscaled)"]
+    fractions = debugger.fractions_frame(stats)
+    assert list(fractions.columns) == ["format", "gradient", "becomes 0", "subnormal", "overflows to inf"]
+    assert fractions["gradient"].tolist() == ["unscaled", "unscaled"]  # one row per format
 
 
 # ---- 16-true with a tiny LR loses updates ---------------------------------------------------------------
@@ -425,3 +426,18 @@ def test_stored_run_reads_back_the_same(tmp_path):
     assert table[["step", "parameters"]].values.tolist() == [[9, "fc1.bias (1 NaN)"]]
     assert debugger.scale_changes(events, 0)["step"].tolist() == [9]
     assert debugger.fault_windows(manager.run_info(run.run_id)["config"], "16-mixed")["start"].tolist() == [9]
+
+
+def test_a_long_parameters_cell_gives_way_and_the_numbers_stay_whole():
+    params = [{"param": f"blocks.{i}.mlp.weight", "nan": 1000 + i} for i in range(30)]
+    events = pd.DataFrame([{"kind": "skipped_step", "lane": 0, "step": 20, "message": "",
+                            "data": {"params": params, "scale_before": 262144.0, "scale_after": 131072.0}}])
+    table = debugger.skipped_steps_table(events, 0)
+    widths = tables.content_widths(table, max_px=2000)
+    assert sum(widths.values()) > tables.TABLE_WIDTH_PX  # thirty parameters: wider than the page
+    fitted = tables.fit_widths(widths, "parameters")
+    assert sum(fitted.values()) <= tables.TABLE_WIDTH_PX
+    assert {c: w for c, w in fitted.items() if c != "parameters"} == {c: w for c, w in widths.items()
+                                                                      if c != "parameters"}
+    short = tables.content_widths(table.assign(parameters="fc1.weight (3 NaN)"))
+    assert tables.fit_widths(short, "parameters") == short  # what fits is left alone

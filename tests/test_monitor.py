@@ -305,7 +305,7 @@ def test_the_monitor_examples_run_and_finish(fresh_store, example, args):
 
 
 def live_caption(page: AppTest) -> str:
-    return next((caption.value for caption in page.caption if caption.value.startswith("🟢 live")), "")
+    return next((caption.value for caption in page.caption if " live: redrawn every " in caption.value), "")
 
 
 def lane_overview(page: AppTest):

@@ -1,5 +1,6 @@
 """The Overflow debugger page under AppTest: empty store, a finished run from the store, launching the demo,
-refused input, a live run, and the page inside app.py's navigation."""
+refused input, a live run, an attached run (a Monitor script in its own process, with a planted inf), and the page
+inside app.py's navigation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
+from test_monitor import said, start_script
+from test_requests import go_on
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults
@@ -30,7 +33,8 @@ def _manager():
     return sys.modules["pages.common"].get_manager()
 
 
-TABLES = {"dbg_overview": "skipped steps", "dbg_skipped": "outcome", "dbg_fractions": "format"}
+TABLES = {"dbg_overview": "skipped steps", "dbg_skipped": "outcome", "dbg_fractions": "format",
+          "dbg_first_nonfinite": "phase", "dbg_review": "band ≤"}
 
 
 def _frames(at: AppTest) -> dict[str, object]:
@@ -109,14 +113,14 @@ def test_finished_run_from_the_store(stored_run):
     assert any(a["text"].startswith("no finite non-zero gradient here") for a in histogram["layout"]["annotations"])
     assert any("inf or NaN at this step" in c.value for c in at.caption)
     # Nothing finite at that step: the lost shares are "—", not a made-up 0 %.
-    assert _frames(at)["dbg_fractions"].drop(columns="format").isna().all().all()
+    assert _frames(at)["dbg_fractions"].drop(columns=["format", "gradient"]).isna().all().all()
     at.selectbox(key=f"dbg_stat_step_{stored_run}_0").set_value(50).run()
     assert not at.exception
     histogram = _chart(at, "dbg_histogram")
     assert any(t["name"].endswith("(scaled)") for t in histogram["data"])  # 16-mixed: the scaled view too
-    fractions = _frames(at)["dbg_fractions"].set_index("format")
-    assert list(fractions.index) == ["fp16", "bf16"]
-    assert fractions.loc["fp16", "subnormal (unscaled)"] > 0  # digits_mlp's small gradients: fp16 subnormals
+    fractions = _frames(at)["dbg_fractions"].set_index(["format", "gradient"])
+    assert [fmt for fmt, _ in fractions.index] == ["fp16", "fp16", "bf16", "bf16"]  # unscaled, then x the scale
+    assert fractions.loc[("fp16", "unscaled"), "subnormal"] > 0  # digits_mlp's small gradients: fp16 subnormals
 
 
 def test_a_run_with_a_scheduler_shows_the_scheduler_note_open(fresh_store):
@@ -233,3 +237,38 @@ def test_inside_the_app(stored_run):
     assert not at.exception and not at.error
     assert at.title[0].value == "Overflow debugger"
     assert at.selectbox(key="dbg_run").value == stored_run
+
+
+def test_an_attached_run_is_followed_live_with_its_skips_and_first_inf_named(fresh_store):
+    """A Monitor script in its own process, an inf planted in its module "1" at steps 12 and 13 (step 12 is not
+    watched: the hooks armed after it name the module in step 13) and an overflow in the fp16 backward at step 8."""
+    proc = start_script(fresh_store, "--steps", "30", "--pause-at", "15", "--overflow-at", "8", "--plant-at", "12,13")
+    try:
+        paused = said(proc)
+        at = _page()
+        assert at.selectbox(key="dbg_run").value == paused["run_id"]
+        assert any("live: redrawn every second (lane 0 16 steps" in c.value for c in at.caption)
+        assert any("An attached run: a Monitor in `monitor_script.py` writes it" in c.value for c in at.caption)
+        frames = _frames(at)
+        assert frames["dbg_overview"]["skipped steps"].tolist() == [len(paused["skipped"])]
+        assert {8, 12, 13} <= set(paused["skipped"])
+        assert frames["dbg_skipped"]["step"].tolist() == paused["skipped"]  # every skipped step, as the loop saw it
+        first = frames["dbg_first_nonfinite"]
+        named = first[first["step"] == 12]
+        assert named["module"].tolist() == ["1"] and named["phase"].tolist() == ["forward"]
+        assert named["watched"].tolist() == [13] and named["after"].tolist() == ["inf"]
+        assert any(e.value.startswith("first inf/NaN: 1 (forward output") for e in at.error)
+        review = frames["dbg_review"]
+        assert {8, 12, 13} <= set(review.loc[review["what"] == "skipped", "step"])  # the spike band's table
+        assert _chart(at, "dbg_spike_chart")["data"]  # the loss against its spike band
+        assert not [b for b in at.button if b.key == "dbg_replay"]  # its model lives in the script's process
+        assert any("cannot be replayed here" in c.value for c in at.caption)
+        go_on(proc)
+        said(proc)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    at.run()
+    assert not at.exception
+    assert not any("live: redrawn" in c.value for c in at.caption)  # finished: drawn once, no timer
+    assert "dbg_first_nonfinite" in _frames(at)

@@ -11,7 +11,7 @@ from figure_json import values
 from step_records import records
 
 from amp_core.views import plots
-from amp_core.views.live import control_note, progress
+from amp_core.views.live import attached_writer, control_note, progress
 from amp_core.views.summary import first_rank, lanes, rank_table, summarize
 
 
@@ -99,6 +99,9 @@ def test_a_run_another_process_writes_says_why_it_has_no_controls():
     assert "another process" in cli and "Ctrl-C" in cli
     assert control_note(monitor, held_here=True) == ""
     assert control_note({**monitor, "status": "finished"}, held_here=False) == ""
+    trainer = {**monitor["config"], "integration": "Hugging Face Trainer", "script": "finetune.py"}
+    assert attached_writer(trainer) == "the AMP Lab callback of a Hugging Face Trainer in `finetune.py`"
+    assert attached_writer({"source": "monitor"}) == "a Monitor in a script"
 
 
 def test_progress_of_a_run_of_unknown_length():

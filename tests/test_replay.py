@@ -11,6 +11,7 @@ import pytest
 import torch
 from cli_process import ROOT
 from replay_workloads import AmplifiedNorm
+from test_monitor import fp16_loop
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.probes.faults import FaultPlan
@@ -114,6 +115,13 @@ def test_a_step_older_than_the_oldest_snapshot_is_refused_with_the_reason():
     off = finished_run(manager, RunConfig(workload="mlp_regression", modes=("32-true",), steps=5, snapshot_every=0))
     with pytest.raises(ReplayError, match="keeps no snapshots"):
         replay_run(manager, off.run_id, 0, 3)
+
+
+def test_an_attached_run_is_refused_saying_its_model_lives_in_its_own_process(fresh_store):
+    store = open_store(fresh_store)
+    monitor, _, _ = fp16_loop(store, steps=5)
+    with pytest.raises(ReplayError, match="is an attached run: its model and data live in the process that wrote it"):
+        replay_run(RunManager(store), monitor.run_id, 0, 3)
 
 
 def test_snapshots_keep_their_time_out_of_the_timed_step_and_bounded():

@@ -386,6 +386,10 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
     index = resolve_lane(info, lane)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ReplayError("step", f"must be a whole number >= 0, got {step!r}")
+    if info["config"].get("source") == "monitor":  # a Monitor or a trainer callback (amp_core.monitor.SOURCE)
+        raise ReplayError("run", f"run {run_id} is an attached run: its model and data live in the process that "
+                                 "wrote it, so AMP Lab cannot re-run its steps (its first inf/NaN events name where it "
+                                 "broke)")
     config = RunConfig.from_dict(info["config"])
     entry = next(e for e in info["lanes"] if e["lane"] == index)
     done = entry["steps_done"]

@@ -479,7 +479,7 @@ def format_summary(summary: pd.DataFrame, labels: dict[str, str] | None = None, 
         final: [_number(v, ".4g") for v in summary["final_loss"]],
         "final loss Δ": [_number(v, "+.3g") for v in summary["loss_delta"]],
         "skipped steps": summary["skipped_steps"].astype(int).tolist(),
-        "diverged": ["💥 yes" if v else "no" for v in summary["diverged"]],
+        "diverged": ["yes" if v else "no" for v in summary["diverged"]],
     }
     return pd.DataFrame(columns, columns=list(columns))
 

@@ -117,23 +117,24 @@ def special_counts(stats: GradStats) -> dict[str, int]:
             "NaN": stats.nan}
 
 
-def fractions_frame(stats: GradStats) -> pd.DataFrame:
-    """Per format (fp16, bf16): share of the finite non-zero gradient that becomes 0, subnormal or inf.
+FRACTION_COLUMNS: tuple[str, ...] = ("becomes 0", "subnormal", "overflows to inf")
 
-    Columns '<what> (unscaled)' and, for a scaled lane, '<what> (x scale)'. From real casts (gradstats); NaN when
-    there is no finite non-zero element to share.
+
+def fractions_frame(stats: GradStats) -> pd.DataFrame:
+    """Per format (fp16, bf16) and gradient: the share of the finite non-zero gradient that becomes 0, subnormal or inf.
+
+    Columns: format, gradient ("unscaled", and for a scaled lane "x <scale>": the values times the scale, as the fp16
+    backward held them), then FRACTION_COLUMNS; a row per format and gradient, so the table stays five columns wide
+    whatever the scale. From real casts (gradstats); NaN when there is no finite non-zero element to share.
     """
     labels = [("unscaled", "unscaled")] + ([("scaled", f"x {stats.scale:g}")] if stats.scale != 1.0 else [])
     # No finite non-zero element (a step the overflow turned to NaN): a share of nothing is not 0 %.
     missing = 0.0 if sum(stats.hist) else math.nan
-    rows = []
-    for fmt in BAND_FORMATS:
-        row: dict[str, Any] = {"format": fmt}
-        for key, label in labels:
-            for what, title in (("zero", "becomes 0"), ("subnormal", "subnormal"), ("overflow", "overflows to inf")):
-                row[f"{title} ({label})"] = stats.fractions.get(f"{fmt}.{what}.{key}", missing)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    rows = [{"format": fmt, "gradient": label,
+             **{title: stats.fractions.get(f"{fmt}.{what}.{key}", missing)
+                for what, title in zip(("zero", "subnormal", "overflow"), FRACTION_COLUMNS, strict=True)}}
+            for fmt in BAND_FORMATS for key, label in labels]
+    return pd.DataFrame(rows, columns=["format", "gradient", *FRACTION_COLUMNS])
 
 
 def _log2_ticks(lo: float, hi: float, max_ticks: int = 14) -> tuple[list[int], list[str]]:

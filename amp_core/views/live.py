@@ -113,6 +113,14 @@ def lane_medians(series: list[LaneSeries]) -> dict[str, tuple[float, int]]:
             if lane.rank == 0}
 
 
+def attached_writer(config: dict) -> str:
+    """What writes an attached run (its saved config), in words: "a Monitor in `train.py`", "the AMP Lab callback of a
+    Hugging Face Trainer in `finetune.py`"."""
+    script = f"`{config['script']}`" if config.get("script") else "a script"
+    integration = config.get("integration")
+    return f"the AMP Lab callback of a {integration} in {script}" if integration else f"a Monitor in {script}"
+
+
 def control_note(info: dict, held_here: bool) -> str:
     """Why a run that is still going offers no pause or stop on this page ('' when it does, or has ended): another
     process runs it, a Monitor in the user's own script or a CLI run (or a torchrun job of either)."""
@@ -122,13 +130,11 @@ def control_note(info: dict, held_here: bool) -> str:
     ranks = config.get("world_size", 1)
     job = f" (a torchrun job of {ranks} ranks)" if ranks > 1 else ""
     if config.get("source") == "monitor":
-        script = f"`{config['script']}`" if config.get("script") else "a script"
         where = f", pid {config['pid']} on {config['host']}" if config.get("pid") else ""
         integration = config.get("integration")
-        writer = f"the AMP Lab callback of a {integration} in {script}" if integration else f"a Monitor in {script}"
         owner = f"that {integration}" if integration else "that script (its own loop decides)"
-        return (f"Watched live: {writer}{where}{job} writes this run. Pause and stop belong to {owner}, so they are "
-                "not offered here.")
+        return (f"Watched live: {attached_writer(config)}{where}{job} writes this run. Pause and stop belong to "
+                f"{owner}, so they are not offered here.")
     return (f"Watched live: another process{job} writes this run (e.g. `amp-lab run`), so pause and stop are not "
             "offered here: stop it where it runs (Ctrl-C).")
 

@@ -233,12 +233,14 @@ def amax_story(samples: pd.DataFrame, lane: int, which: str = "output") -> str:
             f"({abs(headroom):.1f} binades {where} 65504)")
 
 
-def first_nonfinite_events(events: pd.DataFrame) -> pd.DataFrame:
+def first_nonfinite_events(events: pd.DataFrame, lane: int | None = None) -> pd.DataFrame:
     """An attached run's first inf/NaN events (amp_core.probes.layerwatch) as rows: step (the failed one), watched
-    (the step whose hooks named it), module, phase, before / after (abs max), message."""
+    (the step whose hooks named it), module, phase, before / after (abs max), message. `lane`: that lane's only."""
     columns = ["step", "watched", "module", "phase", "before", "after", "message"]
     if events.empty:
         return pd.DataFrame(columns=columns)
+    if lane is not None:
+        events = events[pd.to_numeric(events["lane"], errors="coerce") == lane]
     rows = [{"step": event.data.get("failed_step"), "watched": event.data.get("watched_step"),
              "module": event.data.get("module") or "–", "phase": event.data.get("phase") or "–",
              "before": _amax_text(event.data.get("before_amax")), "after": _amax_text(event.data.get("after_amax")),
@@ -249,6 +251,11 @@ def first_nonfinite_events(events: pd.DataFrame) -> pd.DataFrame:
 
 def _amax_text(value: float | str | None) -> str:
     return "–" if value is None else value if isinstance(value, str) else f"{value:.3g}"
+
+
+def amax_texts(values: list[float | str | None]) -> list[str]:
+    """Abs-max figures as a table shows them: 3 significant digits, "inf" / "nan" as recorded, "–" for none."""
+    return [_amax_text(value) for value in values]
 
 
 def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.DataFrame:

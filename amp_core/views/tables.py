@@ -42,6 +42,15 @@ def content_widths(table: pd.DataFrame, labels: dict[str, str] | None = None, mi
     return widths
 
 
+def fit_widths(widths: dict[str, int], flexible: str, room_px: int = TABLE_WIDTH_PX,
+               min_px: int = 160) -> dict[str, int]:
+    """`widths` (from content_widths) with the `flexible` column, the one text column that may run long, narrowed so the
+    row fits `room_px` (never below `min_px`): every other column, numbers included, keeps its whole width. A cell
+    cut short shows whole when clicked."""
+    others = sum(width for column, width in widths.items() if column != flexible)
+    return {**widths, flexible: min(widths[flexible], max(min_px, room_px - others))}
+
+
 def markdown_table(table: pd.DataFrame) -> str:
     """A small table as Markdown (a pipe table; "|" in a cell escaped): a page draws it as text, which a browser shows
     without loading the data grid's code (about a megabyte of script, parsed on a page's first table)."""

@@ -48,7 +48,7 @@ MARK_COLOURS = {Verdict.HELD: "green", Verdict.FAILED: "red", Verdict.CANNOT_TEL
 def check_markdown(result: CheckResult) -> str:
     """One check as Markdown: its mark, title and figure, then what was expected here (and why not, or why it cannot
     be told here)."""
-    mark = "⏳" if result.waiting and not result.final else f":{MARK_COLOURS[result.verdict]}[{result.mark}]"
+    mark = ":gray[…]" if result.waiting and not result.final else f":{MARK_COLOURS[result.verdict]}[{result.mark}]"
     lines = [f"{mark} **{result.title}** — {result.figure}", f"*expected:* {result.expectation}"]
     if result.explanation:
         lines.append(f"*{result.label}:* {result.explanation}")
