@@ -214,7 +214,7 @@ def one_format(table, key: str, default: str | None = None):
         numerics_views.CAST_EFFECTS)))
     chosen = st.radio("Cast to", formats, horizontal=True, key=key,
                       index=formats.index(default) if default in formats else 0)
-    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.startswith(f"{chosen} ")]
+    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.rsplit(" ", 1)[0] == chosen]
     return table[shown].rename(columns=lambda c: c.removeprefix(f"{chosen} "))
 
 

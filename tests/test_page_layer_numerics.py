@@ -199,5 +199,6 @@ def test_an_fp8_lanes_samples_measure_e4m3_and_e5m2_and_the_page_shows_them(no_l
     assert list(table["module"]) == fp8[-1]["modules"]
     radio.set_value("fp8 e5m2").run()
     [table] = tables(app, "subnormal")
+    assert list(table.columns) == ["module", "overflow", "subnormal", "zero"]  # not "fp8 e5m2 scaled"'s too
     expected = fp8[-1]["shares"]["output"]["fp8 e5m2"]["zero"]
     assert table["zero"].fillna(-1).tolist() == [-1 if v is None else v for v in expected]
