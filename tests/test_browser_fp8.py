@@ -36,13 +36,8 @@ def server(tmp_path):
     run = Run(config, open_store(store)).start()
     run.join(300)
     assert run.status == "finished"
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, store)
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
+    with streamlit_server.serving(store) as url:
+        yield url
 
 
 def shoot(page, name: str) -> None:

@@ -82,13 +82,8 @@ def server(tmp_path):
                       scaler=ScalerConfig(growth_interval=10),
                       faults=(FaultSpec(kind="loss_scale", step=20, duration=2, factor=1e6),))
     Run(spike, open_store(store)).start().join(120)
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, store)
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
+    with streamlit_server.serving(store) as url:
+        yield url
 
 
 def open_page(browser, url: str):
