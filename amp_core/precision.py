@@ -284,6 +284,15 @@ class Float8Matmuls(RecipeOption):
                                axiswise_dim=-1 if rowwise else None,
                                round_scales_to_power_of_2=_float8_config(self.torchao_recipe).round_scales_to_power_of_2)
 
+    def scaling(self) -> str:
+        """How this recipe scales a tensor before its cast, for people."""
+        from torchao.float8.config import ScalingGranularity
+
+        rowwise = self.cast_config("input").scaling_granularity is ScalingGranularity.AXISWISE
+        rounded = ", rounded down to a power of 2" if _float8_config(self.torchao_recipe).round_scales_to_power_of_2 \
+            else ""
+        return ("one scale per row (last dim)" if rowwise else "one scale per tensor") + rounded
+
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear

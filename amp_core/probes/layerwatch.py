@@ -13,6 +13,9 @@ naming the first module in execution order whose output held inf/NaN (else the f
 its abs max before and after.
 
 Steps between watched ones carry no hook at all: arming registers the hooks before a step and removes them after it.
+
+A race's lane with FP8 matmuls samples its layers (RunConfig.amax_every) with `Fp8RangeSampler`: the same figures on
+the lane's shadow copy, plus e4m3fn / e5m2 after the scale torchao's own code gives each tensor.
 """
 
 from __future__ import annotations
@@ -379,10 +382,8 @@ class Fp8RangeSampler(LayerAmaxSampler):
         sample, _, _ = _sample(recorder.calls, rows, scale, formats)
         casts = {which: f"{_FORMAT_NAMES[float8.cast_config(role).target_dtype]}{SCALED}"
                  for which, role in ROLES.items()}
-        scaling = ("one scale per row (last dim), rounded down to a power of 2"
-                   if float8.torchao_recipe.startswith("rowwise") else "one scale per tensor")
         return LayerAmax(sample.modules, sample.output_amax, sample.grad_amax, scale, sample.shares,
-                         fp8={"recipe": float8.torchao_recipe, "scaling": scaling, "casts": casts})
+                         fp8={"recipe": float8.torchao_recipe, "scaling": float8.scaling(), "casts": casts})
 
 
 _FORMAT_NAMES = {dtype: name for name, dtype in FP8_FORMATS.items()}
