@@ -208,3 +208,17 @@ def test_bench_race_takes_recipe_lanes_and_gives_fp8_its_speedup_against_bf16_mi
     assert refused.stderr.strip() == ("error: --modes: 'bf16-true+fp8-rowwise' cannot race on cpu: +fp8-rowwise "
                                       "runs on top of bf16-mixed (torchao's float8 training); use "
                                       "bf16-mixed+fp8-rowwise")
+
+
+def test_a_low_bit_lane_keeps_its_replay_snapshots_in_torchaos_own_state_tensors():
+    # A snapshot copies the optimizer's state; torchao's low-bit states have no aten.clone (the run used to fail at
+    # its first snapshot after step 0, step 25 by default).
+    run = Run(RunConfig(workload="tiny_transformer", modes=("32-true+adamw-8bit",), steps=4, snapshot_every=2,
+                        batch_size=8, optimizer="adamw", device="cpu", gradstats_every=0)).start()
+    run.join(600)
+    assert run.status == "finished", [lane.error for lane in run.lanes]
+    assert run.snapshots.steps(0) == [0, 2]
+    states = [value for state in run.snapshots.nearest(0, 3).optimizer["state"].values() for value in state.values()]
+    low_bit = [value for value in states if type(value) is not torch.Tensor]
+    assert low_bit and all(type(value).__name__ == "OptimState8bit" and value.device.type == "cpu"
+                           for value in low_bit)
