@@ -266,19 +266,53 @@ class Float8Matmuls(RecipeOption):
                     converted.append(name)
         return converted, skipped
 
+    def cast_config(self, role: str):
+        """torchao's CastConfig of a Float8Linear's `role` ("input": its forward matmul's activation; "grad_output":
+        the gradient reaching its output, in the grad-input matmul) under this recipe."""
+        config = _float8_config(self.torchao_recipe)
+        return config.cast_config_input if role == "input" else config.cast_config_grad_output
+
+    def cast_scale(self, tensor: torch.Tensor, role: str, dtype: torch.dtype) -> torch.Tensor:
+        """The scale torchao's own code gives `tensor` cast to `dtype` as this recipe casts `role` (tensorwise: one
+        for the tensor; rowwise: one per row of the last dim, rounded down to a power of 2); broadcastable to it."""
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_utils import tensor_to_scale
+
+        cast = self.cast_config(role)
+        rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+        return tensor_to_scale(tensor, dtype, scaling_granularity=cast.scaling_granularity,
+                               axiswise_dim=-1 if rowwise else None,
+                               round_scales_to_power_of_2=_float8_config(self.torchao_recipe).round_scales_to_power_of_2)
+
+    def scaling(self) -> str:
+        """How this recipe scales a tensor before its cast, for people."""
+        from torchao.float8.config import ScalingGranularity
+
+        rowwise = self.cast_config("input").scaling_granularity is ScalingGranularity.AXISWISE
+        rounded = ", rounded down to a power of 2" if _float8_config(self.torchao_recipe).round_scales_to_power_of_2 \
+            else ""
+        return ("one scale per row (last dim)" if rowwise else "one scale per tensor") + rounded
+
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
         converted, _ = self.plan(module, device)
         keep = set(converted)
-        module = convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(self.torchao_recipe),
+        module = convert_to_float8_training(module, config=_float8_config(self.torchao_recipe),
                                             module_filter_fn=lambda layer, fqn: fqn in keep)
         if _device_type(device) == "cpu":
             for layer in module.modules():
                 if isinstance(layer, Float8Linear):
                     layer.register_forward_pre_hook(_cast_to_cpu_autocast_dtype)
         return module
+
+
+@functools.lru_cache(maxsize=4)
+def _float8_config(torchao_recipe: str):
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig.from_recipe_name(torchao_recipe)
 
 
 def _cast_to_cpu_autocast_dtype(layer: torch.nn.Module, args: tuple) -> tuple | None:

@@ -18,6 +18,7 @@ from amp_core import background
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import Precision, resolve_device
 from amp_core.probes.faults import param_by_name
+from amp_core.probes.layerwatch import layer_sampler
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.probes.replay import SnapshotRing
 from amp_core.records import Event
@@ -451,7 +452,7 @@ class Run:
             scale = state.scaler.get_scale() if state.scaler.is_enabled() else None  # a device sync: sampled steps only
             sampler = self._amax_samplers.get(lane.index)
             if sampler is None:
-                sampler = LayerAmaxSampler(state.model, state.precision, state.workload.loss)
+                sampler = layer_sampler(state.model, state.precision, state.workload.loss)
                 self._amax_samplers[lane.index] = sampler
             sample = sampler.sample(self._batches[lane.replicate], scale)
         except Exception as exc:  # a failed sample must not stop the lane

@@ -7,61 +7,62 @@ mode measured alone.
   alternate for `--rounds` rounds in one process; medians of the rounds.
 - Memory: each lane's figure (`lane_peak_bytes`) in the race against a run of that lane alone.
 
-    python3 -m bench.race [--device cuda] [--workload tiny_transformer] [--size large] [--batch-size 32]
+Lanes are modes or recipes (`--modes 32-true,bf16-mixed,bf16-mixed+fp8-rowwise`): the bare loop builds each from
+the same Precision object the race does (model preparation, optimizer, autocast, scaler). 32-true is always raced
+(the speedups' baseline); an FP8 lane also gets bf16-mixed, and a line with its speedup against bf16-mixed.
+
+    python3 -m bench.race [--device cuda] [--workload tiny_transformer] [--size large] [--batch-size 32] [--modes M,..]
 Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
+import sys
 import time
 
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.precision import BASELINE_MODE, availability, get_precision, is_fp8_recipe, parse_modes
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
 
-AUTOCAST = {"32-true": None, "tf32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-PARAM_DTYPE = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
 WARMUP = 20
+FP8_BASELINE = "bf16-mixed"
+"""What an FP8 lane's speedup is also given against: the same autocast without FP8 matmuls."""
 
 
-def bare_ms_per_step(config: RunConfig, mode: str, steps: int) -> float:
-    """Seconds per step of a plain loop in `mode`, after WARMUP steps, device-synchronised once at the end."""
-    device = torch.device("cuda" if config.device == "cuda" else "cpu")
+def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
+    """Milliseconds per step of a plain loop in `recipe`, after WARMUP steps, device-synchronised once at the end."""
+    precision = get_precision(recipe, config.device)
     workload = WORKLOADS[config.workload]
     data = workload.load_data(config)
     torch.manual_seed(config.seed)
-    model = workload.build_model(config.size, data).to(device, dtype=PARAM_DTYPE.get(mode, torch.float32))
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, eps=1e-4 if mode in PARAM_DTYPE else 1e-8)
-    scaler = torch.amp.GradScaler(device.type, enabled=mode == "16-mixed")
+    model = precision.prepare_module(workload.build_model(config.size, data))
+    eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
+    optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
+    scaler = precision.make_scaler()
     generator = torch.Generator().manual_seed(config.seed)
-    dtype = AUTOCAST.get(mode)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if mode == "tf32" else "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if mode == "tf32" else "ieee"
+    cuda = precision.device_type == "cuda"
     started = 0.0
-    for step in range(WARMUP + steps):
-        if step == WARMUP:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-        x, y = data.sample(generator, config.batch_size)
-        if x.is_floating_point():
-            x = x.to(dtype=PARAM_DTYPE.get(mode, torch.float32))
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
-            loss = workload.loss(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with precision.step_context():  # on CUDA the lane's TF32 flags, set once for the whole loop
+        for step in range(WARMUP + steps):
+            if step == WARMUP:
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+            x, y = (precision.prepare_input(t) for t in data.sample(generator, config.batch_size))
+            optimizer.zero_grad(set_to_none=True)
+            with precision.forward_context():
+                loss = workload.loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        if cuda:
+            torch.cuda.synchronize()  # the figure: the steps' wall time
     return (time.perf_counter() - started) / steps * 1e3
 
 
@@ -77,19 +78,33 @@ def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float]]:
     return summary["speedup"].to_dict(), peaks.to_dict()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `modes` becomes the lanes to race (recipes checked here: a bad one exits 2 in one line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workload", default="digits_mlp")
     parser.add_argument("--size", default="small")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--modes", default="")
+    parser.add_argument("--modes", default="", help="comma-separated modes or recipes (MODE[+OPTION...])")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    modes = tuple(args.modes.split(",")) if args.modes else (
+    args = parser.parse_args(argv)
+    modes = parse_modes(args.modes) or (
         ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true") if args.device == "cuda"
         else ("32-true", "bf16-mixed", "16-mixed"))
+    needed = (BASELINE_MODE, *((FP8_BASELINE,) if any(is_fp8_recipe(m) for m in modes) else ()))
+    args.modes = tuple(dict.fromkeys((*(m for m in needed if m not in modes), *modes)))
+    for recipe in args.modes:
+        ok, why = availability(recipe, args.device)
+        if not ok:
+            print(f"error: --modes: {recipe!r} cannot race on {args.device}: {why}", file=sys.stderr)
+            raise SystemExit(2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    modes = args.modes
     # On a CPU both sides get one intra-op thread: the race's thread picks its count by measuring, the bare loop
     # would take the process's, and on few cores that difference alone moves a small model's speed by 2-3x.
     threads = 1 if args.device == "cpu" else 0
@@ -102,7 +117,7 @@ def main() -> None:
     for _ in range(args.rounds):
         times = {mode: bare_ms_per_step(config, mode, args.steps) for mode in modes}
         for mode in modes:
-            bare[mode].append(times["32-true"] / times[mode])
+            bare[mode].append(times[BASELINE_MODE] / times[mode])
         speedups, race_peaks = race(config)
         for mode in modes:
             raced[mode].append(speedups[mode])
@@ -116,6 +131,11 @@ def main() -> None:
         print(f"{args.workload}/{args.size}/b{args.batch_size} {args.device} {mode:<11} bare_speedup={bare_speedup:.3f}"
               f" race_speedup={race_speedup:.3f} | lane_peak_MiB race={race_peaks[mode] / 2**20:.1f}"
               f" alone={alone[mode] / 2**20:.1f} ({change:+.2%})", flush=True)
+    for mode in modes:
+        if is_fp8_recipe(mode):
+            bare_fp8 = statistics.median(bare[mode]) / statistics.median(bare[FP8_BASELINE])
+            race_fp8 = statistics.median(raced[mode]) / statistics.median(raced[FP8_BASELINE])
+            print(f"{mode} vs {FP8_BASELINE}: bare_speedup={bare_fp8:.3f} race_speedup={race_fp8:.3f}", flush=True)
     print(f"speedup_error_max={max(errors):.4f}")
     print(f"memory_change_max={max(changes):.4f}")
 

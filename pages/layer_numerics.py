@@ -206,12 +206,14 @@ def attached_note(config: dict) -> None:
                "and on request; the figures stay on the device until its next flush.")
 
 
-def one_format(table, key: str):
-    """The table's module columns and one format's shares (a radio picks it: four formats do not fit side by side)."""
+def one_format(table, key: str, default: str | None = None):
+    """The table's module columns and one format's shares (a radio picks it, `default` first: four formats do not
+    fit side by side)."""
     formats = list(dict.fromkeys(c.rsplit(" ", 1)[0] for c in table.columns if c.endswith(
         numerics_views.CAST_EFFECTS)))
-    chosen = st.radio("Cast to", formats, horizontal=True, key=key)
-    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.startswith(f"{chosen} ")]
+    chosen = st.radio("Cast to", formats, horizontal=True, key=key,
+                      index=formats.index(default) if default in formats else 0)
+    shown = [c for c in table.columns if not c.endswith(numerics_views.CAST_EFFECTS) or c.rsplit(" ", 1)[0] == chosen]
     return table[shown].rename(columns=lambda c: c.removeprefix(f"{chosen} "))
 
 
@@ -221,7 +223,15 @@ def show_cast_shares(events, lane: int, which: str) -> None:
         return
     st.markdown(f"**What a cast does to each module's {'outputs' if which == 'output' else 'output gradients'}** "
                 f"at step {shares.attrs['step']} (share of the finite non-zero values)")
-    shown = one_format(shares, "lnum_cast_format")
+    fp8 = shares.attrs.get("fp8")
+    if fp8:
+        cast = fp8["casts"][which]
+        st.caption(f"An FP8 lane (torchao {fp8['recipe']}): *fp8 … scaled* is a real cast after the scale torchao's "
+                   f"own code computes ({fp8['scaling']}), so nothing overflows and the subnormal and → 0 shares are "
+                   f"what FP8 loses; plain *fp8 …* is a cast without a scale. torchao casts these tensors, where they "
+                   f"enter a Float8Linear, to **{cast.removesuffix(' scaled')}**; every module's are measured as if "
+                   "they did.")
+    shown = one_format(shares, "lnum_cast_format", default=fp8["casts"][which] if fp8 else None)
     st.dataframe(shown, hide_index=True, key="lnum_cast_shares",
                  column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 

@@ -170,6 +170,7 @@ with st.expander("Recipes: FP8 matmuls, low-bit optimizer states, bf16 stochasti
     if st.session_state.get("train_recipe_error"):
         st.error(st.session_state["train_recipe_error"])
     st.markdown("\n".join(f"- `+{name}` {text}" for name, text in RECIPE_OPTION_HELP.items()))
+    maxbatch_slot = st.container()  # filled once torch is imported: the largest batch of each chosen lane
 
 config: RunConfig | None = None
 try:
@@ -285,6 +286,72 @@ def draw_costs(outcomes: dict[str, ProbeResult | str]) -> None:
     measured = [r for r in outcomes.values() if isinstance(r, ProbeResult)]
     if measured:
         cost_table(relative_costs(measured))
+
+
+# --- the largest batch each chosen lane allows (probes.maxbatch, as `amp-lab maxbatch`) ------------------------------
+def start_maxbatch(budget_mib: float) -> None:
+    """Check the input at once (a message, not a traceback), then search off the page's thread."""
+    from amp_core.probes.maxbatch import MaxBatchJob
+
+    st.session_state.pop("train_maxbatch", None)
+    try:
+        if not modes:
+            raise ConfigError("modes", "choose at least one mode or recipe above")
+        st.session_state["train_maxbatch"] = MaxBatchJob(workload, tuple(modes), size=size, device=device,
+                                                         budget_mib=budget_mib or None, optimizer=optimizer)
+    except ConfigError as error:
+        st.error(f"**{error.field}** — {error.why}. Nothing was searched.")
+
+
+def maxbatch_result(polling: bool) -> None:
+    """The search's table when it is done (redrawn every half second until then: a fragment, the page stays)."""
+    job = st.session_state.get("train_maxbatch")
+    if job is None:
+        return
+    if not job.done:
+        st.caption("Looking for the largest batch of each lane" + (" by real steps…" if device == "cuda" else
+                                                                    " (two measured steps per lane)…"))
+        return
+    if polling:
+        st.rerun()  # done: one full run draws the table, with no timer left behind
+    if job.error:
+        st.error(f"The search failed: {job.error}")
+        return
+    table = pd.DataFrame(job.rows())
+    modelled = bool((table["found by"] == "modelled").any())
+    table = table.drop(columns=["samples / s"] if modelled else ["bytes / sample", "fixed MiB"])
+    st.dataframe(table, hide_index=True, key="train_maxbatch_table", column_config={
+        "max batch": st.column_config.NumberColumn(format="%d"),
+        "bytes / sample": st.column_config.NumberColumn(format="%.0f"),
+        "fixed MiB": st.column_config.NumberColumn(format="%.2f"),
+        "budget MiB": st.column_config.NumberColumn(format="%.0f"),
+        "samples / s": st.column_config.NumberColumn(format="%.0f")})
+    config_text = f"{entries[job.config.workload].title}, {job.config.size}, {job.config.optimizer}"
+    if modelled:
+        from amp_core.probes.maxbatch import PROBE_BATCHES
+
+        st.caption(f"**Modelled** ({config_text}): no batch was tried at that size. Each lane's fixed bytes "
+                   "(parameters, gradients, optimizer state, after a real step) and bytes per sample (saved for "
+                   f"backward, measured on real steps at batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]}) against "
+                   "the budget.")
+    else:
+        st.caption(f"Found by real steps ({config_text}): a bounded search, an out-of-memory caught and the "
+                   "allocator emptied; the throughput is timed at the batch found.")
+
+
+with maxbatch_slot:
+    st.markdown("**Largest batch each lane allows**")
+    m1, m2 = st.columns([2, 3], vertical_alignment="bottom")
+    budget_mib = m1.number_input("Memory budget (MiB, 0 = what is free now)", min_value=0.0, value=0.0, step=256.0,
+                                 key="train_maxbatch_budget",
+                                 help="0: the free GPU memory on CUDA, the machine's available memory on a CPU.")
+    if m2.button("Find the largest batch", key="train_maxbatch_go",
+                 help="For the chosen workload, size, optimizer and lanes — the same search as `amp-lab maxbatch`. "
+                      "On a CPU it is modelled from measured bytes (seconds); on CUDA it tries real steps."):
+        start_maxbatch(float(budget_mib))
+    job = st.session_state.get("train_maxbatch")
+    polling = job is not None and not job.done
+    st.fragment(maxbatch_result, run_every=0.5 if polling else None)(polling)
 
 
 if config is not None:

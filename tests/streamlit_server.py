@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +58,15 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextmanager
+def serving(store: Path) -> Iterator[str]:
+    """The app served on a free port with its run store at `store`, healthy: its URL; stopped afterwards."""
+    port = free_port()
+    proc = start(port, store)
+    try:
+        wait_healthy(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)

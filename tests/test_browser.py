@@ -28,13 +28,8 @@ pytestmark = [
 
 @pytest.fixture
 def server(tmp_path):
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, tmp_path / "runs.sqlite3")
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
+    with streamlit_server.serving(tmp_path / "runs.sqlite3") as url:
+        yield url
 
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

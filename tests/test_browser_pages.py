@@ -7,7 +7,6 @@ Runs are made beforehand in the server's store (CLI-like, by their own threads);
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from pathlib import Path
@@ -80,18 +79,6 @@ def spike_race(store: Path, modes: tuple[str, ...]) -> None:
     Run(config, open_store(store)).start().join(120)
 
 
-@contextlib.contextmanager
-def serving(store: Path):
-    """A fresh server on `store`, its URL."""
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, store)
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        streamlit_server.stop(proc)
-
-
 @pytest.fixture
 def server(tmp_path):
     store = tmp_path / "runs.sqlite3"
@@ -100,7 +87,7 @@ def server(tmp_path):
         config = RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16)
         Run(config, open_store(store)).start().join()
     spike_race(store, ("16-mixed", "bf16-mixed"))
-    with serving(store) as url:
+    with streamlit_server.serving(store) as url:
         yield url
 
 
@@ -237,7 +224,7 @@ def three_lane_server(tmp_path):
     """A fresh server on a store holding one finished race of three lanes with a loss spike that overflows fp16."""
     store = tmp_path / "runs.sqlite3"
     spike_race(store, ("16-mixed", "bf16-mixed", "32-true"))
-    with serving(store) as url:
+    with streamlit_server.serving(store) as url:
         yield url
 
 

@@ -166,3 +166,29 @@ def test_layer_numerics_page_shows_an_attached_runs_heatmap_and_first_inf(store)
                                                                                           "subnormal", "zero"]
     page.radio(key="lnum_cast_format").set_value("fp8 e4m3fn").run()
     assert not page.exception
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise"])
+def test_an_fp8_lanes_scaled_shares_are_what_torchaos_own_scaled_cast_does(recipe):
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    from amp_core.precision import RECIPE_OPTIONS
+    from amp_core.probes.layerwatch import FP8_FORMATS, ROLES, _scaled_figures, _ScaledRecorder
+
+    float8 = RECIPE_OPTIONS[recipe]
+    # Rows a thousand-fold apart: one scale per tensor flushes the small rows' values, one per row keeps them.
+    tensor = (torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+              * torch.logspace(-12, 2, 8)[:, None]).to(torch.bfloat16)
+    for which, role in ROLES.items():
+        recorder = _ScaledRecorder({}, float8)
+        recorder.role = role
+        measured = _scaled_figures(recorder._measure(tensor).tolist())
+        for name, dtype in FP8_FORMATS.items():
+            scaled = tensor.float() * float8.cast_scale(tensor, role, dtype)
+            cast = to_fp8_saturated(scaled, dtype).float()  # torchao's own cast of what its scale made
+            assert measured[f"{name} scaled zero"] == int(((cast == 0) & (tensor != 0)).sum()), (which, name)
+            assert measured[f"{name} scaled overflow"] == 0
+            assert measured[f"{name} zero"] == int(((tensor.to(dtype).float() == 0) & (tensor != 0)).sum())
+    rowwise = _scaled_figures(_ScaledRecorder({}, RECIPE_OPTIONS["fp8-rowwise"])._measure(tensor).tolist())
+    tensorwise = _scaled_figures(_ScaledRecorder({}, RECIPE_OPTIONS["fp8-tensorwise"])._measure(tensor).tolist())
+    assert rowwise["fp8 e4m3fn scaled zero"] < tensorwise["fp8 e4m3fn scaled zero"]

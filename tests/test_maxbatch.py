@@ -44,3 +44,40 @@ def test_the_cli_prints_a_modelled_batch_per_mode_and_exits_2_on_bad_input():
     bad = subprocess.run([*command, "--modes", "32-true", "--budget-mib", "-1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: budget_mib: must be > 0, got -1.0"
+
+
+def maxbatch_tables(at) -> list:
+    return [frame.value for frame in at.dataframe if "max batch" in frame.value.columns]
+
+
+def test_the_train_page_finds_each_lanes_largest_batch_off_its_thread():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run()
+    at.selectbox(key="train_workload").set_value("tiny_transformer").run()
+    at.selectbox(key="train_recipe_mode").set_value("bf16-mixed")
+    at.multiselect(key="train_recipe_options").set_value(["fp8-rowwise"])
+    at.button(key="train_recipe_add").click().run()
+    at.multiselect(key="train_modes").set_value(["32-true", "bf16-mixed", "bf16-mixed+fp8-rowwise"])
+    at.number_input(key="train_maxbatch_budget").set_value(64.0)
+    at.button(key="train_maxbatch_go").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["train_maxbatch"]
+    assert job.wait(300), "the search did not finish"
+    at.run()
+    assert not at.exception and not at.error
+    [table] = maxbatch_tables(at)
+    assert list(table["recipe"]) == ["32-true", "bf16-mixed", "bf16-mixed+fp8-rowwise"]
+    assert set(table["found by"]) == {"modelled"} and set(table["budget MiB"]) == {64.0}
+    assert "samples / s" not in table.columns  # a CPU measures bytes, not a throughput at a batch never tried
+    assert (table["bytes / sample"] > 0).all()
+    # The batch is the one the CLI's code finds: the same measured bytes against the same budget.
+    assert list(table["max batch"]) == [entry.batch for entry in max_batches(
+        "tiny_transformer", tuple(table["recipe"]), device="cpu", budget_mib=64)]
+    assert any("**Modelled**" in caption.value for caption in at.caption)
+    # Bad input is a message: no lane to search.
+    at.multiselect(key="train_modes").set_value([])
+    at.button(key="train_maxbatch_go").click().run()
+    assert not at.exception
+    assert any("Nothing was searched" in error.value for error in at.error)
+    assert not maxbatch_tables(at)

@@ -164,3 +164,41 @@ def test_live_lane_without_runs_says_so(app):
     app.radio(key="lnum_source").set_value("A live lane").run()
     assert not app.exception
     assert any("No live runs" in i.value for i in app.info)
+
+
+def test_an_fp8_lanes_samples_measure_e4m3_and_e5m2_and_the_page_shows_them(no_leaked_threads):
+    run = get_manager().launch(RunConfig(workload="tiny_transformer", size="small", steps=4, amax_every=2,
+                                         modes=("bf16-mixed", "bf16-mixed+fp8-rowwise"), device="cpu",
+                                         gradstats_every=0))
+    run.join(120)
+    samples = [e for e in run.events() if e.kind == LAYER_AMAX_EVENT]
+    assert sorted((e.lane, e.step) for e in samples) == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert all("shares" not in e.data for e in samples if e.lane == 0)  # a plain lane's samples stay light
+    fp8 = [e.data for e in samples if e.lane == 1]
+    for data in fp8:
+        assert data["fp8"]["recipe"] == "rowwise" and data["fp8"]["casts"]["grad"] == "fp8 e4m3fn scaled"
+        for which in ("output", "grad"):
+            shares = data["shares"][which]
+            assert {"fp8 e4m3fn", "fp8 e5m2", "fp8 e4m3fn scaled", "fp8 e5m2 scaled"} <= set(shares)
+            measured = [v for v in shares["fp8 e4m3fn scaled"]["overflow"] if v is not None]
+            assert measured and not any(measured)  # torchao's scale maps each row's max to e4m3's: none overflows
+        # The gradients are tiny: a plain cast to e4m3 flushes many of them to 0, torchao's scaled cast keeps them.
+        grads = data["shares"]["grad"]
+        plain = sum(v or 0 for v in grads["fp8 e4m3fn"]["zero"])
+        scaled = sum(v or 0 for v in grads["fp8 e4m3fn scaled"]["zero"])
+        assert plain > scaled
+    app = AppTest.from_file(PAGE, default_timeout=120).run()
+    app.selectbox(key=f"lnum_amax_lane_{run.run_id}").set_value(1).run()
+    assert not app.exception and not app.error
+    radio = app.radio(key="lnum_cast_format")
+    assert {"fp8 e4m3fn", "fp8 e5m2", "fp8 e4m3fn scaled", "fp8 e5m2 scaled"} <= set(radio.options)
+    assert radio.value == "fp8 e4m3fn scaled"  # the format torchao casts a rowwise lane's outputs to
+    assert any("torchao rowwise" in c.value and "one scale per row" in c.value for c in app.caption)
+    [table] = tables(app, "subnormal")
+    assert list(table.columns) == ["module", "overflow", "subnormal", "zero"]
+    assert list(table["module"]) == fp8[-1]["modules"]
+    radio.set_value("fp8 e5m2").run()
+    [table] = tables(app, "subnormal")
+    assert list(table.columns) == ["module", "overflow", "subnormal", "zero"]  # not "fp8 e5m2 scaled"'s too
+    expected = fp8[-1]["shares"]["output"]["fp8 e5m2"]["zero"]
+    assert table["zero"].fillna(-1).tolist() == [-1 if v is None else v for v in expected]

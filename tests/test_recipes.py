@@ -188,3 +188,37 @@ def test_the_fp8_workshop_scenario_follows_the_device(tmp_path):
                            "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:]
     assert "✓ FP8 matmuls ran" in done.stdout and "3 of 3 checks held" in done.stdout
+
+
+def test_bench_race_takes_recipe_lanes_and_gives_fp8_its_speedup_against_bf16_mixed():
+    command = [sys.executable, "-m", "bench.race", "--workload", "digits_mlp", "--steps", "5", "--rounds", "1",
+               "--batch-size", "16"]
+    done = subprocess.run([*command, "--modes", "bf16-mixed+fp8-rowwise"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    # 32-true (the speedups' baseline) and bf16-mixed (the FP8 lane's) are raced beside the recipe asked for.
+    assert [line.split()[2] for line in lines[:3]] == ["32-true", "bf16-mixed", "bf16-mixed+fp8-rowwise"]
+    assert lines[3].startswith("bf16-mixed+fp8-rowwise vs bf16-mixed: bare_speedup=")
+    assert lines[4].startswith("speedup_error_max=") and lines[5].startswith("memory_change_max=")
+    assert len(lines) == 6
+    refused = subprocess.run([*command, "--modes", "32-true,bf16-true+fp8-rowwise"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and not refused.stdout
+    assert refused.stderr.strip() == ("error: --modes: 'bf16-true+fp8-rowwise' cannot race on cpu: +fp8-rowwise "
+                                      "runs on top of bf16-mixed (torchao's float8 training); use "
+                                      "bf16-mixed+fp8-rowwise")
+
+
+def test_a_low_bit_lane_keeps_its_replay_snapshots_in_torchaos_own_state_tensors():
+    # A snapshot copies the optimizer's state; torchao's low-bit states have no aten.clone (the run used to fail at
+    # its first snapshot after step 0, step 25 by default).
+    run = Run(RunConfig(workload="tiny_transformer", modes=("32-true+adamw-8bit",), steps=4, snapshot_every=2,
+                        batch_size=8, optimizer="adamw", device="cpu", gradstats_every=0)).start()
+    run.join(600)
+    assert run.status == "finished", [lane.error for lane in run.lanes]
+    assert run.snapshots.steps(0) == [0, 2]
+    states = [value for state in run.snapshots.nearest(0, 3).optimizer["state"].values() for value in state.values()]
+    low_bit = [value for value in states if type(value) is not torch.Tensor]
+    assert low_bit and all(type(value).__name__ == "OptimState8bit" and value.device.type == "cpu"
+                           for value in low_bit)

@@ -13,6 +13,9 @@ naming the first module in execution order whose output held inf/NaN (else the f
 its abs max before and after.
 
 Steps between watched ones carry no hook at all: arming registers the hooks before a step and removes them after it.
+
+A race's lane with FP8 matmuls samples its layers (RunConfig.amax_every) with `Fp8RangeSampler`: the same figures on
+the lane's shadow copy, plus e4m3fn / e5m2 after the scale torchao's own code gives each tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_core.probes.numerics import LAYER_AMAX_EVENT, ROOT, LayerAmax, _label, _Recorder
+from amp_core.precision import Precision
+from amp_core.probes.numerics import LAYER_AMAX_EVENT, ROOT, LayerAmax, LayerAmaxSampler, _label, _Recorder
 
 FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8 e4m3fn": torch.float8_e4m3fn,
                                    "fp8 e5m2": torch.float8_e5m2}
@@ -240,26 +244,12 @@ class LayerWatch:
             self.answers += [(request_id, {"step": watched.step, "layers": None, "messages": [
                 "no module produced a floating-point output in that step"]}) for request_id in watched.request_ids]
             return []
-        table = torch.stack(recorder.kept).cpu().tolist()  # the one transfer of this step's figures
         calls = recorder.calls
-
-        def combined(indices: list[int]) -> dict[str, float] | None:
-            if not indices:
-                return None
-            rows = [figures(table[i]) for i in indices]
-            out = {name: sum(row[name] for row in rows) for name in FIELDS[1:]}
-            maxima = [row["abs_max"] for row in rows]
-            out["abs_max"] = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
-            return out
-
-        outputs = [combined(call.outputs) for call in calls]
-        grads = [combined(call.grads) for call in calls]
-        inputs = [combined(call.inputs) for call in calls]
-        modules = [_label(call.module, call.call) for call in calls]
-        sample = LayerAmax(modules=modules, output_amax=[_amax(f) for f in outputs],
-                           grad_amax=[_amax(f) for f in grads], scale=None)
-        data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.recorder.hook_s * 1e3,
-                "shares": {"output": _shares(outputs), "grad": _shares(grads)}}
+        rows = [figures(vector) for vector in torch.stack(recorder.kept).cpu().tolist()]  # the step's one transfer
+        inputs = [_combined(rows, call.inputs) for call in calls]
+        sample, outputs, grads = _sample(calls, rows, None, FORMATS)
+        modules = sample.modules
+        data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.recorder.hook_s * 1e3}
         events = [(LAYER_AMAX_EVENT, sample.message(), watched.step, data)]
         if watched.failed or watched.after_failure:
             events.append(self._first_nonfinite(watched, modules, inputs, outputs, grads, calls))
@@ -304,6 +294,27 @@ class LayerWatch:
                 watched.step, data)
 
 
+def _combined(rows: list[dict[str, float]], indices: list[int]) -> dict[str, float] | None:
+    """The figures of the tensors at `indices` (a module call's outputs, or its output's gradients) as one."""
+    if not indices:
+        return None
+    picked = [rows[i] for i in indices]
+    out = {name: sum(row[name] for row in picked) for name in picked[0] if name != "abs_max"}
+    maxima = [row["abs_max"] for row in picked]
+    out["abs_max"] = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
+    return out
+
+
+def _sample(calls, rows: list[dict[str, float]], scale: float | None, formats) -> tuple[LayerAmax, list, list]:
+    """(LayerAmax with the shares of `formats`, each call's output figures, each call's gradient figures)."""
+    outputs = [_combined(rows, call.outputs) for call in calls]
+    grads = [_combined(rows, call.grads) for call in calls]
+    sample = LayerAmax(modules=[_label(call.module, call.call) for call in calls],
+                       output_amax=[_amax(f) for f in outputs], grad_amax=[_amax(f) for f in grads], scale=scale,
+                       shares={"output": _shares(outputs, formats), "grad": _shares(grads, formats)})
+    return sample, outputs, grads
+
+
 def _amax(figures: dict[str, float] | None) -> float | str | None:
     """A race's layer amax value: the float, "inf"/"nan" where the tensor held one, None where there was none."""
     if figures is None:
@@ -320,7 +331,82 @@ def _text(value: float | str | None) -> str:
     return "none" if value is None else value if isinstance(value, str) else f"{value:.3g}"
 
 
-def _shares(figures: list[dict[str, float] | None]) -> dict[str, dict[str, list[float | None]]]:
+def _shares(figures: list[dict[str, float] | None], formats) -> dict[str, dict[str, list[float | None]]]:
     """Per format and effect, each module's share of its values (None where it had none)."""
     return {name: {effect: [f[f"{name} {effect}"] / f["numel"] if f and f["numel"] else None for f in figures]
-                   for effect in EFFECTS} for name in FORMATS}
+                   for effect in EFFECTS} for name in formats}
+
+
+# --- a race's FP8 lane: its sampled layers against e4m3fn / e5m2, unscaled and as torchao scales them ----------------
+
+FP8_FORMATS = {"fp8 e4m3fn": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
+SCALED = " scaled"
+"""Suffix of a format measured after torchao's scale ("fp8 e4m3fn scaled")."""
+ROLES = {"output": "input", "grad": "grad_output"}
+"""What torchao's Float8Linear calls a module output (the next Linear's input) and the gradient reaching it."""
+
+
+class _ScaledRecorder(_Recorder):
+    """probes.numerics' recorder keeping, per tensor, its figures (FORMATS, unscaled) and then, per FP8 format, the
+    figures of the tensor times the scale torchao's recipe would give it: an output as a Float8Linear's input, a
+    gradient as its grad_output."""
+
+    def __init__(self, names: dict[nn.Module, str], float8):
+        super().__init__(names, self._measure)
+        self.float8 = float8
+        self.role = ROLES["output"]
+
+    def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [tensor_figures(tensor)]
+        for dtype in FP8_FORMATS.values():
+            scaled = tensor.float() * self.float8.cast_scale(tensor, self.role, dtype) if tensor.numel() else tensor
+            parts.append(tensor_figures(scaled))
+        return torch.cat(parts)
+
+    def _on_grad(self, *args) -> None:
+        self.role = ROLES["grad"]
+        try:
+            super()._on_grad(*args)
+        finally:
+            self.role = ROLES["output"]
+
+
+def _scaled_figures(vector: list[float]) -> dict[str, float]:
+    """What `_ScaledRecorder` kept of one tensor, read on the host: FIELDS, then '<fp8 format> scaled <effect>'."""
+    width = len(vector) // (1 + len(FP8_FORMATS))  # three `tensor_figures` vectors, one after the other
+    out = figures(vector[:width])
+    for index, name in enumerate(FP8_FORMATS, start=1):
+        scaled = figures(vector[index * width:(index + 1) * width])
+        out |= {f"{name}{SCALED} {effect}": scaled[f"{name} {effect}"] for effect in EFFECTS}
+    return out
+
+
+class Fp8RangeSampler(LayerAmaxSampler):
+    """A race's layer amax sample (RunConfig.amax_every) for a lane with FP8 matmuls: on the same shadow copy, each
+    module's output and output gradient measured against fp16 / bf16 / e4m3fn / e5m2 by the figures an attached run
+    records (`tensor_figures`: unscaled, a plain cast), and against e4m3fn / e5m2 after the scale torchao's recipe
+    computes for it (its own `tensor_to_scale`: tensorwise one per tensor, rowwise one per row, as a Float8Linear
+    would cast it). What torchao really casts are the Linear layers' inputs and grad_outputs; every module's tensors
+    are measured as if they were one."""
+
+    def sample(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float | None = None) -> LayerAmax:
+        float8 = self.precision.float8
+        recorder = _ScaledRecorder(self._names, float8)
+        self.record(batch, scale, recorder)
+        # The sample's one transfer of its figures (outside the timed step: the run reports it as sample_ms).
+        rows = [_scaled_figures(v) for v in torch.stack(recorder.kept).cpu().tolist()] if recorder.kept else []
+        formats = [*FORMATS, *(f"{name}{SCALED}" for name in FP8_FORMATS)]
+        sample, _, _ = _sample(recorder.calls, rows, scale, formats)
+        casts = {which: f"{_FORMAT_NAMES[float8.cast_config(role).target_dtype]}{SCALED}"
+                 for which, role in ROLES.items()}
+        return LayerAmax(sample.modules, sample.output_amax, sample.grad_amax, scale, sample.shares,
+                         fp8={"recipe": float8.torchao_recipe, "scaling": float8.scaling(), "casts": casts})
+
+
+_FORMAT_NAMES = {dtype: name for name, dtype in FP8_FORMATS.items()}
+
+
+def layer_sampler(model: nn.Module, precision: Precision, loss) -> LayerAmaxSampler:
+    """A race lane's layer amax sampler: an FP8 lane's also measures its ranges against e4m3fn / e5m2."""
+    cls = Fp8RangeSampler if precision.float8 is not None else LayerAmaxSampler
+    return cls(model, precision, loss)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core import background
 from amp_core.config import ConfigError, RunConfig
 from amp_core.measure import held_bytes
 from amp_core.precision import parse_modes
@@ -129,6 +130,12 @@ def searched_max_batch(config: RunConfig, recipe: str, budget: int) -> MaxBatch:
 def max_batches(workload: str, recipes: tuple[str, ...], *, size: str = "small", device: str = "auto",
                 budget_mib: float | None = None, optimizer: str = "adam") -> list[MaxBatch]:
     """The largest batch of each recipe (ConfigError for a bad workload, size, recipe or budget)."""
+    return _search(*_checked(workload, recipes, size, device, budget_mib, optimizer))
+
+
+def _checked(workload: str, recipes: tuple[str, ...], size: str, device: str, budget_mib: float | None,
+             optimizer: str) -> tuple[RunConfig, int]:
+    """(the search's config on a resolved device, the budget in bytes); ConfigError for bad input."""
     config = RunConfig(workload=workload, modes=recipes, size=size, device=device, optimizer=optimizer,
                        batch_size=PROBE_BATCHES[0], gradstats_every=0)
     check_launch(config)
@@ -138,9 +145,47 @@ def max_batches(workload: str, recipes: tuple[str, ...], *, size: str = "small",
     config = RunConfig.from_dict({**config.to_dict(), "device": device})
     if budget_mib is not None and not budget_mib > 0:
         raise ConfigError("budget_mib", f"must be > 0, got {budget_mib!r}")
-    budget = int(budget_mib * 2**20) if budget_mib is not None else available_bytes(device)
-    find = searched_max_batch if torch.device(device).type == "cuda" else modelled_max_batch
-    return [find(copy.copy(config), recipe, budget) for recipe in recipes]
+    return config, int(budget_mib * 2**20) if budget_mib is not None else available_bytes(device)
+
+
+def _search(config: RunConfig, budget: int) -> list[MaxBatch]:
+    find = searched_max_batch if torch.device(config.device).type == "cuda" else modelled_max_batch
+    return [find(copy.copy(config), recipe, budget) for recipe in config.modes]
+
+
+class MaxBatchJob:
+    """`max_batches` off the caller's thread (a page's button): the input is checked at once (ConfigError), the
+    search runs on a background thread; `done` says when `found` (or `error`, one line) is there."""
+
+    def __init__(self, workload: str, recipes: tuple[str, ...], *, size: str = "small", device: str = "auto",
+                 budget_mib: float | None = None, optimizer: str = "adam"):
+        self.config, self.budget = _checked(workload, recipes, size, device, budget_mib, optimizer)
+        self.found: list[MaxBatch] | None = None
+        self.error = ""
+        self._thread = background.start(self._work, "amp-maxbatch")
+
+    def _work(self) -> None:
+        try:
+            self.found = _search(self.config, self.budget)
+        except Exception as error:  # e.g. a recipe that failed in its step: the page shows a line, not a trace
+            self.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the search is done (scripts and tests); False if `timeout_s` ran out first."""
+        self._thread.join(timeout_s)
+        return self.done
+
+    def rows(self) -> list[dict]:
+        """One row per recipe: the batch, what it came from, the budget, and modelled or the measured throughput."""
+        return [{"recipe": m.recipe, "max batch": m.batch,
+                 "bytes / sample": m.per_sample_bytes if m.modelled else None,
+                 "fixed MiB": m.fixed_bytes / 2**20 if m.modelled else None, "budget MiB": m.budget_bytes / 2**20,
+                 "found by": "modelled" if m.modelled else "real steps",
+                 "samples / s": m.samples_per_s} for m in self.found or ()]
 
 
 def cli_maxbatch(workload: str, modes: str, budget_mib: float | None, size: str, device: str, optimizer: str) -> int:

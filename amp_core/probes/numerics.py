@@ -759,11 +759,17 @@ class LayerAmax:
     grad_amax: list[float | str | None]
     """Largest |gradient w.r.t. the output|, as the backward held it (scaled under a GradScaler)."""
     scale: float | None
+    shares: dict[str, dict[str, dict[str, list[float | None]]]] | None = None
+    """Where measured (probes.layerwatch): per tensor ("output" | "grad"), format and effect, each module's share of
+    its values a real cast overflows / makes subnormal / flushes to zero."""
+    fp8: dict[str, Any] | None = None
+    """An FP8 lane's sample: how torchao scales and casts (recipe, scaling, the format each tensor is cast to)."""
 
     def event_data(self) -> dict[str, Any]:
         """Plain JSON-able data for an Event."""
+        extra = {name: value for name, value in (("shares", self.shares), ("fp8", self.fp8)) if value is not None}
         return {"modules": self.modules, "output_amax": self.output_amax, "grad_amax": self.grad_amax,
-                "scale": self.scale}
+                "scale": self.scale, **extra}
 
     def message(self) -> str:
         pairs = list(zip(self.modules, self.output_amax, strict=True))
@@ -795,13 +801,12 @@ class LayerAmaxSampler:
         self._sources = [*model.parameters(), *model.buffers()]
         self._targets = [*self.shadow.parameters(), *self.shadow.buffers()]
 
-    def sample(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float | None = None) -> LayerAmax:
-        """Abs max of every module's output and output gradient in one forward + backward of the shadow in the
-        model's mode (no parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
+    def record(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float | None, recorder: _Recorder) -> None:
+        """One forward + backward of the shadow (its weights refreshed from the model) in the model's mode, seen by
+        `recorder` (no parameter gradient is computed: only the gradients w.r.t. the outputs are asked for)."""
         with torch.no_grad():
             foreach_copy_(self._targets, self._sources)
         inputs, target = (self.precision.prepare_input(t) for t in batch)
-        recorder = _Recorder(self._names, lambda t: t.abs().amax() if t.numel() else None)
         with self.precision.step_context(), recorder:
             with self.precision.forward_context():
                 value = self.loss_module(self.shadow(inputs), target)
@@ -809,6 +814,12 @@ class LayerAmaxSampler:
             outputs = [t for t in outputs if t.requires_grad]
             if outputs:
                 torch.autograd.grad(value * scale if scale else value, outputs, allow_unused=True)
+
+    def sample(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float | None = None) -> LayerAmax:
+        """Abs max of every module's output and output gradient in one forward + backward of the shadow."""
+        recorder = _Recorder(self._names, lambda t: t.abs().amax() if t.numel() else None)
+        self.record(batch, scale, recorder)
+        with self.precision.step_context():
             measured = [a for a in recorder.kept if a is not None]
             maxima = iter(torch.stack([a.float() for a in measured]).tolist() if measured else [])
         amax = [next(maxima) if a is not None else None for a in recorder.kept]

@@ -88,6 +88,10 @@ class StateSnapshot:
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync."""
     tensor = tensor.detach()
+    if type(tensor) is not torch.Tensor:
+        # A tensor subclass (torchao's 8-bit / 4-bit / FP8 optimizer states: codes and scales) implements no
+        # aten.clone, only its own _to_copy; from a GPU that copy waits for the device, for these states only.
+        return tensor.to("cpu", copy=True)
     if tensor.device.type == "cpu":
         return tensor.clone()
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -224,8 +228,8 @@ def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnaps
     state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, None), workload, device)
     state.model.load_state_dict(snapshot.model)
     # load_state_dict may keep the tensors it is given as the optimizer's own: it must get copies, or the replay's
-    # steps would write into the snapshot.
-    state.optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+    # steps would write into the snapshot (copied as the snapshot was: a low-bit state has no deepcopy).
+    state.optimizer.load_state_dict(_copy_tree(snapshot.optimizer))
     if snapshot.scheduler is not None:
         state.scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler))
     _load_scaler(state.scaler, snapshot.scaler)

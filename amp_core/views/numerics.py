@@ -260,8 +260,9 @@ def amax_texts(values: list[float | str | None]) -> list[str]:
 
 def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.DataFrame:
     """The latest sampled step's per-module shares of values a cast to each format overflows / makes subnormal /
-    flushes to zero (attached runs' samples carry them; a race's do not: empty then). Columns: module, then
-    '<format> <effect>'."""
+    flushes to zero (attached runs' samples carry them, and a race's FP8 lanes', with the fp8 formats also after
+    torchao's scale; other race lanes' do not: empty then). Columns: module, then '<format> <effect>'; attrs: step,
+    and fp8 (how torchao scales and casts) for an FP8 lane."""
     if events.empty:
         return pd.DataFrame()
     samples = events[(events["kind"] == LAYER_AMAX_EVENT) & (events["lane"] == lane)]
@@ -271,6 +272,7 @@ def cast_shares(events: pd.DataFrame, lane: int, which: str = "output") -> pd.Da
     latest = samples.iloc[-1]
     frame = cast_shares_table(latest["data"], which)
     frame.attrs["step"] = int(latest["step"])
+    frame.attrs["fp8"] = latest["data"].get("fp8")
     return frame
 
 
