@@ -58,20 +58,14 @@ def served_page(store: Path, path: str):
     """A 1440 x 900 Chromium page on `path` of an app server of its own over `store`; both stop after."""
     from playwright.sync_api import sync_playwright
 
-    port = streamlit_server.free_port()
-    proc = streamlit_server.start(port, store)
-    try:
-        streamlit_server.wait_healthy(port, proc)
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1440, "height": 900})
-                page.goto(f"http://127.0.0.1:{port}/{path}")
-                yield page
-            finally:
-                browser.close()
-    finally:
-        streamlit_server.stop(proc)
+    with streamlit_server.serving(store) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(f"{url}/{path}")
+            yield page
+        finally:
+            browser.close()
 
 
 @pytest.mark.browser
