@@ -234,6 +234,9 @@ class RunConfig:
                 raise ConfigError("modes", str(error)) from None
         if not isinstance(self.fsdp, bool):
             raise ConfigError("fsdp", f"must be true or false, got {self.fsdp!r}")
+        if self.fsdp and self.grad_clip:
+            raise ConfigError("grad_clip", "clipping is not offered with --fsdp (a rank measures its own shards' "
+                                           "gradient norm, not the whole model's)")
         for mode in self.modes:
             why = fsdp_refusal(mode, self.fsdp)
             if why:

@@ -21,6 +21,9 @@ def plain_tensors(tensor: torch.Tensor):
     if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
         yield tensor
         return
+    if hasattr(tensor, "to_local"):  # a DTensor: its flattened attributes include its mesh, not only its shard
+        yield from plain_tensors(tensor.to_local())
+        return
     names, _ = tensor.__tensor_flatten__()
     for name in names:
         yield from plain_tensors(getattr(tensor, name))

@@ -38,7 +38,7 @@ def model_param_bytes(workload: str) -> int:
 def fsdp_run(tmp_path_factory):
     store_path = tmp_path_factory.mktemp("fsdp") / "runs.db"
     proc = amp_lab(store_path, "run", "--workload", "digits_mlp", "--modes", "bf16-mixed,bf16-mixed+reduce-bf16",
-                   "--steps", str(STEPS), "--batch-size", "32", "--nproc", "2", "--fsdp", "--memory-every", "1")
+                   "--steps", str(STEPS), "--batch-size", "32", "--nproc", "2", "--fsdp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished (digits_mlp, cpu, 2 ranks)" in proc.stdout
     return only_run(store_path)
