@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
                           "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")
+    config_flag(run, "fsdp")
     run.set_defaults(handler=cmd_run, uses_workloads=True)
 
     sub.add_parser("list", help="runs in the store, newest first").set_defaults(handler=cmd_list)
@@ -177,7 +178,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         grad_clip=args.grad_clip,
         scaler=ScalerConfig(init_scale=args.init_scale, growth_interval=args.growth_interval),
         faults=tuple(FaultSpec.parse(text) for text in args.fault), amax_every=args.amax_every,
-        snapshot_every=args.snapshot_every, snapshot_keep=args.snapshot_keep)
+        snapshot_every=args.snapshot_every, snapshot_keep=args.snapshot_keep, fsdp=args.fsdp)
 
 
 class _LogLines:
@@ -263,8 +264,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = job_rank()
     if args.nproc < 1:
         raise ConfigError("nproc", f"must be at least 1, got {args.nproc}")
+    if config.fsdp and args.nproc < 2 and job is None:
+        raise ConfigError("fsdp", "FSDP2 shards each lane's model across the ranks of a torchrun job: add --nproc 2 "
+                                  "or more (one rank would shard nothing)")
     if args.nproc > 1 and job is None:
+        from amp_core.distributed import check_job
+
         check_launch(config)  # a bad setting is said once, here, not by every rank
+        check_job(config)
         return _run_under_torchrun(args)
     if job is not None:
         from amp_core.distributed import DistributedRun, init_job

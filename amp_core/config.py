@@ -206,6 +206,11 @@ class RunConfig:
     """Snapshots kept per lane, the newest; an older one is dropped as a new one is taken (host memory: about this
     many copies of a lane's weights and optimizer state). A step older than the oldest kept snapshot cannot be
     replayed in the run's process."""
+    fsdp: bool = False
+    """Shard each lane's model with FSDP2 (`fully_shard`, each block then the root) across the ranks of a torchrun job
+    (`--nproc` 2 or more), with the mixed-precision policy its recipe maps to (bf16-mixed: bf16 gathered weights,
+    fp32 gradient reduction, fp32 shards as the master weights); `+reduce-bf16` / `+reduce-fp32` set the reduction
+    dtype. Off: each lane's model is replicated in DDP."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
     name: str = ""
@@ -214,7 +219,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
         this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
-        from amp_core.precision import parse_recipe
+        from amp_core.precision import fsdp_refusal, parse_recipe
 
         if not isinstance(self.workload, str) or not self.workload.strip():
             raise ConfigError("workload", f"name a workload, got {self.workload!r}")
@@ -227,6 +232,15 @@ class RunConfig:
                 parse_recipe(mode)
             except ValueError as error:
                 raise ConfigError("modes", str(error)) from None
+        if not isinstance(self.fsdp, bool):
+            raise ConfigError("fsdp", f"must be true or false, got {self.fsdp!r}")
+        if self.fsdp and self.grad_clip:
+            raise ConfigError("grad_clip", "clipping is not offered with --fsdp (a rank measures its own shards' "
+                                           "gradient norm, not the whole model's)")
+        for mode in self.modes:
+            why = fsdp_refusal(mode, self.fsdp)
+            if why:
+                raise ConfigError("modes", why)
         _positive("steps", self.steps, int)
         _positive("batch_size", self.batch_size, int)
         _positive("lr", self.lr)

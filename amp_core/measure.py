@@ -6,11 +6,23 @@ from __future__ import annotations
 import torch
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor sharded across a torchrun job (a DTensor: FSDP2's parameters, gradients and
+    optimizer states), else the tensor itself. A figure read from it is the rank's own and needs no collective: a
+    sampled probe, whose schedule depends on each rank's own timing, must never wait for the other ranks."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def plain_tensors(tensor: torch.Tensor):
     """The plain tensors that hold `tensor`'s data: itself, or, for a wrapper subclass (torchao's 8-bit / 4-bit / FP8
-    optimizer states, float8 tensors), its inner tensors (codes, scales, lookup tables), recursively."""
+    optimizer states, float8 tensors; a DTensor: this rank's shard), its inner tensors (codes, scales, lookup tables),
+    recursively."""
     if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
         yield tensor
+        return
+    if hasattr(tensor, "to_local"):  # a DTensor: its flattened attributes include its mesh, not only its shard
+        yield from plain_tensors(tensor.to_local())
         return
     names, _ = tensor.__tensor_flatten__()
     for name in names:
@@ -52,21 +64,23 @@ class SavedTensorsProbe:
     """
 
     def __init__(self, exclude: list[torch.Tensor]):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._seen: set[int] = set()
+        self._exclude = {plain.untyped_storage().data_ptr() for t in exclude for plain in plain_tensors(t)}
+        self._storages: dict[int, torch.UntypedStorage] = {}
         self.bytes = 0
+        """What the saved storages hold once the forward is over (set on exit)."""
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         for plain in plain_tensors(tensor):  # a float8 tensor saved for backward: its data and its scale
-            ptr = plain.untyped_storage().data_ptr()
-            if ptr not in self._exclude and ptr not in self._seen:
-                self._seen.add(ptr)
-                self.bytes += plain.untyped_storage().nbytes()
+            storage = plain.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._exclude and ptr not in self._storages:
+                # Weighed on exit, not now: FSDP2 frees the weights it gathered for a block once the block's forward
+                # is over (it gathers them again for the backward), so what they held is not kept for backward.
+                self._storages[ptr] = storage
         # Detached, not the tensor itself: an op that saves its own output (ReLU, exp, softmax) would hold that
         # output, whose grad_fn holds this saved copy: a cycle through C++ that Python's GC cannot see, so a graph
-        # that is dropped without a backward (the probe's) would never be freed. The storage stays alive (its
-        # address is not reused while the forward runs, so `_seen` counts each storage once).
+        # that is dropped without a backward (the probe's) would never be freed.
         return tensor.detach()
 
     @staticmethod
@@ -79,3 +93,5 @@ class SavedTensorsProbe:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self.bytes = sum(storage.nbytes() for storage in self._storages.values())
+        self._storages.clear()

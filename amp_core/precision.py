@@ -1,6 +1,7 @@
 """Precision recipes: the ONLY place that maps a mode name and its options to behaviour (autocast, scaler, dtypes, TF32,
-FP8 matmuls, optimizer-state formats, stochastic rounding). A recipe is `MODE[+OPTION...]`, e.g.
-`bf16-mixed+fp8-rowwise`, `32-true+adamw-8bit`, `bf16-true+sr`; torchao is imported only when a recipe needs it."""
+FP8 matmuls, optimizer-state formats, stochastic rounding, FSDP2 mixed-precision policies). A recipe is
+`MODE[+OPTION...]`, e.g. `bf16-mixed+fp8-rowwise`, `32-true+adamw-8bit`, `bf16-true+sr`, `bf16-mixed+reduce-bf16`
+(under --fsdp); torchao is imported only when a recipe needs it."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ RECIPE_OPTION_HELP: dict[str, str] = {
     "adamw-fp8": "Adam(W) moments in float8 e4m3 with a scale per 256 values (torchao AdamWFp8).",
     "states-bf16": "Adam(W) moments in bf16 (round to nearest): the torchtune#2254 trap, raced on purpose.",
     "sr": "bf16 weights updated with stochastic rounding (torchao _AdamW); use with bf16-true.",
+    "reduce-bf16": "FSDP2 reduce-scatters gradients in bf16 (half the traffic of fp32); --fsdp only (torchrun).",
+    "reduce-fp32": "FSDP2 reduce-scatters gradients in fp32 (the mixed modes' default, named to race it); --fsdp only.",
 }
 """One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
 
@@ -149,6 +152,41 @@ class Precision:
             report["fp8_layers"], report["fp8_skipped"] = converted, skipped
         return report
 
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy for this recipe (the mode map under `--fsdp`):
+
+        - mixed modes: the sharded fp32 parameters are the master weights (the optimizer steps them); FSDP2
+          all-gathers them cast to the autocast dtype (param_dtype) and reduce-scatters gradients in fp32. Autocast
+          stays on, as in the DDP lane: its casts of the gathered weights become no-ops (they already are 16-bit),
+          and the ops it keeps in fp32 (the loss) still run in fp32, so a lane differs from its DDP twin only by what
+          FSDP2 adds (sharding, the gather dtype, the reduce dtype);
+        - 32-true / tf32: no casting (fp32 all the way);
+        - true 16-bit modes: the shards themselves are 16-bit (no master weights, as without FSDP): nothing to cast,
+          and gradients are reduced in the weights' dtype.
+
+        `+reduce-bf16` / `+reduce-fp32` set the reduction dtype. The root's output is not cast (output_dtype None)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        reduce = next((o.reduce_dtype for o in self.options if isinstance(o, ReduceDtype)), None)
+        if self.autocast_dtype is not None:
+            return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=reduce or torch.float32)
+        return MixedPrecisionPolicy(reduce_dtype=reduce)
+
+    def fsdp_dtypes(self) -> dict[str, str]:
+        """What the FSDP2 policy makes of each tensor, by short dtype name: the sharded parameters (what the
+        optimizer steps), the gathered parameters the forward computes with, the gradient reduction, the root's
+        output ("as computed": not cast)."""
+        policy = self.fsdp_policy()
+        gathered = policy.param_dtype or self.param_dtype
+        return {"shards": _DTYPE_NAMES[self.param_dtype], "param_dtype": _DTYPE_NAMES[gathered],
+                "reduce_dtype": _DTYPE_NAMES[policy.reduce_dtype or gathered],
+                "output_dtype": _DTYPE_NAMES[policy.output_dtype] if policy.output_dtype else "as computed"}
+
+    def fsdp_label(self) -> str:
+        """The FSDP2 policy in a few words, as Compare labels a lane: `FSDP2 param bf16 · reduce fp32`."""
+        dtypes = self.fsdp_dtypes()
+        return f"FSDP2 param {dtypes['param_dtype']} · reduce {dtypes['reduce_dtype']}"
+
     def prepare_input(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a batch tensor to the device; floating inputs take the parameter dtype."""
         if self.device == "cpu" and tensor.is_cpu and (tensor.dtype is self.param_dtype
@@ -191,10 +229,18 @@ class RecipeOption:
 
     name: str
     help: str
+    needs_torchao = True
+    """Whether the option is built on torchao (the `recipes` extra)."""
+    fsdp_only = False
+    """Whether the option means something only when each lane's model is sharded with FSDP2 (RunConfig.fsdp)."""
 
     def refusal(self, mode: str, device: str | None) -> str:
         """Why the option cannot run with `mode` on `device` (empty: it can); `device` None asks only whether the
         combination makes sense."""
+        return ""
+
+    def fsdp_refusal(self) -> str:
+        """Why the option cannot run on a model sharded with FSDP2 (empty: it can)."""
         return ""
 
     def note(self, device: str) -> str:
@@ -369,6 +415,19 @@ class StochasticRounding(RecipeOption):
         return _compiled_optimizer_note(self.help, device)
 
 
+@dataclass(frozen=True, slots=True)
+class ReduceDtype(RecipeOption):
+    """`+reduce-bf16` / `+reduce-fp32`: the dtype FSDP2 reduce-scatters gradients in (MixedPrecisionPolicy's
+    reduce_dtype), whatever the mode's default (fp32 for the mixed and fp32 modes, the weights' dtype for the true
+    16-bit ones). Only under FSDP2 (`--fsdp`): DDP all-reduces gradients in their own dtype."""
+
+    name: str
+    reduce_dtype: torch.dtype
+    help: str
+    needs_torchao = False
+    fsdp_only = True
+
+
 RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     Float8Matmuls(name="fp8-tensorwise", torchao_recipe="tensorwise",
                   help=RECIPE_OPTION_HELP["fp8-tensorwise"]),
@@ -385,6 +444,8 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     OptimizerStates(name="states-bf16", state_format="bf16",
                     help=RECIPE_OPTION_HELP["states-bf16"]),
     StochasticRounding(name="sr", help=RECIPE_OPTION_HELP["sr"]),
+    ReduceDtype(name="reduce-bf16", reduce_dtype=torch.bfloat16, help=RECIPE_OPTION_HELP["reduce-bf16"]),
+    ReduceDtype(name="reduce-fp32", reduce_dtype=torch.float32, help=RECIPE_OPTION_HELP["reduce-fp32"]),
 )}
 """Every recipe option by name, in the order the UI lists them."""
 
@@ -403,7 +464,8 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
             raise ValueError(f"unknown recipe option {name!r} in {recipe!r}; choose from "
                              f"{', '.join(RECIPE_OPTIONS)}")
         options.append(RECIPE_OPTIONS[name])
-    for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option")):
+    for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option"),
+                       (ReduceDtype, "reduction option")):
         chosen = [option.name for option in options if isinstance(option, kind)]
         if len(chosen) > 1:
             raise ValueError(f"{recipe!r} names {len(chosen)} {what}s ({', '.join(chosen)}); choose one")
@@ -414,6 +476,20 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
         if why:
             raise ValueError(why)
     return mode, tuple(options)
+
+
+def fsdp_refusal(recipe: str, fsdp: bool) -> str:
+    """Why `recipe` (a valid one) cannot train with each lane's model sharded by FSDP2 (`fsdp`) or without it (empty:
+    it can)."""
+    _, options = parse_recipe(recipe)
+    for option in options:
+        if option.fsdp_only and not fsdp:
+            return (f"+{option.name} sets the dtype FSDP2 reduces gradients in: it needs --fsdp (amp-lab run --nproc "
+                    "N --fsdp)")
+        why = option.fsdp_refusal() if fsdp else ""
+        if why:
+            return f"+{option.name} is not offered with --fsdp: {why}"
+    return ""
 
 
 def recipe_mode(recipe: str) -> str:
@@ -488,6 +564,7 @@ CPU_NATIVE_ENV = "AMP_LAB_CPU_NATIVE"
 CPU_NATIVE_CHOICES = ("none", "bf16", "fp16", "bf16,fp16")
 """The values CPU_NATIVE_ENV takes."""
 _FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -604,7 +681,8 @@ def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
     ok, reason = _mode_availability(mode, device)
     if not ok:
         return ok, reason
-    if options and importlib.util.find_spec("torchao") is None:  # asks the path, imports nothing
+    if any(option.needs_torchao for option in options) and importlib.util.find_spec("torchao") is None:
+        # find_spec asks the path and imports nothing
         return False, "recipe options need torchao: pip install 'amp-lab[recipes]' (torchao==0.18.0)"
     device = resolve_device(device)
     for option in options:

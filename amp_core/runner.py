@@ -150,10 +150,16 @@ class RunHooks:
       (the replay snapshots, `take_snapshot`, are the first before hook when RunConfig.snapshot_every is set);
     - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
       ranks agree first);
-    - `run_end(run)`: the thread's last act, after the final status is set and the records are closed.
+    - `run_end(run)`: the thread's last act, after the final status is set and the records are closed;
+    - `lane_meta(run, lane) -> dict`: facts stored with each lane when the run opens, beside its seed (e.g. the FSDP2
+      policy it trains under, which Compare names);
+    - `describe(run) -> (clause, data)`: once every lane is set up, what the run's `started` event says beyond its
+      lanes (a clause of its message, fields of its data).
     """
 
     build_lane: Callable[..., LaneState] = build_lane_state
+    lane_meta: list[Callable[[Run, Lane], dict]] = field(default_factory=list)
+    describe: list[Callable[[Run], tuple[str, dict]]] = field(default_factory=list)
     lane_setup: list[Callable[[Run, Lane], None]] = field(default_factory=list)
     setup_done: list[Callable[[Run], None]] = field(default_factory=list)
     before_lane_step: list[LaneHook] = field(default_factory=list)
@@ -177,6 +183,9 @@ class Run:
     turns each lane step into records through its RecordSink. It is extended through `hooks` (RunHooks), never by
     overriding its methods. `sink`: where the records go (default a RecordSink on `store`; torchrun: a RankSink).
     """
+
+    offers_fsdp = False
+    """Whether this kind of run can shard its lanes with FSDP2 (RunConfig.fsdp): a rank of a torchrun job can."""
 
     def __init__(self, config: RunConfig, store: RunStore | None = None, run_id: str | None = None, *,
                  sink: RecordSink | None = None, hooks: RunHooks | None = None):
@@ -221,12 +230,21 @@ class Run:
         if self._thread is not None:
             raise RuntimeError("a run starts once")
         check_launch(self.config)
+        if self.config.fsdp and not self.offers_fsdp:
+            raise ConfigError("fsdp", "FSDP2 shards each lane's model across the ranks of a torchrun job: run it "
+                                      "with `amp-lab run --nproc N --fsdp`")
         self.sink.open(self.config.to_dict(), self.device, torch.__version__,
-                       lane_meta=[{"seed": lane.seed} for lane in self.lanes],
+                       lane_meta=[self._lane_meta(lane) for lane in self.lanes],
                        lane_modes=[lane.mode for lane in self.lanes])
         self.status = "running"
         self._thread = background.start(self._main, f"amp-run-{self.run_id}", stop=self._ask_to_stop)
         return self
+
+    def _lane_meta(self, lane: Lane) -> dict:
+        meta = {"seed": lane.seed}
+        for hook in self.hooks.lane_meta:
+            meta.update(hook(self, lane))
+        return meta
 
     def pause(self) -> None:
         """Pause before the next lane step (the one under way finishes); a run that is not running is left as it is."""
@@ -375,8 +393,11 @@ class Run:
         skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
                           f"{', '.join(report['fp8_skipped']) or 'none'}"
                           for recipe, report in recipes.items() if "fp8_layers" in report)
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}",
-                        intra_op_threads=torch.get_num_threads(), recipes=recipes)
+        described = [hook(self) for hook in self.hooks.describe]
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}"
+                        + "".join(f"; {clause}" for clause, _ in described),
+                        intra_op_threads=torch.get_num_threads(), recipes=recipes,
+                        **{key: value for _, data in described for key, value in data.items()})
         for hook in self.hooks.setup_done:
             hook(self)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -108,10 +109,14 @@ def sampling_schedule(config: RunConfig) -> SamplingSchedule:
 
 
 def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
-                     device: str) -> LaneState:
-    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler."""
+                     device: str, shard: Callable[[torch.nn.Module, Precision], None] | None = None) -> LaneState:
+    """A lane's model (a copy of the shared initial model), optimizer, scheduler and scaler. `shard(model,
+    precision)`: shards the prepared model in place (FSDP2's fully_shard) before the optimizer is built on the
+    parameters that sharding puts in place of the model's own."""
     precision = get_precision(mode, device)
     model = precision.prepare_module(copy.deepcopy(base_model))
+    if shard is not None:
+        shard(model, precision)
     optimizer = build_optimizer(config, model, precision)
     s = config.scaler
     scaler = precision.make_scaler(init_scale_override(config.faults, mode) or s.init_scale, s.growth_factor,

@@ -139,11 +139,14 @@ def add_recipe_lanes(lanes: tuple[str, ...], replace: bool) -> None:
 
 def build_recipe() -> None:
     """The builder's mode + options -> one recipe lane, or the one-line reason it cannot run here."""
-    from amp_core.precision import availability
+    from amp_core.precision import availability, fsdp_refusal
 
     options = st.session_state.get("train_recipe_options", [])
     recipe = "+".join([st.session_state["train_recipe_mode"], *options])
     ok, why = availability(recipe, facts.device)
+    if ok:  # this page's runs train in its own process: FSDP2's options need a torchrun job (amp-lab run --fsdp)
+        why = fsdp_refusal(recipe, fsdp=False)
+        ok = not why
     st.session_state["train_recipe_error"] = "" if ok else f"**{recipe}** — {why}"
     if ok:
         add_recipe_lanes((recipe,), replace=False)

@@ -21,8 +21,13 @@ EVERY_OPTION = ("bf16-mixed+fp8-tensorwise", "bf16-mixed+fp8-rowwise", "bf16-mix
                 "32-true+adamw-8bit", "32-true+adamw-4bit", "32-true+adamw-fp8", "32-true+states-bf16", "bf16-true+sr")
 
 
+FSDP_OPTIONS = ("reduce-bf16", "reduce-fp32")
+"""Options of a model sharded with FSDP2: raced under torchrun in test_fsdp.py."""
+
+
 def test_every_option_is_raced_by_the_test():
-    assert {recipe.split("+")[1] for recipe in EVERY_OPTION} == set(RECIPE_OPTIONS)
+    assert {recipe.split("+")[1] for recipe in EVERY_OPTION} | set(FSDP_OPTIONS) == set(RECIPE_OPTIONS)
+    assert {name for name, option in RECIPE_OPTIONS.items() if option.fsdp_only} == set(FSDP_OPTIONS)
 
 
 def test_a_recipe_parses_into_its_mode_and_option_objects():

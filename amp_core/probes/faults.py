@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.measure import local_tensor
 from amp_core.workloads import check_launch
 
 
@@ -79,14 +80,15 @@ class FaultPlan:
         return tuple(t * factor if t.is_floating_point() else t for t in batch)
 
     def corrupt_grads(self, step: int, model: torch.nn.Module) -> None:
-        """Put inf/NaN into the first element of the named parameter's gradient."""
+        """Put inf/NaN into the first element of the named parameter's gradient (of this rank's shard, when sharded)."""
         if not self.faults:
             return
         for kind, value in (("grad_inf", float("inf")), ("grad_nan", float("nan"))):
             for fault in self._active(kind, step):
                 param = param_by_name(model, fault.param)
-                if param.grad is not None:
-                    param.grad.view(-1)[0] = value
+                grad = None if param.grad is None else local_tensor(param.grad)  # sharded: this rank's shard
+                if grad is not None and grad.numel():
+                    grad.view(-1)[0] = value
 
     def take_fired(self) -> list[tuple[int, FaultSpec]] | tuple:
         """The faults that fired since the last call (an empty tuple, allocating nothing, on most steps)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from amp_core.measure import local_tensor
 from amp_core.records.schema import GradStats
 
 HIST_LO = -140
@@ -33,8 +34,8 @@ def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:
 
 
 def grad_stats(name: str, grad: torch.Tensor, scale: float = 1.0) -> GradStats:
-    """Statistics of one (unscaled) gradient tensor."""
-    g = grad.detach().reshape(-1)
+    """Statistics of one (unscaled) gradient tensor (of this rank's shard, for a sharded one)."""
+    g = local_tensor(grad.detach()).reshape(-1)
     inf = int(torch.isinf(g).sum())
     nan = int(torch.isnan(g).sum())
     finite = g[torch.isfinite(g)]
@@ -58,14 +59,17 @@ def nonfinite_params(model: torch.nn.Module) -> list[dict]:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        inf, nan = int(torch.isinf(p.grad).sum()), int(torch.isnan(p.grad).sum())
+        grad = local_tensor(p.grad)  # a sharded gradient: this rank's shard
+        inf, nan = int(torch.isinf(grad).sum()), int(torch.isnan(grad).sum())
         if inf or nan:
             out.append({"param": name, "inf": inf, "nan": nan})
     return out
 
 
 def lost_update_fraction(before: torch.Tensor, after: torch.Tensor, grad: torch.Tensor) -> float | None:
-    """Share of elements with a finite non-zero gradient whose value did not move (the update rounded away)."""
+    """Share of elements with a finite non-zero gradient whose value did not move (the update rounded away); of this
+    rank's shard, for a sharded parameter."""
+    before, after, grad = local_tensor(before), local_tensor(after), local_tensor(grad)
     live = torch.isfinite(grad) & (grad != 0)
     count = int(live.sum())
     if count == 0:

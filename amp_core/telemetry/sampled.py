@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.measure import held_bytes
+from amp_core.measure import held_bytes, local_tensor
 from amp_core.probes import gradstats
 from amp_core.telemetry.meters import Meter
 from amp_core.telemetry.recorder import StepResult, peek_scale_and_skip
@@ -34,7 +34,8 @@ def grad_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def named_grad_norms(names: list[str], params: list[torch.nn.Parameter]
                      ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[str]]:
     """The gradient norms (per parameter, total) of the parameters that have gradients, and their names."""
-    named = [(name, p.grad) for name, p in zip(names, params, strict=True) if p.grad is not None]
+    # A sharded gradient (FSDP2): this rank's shard, so the figure needs no collective (the norm is the rank's own).
+    named = [(name, local_tensor(p.grad)) for name, p in zip(names, params, strict=True) if p.grad is not None]
     return grad_norms([g for _, g in named]), [name for name, _ in named]
 
 

@@ -71,10 +71,19 @@ def _run_lanes(manager: RunReader, run_id: str) -> tuple[list, bool] | None:
     return (list(info.lanes), is_live(info)) if info is not None else None
 
 
+def lane_name(lane: dict, replicated: bool = False) -> str:
+    """A stored lane (run info's) by its recipe in full, with the FSDP2 policy it trained under where it was sharded
+    ("bf16-mixed · FSDP2 param bf16 · reduce fp32"), and its seed in a run of several seeds per mode (`replicated`)."""
+    meta = lane.get("meta") or {}
+    policy = f" · {meta['policy']}" if meta.get("policy") else ""
+    seed = f" · seed {meta['seed']}" if replicated and meta.get("seed") is not None else ""
+    return f"{lane['mode']}{policy}{seed}"
+
+
 def lane_table(manager: RunReader, run_ids: Iterable[str]) -> pd.DataFrame:
     """The lanes of `run_ids` (live or stored), in run then lane order: key, run_id, lane, mode, seed (None where the
     run did not record one), status, live, label ("mode · short id", "mode · seed N · short id" in a run with several
-    seeds per mode). Runs the manager does not know are left out."""
+    seeds per mode, the FSDP2 policy after the mode: `lane_name`). Runs the manager does not know are left out."""
     rows = []
     for run_id in dict.fromkeys(run_ids):
         found = _run_lanes(manager, run_id)
@@ -85,8 +94,8 @@ def lane_table(manager: RunReader, run_ids: Iterable[str]) -> pd.DataFrame:
         replicated = len({lane["mode"] for lane in lanes}) < len(lanes)
         rows.extend({"key": lane_key(run_id, int(lane["lane"])), "run_id": run_id, "lane": int(lane["lane"]),
                      "mode": lane["mode"], "seed": seed, "status": lane["status"], "live": live,
-                     "label": f"{lane['mode']}{f' · seed {seed}' if replicated and seed is not None else ''} · "
-                              f"{short_run_id(run_id)}"} for lane, seed in zip(lanes, seeds, strict=True))
+                     "label": f"{lane_name(lane, replicated)} · {short_run_id(run_id)}"}
+                    for lane, seed in zip(lanes, seeds, strict=True))
     table = pd.DataFrame(rows, columns=list(LANE_TABLE_COLUMNS))
     # Two runs whose ids end alike (or a foreign run id) must still give distinct labels.
     repeated = table["label"].duplicated(keep=False)

@@ -41,6 +41,7 @@ RECIPE_OPTION_COLORS: dict[str, str] = {
     "fp8-tensorwise": "#8c564b", "fp8-rowwise": "#e377c2", "fp8-rowwise-gw-hp": "#bcbd22",
     "adamw-8bit": "#393b79", "adamw-4bit": "#637939", "adamw-fp8": "#843c39", "states-bf16": "#7b4173",
     "sr": "#e7969c",
+    "reduce-bf16": "#17becf", "reduce-fp32": "#6b6ecf",
 }
 """A recipe lane takes its last option's colour, so it never shares its plain mode's."""
 
@@ -606,14 +607,19 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, st
     """Bytes each lane holds at its latest step, by part (activations only where measured), one bar per lane named by
     its recipe in full (or `labels`: lane key -> name, e.g. on Compare where two runs may share a mode); on CUDA
     also the allocator peak of the lane's own step above its start, and the lane's own peak (held at the start +
-    that). Low-bit optimizer states count the bytes their codes and scales hold. A lane of several ranks shows its
-    largest rank's figures."""
-    series = [max(ranks, key=lambda lane: lane.stats.peak_bytes if np.isfinite(lane.stats.peak_bytes) else -1)
-              for ranks in by_lane(_lanes(records)).values()]
-    if not series:
+    that). Low-bit optimizer states count the bytes their codes and scales hold. A lane of several ranks (a torchrun
+    job) has a bar per rank, "label · rank r": what that rank holds (under FSDP2 its shards, under DDP a full
+    replica)."""
+    groups = list(by_lane(_lanes(records)).values())
+    if not groups:
         return empty_figure("Memory", "no steps yet")
-    latest = [((labels or {}).get(lane.key, lane.mode), lane.stats.latest) for lane in series]
-    colors = {(labels or {}).get(lane.key, lane.mode): mode_color(lane.mode) for lane in series}
+    latest, markers = [], {}
+    for ranks in groups:
+        for position, lane in enumerate(ranks):
+            name = (labels or {}).get(lane.key, lane.mode) + (f" · rank {lane.rank}" if len(ranks) > 1 else "")
+            latest.append((name, lane.stats.latest))
+            # A lane's ranks side by side in its colour, each further rank a little lighter.
+            markers[name] = {"color": mode_color(lane.mode), "opacity": 1.0 - 0.5 * position / len(ranks)}
     # A forward always saves some bytes for backward: none anywhere means nobody measured them (a Monitor, which does
     # not run the user's forward), and an empty bar would read as "no activations".
     parts = [part for part in MEMORY_PARTS if part[0] != "activations_bytes" or
@@ -627,11 +633,12 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, st
     unit, divisor = memory_unit(np.nanmax([v for vals in values.values() for v in vals] + [0.0]))
     labels = [label for _, label in parts]
     data = [{"type": "bar", "name": mode, "legendgroup": mode, "x": labels,
-             "y": [v / divisor for v in vals], "marker": {"color": colors[mode]},
+             "y": [v / divisor for v in vals], "marker": markers[mode],
              "customdata": vals, "hovertemplate": "%{x}: %{y:.3g} " + unit + " (%{customdata:,.0f} B)<extra>"
              + mode + "</extra>"} for mode, vals in values.items()]
-    layout = chart_layout("Memory held (latest step)", unit, barmode="group", hovermode="closest",
-                     xaxis={"title": {"text": ""}})
+    per_rank = " per rank" if any(len(ranks) > 1 for ranks in groups) else ""
+    layout = chart_layout(f"Memory held{per_rank} (latest step)", unit, barmode="group", hovermode="closest",
+                          xaxis={"title": {"text": ""}})
     return go.Figure({"data": data, "layout": layout})
 
 

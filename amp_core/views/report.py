@@ -65,14 +65,10 @@ def _manager(source: RunReader | RunStore) -> RunReader:
 
 
 def lane_labels(run_id: str, lanes_info: list[dict]) -> dict[str, str]:
-    """Lane key -> "mode", or "mode · seed N" in a run with several lanes of one mode (seed replicates)."""
+    """Lane key -> "mode", or "mode · seed N" in a run with several lanes of one mode (seed replicates); the FSDP2
+    policy after the mode of a sharded lane (compare.lane_name)."""
     replicated = len({lane["mode"] for lane in lanes_info}) < len(lanes_info)
-    labels = {}
-    for lane in lanes_info:
-        seed = (lane.get("meta") or {}).get("seed")
-        suffix = f" · seed {seed}" if replicated and seed is not None else ""
-        labels[lane_key(run_id, int(lane["lane"]))] = f"{lane['mode']}{suffix}"
-    return labels
+    return {lane_key(run_id, int(lane["lane"])): compare.lane_name(lane, replicated) for lane in lanes_info}
 
 
 def _table(frame: pd.DataFrame) -> str:
