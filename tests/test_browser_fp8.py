@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
@@ -51,8 +52,18 @@ def shoot(page, name: str) -> None:
 
 
 def choose(page, label: str, option: str) -> None:
-    page.get_by_label(label, exact=True).click()
-    page.get_by_role("option", name=option).click()
+    """Pick `option` in the select box `label`; a rerun that redraws the open list (a loaded machine's late one) closes
+    it, so the list is opened again until the click lands."""
+    for attempt in range(6):
+        page.wait_for_function(SETTLED, timeout=60_000)
+        page.get_by_label(label, exact=True).click()
+        try:
+            page.get_by_role("option", name=option).click(timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 5:
+                raise
+            page.keyboard.press("Escape")
     page.wait_for_function(SETTLED, timeout=60_000)
 
 
