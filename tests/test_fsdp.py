@@ -141,3 +141,17 @@ def test_a_plain_run_refuses_fsdp_with_the_command_that_offers_it():
 
     with pytest.raises(ConfigError, match=r"amp-lab run --nproc N --fsdp"):
         Run(RunConfig(workload="mlp_regression", modes=("bf16-mixed",), fsdp=True, steps=1)).start()
+
+
+def test_16_mixed_keeps_its_gradscaler_under_fsdp_and_the_ranks_skip_together(tmp_path):
+    """A planted inf in one parameter's gradient (on its shard of each rank) is found by the sharded GradScaler on
+    every rank: both ranks skip the same step, and a step with nothing planted is not skipped."""
+    store_path = tmp_path / "runs.db"
+    proc = amp_lab(store_path, "run", "--workload", "digits_mlp", "--modes", "16-mixed", "--steps", "8",
+                   "--batch-size", "32", "--nproc", "2", "--fsdp", "--fault", "grad_inf:fc1.weight@5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store, run_id = only_run(store_path)
+    frame = store.steps(run_id)
+    skipped = {int(rank): sorted(part.loc[part["skipped"], "step"].astype(int)) for rank, part in frame.groupby("rank")}
+    assert skipped[0] == skipped[1] and 5 in skipped[0]
+    assert not frame.loc[frame["step"] == 6, "skipped"].any()
