@@ -125,9 +125,19 @@ def app_frame() -> None:
     draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it."""
     from streamlit.runtime.pages_manager import PagesManager
 
-    if PagesManager.uses_pages_directory:
+    if PagesManager.uses_pages_directory and not _under_app_test():
         PagesManager.uses_pages_directory = False
         st.rerun()
+
+
+def _under_app_test() -> bool:
+    """Streamlit's AppTest sets the switch back before every run it makes (and then runs a page alone): a rerun
+    there would drop the click that started the run, and there is no browser whose layout it would mend."""
+    from unittest.mock import Mock
+
+    from streamlit.runtime import Runtime
+
+    return isinstance(getattr(Runtime, "_instance", None), Mock)
 
 
 @st.cache_resource(show_spinner=False)

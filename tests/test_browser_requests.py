@@ -73,9 +73,13 @@ def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_
                 said(proc)
                 go_on(proc)  # answered by step 45
                 said(proc)
-                numerics.get_by_text(re.compile(r"Answered: layer numerics of step \d+")).wait_for(timeout=60_000)
+                answered = numerics.get_by_text(re.compile(r"Answered: layer numerics of step \d+"))
+                answered.wait_for(timeout=60_000)
                 numerics.wait_for_function(SETTLED, timeout=60_000)
-                numerics.wait_for_function(f"() => ({GRID_CELLS})().includes('(root)')", timeout=60_000)
+                answered.scroll_into_view_if_needed()  # the grid draws the cells it shows
+                # The answer's table names the script's modules (the page's other tables name other models').
+                numerics.wait_for_function(f"() => ['0', '1', '2', '(root)'].every(name => ({GRID_CELLS})()"
+                                           ".includes(name))", timeout=60_000)
                 cells = numerics.evaluate(GRID_CELLS)
                 assert {"0", "1", "2", "(root)"} <= set(cells), cells  # the script's modules, by name
                 assert numerics.locator("[data-testid='stException']").count() == 0
