@@ -22,7 +22,7 @@ def plain_tensors(tensor: torch.Tensor):
         yield tensor
         return
     if hasattr(tensor, "to_local"):  # a DTensor: its flattened attributes include its mesh, not only its shard
-        yield from plain_tensors(tensor.to_local())
+        yield from plain_tensors(local_tensor(tensor))
         return
     names, _ = tensor.__tensor_flatten__()
     for name in names:

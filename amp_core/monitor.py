@@ -275,7 +275,8 @@ class Monitor:
         self._trace = None
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
         self._recorder.on_record.append(self._layer_failure)
-        self._recorder.on_record.append(lambda track, result: self._replay.recorded(result.step, result.loss))
+        if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded
+            self._recorder.on_record.append(lambda track, result: self._replay.recorded(result.step, result.loss))
         self.step_hooks += (self._answer_trace, self._between_steps)
         self._plain: list[tuple] = []
         """Plain steps kept for the next drain: (step, lr, t_wall_s, window, samples, host seconds)."""
@@ -507,21 +508,21 @@ class Monitor:
         failure = replay.failure(step, value, bool(skipped))
         if not failure or not replay.due(step):
             return
-        if not replay.every_step:
-            # The band is the recorded losses before this step: on CUDA the records still on their way are waited
-            # for (a sync, on this skipped step only). The skip left the state as it was before the step: copy it.
-            self._drain()
-            self._recorder.resolve(wait=True)
-            replay.kept.keep(backed_off=True)
         if batch is None or loss_fn is None:
-            if not self._replay.missing_said:
-                self._replay.missing_said = True
+            if not replay.missing_said:
+                replay.missing_said = True
                 self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the "
                                                    "step's batch and a loss closure (monitor.step(loss, batch=..., "
                                                    "loss_fn=...))", LANE, step)
             return
         try:
-            report = self._replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
+            if not replay.every_step:
+                # The band is the recorded losses before this step: on CUDA the records still on their way are
+                # waited for (a sync, on this skipped step only). The skip left the state as it was before the step.
+                self._drain()
+                self._recorder.resolve(wait=True)
+                replay.keep_skipped()
+            report = replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
                                          loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
         except Exception as exc:  # a diagnostic never stops the user's training: the event says what went wrong
             self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and its replay failed: "
@@ -588,8 +589,8 @@ class Monitor:
         self._track = self._recorder.track(LANE, self.mode, self._meter)
         replay = self._replay
         data = replay.describe()
-        if replay.on:
-            kept = replay.kept
+        kept = replay.kept
+        if kept is not None:
             data |= {"copy_ms": kept.copy_s / max(kept.copies, 1) * 1e3, "kept_bytes": kept.nbytes()}
         self.note(REPLAY_ON_EVENT if replay.on else REPLAY_OFF_EVENT, replay.why, **data)
 

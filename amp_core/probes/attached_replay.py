@@ -95,6 +95,17 @@ def _mib(count: int) -> str:
     return f"{count / 2**20:.3g} MiB"
 
 
+def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    """Each optimizer group's parameters as indices into the model's; ConfigError when the optimizer holds a
+    parameter the model does not (a replay could not rebuild it)."""
+    where = {id(p): index for index, p in enumerate(model.parameters())}
+    missing = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in where]
+    if missing:
+        raise ConfigError("replay", f"the optimizer holds {len(missing)} parameters the model does not: a replay "
+                                    "could not rebuild it")
+    return [[where[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
 class KeptState:
     """The loop's state before its next step, on the host: a copy of the model (hooks left out) whose tensors are
     overwritten each step, the optimizer's state tensors in buffers allocated once, its hyperparameters, the loss
@@ -104,12 +115,7 @@ class KeptState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
                  without: tuple = ()):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        where = {id(p): index for index, p in enumerate(model.parameters())}
-        missing = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in where]
-        if missing:
-            raise ConfigError("replay", f"the optimizer holds {len(missing)} parameters the model does not: a replay "
-                                        "could not rebuild it")
-        self.groups = [[where[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        self.groups = optimizer_groups(model, optimizer)
         self.template = detached_copy(model, without).to("cpu")
         self._cuda = any(t.is_cuda for t in model.parameters())
         targets = [*self.template.parameters(), *self.template.buffers()]
@@ -256,6 +262,9 @@ class AttachedReplay:
         self.bytes, measured = state_bytes(model, optimizer)
         size = _mib(self.bytes) + ("" if measured else ", estimated: the optimizer has no state yet")
         self.kept: KeptState | None = None
+        """The host copy (replay=True: from the start; "auto": from the first skipped step)."""
+        self._on = False
+        self._make: Callable[[], KeptState] | None = None
         if setting is False:
             self.why = f"replay is off (replay=False); keeping the state before each step would copy {size} each step"
         elif setting == "auto" and not has_loss_fn:
@@ -267,16 +276,21 @@ class AttachedReplay:
                         f"{_mib(REPLAY_AUTO_MAX_BYTES)} (each step would copy it to the host); replay=True turns it on")
         else:
             try:
-                self.kept = KeptState(model, optimizer, scaler, without)
+                if setting is True:
+                    self.kept = KeptState(model, optimizer, scaler, without)
+                else:  # "auto": the host copy is made at the first skipped step, not held all run long
+                    optimizer_groups(model, optimizer)
+                    self._make = lambda: KeptState(model, optimizer, scaler, without)
+                self._on = True
             except Exception as exc:  # a diagnostic never stops the user's training: it says why it is off
                 self.why = f"replay is off: the loop's state could not be copied for replays ({exc})"
-        self.every_step = self.kept is not None and setting is True
+        self.every_step = self.kept is not None
         """The state before every step is kept (replay=True); else only a skipped step's, when it skips ("auto")."""
         modes = f"its mode, 32-true, {', '.join(ATTACHED_MODES)} and float64"
         if self.every_step:
             self.why = (f"replay is on (replay=True): the state before each step ({size}) is copied to the host "
                         f"between steps, outside the timed window; a failed step is replayed in {modes}")
-        elif self.kept is not None:
+        elif self._on:
             self.why = (f"replay is on for skipped steps (replay=auto): a skipped step left the state ({size}) as it "
                         f"was before it, so it is copied then, and only then, and the step replayed in {modes}; a "
                         "loss not finite or above the band after the optimizer stepped needs the state from before "
@@ -290,7 +304,13 @@ class AttachedReplay:
 
     @property
     def on(self) -> bool:
-        return self.kept is not None
+        return self._on
+
+    def keep_skipped(self) -> None:
+        """A skipped step left the state as it was before it: copy it now ("auto"; the copy is made the first time)."""
+        if self.kept is None:
+            self.kept = self._make()
+        self.kept.keep(backed_off=True)
 
     def describe(self) -> dict[str, Any]:
         """What the run's config says of it."""
