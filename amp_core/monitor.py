@@ -79,7 +79,7 @@ from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
-from amp_core.telemetry.recorder import attach_window, send_figures
+from amp_core.telemetry.recorder import send_figures
 from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
 from amp_core.torch_private import scale_tensor, scaler_settings
 
@@ -362,12 +362,7 @@ class Monitor:
         if not self._plain:
             return
         plain, self._plain = self._plain, []
-        meter, track, recorder, scaled = self._meter, self._track, self._recorder, self._watch.scaled
-        for step, lr, t_wall_s, window, samples, probe_s in plain:
-            result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=scaled, skipped=False,
-                                probe_ms=probe_s * 1e3)
-            attach_window(meter, window, result)
-            recorder.add(track, result, samples)
+        self._recorder.add_plain(self._track, plain, self._watch.scaled)
 
     @property
     def replay_on(self) -> bool:

@@ -22,11 +22,12 @@ from amp_core.probes.layerwatch import layer_sampler
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.probes.replay import SnapshotRing
 from amp_core.records import Event
+from amp_core.records.ranks import RankSink
 from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.runs import RunReader
-from amp_core.step import LaneState, build_lane_state, train_step
+from amp_core.step import LaneState, build_lane_state, plain_step, train_step
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
 from amp_core.workloads import WORKLOADS, Data, Workload, check_launch
@@ -68,6 +69,10 @@ class Lane:
         self.state: LaneState | None = None
         self.track: LaneTrack | None = None
         """Its records and carried memory figures (telemetry), from the run's setup."""
+        self.plain = False
+        """Its steps that sample nothing may be plain ones (`Run._plain_lane_step`), decided when the loop begins."""
+        self.kept: list[tuple] = []
+        """Its plain steps not yet recorded (`StepRecorder.add_plain`'s entries)."""
 
 
 def divergence_hint(config: RunConfig, precision: Precision) -> str:
@@ -216,6 +221,8 @@ class Run:
         """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self._samples = 0
         """Samples in the current batch (for samples/s)."""
+        self._kept = 0
+        """Plain steps kept by the lanes, not yet recorded (`_drain`)."""
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
         """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay; taken
         by the `take_snapshot` before_lane_step hook."""
@@ -403,29 +410,47 @@ class Run:
 
     def _loop(self) -> None:
         config, recorder, hooks = self.config, self.recorder, self.hooks
+        # Plain steps (see _plain_lane_step) where nothing but the snapshots watches a lane step from outside.
+        plain_run = (set(hooks.before_lane_step) <= {take_snapshot} and not hooks.after_lane_step
+                     and not isinstance(self.sink, RankSink))
+        for lane in self.lanes:
+            lane.plain = plain_run and lane.state is not None and lane.state.plain
+        plain_until, flush_at, workload = 0, 0.0, WORKLOADS[config.workload]
         for step in range(config.steps):
             # Every lane of a seed sees this same batch, in the same order.
             self._batches = [self.data.sample(generator, config.batch_size) for generator in self.generators]
-            self._samples = WORKLOADS[config.workload].samples_in(self._batches[0])
+            self._samples = workload.samples_in(self._batches[0])
+            if step >= plain_until:
+                plain_until = self._next_full_step(step)
+            plain = step < plain_until
             stepped = False
             for lane in self.lanes:
                 if not self._resume.is_set():
+                    self._drain()
                     recorder.resolve(wait=True)  # a paused run shows every step it made
                     self.sink.flush()
                     self._resume.wait()
                 if self._stop.is_set():
                     break
                 if lane.status == "running":
-                    probe_s = 0.0  # what the before hooks measured, outside the step's timed window
-                    for hook in hooks.before_lane_step:
-                        probe_s += hook(self, lane, step) or 0.0
-                    self._lane_step(lane, step, probe_s)
-                    for hook in hooks.after_lane_step:
-                        hook(self, lane, step)
+                    if plain and lane.plain:
+                        self._plain_lane_step(lane, step)
+                    else:
+                        self._drain()  # the plain steps before this one are recorded first, in step order
+                        probe_s = 0.0  # what the before hooks measured, outside the step's timed window
+                        for hook in hooks.before_lane_step:
+                            probe_s += hook(self, lane, step) or 0.0
+                        self._lane_step(lane, step, probe_s)
+                        for hook in hooks.after_lane_step:
+                            hook(self, lane, step)
                     stepped = True
-                self.sink.flush_if_due()
+                if time.monotonic() >= flush_at:  # one clock read a step (a RankSink's flush counts steps: each)
+                    self._drain()  # what the flush writes holds every step made
+                    self.sink.flush_if_due()
+                    flush_at = self.sink.flush_due_at if plain_run else 0.0
             if self._stop.is_set() or not stepped:
                 break
+        self._drain()
         recorder.resolve(wait=True)
         stopped = self._stop.is_set()
         for lane in self.lanes:
@@ -440,21 +465,63 @@ class Run:
                                      collect_grad_stats=schedule.grad_stats(step))
             result.probe_ms += probe_s * 1e3
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
-            self.recorder.resolve(wait=True)  # its earlier steps still become records
-            lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
-            self._free(lane)
-            self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
+            self._lane_failed(lane, step, exc)
             return
         self.recorder.add(lane.track, result, self._samples)
         if schedule.amax(step) and lane.state is not None:
             self._sample_layer_amax(lane, step)
+
+    def _plain_lane_step(self, lane: Lane, step: int) -> None:
+        """A step that samples nothing, of a lane that needs nothing else (`LaneState.plain`): its training work
+        (`plain_step`) and its figures kept, made a record with the others at the next drain (a flush, a full step,
+        a pause, the end: `_drain`). Right after a step the host's caches hold the model, not this code: each call
+        made here costs microseconds, so this path makes few. A loss that is not finite is drained at once, so the
+        lane stops on it as on a full step."""
+        try:
+            with self._step_lock:
+                window, lr, t_wall_s = plain_step(lane.state, self._batches[lane.replicate])
+        except Exception as exc:
+            self._lane_failed(lane, step, exc)
+            return
+        lane.kept.append((step, lr, t_wall_s, window, self._samples, 0.0))
+        lane.steps_done = step + 1
+        self._kept += 1
+        if not math.isfinite(window.values[0]):  # the loss (a host meter's: LaneState.plain)
+            self._drain()
+
+    def _drain(self) -> None:
+        """Every lane's kept plain steps become records (StepRecorder.add_plain), oldest first."""
+        if not self._kept:
+            return
+        self._kept = 0
+        for lane in self.lanes:
+            if lane.kept:
+                kept, lane.kept = lane.kept, []
+                self.recorder.add_plain(lane.track, kept)
+
+    def _next_full_step(self, step: int) -> int:
+        """The first step from `step` on that every lane takes the full way: one that samples a figure (memory,
+        gradient norm or statistics, layer amax) or takes a replay snapshot."""
+        if step <= 1:
+            return step  # memory on steps 0 and 1
+        config = self.config
+        everies = (config.memory_every, config.grad_norm_every, config.gradstats_every, config.amax_every,
+                   self.snapshots.every)
+        return min(-(-step // every) * every for every in everies if every > 0)
+
+    def _lane_failed(self, lane: Lane, step: int, exc: Exception) -> None:
+        self._drain()
+        self.recorder.resolve(wait=True)  # its earlier steps still become records
+        lane.status, lane.error = "failed", f"{type(exc).__name__}: {exc}"
+        self._free(lane)
+        self.sink.event("error", lane.error, lane.index, step, traceback=traceback.format_exc(limit=5))
 
     def _recorded(self, track: LaneTrack, result: StepResult) -> None:
         """A lane step became a record: count it; a non-finite loss stops the lane (on CUDA it is noticed when the
         figures arrive, so the lane may have queued a few more steps: they are dropped)."""
         lane = self.lanes[track.lane]
         step = result.step
-        lane.steps_done = step + 1
+        lane.steps_done = max(lane.steps_done, step + 1)  # a plain step counted itself when it was made
         if not math.isfinite(result.loss) and self.config.stop_on_divergence and lane.status == "running":
             why = f"loss became {result.loss} at step {step}"
             if self.hooks.on_divergence is None:

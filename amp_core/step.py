@@ -28,6 +28,7 @@ from amp_core.measure import SavedTensorsProbe
 from amp_core.precision import Precision, get_precision
 from amp_core.probes.faults import FaultPlan, init_scale_override
 from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepResult, meter_for
+from amp_core.telemetry.meters import Window
 from amp_core.telemetry.recorder import send_figures
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms
 from amp_core.torch_private import scale_tensor
@@ -78,7 +79,7 @@ class LaneState:
         if self.meter is None:
             self.meter = meter_for(self.precision.device)
         if self.watch is None:
-            self.watch = OptimizerWatch(self.optimizer, self.scaler)
+            self.watch = OptimizerWatch(self.optimizer, self.scaler, unscaled_too=False)  # skips only
         self.probes = StepProbes(self.meter, model, self.param_names, self.params, self.optimizer, self.schedule)
         self.always_norm = bool(self.grad_clip or self.faults or self.precision.watch_grads)
 
@@ -86,6 +87,13 @@ class LaneState:
         """Whether the step skipped: known at once (a host sync with a fused optimizer) when an LR schedule must
         follow the steps really taken, else possibly only when the figures arrive (None)."""
         return self.watch.skipped_now() if self.has_scheduler else self.watch.skipped()
+
+    @property
+    def plain(self) -> bool:
+        """Whether the lane's steps that sample nothing may be plain ones (`plain_step`): a step of it needs nothing
+        but the training work and its loss (no scaler, fault, clipping, LR schedule or per-step gradient norm), and
+        its meter has the figures on the host at once (a CPU: a non-finite loss is known when the step ends)."""
+        return not (self.scaler.is_enabled() or self.always_norm or self.has_scheduler) and self.meter.at_once
 
     @property
     def mode(self) -> str:
@@ -161,6 +169,27 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         # The step's own tensors (its batch on the device, loss, norms) die with _step's frame, inside the context:
         # on CUDA, a tensor freed after the lock is let go would lower another lane's allocator window.
         return _step(lane, batch, step, measure_memory, collect_grad_stats)
+
+
+def plain_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Window, float, float]:
+    """One step of a `LaneState.plain` lane on a step that samples nothing: `_step`'s training work and timed window,
+    without the calls that do nothing on such a lane (faults, scaler, clipping, schedule, probes), its loss sent
+    through the meter. Returns (window, lr, t_wall_s): the caller keeps them and makes the StepResult later
+    (`StepRecorder.add_plain`); the records are those of `train_step` (tests/test_runner.py holds them equal)."""
+    precision, optimizer, meter = lane.precision, lane.optimizer, lane.meter
+    with precision.step_context():
+        window = meter.open()
+        inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
+        optimizer.zero_grad(set_to_none=True)
+        with precision.forward_context():
+            loss = lane.workload.loss(lane.model(inputs), targets)
+        loss.backward()
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        meter.close(window)
+        t_wall_s = time.time()
+        meter.send(window, [loss])
+    return window, lr, t_wall_s
 
 
 def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, measure_memory: bool,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import gzip
 import struct
+import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from failing_workload import OutOfMemoryAt
@@ -17,7 +19,7 @@ from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import Run, RunLimitError, RunManager, build_lane_state
+from amp_core.runner import Run, RunHooks, RunLimitError, RunManager, build_lane_state
 from amp_core.step import train_step
 from amp_core.workloads import WORKLOADS
 
@@ -277,3 +279,63 @@ def test_scaler_settings_reach_the_scaler():
     run = finished(RunConfig(workload="mlp_regression", modes=("16-mixed",), steps=6,
                              scaler=ScalerConfig(init_scale=8.0, growth_interval=2)))
     assert run.frame()["scale"].tolist() == [8.0, 8.0, 16.0, 16.0, 32.0, 32.0]
+
+
+def _no_op(run, lane, step) -> None:
+    """An after_lane_step hook that watches nothing: with it every step takes the full path (Run._loop)."""
+
+
+def _figures(run: Run):
+    """A run's records without the figures that are times, and its events without their times."""
+    frame = run.frame().drop(columns=["run_id", "t_wall_s", "step_ms", "samples_per_s", "probe_ms"])
+    events = [(e.kind, e.lane, e.step, e.message) for e in run.events() if e.kind != "started"]
+    return frame, events
+
+
+def test_plain_steps_record_what_full_steps_record():
+    # 32-true and bf16-mixed lanes take plain steps between the sampled ones; 16-mixed (a scaler) never does.
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed", "16-mixed"), steps=120,
+                       intra_op_threads=1, seed=5)
+    plain = finished(config)
+    full = Run(config, hooks=RunHooks(after_lane_step=[_no_op])).start()
+    full.join(120)
+    assert [lane.plain for lane in plain.lanes] == [True, True, False]
+    assert not any(lane.plain for lane in full.lanes)
+    (plain_frame, plain_events), (full_frame, full_events) = _figures(plain), _figures(full)
+    assert len(plain_frame) == 3 * 120 and [lane.steps_done for lane in plain.lanes] == [120] * 3
+    pd.testing.assert_frame_equal(plain_frame, full_frame)
+    assert plain_events == full_events
+    assert plain.frame()["step_ms"].gt(0).all() and plain.frame()["probe_ms"].notna().all()
+
+
+def test_a_plain_lane_whose_loss_goes_nonfinite_stops_on_that_step():
+    # SGD with a huge LR blows fp32 up within a few steps, with no fault planned: the lane's steps are plain ones.
+    config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=60, optimizer="sgd", lr=1e4,
+                       intra_op_threads=1)
+    plain = finished(config)
+    full = Run(config, hooks=RunHooks(after_lane_step=[_no_op])).start()
+    full.join(120)
+    lane = plain.lanes[0]
+    assert lane.plain and lane.status == "diverged"
+    losses = plain.frame()["loss"]
+    first_bad = int(plain.frame()["step"][~np.isfinite(losses)].iloc[0])
+    assert first_bad > 1, "the divergence must come on a plain step for this test to mean anything"
+    assert plain.frame()["step"].max() == first_bad == lane.steps_done - 1
+    assert f"loss became {losses.iloc[-1]} at step {first_bad}" in lane.error
+    pd.testing.assert_frame_equal(_figures(plain)[0], _figures(full)[0])
+    assert _figures(plain)[1] == _figures(full)[1]
+
+
+def test_a_paused_plain_run_shows_every_step_it_made(no_leaked_threads):
+    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
+    deadline = time.monotonic() + 60
+    while run.lanes[0].steps_done < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.pause()
+    while run.status != "paused" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the step under way when the pause landed ends; none starts after it
+    assert run.lanes[0].plain and run.status == "paused"
+    assert len(run.frame()) == run.lanes[0].steps_done >= 40
+    run.stop()
+    assert run.status == "stopped" and len(run.frame()) == run.lanes[0].steps_done

@@ -43,6 +43,8 @@ class Meter(ABC):
     """How a step is timed and weighed on one device (see the module's docstring)."""
 
     device: torch.device
+    at_once: bool = False
+    """A step's figures are on the host as they are sent (`on_host` never answers None)."""
 
     @abstractmethod
     def open(self, scale: torch.Tensor | float | None = None) -> Window:
@@ -98,6 +100,7 @@ class HostMeter(Meter):
     """
 
     device = torch.device("cpu")
+    at_once = True
 
     def open(self, scale: torch.Tensor | float | None = None) -> Window:
         return Window(time.perf_counter(), scale_before=None if scale is None else float(scale))

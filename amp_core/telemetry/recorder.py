@@ -232,6 +232,18 @@ class StepRecorder:
         if len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at:
             self.resolve()
 
+    def add_plain(self, track: LaneTrack, plain: list[tuple], scaled: bool = False) -> None:
+        """Plain steps kept by a loop (the runner's and the Monitor's fast path: a step that sampled nothing, was not
+        skipped and whose loss was finite as far as the host knew), oldest first, as `add` takes a full step: each
+        (step, lr, t_wall_s, window, samples, probe seconds), its figures sent through `track.meter`. Made here, in a
+        batch, where the caches hold this code, rather than right after each step, where they hold the model."""
+        meter = track.meter
+        for step, lr, t_wall_s, window, samples, probe_s in plain:
+            result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=scaled, skipped=False,
+                                probe_ms=probe_s * 1e3)
+            attach_window(meter, window, result)
+            self.add(track, result, samples)
+
     @property
     def waiting(self) -> int:
         """Steps whose figures are still on their way."""

@@ -18,7 +18,10 @@ class OptimizerWatch:
     (`skipped_now`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None):
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, *,
+                 unscaled_too: bool = True):
+        """`unscaled_too=False`: with no scaler, hook nothing (an unscaled optimizer steps every time; `stepped` and
+        `lr_used` then stay as they are: for a caller that reads neither, the runner's lanes)."""
         self.optimizer = optimizer
         self.scaled = scaler is not None and scaler.is_enabled()
         self.fused = self.scaled and supports_amp_scaling(optimizer)
@@ -28,7 +31,8 @@ class OptimizerWatch:
         """A fused optimizer's found-inf flag of the last step (a device tensor)."""
         self.lr_used = float(optimizer.param_groups[0]["lr"])
         """The LR the optimizer held as its last step began."""
-        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
+        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)
+                         ] if self.scaled or unscaled_too else []
 
     def _before(self, optimizer, args, kwargs) -> None:
         self.lr_used = float(optimizer.param_groups[0]["lr"])
