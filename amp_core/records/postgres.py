@@ -71,7 +71,7 @@ class _Connection:
         self.raw = raw
 
     def execute(self, sql: str, params=()):
-        return self.raw.execute(_placeholders(sql), params or None)
+        return self.raw.execute(_placeholders(sql), params or None, binary=True)
 
     def executemany(self, sql: str, rows):
         cursor = self.raw.cursor()
