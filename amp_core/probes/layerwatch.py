@@ -146,6 +146,8 @@ class LayerWatch:
     own time (`between_steps`' `loop_s`); 0: no limit. Failed steps and requests are always watched."""
     spent_s: float = 0.0
     """Host time of the sampled watches so far (their hooks')."""
+    last_s: float = 0.0
+    """What the last sampled watch took (the next one is expected to take as much: SamplingSchedule.within_budget)."""
     names: dict[nn.Module, str] = field(init=False)
     current: WatchedStep | None = None
     pending: list[WatchedStep] = field(default_factory=list)
@@ -172,7 +174,8 @@ class LayerWatch:
         if watched is not None:
             watched.recorder.__exit__()
             if watched.why == "sampled":
-                self.spent_s += watched.recorder.hook_s
+                self.last_s = watched.recorder.hook_s
+                self.spent_s += self.last_s
             self.pending.append(watched)
             self.current = None
         why = ""
@@ -192,7 +195,7 @@ class LayerWatch:
 
     def _sampled(self, step: int, loop_s: float) -> bool:
         return bool(self.every) and step % self.every == 0 and (
-            not self.budget or self.spent_s <= self.budget * loop_s)
+            not self.budget or self.spent_s + self.last_s <= self.budget * loop_s)
 
     def failed(self, step: int, why: str) -> None:
         """Step `step` was skipped by the scaler or its loss or gradient norm was not finite: its own figures name the

@@ -625,8 +625,12 @@ class SQLiteStore(RunStore):
 
     @contextmanager
     def _writer(self):
-        with closing(self._connect()) as conn:
-            yield conn
+        """This thread's write connection, kept open like its reader: opening one (and closing the file's last one,
+        which checkpoints the WAL) cost about a third of a Monitor's flush."""
+        conn = getattr(self._local, "writer", None)
+        if conn is None:
+            conn = self._local.writer = self._connect()
+        yield conn
 
     def _migrate_v1(self) -> None:
         """Schema 1 (one row per step) -> 2, in place, in one transaction, after a backup copy of the file."""

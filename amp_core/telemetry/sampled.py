@@ -72,6 +72,8 @@ class StepProbes:
     not see the step begin, a Monitor, cannot)."""
     stats_s: float = 0.0
     """Host time gradient statistics have taken so far (against SamplingSchedule.probe_budget)."""
+    last_stats_s: float = 0.0
+    """What the last gradient statistics took (the next one is expected to take as much)."""
 
     def open(self, step: int, memory: bool, grad_stats: bool,
              saved_bytes: Callable[[], int] | None = None) -> Opened:
@@ -89,8 +91,9 @@ class StepProbes:
         if copies:
             opened.params_before = {name: p.detach().clone() for name, p in zip(self.names, self.params, strict=True)}
         if memory_window:
-            opened.held_at_start = sum(held_bytes(self.params, self.optimizer))  # tensor metadata: no sync
             opened.memory_opened = self.meter.open_memory_window()
+            if opened.memory_opened is not None:  # the peak is read above it (a device with an allocator window)
+                opened.held_at_start = sum(held_bytes(self.params, self.optimizer))  # tensor metadata: no sync
         opened.seconds = time.perf_counter() - started
         return opened
 
@@ -112,7 +115,7 @@ class StepProbes:
             result.held = held_bytes(self.params, self.optimizer)
         if skipped or nonfinite:
             result.bad_params = gradstats.nonfinite_params(self.model)
-        if (grad_stats or skipped) and self.schedule.within_budget(self.stats_s, loop_s):
+        if (grad_stats or skipped) and self.schedule.within_budget(self.stats_s, loop_s, self.last_stats_s):
             stats_started = time.perf_counter()
             peek_scale_and_skip(self.meter, result)  # the scale the gradients were scaled by (a sync on CUDA)
             result.grad_stats = gradstats.model_grad_stats(self.model, result.scale or 1.0)
@@ -123,5 +126,6 @@ class StepProbes:
                     param = params[stats.param]
                     stats.lost_update_fraction = gradstats.lost_update_fraction(
                         opened.params_before[stats.param], param.detach(), param.grad)
-            self.stats_s += time.perf_counter() - stats_started
+            self.last_stats_s = time.perf_counter() - stats_started
+            self.stats_s += self.last_stats_s
         return opened.seconds + time.perf_counter() - started

@@ -11,7 +11,7 @@ from amp_core.torch_private import found_inf_flag, supports_amp_scaling
 class OptimizerWatch:
     """Hooks on one optimizer and its scaler (None or disabled: no scaler).
 
-    Skips: GradScaler calls `optimizer.step()` only when the gradients were finite, so a step that the post-hook did
+    Skips: GradScaler calls `optimizer.step()` only when the gradients were finite, so a step that the pre-hook did
     not see was skipped, known on the host with no read of found-inf. A fused optimizer (`supports_amp_scaling`) is
     always called and skips on the device: its found-inf flag (a device tensor) is kept for the step's figures and
     the skip is known when they reach the host (`skipped` answers None), or now at the cost of a sync
@@ -31,16 +31,16 @@ class OptimizerWatch:
         """A fused optimizer's found-inf flag of the last step (a device tensor)."""
         self.lr_used = float(optimizer.param_groups[0]["lr"])
         """The LR the optimizer held as its last step began."""
-        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)
-                         ] if self.scaled or unscaled_too else []
+        # One pre-hook, no post-hook: a hook is a Python call inside the user's step (cold caches: microseconds), and
+        # the step it sees begin is the step taken (GradScaler calls step() only to take it; an exception in the step
+        # reaches the user's loop anyway).
+        self._handles = [optimizer.register_step_pre_hook(self._before)] if self.scaled or unscaled_too else []
 
     def _before(self, optimizer, args, kwargs) -> None:
+        self.stepped = True
         self.lr_used = float(optimizer.param_groups[0]["lr"])
         if self.fused:
             self.found_inf = found_inf_flag(optimizer)
-
-    def _after(self, optimizer, args, kwargs) -> None:
-        self.stepped = True
 
     def begin(self) -> None:
         """A new step begins: forget what the last one told."""
