@@ -327,14 +327,19 @@ def test_a_plain_lane_whose_loss_goes_nonfinite_stops_on_that_step():
 
 
 def test_a_paused_plain_run_shows_every_step_it_made(no_leaked_threads):
-    run = Run(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
+    # Nothing sampled after step 1: every later step is a plain one, kept until a flush (0.5 s) or the pause.
+    config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000, memory_every=10**6,
+                       grad_norm_every=10**6, gradstats_every=0, snapshot_every=0)
+    run = Run(config).start()
     deadline = time.monotonic() + 60
     while run.lanes[0].steps_done < 40 and time.monotonic() < deadline:
         time.sleep(0.01)
     run.pause()
     while run.status != "paused" and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.1)  # the step under way when the pause landed ends; none starts after it
+    # The step under way when the pause landed ends; then the thread records what it kept and waits.
+    while len(run.frame()) != run.lanes[0].steps_done and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert run.lanes[0].plain and run.status == "paused"
     assert len(run.frame()) == run.lanes[0].steps_done >= 40
     run.stop()
