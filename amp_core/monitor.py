@@ -22,7 +22,7 @@ What a step measures, and what it costs:
   perf_counter on a CPU; on CUDA two events on the current stream (CudaMeter), read when they have completed, so the
   Monitor adds no host sync to an ordinary step.
 - skipped: exact. GradScaler calls `optimizer.step()` only when the gradients were finite, so a step hook on the
-  optimizer (`Optimizer.register_step_post_hook`) that did not fire says the step was skipped; a fused optimizer (which
+  optimizer (`Optimizer.register_step_pre_hook`) that did not fire says the step was skipped; a fused optimizer (which
   skips on the device) is handed `optimizer.found_inf` by GradScaler, read with the other figures. The scale backing
   off must agree: an event says so if it does not (telemetry.recorder.record_step_events).
 - LR: what the optimizer held when its step began (a step pre-hook); on a skipped step, what it held after the
