@@ -181,3 +181,51 @@ def test_replay_table_and_text():
     assert frame["what broke"].iloc[1] == "band · inf/NaN · skip" and frame["scale"].iloc[0] == "—"
     text = replay_text(report)
     assert text.splitlines()[-1] == report.verdict.line() and "scale" in text
+
+
+LOW_BIT = ("32-true", "bf16-mixed+adamw-8bit")
+
+
+@pytest.mark.parametrize("mode", LOW_BIT)
+def test_a_low_bit_state_lane_replays_in_every_mode_from_a_snapshot(mode):
+    pytest.importorskip("torchao", reason="the recipes extra (pip install -e .[recipes]) is not installed")
+    manager = RunManager()
+    run = finished_run(manager, RunConfig(workload="digits_mlp", modes=LOW_BIT, steps=30, snapshot_every=10,
+                                          optimizer="adamw"))
+    recorded = run.frame().query(f"lane == {LOW_BIT.index(mode)} and step == 27")["loss"].item()
+    report = replay_run(manager, run.run_id, mode, 27)
+    assert report.own.loss == recorded and report.reproduced  # the own mode keeps its own (8-bit or fp32) state
+    assert {row.mode for row in report.rows} >= set(LOW_BIT)
+    assert all(math.isfinite(row.loss) and row.grads_finite for row in report.rows)
+
+
+def test_carrying_adam_state_between_torch_and_torchao_formats():
+    pytest.importorskip("torchao", reason="the recipes extra (pip install -e .[recipes]) is not installed")
+    from torchao.optim import AdamW8bit
+
+    from amp_core.probes.replay import carry_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64)  # 8192 weights: torchao keeps them in 8 bits (a block of 256 values each)
+    low = AdamW8bit(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 128)).square().mean().backward()
+        low.step()
+        low.zero_grad()
+    weight = model.weight
+    assert type(low.state[weight]["exp_avg"]).__name__ == "OptimState8bit"
+    plain = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    carry_optimizer_state(plain, low)  # 8-bit -> fp32: the values the 8-bit state stands for
+    assert type(plain.state[weight]["exp_avg"]) is torch.Tensor
+    assert torch.equal(plain.state[weight]["exp_avg"], low.state[weight]["exp_avg"].dequantize())
+    assert isinstance(plain.param_groups[0]["lr"], float)
+    assert plain.param_groups[0]["lr"] == float(torch.tensor(1e-3))  # the LR torchao stepped with (an fp32 tensor)
+    again = AdamW8bit(model.parameters(), lr=5e-4)
+    carry_optimizer_state(again, plain)  # fp32 -> 8-bit: quantized into torchao's own buffers, its LR a tensor
+    assert type(again.state[weight]["exp_avg_sq"]).__name__ == "OptimState8bit"
+    carried, values = again.state[weight]["exp_avg"].dequantize(), plain.state[weight]["exp_avg"]
+    assert torch.linalg.norm(carried - values) / torch.linalg.norm(values) < 0.02  # 8 bits' own rounding
+    lr = again.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and float(lr) == float(torch.tensor(1e-3))
+    model(torch.randn(16, 128)).square().mean().backward()
+    again.step()  # torchao takes the carried state as its own

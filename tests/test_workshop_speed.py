@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
+from amp_core import precision
 from amp_core.precision import CPU_NATIVE_ENV, availability, cpu_has_native, cpu_math, default_modes
 from amp_core.workshop import (
     EXIT_CANNOT_TELL,
@@ -32,6 +33,12 @@ RECORDS = Path(__file__).resolve().parent / "data" / "speed_avx2_epyc.csv"
 SCENARIO = SCENARIOS["speed"]
 TREND, BF16_LARGE, FP16_LARGE = (check.title for check in SCENARIO.checks)
 HELD, FAILED, UNTOLD = Verdict.HELD, Verdict.FAILED, Verdict.CANNOT_TELL
+
+
+def detects(monkeypatch, *formats: str) -> None:
+    """Pin what torch detects on the CPU running the test (`precision._detected_formats`): a sentence that names the
+    detection, or groups modes by it, must not depend on which CPU the suite happens to run on."""
+    monkeypatch.setattr(precision, "_detected_formats", lambda: frozenset(formats))
 
 
 def recorded(size: str) -> pd.DataFrame:
@@ -121,6 +128,7 @@ def test_the_figures_are_the_medians_of_paired_ratios_with_their_interval():
 
 @pytest.mark.parametrize(("native", "trend"), [("none", FAILED), ("bf16", HELD)])
 def test_a_speed_that_rises_with_the_size_holds_only_where_the_math_is_native(monkeypatch, native, trend):
+    detects(monkeypatch)  # the recorded run's AVX2 EPYC: the override agrees with what torch detects or adds to it
     monkeypatch.setenv(CPU_NATIVE_ENV, native)
     results = {result.title: result for result in evaluate(SCENARIO, sizes_swapped())}
     assert results[TREND].verdict is trend
@@ -222,7 +230,21 @@ def test_unset_the_cpu_decides(monkeypatch):
              "AMP_LAB_CPU_NATIVE=bf16 says this CPU has native bf16 math (torch detects "),
 ])
 def test_the_scenario_says_in_one_line_what_this_device_implies(monkeypatch, native, start):
+    detects(monkeypatch)  # an AVX2-only CPU: bf16 and fp16 alike in what torch detects
     monkeypatch.setenv(CPU_NATIVE_ENV, native)
     line = SCENARIO.expected_here("cpu")
     assert line.startswith(start) and line.endswith(" here).") and "\n" not in line
     assert ("; 16-mixed slower than 32-true, more so at the large size: " in line) == (native == "bf16")
+
+
+def test_an_override_against_one_detected_format_gets_a_clause_of_its_own(monkeypatch):
+    # A CPU with AVX-512 bf16 and no fp16 (an AMD EPYC of the Zen 4 family): "none" contradicts torch for bf16 only.
+    detects(monkeypatch, "bf16")
+    monkeypatch.setenv(CPU_NATIVE_ENV, "none")
+    assert SCENARIO.expected_here("cpu") == (
+        "Expected on this device: bf16-mixed slower than 32-true, more so at the large size: AMP_LAB_CPU_NATIVE=none "
+        "says this CPU has no native bf16 math (torch detects bf16 instructions here); 16-mixed slower than 32-true, "
+        "more so at the large size: AMP_LAB_CPU_NATIVE=none says this CPU has no native fp16 math (torch detects no "
+        "fp16 instructions here).")
+    rose = {result.title: result for result in evaluate(SCENARIO, sizes_swapped())}[TREND]
+    assert rose.verdict is FAILED and OVERRIDDEN in rose.explanation  # the figures are this CPU's, not the override's

@@ -90,8 +90,11 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if type(tensor) is not torch.Tensor:
         # A tensor subclass (torchao's 8-bit / 4-bit / FP8 optimizer states: codes and scales) implements no
-        # aten.clone, only its own _to_copy; from a GPU that copy waits for the device, for these states only.
-        return tensor.to("cpu", copy=True)
+        # aten.clone, and its _to_copy to the device it is on hands back its own inner tensors (a "copy" the next
+        # step writes into): it is rebuilt from copies of its inner tensors.
+        names, context = tensor.__tensor_flatten__()
+        inner = {name: _host_copy(getattr(tensor, name)) for name in names}
+        return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
     if tensor.device.type == "cpu":
         return tensor.clone()
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -253,13 +256,56 @@ def _fork(config: RunConfig, pre: LaneState, precision: Precision, scale: float 
     the given loss scale, the lane's faults; no scheduler (it acts only after the step replayed)."""
     model = precision.prepare_module(copy.deepcopy(pre.model))
     optimizer = build_optimizer(config, model, precision)
-    optimizer.load_state_dict(copy.deepcopy(pre.optimizer.state_dict()))
+    carry_optimizer_state(optimizer, pre.optimizer)
     s = config.scaler
     scaler = precision.make_scaler(scale if scale is not None else s.init_scale, s.growth_factor, s.backoff_factor,
                                    s.growth_interval)
     return LaneState(index=pre.index, precision=precision, workload=pre.workload, model=model, optimizer=optimizer,
                      scaler=scaler, grad_clip=pre.grad_clip, faults=FaultPlan(pre.faults.faults),
                      schedule=SamplingSchedule(grad_norm_every=1))
+
+
+def _plain_value(value: Any) -> Any:
+    """An optimizer state's value as plain values: a tensor subclass (torchao's 8-bit / 4-bit / FP8 moments) as the
+    fp32 values it stands for."""
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    value = value.detach()
+    if type(value) is not torch.Tensor and hasattr(value, "dequantize"):
+        return value.dequantize()
+    return value.clone()
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+"""Adam(W)'s moments, by their names in torch's and torchao's optimizer states."""
+
+
+def carry_optimizer_state(target: torch.optim.Optimizer, source: torch.optim.Optimizer) -> None:
+    """Load `source`'s state into `target`, a fresh optimizer of another recipe over a copy of the same parameters:
+    every moment by its values (a low-bit moment dequantized), then kept in the target's own format (torchao's
+    Adam(W) quantize what is copied into their buffers; torch's casts it to the parameter's dtype); each LR in the
+    type the target keeps it in (torchao: a tensor, torch: a float)."""
+    saved = source.state_dict()
+    lr_tensors = [isinstance(group["lr"], torch.Tensor) for group in target.param_groups]
+    target.load_state_dict({
+        "state": {key: {name: _plain_value(value) for name, value in state.items()}
+                  for key, state in saved["state"].items()},
+        "param_groups": [{name: _plain_value(value) for name, value in group.items()}
+                         for group in saved["param_groups"]]})
+    for group, tensor in zip(target.param_groups, lr_tensors, strict=True):
+        lr = float(group["lr"])
+        group["lr"] = torch.tensor(lr, dtype=torch.float32) if tensor else lr
+    new_buffer = getattr(target, "_new_buffer", None)  # torchao's Adam(W): a moment's buffer in its format
+    if new_buffer is None:
+        return
+    for group in target.param_groups:
+        for param in group["params"]:
+            state = target.state.get(param, {})
+            for name in MOMENTS:
+                if name in state:
+                    buffer = new_buffer(param, name == "exp_avg")
+                    buffer.copy_(state[name])
+                    state[name] = buffer
 
 
 def _step_once(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int):

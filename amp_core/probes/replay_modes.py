@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amp_core.config import ConfigError
 from amp_core.precision import (
     BASELINE_MODE,
     FLOAT64_REFERENCE,
@@ -252,10 +253,14 @@ def replay_modes(subject: ReplaySubject, targets: list[tuple[str, Precision, boo
     results: dict[str, tuple] = {}
     # The other modes first, on copies; the own mode's fork steps last (it may be the replay's own copy already).
     for name, precision, reference in sorted(targets, key=lambda target: target[0] == subject.own_mode):
-        fork = subject.fork(name, precision)
-        before = [p.detach().double().clone() for p in fork.params]
-        set_rng(rng, device)
-        loss, skipped, scale, scale_after = fork.step()
+        try:
+            fork = subject.fork(name, precision)
+            before = [p.detach().double().clone() for p in fork.params]
+            set_rng(rng, device)
+            loss, skipped, scale, scale_after = fork.step()
+        except Exception as exc:  # a mode this state cannot be carried into: said, not a traceback
+            raise ConfigError("replay", f"the step could not be replayed in {name}: {type(exc).__name__}: "
+                                        f"{exc}") from exc
         grads = [p.grad for p in fork.params if p.grad is not None]
         finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
         first, why = "", ""
