@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Tensors that hold their data themselves (no inner tensors)."""
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor sharded across a torchrun job (a DTensor: FSDP2's parameters, gradients and
@@ -18,7 +21,7 @@ def plain_tensors(tensor: torch.Tensor):
     """The plain tensors that hold `tensor`'s data: itself, or, for a wrapper subclass (torchao's 8-bit / 4-bit / FP8
     optimizer states, float8 tensors; a DTensor: this rank's shard), its inner tensors (codes, scales, lookup tables),
     recursively."""
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+    if type(tensor) in PLAIN_TYPES or not hasattr(tensor, "__tensor_flatten__"):
         yield tensor
         return
     if hasattr(tensor, "to_local"):  # a DTensor: its flattened attributes include its mesh, not only its shard
@@ -32,16 +35,21 @@ def plain_tensors(tensor: torch.Tensor):
 def tensor_bytes(tensors) -> int:
     """Bytes held by the distinct storages behind `tensors` (views are counted once; a tensor subclass by the
     storages of its inner tensors: what it really holds, not its apparent dtype times its shape)."""
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[torch.device, int]] = set()
     total = 0
-    for t in (plain for tensor in tensors if isinstance(tensor, torch.Tensor) for plain in plain_tensors(tensor)):
-        if t.device.type == "meta":
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
             continue
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+        # A plain tensor is its own storage's holder: no generator for it (a Monitor's memory step counts every
+        # parameter, gradient and moment; `device.type` and `str(device)` cost more than the storage lookup).
+        for t in (tensor,) if type(tensor) in PLAIN_TYPES else plain_tensors(tensor):
+            if t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total
 
 

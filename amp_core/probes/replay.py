@@ -88,6 +88,10 @@ class StateSnapshot:
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync."""
     tensor = tensor.detach()
+    if hasattr(tensor, "to_local"):
+        # A DTensor (FSDP2's sharded parameters and states): its _to_copy copies this rank's shard. (Its flattened
+        # attributes hold its device mesh, not only the shard.)
+        return tensor.to("cpu", copy=True)
     if type(tensor) is not torch.Tensor:
         # A tensor subclass (torchao's 8-bit / 4-bit / FP8 optimizer states: codes and scales) implements no
         # aten.clone, and its _to_copy to the device it is on hands back its own inner tensors (a "copy" the next
@@ -271,7 +275,7 @@ def _plain_value(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return copy.deepcopy(value)
     value = value.detach()
-    if type(value) is not torch.Tensor and hasattr(value, "dequantize"):
+    if type(value).dequantize is not torch.Tensor.dequantize:  # a subclass with a format of its own
         return value.dequantize()
     return value.clone()
 
