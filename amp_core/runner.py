@@ -418,7 +418,7 @@ class Run:
         plain_until, flush_at, workload = 0, 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up is a few hundred ns with the caches holding the model.
         sample, generators, batch_size, lanes = self.data.sample, self.generators, config.batch_size, self.lanes
-        resumed, stopped, monotonic = self._resume.is_set, self._stop.is_set, time.monotonic
+        resumed, stop_asked, monotonic = self._resume.is_set, self._stop.is_set, time.monotonic
         for step in range(config.steps):
             # Every lane of a seed sees this same batch, in the same order.
             self._batches = [sample(generator, batch_size) for generator in generators]
@@ -433,7 +433,7 @@ class Run:
                     recorder.resolve(wait=True)  # a paused run shows every step it made
                     self.sink.flush()
                     self._resume.wait()
-                if stopped():
+                if stop_asked():
                     break
                 if lane.status == "running":
                     if plain and lane.plain:
@@ -451,7 +451,7 @@ class Run:
                     self._drain()  # what the flush writes holds every step made
                     self.sink.flush_if_due()
                     flush_at = self.sink.flush_due_at if plain_run else 0.0
-            if stopped() or not stepped:
+            if stop_asked() or not stepped:
                 break
         self._drain()
         recorder.resolve(wait=True)
