@@ -431,7 +431,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_maxbatch(args: argparse.Namespace) -> int:
-    from amp_core.probes.maxbatch import cli_maxbatch
+    from amp_core.diagnostics.maxbatch import cli_maxbatch
 
     return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
 
@@ -445,7 +445,7 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """`replay RUN_ID --lane L --step S`: the table and, last, `verdict: precision|data|unclear — <why>`."""
-    from amp_core.probes.replay import replay_run
+    from amp_core.diagnostics.replay import replay_run
     from amp_core.runner import RunManager
     from amp_core.views.replay import replay_text
 

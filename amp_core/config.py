@@ -201,7 +201,7 @@ class RunConfig:
     """Keep a copy of each lane's state (weights, optimizer, scheduler, scaler, RNG, the data order) on the host every
     N steps, taken before the lane's step and outside its timed window (its host time is the step's probe_ms), so a
     step that blew up can be replayed from the nearest snapshot in every mode against fp32
-    (amp_core.probes.replay). 0 turns snapshots off."""
+    (amp_core.diagnostics.replay). 0 turns snapshots off."""
     snapshot_keep: int = 8
     """Snapshots kept per lane, the newest; an older one is dropped as a new one is taken (host memory: about this
     many copies of a lane's weights and optimizer state). A step older than the oldest kept snapshot cannot be

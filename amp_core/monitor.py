@@ -62,8 +62,7 @@ from typing import Any
 import torch
 
 from amp_core.config import ConfigError
-from amp_core.precision import MODES, mode_from_dtypes
-from amp_core.probes.attached_replay import (
+from amp_core.diagnostics.attached_replay import (
     REPLAY_COST_EVENT,
     REPLAY_OFF_EVENT,
     REPLAY_ON_EVENT,
@@ -71,8 +70,9 @@ from amp_core.probes.attached_replay import (
     AttachedReplay,
     LossFn,
 )
+from amp_core.diagnostics.replay_modes import REPLAYED_EVENT, report_data
+from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.probes.layerwatch import LayerWatch
-from amp_core.probes.replay_modes import REPLAYED_EVENT, report_data
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
@@ -136,7 +136,7 @@ class MonitorConfig:
     Trainer", "Lightning"): the Train page says where the run comes from."""
     replay: str | bool = "auto"
     """Replay a failed step in its mode, 32-true, 16-mixed, bf16-mixed and float64 from the state before it, to tell
-    precision from data (amp_core.probes.attached_replay). "auto": the steps the scaler skipped (their state is
+    precision from data (amp_core.diagnostics.attached_replay). "auto": the steps the scaler skipped (their state is
     copied then, as the skip left it: nothing on the other steps), when the Monitor is given a `loss_fn` (the
     callbacks give theirs) and the state (weights, buffers, optimizer state) is at most 64 MiB; off otherwise with
     the reason and the bytes said. True: every failed step (skipped, a non-finite loss, a loss above the robust
@@ -482,7 +482,7 @@ class Monitor:
         for request_id in asked:
             monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
-    # --- replays of failed steps (amp_core.probes.attached_replay) -----------------------------------------------
+    # --- replays of failed steps (amp_core.diagnostics.attached_replay) -----------------------------------------------
     def _replay_if_failed(self, step: int, loss, skipped: bool | None, batch: Any, loss_fn: LossFn | None,
                           result: StepResult) -> None:
         """A failed step (skipped, a non-finite loss, a loss above the band) is replayed from the state kept before

@@ -786,8 +786,8 @@ FLOAT64_REFERENCE = "float64"
 
 
 def float64_reference(device: str = "cpu") -> Precision | None:
-    """fp64 weights and math, a replay's reference beside 32-true (amp_core.probes.replay); None on a device without
-    float64 math (CPUs and CUDA GPUs have it)."""
+    """fp64 weights and math, a replay's reference beside 32-true (amp_core.diagnostics.replay); None on a device
+    without float64 math (CPUs and CUDA GPUs have it)."""
     device = resolve_device(device)
     if _device_type(device) not in ("cpu", "cuda"):
         return None

@@ -20,13 +20,13 @@ from amp_core.precision import Precision, resolve_device
 from amp_core.probes.faults import param_by_name
 from amp_core.probes.layerwatch import layer_sampler
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
-from amp_core.probes.replay import SnapshotRing
 from amp_core.records import Event
 from amp_core.records.ranks import RankSink
 from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.runs import RunReader
+from amp_core.snapshots import SnapshotRing
 from amp_core.step import LaneState, build_lane_state, plain_step, train_step
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
@@ -224,8 +224,8 @@ class Run:
         self._kept = 0
         """Plain steps kept by the lanes, not yet recorded (`_drain`)."""
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
-        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.probes.replay; taken
-        by the `take_snapshot` before_lane_step hook."""
+        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.snapshots, read
+        by amp_core.diagnostics.replay; taken by the `take_snapshot` before_lane_step hook."""
         if self.snapshots.every > 0:
             self.hooks = replace(self.hooks, before_lane_step=[take_snapshot, *self.hooks.before_lane_step])
 

@@ -22,7 +22,7 @@ from amp_core import background
 if TYPE_CHECKING:
     import pandas as pd
 
-    from amp_core.probes.cost import ProbeBoard
+    from amp_core.diagnostics.cost import ProbeBoard
     from amp_core.runner import RunManager
 
 # Marks in Streamlit's own icon font (Markdown only): an emoji needs an emoji font, which a plain Linux box may lack
@@ -33,9 +33,9 @@ LIVE_MARK = ":green[:material/radio_button_checked:]"
 CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
 """What the Train form needs beyond the light catalog: which modes this device runs (imports torch), and the workload
 plugins named in $AMP_LAB_WORKLOADS (loaded once per server, never from anything typed on a page)."""
-OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.runner", "amp_core.probes.cost",
-                 "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live", "amp_core.views.compare",
-                 "amp_core.views.tables")
+OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.runner",
+                 "amp_core.diagnostics.cost", "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live",
+                 "amp_core.views.compare", "amp_core.views.tables")
 """The rest of what the Train and Compare pages draw with."""
 
 
@@ -162,7 +162,7 @@ def get_manager() -> RunManager:
 @st.cache_resource(show_spinner=False)
 def probe_board() -> ProbeBoard:
     """The server's cost probes (raced off the page's thread, remembered for the server's life)."""
-    from amp_core.probes.cost import ProbeBoard
+    from amp_core.diagnostics.cost import ProbeBoard
 
     return ProbeBoard()
 

@@ -198,8 +198,7 @@ if not warm.done.is_set():
 
 import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first paint did not wait for them)
 
-from amp_core.precision import availability  # noqa: E402
-from amp_core.probes.cost import (  # noqa: E402
+from amp_core.diagnostics.cost import (  # noqa: E402
     MIN_TIMED_S,
     SLOW_FACTOR,
     TIME_CAP_S,
@@ -209,6 +208,7 @@ from amp_core.probes.cost import (  # noqa: E402
     estimate_step,
     relative_costs,
 )
+from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
@@ -291,10 +291,10 @@ def draw_costs(outcomes: dict[str, ProbeResult | str]) -> None:
         cost_table(relative_costs(measured))
 
 
-# --- the largest batch each chosen lane allows (probes.maxbatch, as `amp-lab maxbatch`) ------------------------------
+# --- the largest batch each chosen lane allows (diagnostics.maxbatch, as `amp-lab maxbatch`) --------------------------
 def start_maxbatch(budget_mib: float) -> None:
     """Check the input at once (a message, not a traceback), then search off the page's thread."""
-    from amp_core.probes.maxbatch import MaxBatchJob
+    from amp_core.diagnostics.maxbatch import MaxBatchJob
 
     st.session_state.pop("train_maxbatch", None)
     try:
@@ -331,7 +331,7 @@ def maxbatch_result(polling: bool) -> None:
         "samples / s": st.column_config.NumberColumn(format="%.0f")})
     config_text = f"{entries[job.config.workload].title}, {job.config.size}, {job.config.optimizer}"
     if modelled:
-        from amp_core.probes.maxbatch import PROBE_BATCHES
+        from amp_core.diagnostics.maxbatch import PROBE_BATCHES
 
         st.caption(f"**Modelled** ({config_text}): no batch was tried at that size. Each lane's fixed bytes "
                    "(parameters, gradients, optimizer state, after a real step) and bytes per sample (saved for "

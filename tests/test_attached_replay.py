@@ -16,9 +16,14 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import ConfigError
+from amp_core.diagnostics.attached_replay import (
+    REPLAY_AUTO_MAX_BYTES,
+    REPLAY_COST_EVENT,
+    REPLAY_OFF_EVENT,
+    REPLAY_ON_EVENT,
+)
+from amp_core.diagnostics.replay_modes import REPLAYED_EVENT, recorded_replays
 from amp_core.monitor import MonitorConfig
-from amp_core.probes.attached_replay import REPLAY_AUTO_MAX_BYTES, REPLAY_COST_EVENT, REPLAY_OFF_EVENT, REPLAY_ON_EVENT
-from amp_core.probes.replay_modes import REPLAYED_EVENT, recorded_replays
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from amp_core.config import ConfigError
-from amp_core.probes.maxbatch import max_batches
+from amp_core.diagnostics.maxbatch import max_batches
 from tests.cli_process import ROOT
 
 

@@ -12,8 +12,8 @@ from figure_json import points_by_trace, spec
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.diagnostics.cost import TIMED_STEPS
 from amp_core.precision import default_modes
-from amp_core.probes.cost import TIMED_STEPS
 from amp_core.records.opening import open_store
 from amp_core.workloads import WORKLOADS
 

@@ -9,8 +9,16 @@ import pytest
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
+from amp_core.diagnostics.cost import (
+    AGREEMENT,
+    MIN_RUN_STEPS,
+    ProbeBoard,
+    ProbeResult,
+    race,
+    race_modes,
+    relative_costs,
+)
 from amp_core.precision import MODES, availability
-from amp_core.probes.cost import AGREEMENT, MIN_RUN_STEPS, ProbeBoard, ProbeResult, race, race_modes, relative_costs
 
 CPU_MODES = [mode for mode in MODES if availability(mode, "cpu")[0]]
 

@@ -14,8 +14,8 @@ from replay_workloads import AmplifiedNorm
 from test_monitor import fp16_loop
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig
+from amp_core.diagnostics.replay import ReplayError, replay_run
 from amp_core.probes.faults import FaultPlan
-from amp_core.probes.replay import ReplayError, replay_run
 from amp_core.probes.spikes import SpikeRule
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
@@ -203,7 +203,7 @@ def test_carrying_adam_state_between_torch_and_torchao_formats():
     pytest.importorskip("torchao", reason="the recipes extra (pip install -e .[recipes]) is not installed")
     from torchao.optim import AdamW8bit
 
-    from amp_core.probes.replay import carry_optimizer_state
+    from amp_core.diagnostics.replay import carry_optimizer_state
 
     torch.manual_seed(0)
     model = torch.nn.Linear(128, 64)  # 8192 weights: torchao keeps them in 8 bits (a block of 256 values each)

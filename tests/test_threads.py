@@ -129,7 +129,7 @@ def test_a_launch_the_store_refuses_holds_no_place(monkeypatch):
 
 
 def test_stop_all_stops_and_joins_every_thread_the_app_started():
-    from amp_core.probes.cost import ProbeBoard
+    from amp_core.diagnostics.cost import ProbeBoard
 
     run = SteppedRun(config(steps=1_000_000)).start()
     run.wait_until(lambda r: r.lane_steps >= 1)

@@ -26,7 +26,7 @@ def grad_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     if not grads:
         zero = torch.zeros((), dtype=torch.float32)
         return zero.reshape(0), zero
-    # At least float32: a replay's float64 reference keeps its own precision (amp_core.probes.replay).
+    # At least float32: a replay's float64 reference keeps its own precision (amp_core.diagnostics.replay).
     per_param = torch.stack(foreach_norm(grads, torch.promote_types(grads[0].dtype, torch.float32)))
     return per_param, torch.linalg.vector_norm(per_param)
 

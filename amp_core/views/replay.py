@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.probes.replay_modes import ReplayReport
+from amp_core.diagnostics.replay_modes import ReplayReport
 from amp_core.probes.spikes import SpikeRule, band_upper
 from amp_core.views.plots import chart_layout, log_axis, mode_color, spike_trace
 

@@ -388,7 +388,7 @@ def replay_the_failures(manager, run_id: str) -> None:
     skipped step before the outlier (the planted overflow) and the outlier's step, through the Replay button's own
     code, each report recorded in the run as a `replayed` event (what the checks read)."""
     from amp_core.config import RunConfig
-    from amp_core.probes.replay import replay_run
+    from amp_core.diagnostics.replay import replay_run
 
     info = manager.run_info(run_id)
     lane = next(entry["lane"] for entry in info["lanes"] if entry["mode"] == REPLAY_LANE)
@@ -400,7 +400,7 @@ def replay_the_failures(manager, run_id: str) -> None:
 
 
 def _replays(evidence: Evidence) -> tuple[Part, dict[int, object]]:
-    from amp_core.probes.replay_modes import recorded_replays
+    from amp_core.diagnostics.replay_modes import recorded_replays
 
     part = evidence.part(0)
     lane = part.lane_index(REPLAY_LANE)

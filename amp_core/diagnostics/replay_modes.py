@@ -3,8 +3,8 @@
 The loop that forks a state before step S into each mode, steps every fork once from the same random state, and
 compares each update with fp32's (`replay_modes`), the verdict with the figures that decided it (`judge`), and the
 report as records (`report_data`, a `replayed` event). What is replayed is a ReplaySubject: a lane of the race
-(probes.replay, from its snapshots) or a user's own loop (probes.attached_replay, from a Monitor's kept copy). This
-module imports neither the race's step nor the Monitor: both sides build on it.
+(diagnostics.replay, from its snapshots) or a user's own loop (diagnostics.attached_replay, from a Monitor's kept
+copy). This module imports neither the race's step nor the Monitor: both sides build on it.
 """
 
 from __future__ import annotations

@@ -16,23 +16,14 @@ Where the weights before step S come from (said in every report's `source`):
 from __future__ import annotations
 
 import copy
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from amp_core.config import ConfigError, RunConfig
-from amp_core.precision import (
-    Precision,
-    availability,
-    resolve_device,
-)
-from amp_core.probes.faults import FaultPlan
-from amp_core.probes.numerics import probe_step
-from amp_core.probes.replay_modes import (
+from amp_core.config import RunConfig
+from amp_core.diagnostics.replay_modes import (
     REPLAYED_EVENT,
     Fork,
     ReplayReport,
@@ -44,168 +35,22 @@ from amp_core.probes.replay_modes import (
     report_data,
     set_rng,
 )
+from amp_core.precision import (
+    Precision,
+    availability,
+    resolve_device,
+)
+from amp_core.probes.faults import FaultPlan
+from amp_core.probes.numerics import probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
+from amp_core.snapshots import ReplayError, StateSnapshot, copy_tree, load_scaler
 from amp_core.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.switches import pin_intra_op_threads
 from amp_core.telemetry import SamplingSchedule, resolve_step
-from amp_core.torch_private import scaler_tensors
 from amp_core.workloads import WORKLOADS, Data, Workload
 
 PLANTED_IN_EVERY_MODE = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "batch_outlier")
 """Fault kinds a replay plants on step S in every mode, as the run planted them in the lane."""
-
-
-class ReplayError(ConfigError):
-    """A replay that cannot be made (an unknown lane, a step out of reach); `field` names the input."""
-
-
-# --- snapshots (taken on the training thread, between two steps) --------------------------------------------------
-
-@dataclass(slots=True)
-class StateSnapshot:
-    """One lane's state on the host before one step: enough to train on from there exactly as the run did."""
-
-    lane: int
-    step: int
-    """The state is the lane's as it was before this step."""
-    model: dict[str, torch.Tensor]
-    """The model's state_dict (parameters and buffers)."""
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    scaler: dict[str, torch.Tensor] | None
-    """The GradScaler's scale and growth tracker (None: the mode has no scaler)."""
-    rng: list[torch.Tensor]
-    """The process's random state before the lane's step: the CPU's, and the GPU's on CUDA."""
-    batch: tuple[torch.Tensor, torch.Tensor]
-    """This step's batch, as the run drew it (before any fault)."""
-    data_order: torch.Tensor
-    """The state of the lane's data generator after this step's batch was drawn: the next batches come from it."""
-    nbytes: int
-    copied: Any = None
-    """CUDA: an event that completes when the device-to-host copies have landed (a replay waits on it)."""
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync."""
-    tensor = tensor.detach()
-    if hasattr(tensor, "to_local"):
-        # A DTensor (FSDP2's sharded parameters and states): its _to_copy copies this rank's shard. (Its flattened
-        # attributes hold its device mesh, not only the shard.)
-        return tensor.to("cpu", copy=True)
-    if type(tensor) is not torch.Tensor:
-        # A tensor subclass (torchao's 8-bit / 4-bit / FP8 optimizer states: codes and scales) implements no
-        # aten.clone, and its _to_copy to the device it is on hands back its own inner tensors (a "copy" the next
-        # step writes into): it is rebuilt from copies of its inner tensors.
-        names, context = tensor.__tensor_flatten__()
-        inner = {name: _host_copy(getattr(tensor, name)) for name in names}
-        return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
-    if tensor.device.type == "cpu":
-        return tensor.clone()
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return out.copy_(tensor, non_blocking=True)
-
-
-def _copy_tree(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _host_copy(value)
-    if isinstance(value, dict):
-        return {key: _copy_tree(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_tree(item) for item in value)
-    return copy.deepcopy(value)
-
-
-def _tree_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tree_bytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tree_bytes(item) for item in value)
-    return 0
-
-
-def _scaler_tensors(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor] | None:
-    if not scaler.is_enabled():
-        return None
-    # Copied without a wait (torch_private.scaler_tensors).
-    return {name: _host_copy(tensor) for name, tensor in scaler_tensors(scaler).items()}
-
-
-def _load_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor] | None) -> None:
-    if tensors is None or not scaler.is_enabled():
-        return
-    state = scaler.state_dict()
-    state["scale"] = float(tensors["scale"].reshape(-1)[0])
-    state["_growth_tracker"] = int(tensors["growth_tracker"].reshape(-1)[0])
-    scaler.load_state_dict(state)
-
-
-class SnapshotRing:
-    """The rolling snapshots of a run's lanes: one every `every` steps per lane, the newest `keep` of each.
-
-    The training thread takes them between steps (`take`, outside the timed window); replays read them from other
-    threads. One lock guards the rings; it is held for an append or a look-up, never for a copy.
-    """
-
-    def __init__(self, every: int, keep: int):
-        self.every = every
-        self.keep = keep
-        self._lanes: dict[int, deque[StateSnapshot]] = {}
-        self._lock = threading.Lock()
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
-
-    def take(self, state: LaneState, step: int, batch: tuple[torch.Tensor, torch.Tensor],
-             data_order: torch.Generator) -> float:
-        """Snapshot `state` before `step` (whose batch is `batch`; `data_order` has drawn it). Returns its host
-        seconds, which the runner reports as probe time."""
-        started = time.perf_counter()
-        devices = [torch.device(state.precision.device)] if state.precision.device_type == "cuda" else []
-        rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)]
-        model = {name: _host_copy(value) for name, value in state.model.state_dict().items()}
-        optimizer = _copy_tree(state.optimizer.state_dict())
-        scheduler = _copy_tree(state.scheduler.state_dict()) if state.has_scheduler else None
-        scaler = _scaler_tensors(state.scaler)
-        copied = None
-        if devices:
-            copied = torch.cuda.Event()
-            copied.record()
-        snapshot = StateSnapshot(
-            lane=state.index, step=step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-            rng=rng, batch=tuple(t.detach().clone() for t in batch), data_order=data_order.get_state(),
-            nbytes=_tree_bytes(model) + _tree_bytes(optimizer), copied=copied)
-        with self._lock:
-            self._lanes.setdefault(state.index, deque(maxlen=self.keep)).append(snapshot)
-        return time.perf_counter() - started
-
-    def steps(self, lane: int) -> list[int]:
-        """The steps lane `lane` holds snapshots of, oldest first."""
-        with self._lock:
-            return [snapshot.step for snapshot in self._lanes.get(lane, ())]
-
-    def nbytes(self) -> int:
-        """Host bytes the snapshots hold (weights, buffers and optimizer state)."""
-        with self._lock:
-            return sum(snapshot.nbytes for ring in self._lanes.values() for snapshot in ring)
-
-    def nearest(self, lane: int, step: int) -> StateSnapshot:
-        """The newest snapshot of `lane` at or before `step`; ReplayError saying why there is none."""
-        with self._lock:
-            ring = list(self._lanes.get(lane, ()))
-        if self.every <= 0:
-            raise ReplayError("step", "this run keeps no snapshots (snapshot_every is 0), so its steps cannot be "
-                                      "replayed in its process")
-        if not ring:
-            raise ReplayError("step", f"lane {lane} has no snapshot yet")
-        usable = [snapshot for snapshot in ring if snapshot.step <= step]
-        if not usable:
-            raise ReplayError("step", f"step {step} is older than lane {lane}'s oldest snapshot (step {ring[0].step}): "
-                                      f"the run keeps its newest {self.keep} snapshots, one every {self.every} steps "
-                                      "(RunConfig.snapshot_keep, snapshot_every); launch with a larger "
-                                      "snapshot_keep to replay that far back")
-        return usable[-1]
 
 
 @dataclass(slots=True)
@@ -236,10 +81,10 @@ def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnaps
     state.model.load_state_dict(snapshot.model)
     # load_state_dict may keep the tensors it is given as the optimizer's own: it must get copies, or the replay's
     # steps would write into the snapshot (copied as the snapshot was: a low-bit state has no deepcopy).
-    state.optimizer.load_state_dict(_copy_tree(snapshot.optimizer))
+    state.optimizer.load_state_dict(copy_tree(snapshot.optimizer))
     if snapshot.scheduler is not None:
         state.scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler))
-    _load_scaler(state.scaler, snapshot.scaler)
+    load_scaler(state.scaler, snapshot.scaler)
     order = torch.Generator()
     order.set_state(snapshot.data_order)
     return _Start(state, snapshot.step, snapshot.batch, order, snapshot.rng,

@@ -2,7 +2,7 @@
 user's weights, buffers, optimizer state and loss scale before each step, and when a step fails (skipped by the
 scaler, a non-finite loss, or a loss above the robust band) replays it from that copy with the step's batch and the
 user's loss closure in the run's own mode, 32-true, the mixed 16-bit modes and float64, in the same process after the
-step and outside its timed window, through the race's replay machinery (probes.replay: `replay_modes`, `judge`).
+step and outside its timed window, through the race's replay machinery (diagnostics.replay: `replay_modes`, `judge`).
 
 What it costs, and when it is on (`MonitorConfig.replay`):
 - "auto" (the default): skipped steps are replayed, at no cost to the other steps. A step the GradScaler skipped left
@@ -36,9 +36,7 @@ import torch
 from torch import nn
 
 from amp_core.config import ConfigError
-from amp_core.precision import Precision
-from amp_core.probes.numerics import prepare_batch, probe_step
-from amp_core.probes.replay_modes import (
+from amp_core.diagnostics.replay_modes import (
     Fork,
     ReplayReport,
     ReplaySubject,
@@ -47,6 +45,8 @@ from amp_core.probes.replay_modes import (
     replay_modes,
     replay_targets,
 )
+from amp_core.precision import Precision
+from amp_core.probes.numerics import prepare_batch, probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
 from amp_core.torch_private import foreach_copy_, scale_tensor, scaler_settings
 
