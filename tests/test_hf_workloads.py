@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURES = ("gpt2", "llama", "bert", "vit")
 MODES = ("32-true", "bf16-mixed", "16-mixed")
 STEPS = 3
+pytestmark = pytest.mark.timeout(900)
+"""The module's races (four architectures, transformers' import) take about a minute on a quiet 2-core machine and
+several on a busy one: past pyproject's 300 s hang guard there."""
 
 
 def cli(*args: str) -> tuple[int, str, str]:
