@@ -502,12 +502,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_workshop(args: argparse.Namespace) -> int:
     """`workshop list` and `workshop run NAME`: a scenario's runs through a RunManager on the store, then its checks."""
+    from amp_core.extras import needs_line
     from amp_core.workshop import SCENARIOS, ScenarioLaunch, exit_code, headline, unknown_scenario
 
     if args.workshop_command == "list":
         width = max(len(name) for name in SCENARIOS) + 2  # the titles in one column, whatever the names
         for scenario in SCENARIOS.values():
-            print(f"{scenario.name:<{width}}{scenario.title}")
+            needs = f"  ({needs_line(scenario.extras)})" if scenario.extras else ""
+            print(f"{scenario.name:<{width}}{scenario.title}{needs}")
         return 0
     scenario = SCENARIOS.get(args.name)
     if scenario is None:
