@@ -60,7 +60,7 @@ else:
                 st.markdown(f"**{scenario.title}**")
                 st.caption(scenario.watch)
                 if scenario.extras:
-                    st.caption(f"Needs an extra: {needs_line(scenario.extras)}")
+                    st.caption(f"This scenario {needs_line(scenario.extras)}")
                 st.button("Launch", key=f"workshop_launch_{name}", on_click=launch, args=(name,),
                           disabled=bool(missing_extras(scenario.extras)),
                           help=f"`amp-lab workshop run {name}` does the same from a terminal.")
