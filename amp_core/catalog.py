@@ -18,24 +18,6 @@ from typing import Any
 PACKAGE = Path(__file__).resolve().parent
 PLUGINS_ENV = "AMP_LAB_WORKLOADS"
 """The environment variable naming workload plugin modules (comma-separated), loaded at start-up."""
-EXTRAS = {"hf": "transformers"}
-"""An optional extra (pyproject.toml) -> the package a workload that requires it imports."""
-
-
-def missing_extras(requires: tuple[str, ...]) -> list[str]:
-    """The extras of `requires` whose package cannot be imported here, found without importing it (a failed lookup,
-    e.g. a package blocked in sys.modules, counts as missing)."""
-    import importlib.util
-
-    missing = []
-    for extra in requires:
-        try:
-            found = importlib.util.find_spec(EXTRAS.get(extra, extra)) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(extra)
-    return missing
 
 
 def plugins_named() -> bool:

@@ -19,6 +19,7 @@ from amp_core.config import (
     ScalerConfig,
     field_docs,
 )
+from amp_core.extras import missing_extras
 from pages.common import (
     app_frame,
     device_panel,
@@ -31,7 +32,11 @@ from pages.common import (
     warm_up,
 )
 
-REFRESH_S = 1.0  # the live view's redraw period while a run goes
+REFRESH_S = 2.0
+"""The live view's redraw period while a run goes. A redraw (read the new records, build and serialise five
+figures) holds the interpreter that the run's training thread needs for ~0.1-0.2 s on a 2-core CPU (cProfile: most
+of it plotly building and validating figures): every 2 s halves what a viewer takes from a run launched here, and
+the charts still move while one watches (Compare redraws as often)."""
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
 DEFAULT_WORKLOAD = DEFAULTS.workload
@@ -63,8 +68,8 @@ def workload_entries() -> dict[str, catalog.WorkloadEntry]:
 
 def needs_extra(entry: catalog.WorkloadEntry) -> str:
     """' · needs pip install -e '.[hf]'' for a workload whose extra is missing here, else ''."""
-    missing = catalog.missing_extras(entry.requires)
-    return f" · needs pip install -e '.[{','.join(missing)}]'" if missing else ""
+    missing = missing_extras(entry.requires)
+    return f" · needs {' '.join(extra.install for extra in missing)}" if missing else ""
 
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
@@ -85,7 +90,7 @@ with st.container(border=True):
     modes_slot = c3.empty()
     c1.caption(entries[workload].description)
     parameters_slot = c2.empty()  # each size's parameter count, once torch is imported
-    missing_extras = catalog.missing_extras(entries[workload].requires)
+    missing = missing_extras(entries[workload].requires)
     # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
     c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
     # Defaults and help are RunConfig's own (config.py: one source for the form and the CLI).
@@ -196,11 +201,11 @@ try:
         faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
 except ConfigError as error:
     errors_slot.error(f"**{error.field}** — {error.why}. Nothing was launched.")
-if missing_extras:
+if missing:
     config = None  # nothing to launch or probe: its model cannot be built here
-    errors_slot.error(f"**{entries[workload].title}** needs the {' and '.join(missing_extras)} extra, which is not "
-                      f"installed here: `pip install -e '.[{','.join(missing_extras)}]'`, then restart the app. "
-                      "Nothing was launched.")
+    errors_slot.error(f"**{entries[workload].title}** needs the {' and '.join(extra.name for extra in missing)} "
+                      f"extra, which is not installed here: `{' '.join(extra.install for extra in missing)}`, then "
+                      "restart the app. Nothing was launched.")
 if not launch_drawn:
     launch_now = st.button("Launch", type="primary", disabled=config is None, key="train_launch")
 # Below Launch: a table's first draw in a browser loads the grid's code, and what follows it waits for that.
@@ -265,7 +270,7 @@ def format_count(count: int) -> str:
     return str(count)
 
 
-if not missing_extras:
+if not missing:
     parameters_slot.caption(f"Parameters: {parameter_counts(workload, entries[workload].sizes)}")
 manager = get_manager()
 if light_first:

@@ -192,7 +192,7 @@ def test_the_llama_scenarios_checks_fail_when_its_point_does_not_show(tmp_path):
     from amp_core.workshop import SCENARIOS, ScenarioLaunch, evaluate, gather
 
     scenario = SCENARIOS["llama-range"]
-    assert scenario.requires == ("hf",)
+    assert scenario.extras == ("hf",)
     tame = dataclasses.replace(scenario, build=lambda device: tuple(
         dataclasses.replace(config, eps=1e-4, lr=1e-9, steps=6) for config in scenario.build(device)))
     manager = RunManager(open_store(tmp_path / "runs.sqlite3"))
@@ -230,7 +230,8 @@ def test_without_the_extra_they_are_listed_and_choosing_one_is_one_line_and_exit
                           cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "error: workload: gpt2 needs the hf extra (transformers is not installed): pip install -e '.[hf]'"]
+        "error: workload: gpt2 needs the hf extra (transformers, accelerate), not installed here: "
+        "pip install -e '.[hf]'"]
 
 
 def test_without_the_extra_the_listing_marks_them_and_nothing_else_changes(monkeypatch):

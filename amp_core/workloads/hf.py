@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from amp_core.catalog import EXTRAS, missing_extras
+from amp_core.extras import missing_extras
 from amp_core.workloads.base import Data, Workload
 from amp_core.workloads.digits_mlp import load_shipped_digits
 from amp_core.workloads.tiny_transformer import CORPUS, TextData
@@ -111,9 +111,9 @@ class HFWorkload(Workload):
         if missing:
             from amp_core.config import ConfigError
 
-            raise ConfigError("workload", f"{self.name} needs the {' and '.join(missing)} extra "
-                                          f"({', '.join(EXTRAS[extra] for extra in missing)} is not installed): "
-                                          f"pip install -e '.[{','.join(missing)}]'")
+            raise ConfigError("workload", f"{self.name} needs the {' and '.join(e.name for e in missing)} extra "
+                                          f"({', '.join(m for e in missing for m in e.modules)}), not installed "
+                                          f"here: {' '.join(e.install for e in missing)}")
 
     def load_data(self, config) -> Data:
         self.check_extras()

@@ -46,8 +46,9 @@ class Scenario:
     after_run: Callable[[object, str], None] | None = None
     """(manager, run_id) -> work on a run once it has ended, on the launch's thread (the replays a scenario's checks
     read), or None."""
-    requires: tuple[str, ...] = ()
-    """The optional extras (pyproject.toml) its runs need, e.g. ("hf",) for a transformers architecture."""
+    extras: tuple[str, ...] = ()
+    """The optional extras its runs need (keys of amp_core.extras.EXTRAS): `workshop list` and the Workshop page
+    name them with the install line, and a launch without them is refused before any run starts."""
 
     def configs(self, device: str = "auto") -> tuple[RunConfig, ...]:
         """The runs for `device` ('auto': CUDA when there is a GPU, else the CPU)."""
@@ -265,7 +266,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                   checks.fp8_saves_no_memory),
         ),
         expects=lambda device: checks.fp8_expected_here(_fp8_device(device)),
-        charts=("loss", "memory")),
+        charts=("loss", "memory"), extras=("recipes",)),
     Scenario(
         name="llama-range", title="A real Llama in fp16 and bf16: why bf16's range saves it",
         watch="transformers' Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention; random init) races in "
@@ -287,7 +288,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
             Check("16-mixed trains", f"16-mixed stays finite and its loss ends {architectures.LEARNS:.0%} or more "
                   "below its first", architectures.mixed_fp16_trains),
         ),
-        requires=("hf",)),
+        extras=("hf",)),
 )}
 
 
