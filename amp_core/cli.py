@@ -485,10 +485,10 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     launch.wait()
     for run_id in launch.run_ids:
         info = manager.run_info(run_id)
-        print(f"run {run_id}: {info['status']} ({info['config']['workload']}, {info['config']['size']})")
-        for lane in info["lanes"]:
-            if lane["error"]:
-                print(f"  {lane['mode']} {lane['status']}: {lane['error']}")
+        print(f"run {run_id}: {info.status} ({info.config['workload']}, {info.config['size']})")
+        for lane in info.lanes:
+            if lane.error:
+                print(f"  {lane.mode} {lane.status}: {lane.error}")
     if launch.error:
         print(f"error: {launch.error}", file=sys.stderr)
     results = launch.results()

@@ -6,9 +6,8 @@ import streamlit as st
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
-from amp_core.runs import is_live
+from amp_core.runs import RunInfo, is_live
 from amp_core.views import numerics as numerics_views
-from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import (
@@ -195,12 +194,12 @@ def show_amax_over_time(run_id: str) -> None:
     st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 
 
-def attached_note(config: dict) -> None:
+def attached_note(info: RunInfo) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
-    if config.get("source") != "monitor":
+    if not info.attached:
         return
-    every = config.get("layers_every", 0)
-    st.caption(f"An attached run: {attached_writer(config)} measures every module's output and output gradient with "
+    every = info.config.get("layers_every", 0)
+    st.caption(f"An attached run: {info.writer} measures every module's output and output gradient with "
                "hooks during the script's own step"
                + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")
@@ -259,14 +258,15 @@ def amax_view(run_id: str) -> None:
     events = manager.events(run_id)
     samples = numerics_views.amax_samples(events)
     config = info.config if info is not None else {}
-    attached_note(config)
-    if config.get("source") == "monitor":
+    attached = info is not None and info.attached
+    if attached:
+        attached_note(info)
         requested_layers(run_id, is_live(info))
     every = config.get("amax_every", 0) or config.get("layers_every", 0)
     if samples.empty:
         if every:
             st.info(f"This run samples every {every} steps; no sample has arrived yet.")
-        elif config.get("source") == "monitor":
+        elif attached:
             st.info("This attached run samples its layers only after a failed step (its `layers_every` is 0).")
         else:
             st.info("This run did not sample layer amax (its `amax_every` is 0): launch one above.")

@@ -80,7 +80,7 @@ def attached_trace() -> list[optrace.OpTrace]:
     manager = get_manager()
     run_id = run_picker(manager, "opi_attached_run")
     info = manager.run_info(run_id) if run_id is not None else None
-    if info is None or info["config"].get("source") != "monitor":
+    if info is None or not info.attached:
         st.info("Pick a run written by a Monitor or a trainer callback (AmpLabCallback) in your own script: its "
                 "process traces its next step on request.")
         return []
