@@ -3,7 +3,7 @@ layer's ranges against fp16, and a run's per-layer abs max over steps."""
 
 import streamlit as st
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
 from amp_core.runs import RunInfo, is_live
@@ -72,7 +72,7 @@ def workload_report() -> numerics.NumericsReport | None:
     batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
                                     value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
                                     help="Ranges depend on the batch: a larger one reaches further into the tails.")
-    preferred = next((m for m in ("16-mixed", "bf16-mixed") if m in runnable), runnable[-1])
+    preferred = next((m for m in (INSPECT_DEFAULTS.numerics_mode, "bf16-mixed") if m in runnable), runnable[-1])
     mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
                             help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
     try:
@@ -166,7 +166,8 @@ def launch_sampled_run() -> None:
                                         key="lnum_run_workload", format_func=lambda name: WORKLOADS[name].title)
             modes = row[1].multiselect("Modes", runnable, default=[m for m in ("32-true", "16-mixed") if m in runnable],
                                        key="lnum_run_modes")
-            steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=300, key="lnum_run_steps")
+            steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=RUN_DEFAULTS.steps,
+                                        key="lnum_run_steps", help=field_docs(RunConfig)["steps"])
             every = row[3].number_input("Sample every N steps", min_value=1, value=10, key="lnum_run_every")
             launched = st.form_submit_button("Launch", type="primary")
         if launched:

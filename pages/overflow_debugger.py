@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from amp_core.config import FAULT_KINDS, ConfigError
+from amp_core.config import FAULT_KINDS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.diagnostics.replay import replay_run
 from amp_core.diagnostics.replay_modes import recorded_replays
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
@@ -99,7 +99,8 @@ with st.expander("Fault injection: launch a demo run with a loss spike, an inf/N
         else:
             param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
                                      help="The gradient that gets the inf/NaN (its first element).")
-        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=300, step=50, key="dbg_steps")
+        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=RUN_DEFAULTS.steps, step=50,
+                                    key="dbg_steps", help=field_docs(RunConfig)["steps"])
         growth_interval = st.number_input(
             "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
             value=faults.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",

@@ -10,6 +10,7 @@ import streamlit as st
 
 from amp_core import catalog
 from amp_core.config import (
+    FAULT_GRAMMAR,
     MAX_SEEDS,
     OPTIMIZERS,
     RUN_DEFAULTS,
@@ -111,9 +112,7 @@ with st.container(border=True):
         grad_clip = m1.number_input("Clip grad norm (0 = off)", value=DEFAULTS.grad_clip, key="train_clip",
                                     help=DOCS["grad_clip"])
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
-                                    help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
-                                         "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
-                                         "`init_scale:1024`.")
+                                    help=f"Comma-separated, each {FAULT_GRAMMAR}.")
         name = m3.text_input("Run name", key="train_name")
 errors_slot = st.empty()
 
