@@ -104,11 +104,6 @@ class RunInfo:
     """Its writer's process id on `host` (None for a run held in this process)."""
 
     @property
-    def live(self) -> bool:
-        """`is_live(self)`."""
-        return is_live(self)
-
-    @property
     def attached(self) -> bool:
         """Written by a Monitor in the user's own process (alone or under a trainer's callback)."""
         return self.kind in (SourceKind.MONITOR, SourceKind.INTEGRATION)
