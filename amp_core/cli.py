@@ -95,12 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_flag(run, "amax_every", "(The Layer numerics page's heatmap.)", metavar="N")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help=f"a fault to inject, {FAULT_GRAMMAR} (repeatable)")
-    defaults = RunConfig()
-    run.add_argument("--snapshot-every", type=int, default=defaults.snapshot_every, metavar="N",
-                     help="keep each lane's state every N steps for replays in the process that runs the race (the "
-                          "dashboard's; `replay` of a stored run re-trains the lane from its seed instead); 0: off")
-    run.add_argument("--snapshot-keep", type=int, default=defaults.snapshot_keep, metavar="K",
-                     help="snapshots kept per lane (the newest)")
+    config_flag(run, "snapshot_every", "(They stay in the process that runs the race: `replay` of a stored run "
+                                       "re-trains the lane from its seed instead.)", metavar="N")
+    config_flag(run, "snapshot_keep", metavar="K")
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
                           "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")

@@ -13,6 +13,7 @@ from amp_core.config import (
     FAULT_GRAMMAR,
     INSPECT_DEFAULTS,
     RUN_DEFAULTS,
+    FaultSpec,
     InspectConfig,
     RunConfig,
     ScalerConfig,
@@ -38,6 +39,20 @@ def test_amp_lab_run_without_flags_is_the_default_run_config():
 def run_flags(command: str = "run") -> dict[str, object]:
     (run,) = [action.choices[command] for action in cli.build_parser()._subparsers._group_actions]
     return {action.dest: action for action in run._actions}
+
+
+@pytest.mark.parametrize("name", ["workload", "modes", "steps", "batch_size", "lr", "optimizer", "eps",
+                                  "fused_optimizer", "scheduler", "seed", "seeds", "size", "device", "data_dir",
+                                  "grad_clip", "amax_every", "snapshot_every", "snapshot_keep"])
+def test_a_run_flag_says_its_fields_docstring(name):
+    action = run_flags()[name]
+    assert action.help.replace("%%", "%").startswith(DOCS[name])
+
+
+@pytest.mark.parametrize("name", ["init_scale", "growth_interval"])
+def test_a_scaler_flag_says_its_fields_docstring(name):
+    action = run_flags()[name]
+    assert action.help.startswith(SCALER_DOCS[name]) and action.default == getattr(RUN_DEFAULTS.scaler, name)
 
 
 @pytest.mark.parametrize(("command", "names"), [
@@ -70,8 +85,6 @@ def test_the_workshop_device_flag_is_the_run_configs():
 def test_the_fault_grammar_is_written_once_and_quoted():
     """config.FAULT_GRAMMAR is the one explanation: the CLI's --fault help, the FaultSpec docs and README quote it,
     and its examples parse."""
-    from amp_core.config import FaultSpec
-
     assert FAULT_GRAMMAR in run_flags()["fault"].help
     assert "FAULT_GRAMMAR" in FaultSpec.__doc__
     assert FAULT_GRAMMAR in " ".join((ROOT / "README.md").read_text().split())
@@ -97,3 +110,15 @@ def test_the_train_form_starts_from_the_run_config_defaults_and_says_their_docst
     assert at.toggle(key="train_fused").value == RUN_DEFAULTS.fused_optimizer
     assert at.toggle(key="train_onecycle").value == (RUN_DEFAULTS.scheduler == "onecycle")
     assert FAULT_GRAMMAR in at.text_input(key="train_faults").help
+
+
+def test_the_fault_demo_starts_from_the_run_config_steps():
+    """The Overflow debugger's demo form (and faults.demo_config) take the steps default from RunConfig alone."""
+    from amp_core.probes import faults
+
+    at = AppTest.from_file(str(ROOT / "pages" / "overflow_debugger.py"), default_timeout=120).run()
+    assert not at.exception
+    steps = at.number_input(key="dbg_steps")
+    assert steps.value == RUN_DEFAULTS.steps and steps.help == DOCS["steps"]
+    config = faults.demo_config(workload="digits_mlp", modes=("16-mixed",), kind="loss_scale", step=5)
+    assert config.steps == RUN_DEFAULTS.steps
