@@ -126,14 +126,14 @@ def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
     return wanted
 
 
-def gather_steps(manager: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
+def gather_steps(reader: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
     """Every step record of the chosen lanes (for downloads and tables that need them all), read column by column
-    through the manager (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
+    through the reader (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
     given, each ordered by step. The same dtypes whatever the source: floats (None -> NaN), byte counts as nullable
     integers (None -> <NA>), `skipped` as bool."""
     parts = []
     for run_id, lanes in _wanted(lane_keys).items():
-        sources = manager.track_sources(run_id)
+        sources = reader.track_sources(run_id)
         for lane in lanes:
             parts += [(run_id, s.lane, s.mode, s.rank, s.raw_rows(0, np.iinfo(np.int64).max))
                       for s in sources if s.lane == lane]
@@ -149,13 +149,13 @@ def gather_steps(manager: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
     return frame[list(STEP_FIELDS)]
 
 
-def gather_lanes(manager: RunReader, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
+def gather_lanes(reader: RunReader, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
     """The chosen lanes read for charts and the summary table (in the order given): exact totals, and an exact
     envelope of about `max_points` points per figure, so a comparison of long runs reads a few thousand points."""
     found: dict[str, list[LaneSeries]] = {}
     for run_id, lanes in _wanted(lane_keys).items():
-        chosen = [s for s in manager.track_sources(run_id) if s.lane in lanes]
-        for series in manager.lane_series(run_id, max_points=max_points, sources=chosen):
+        chosen = [s for s in reader.track_sources(run_id) if s.lane in lanes]
+        for series in reader.lane_series(run_id, max_points=max_points, sources=chosen):
             found.setdefault(series.key, []).append(series)
     return [series for key in dict.fromkeys(lane_keys) for series in found.get(key, [])]
 
