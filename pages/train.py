@@ -10,6 +10,7 @@ import streamlit as st
 
 from amp_core import catalog
 from amp_core.config import (
+    FAULT_GRAMMAR,
     MAX_SEEDS,
     OPTIMIZERS,
     RUN_DEFAULTS,
@@ -125,9 +126,7 @@ with st.container(border=True):
         grad_clip = m1.number_input("Clip grad norm (0 = off)", value=DEFAULTS.grad_clip, key="train_clip",
                                     help=DOCS["grad_clip"])
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
-                                    help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
-                                         "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
-                                         "`init_scale:1024`.")
+                                    help=f"Comma-separated, each {FAULT_GRAMMAR}.")
         name = m3.text_input("Run name", key="train_name")
 errors_slot = st.empty()
 
@@ -229,7 +228,7 @@ from amp_core.diagnostics.cost import (  # noqa: E402
 )
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
-from amp_core.runs import is_live  # noqa: E402
+from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
@@ -460,15 +459,15 @@ followers: dict[str, RecordFollower] = st.session_state.setdefault("train_follow
 live_at_start = is_live(manager.run_info(run_id))
 
 
-def controls(info: dict) -> None:
+def controls(info: RunInfo) -> None:
     """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state); for a run
     another process writes, why there are none."""
-    run = manager.get(run_id)
-    note = control_note(info, run is not None)
+    note = control_note(info)
     if note:
         st.caption(note)
-    status = info["status"]
-    if run is None or not run.alive or status not in ("running", "paused"):
+    status = info.status
+    run = manager.get(run_id)
+    if run is None or not info.controllable or status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":
@@ -478,7 +477,7 @@ def controls(info: dict) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-def lane_rows(info: dict, series: list) -> None:
+def lane_rows(info: RunInfo, series: list) -> None:
     """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
     table = lanes_table(info, series)
     if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
@@ -494,37 +493,37 @@ def lane_rows(info: dict, series: list) -> None:
     st.dataframe(table, hide_index=True, key="train_lanes", column_config=config_columns)
 
 
-def what_ran(info: dict) -> None:
+def what_ran(info: RunInfo) -> None:
     """Warnings a trainer integration recorded about what really ran (a precision asked and not applied, fp16 without
     loss scaling). They come with the run's first step, so the events are read once the run has a step, then kept."""
-    if not info["config"].get("integration"):
+    if info.kind is not SourceKind.INTEGRATION:
         return
     seen: dict[str, list[str]] = st.session_state.setdefault("train_what_ran", {})
-    if run_id not in seen and (any(lane["steps_done"] for lane in info["lanes"]) or not is_live(info)):
+    if run_id not in seen and (any(lane.steps_done for lane in info.lanes) or not is_live(info)):
         seen[run_id] = what_ran_warnings(manager.events(run_id))
     for message in seen.get(run_id, []):
         st.warning(f"What really ran: {message}.")
 
 
-def lane_problems(info: dict) -> None:
+def lane_problems(info: RunInfo) -> None:
     """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early; records
     the store could not read (a damaged chunk: the rest is shown)."""
-    for problem in info.get("problems", []):
+    for problem in info.problems:
         st.warning(problem)
-    lanes_info = info["lanes"]
-    if lanes_info and all(lane["status"] == "failed" for lane in lanes_info) and len(
-            {lane["error"] for lane in lanes_info}) == 1:
-        st.error(f"The run failed: {lanes_info[0]['error'] or 'see the run events'}")
+    lanes_info = info.lanes
+    if lanes_info and all(lane.status == "failed" for lane in lanes_info) and len(
+            {lane.error for lane in lanes_info}) == 1:
+        st.error(f"The run failed: {lanes_info[0].error or 'see the run events'}")
         return
     for lane in lanes_info:
-        if lane["status"] == "failed":
-            others = any(other["status"] != "failed" for other in lanes_info)
-            st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}."
+        if lane.status == "failed":
+            others = any(other.status != "failed" for other in lanes_info)
+            st.error(f"Lane **{lane.mode}** failed: {lane.error or 'see the run events'}."
                      + (" The other lanes went on." if others else ""))
-        elif lane["status"] == "diverged":
-            st.warning(f"Lane **{lane['mode']}** stopped: {lane['error']}.")
-        elif lane["status"] == "interrupted":
-            st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
+        elif lane.status == "diverged":
+            st.warning(f"Lane **{lane.mode}** stopped: {lane.error}.")
+        elif lane.status == "interrupted":
+            st.warning(f"Lane **{lane.mode}** was interrupted: the process running it ended.")
 
 
 def replicates(series: list, seeds: dict[str, int]) -> None:
@@ -588,25 +587,25 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
-    st.markdown(f"{STATUS_SYMBOLS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
+    st.markdown(f"{STATUS_SYMBOLS.get(info.status, '')} Run status: **{info.status}** · `{run_id}`")
     controls(info)
     what_ran(info)
     lane_problems(info)
     lane_rows(info, series)
-    seeds = lane_seeds(run_id, info["lanes"])
+    seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)
     charts(series, follower, seeds)
-    if info["config"].get("device") == "cuda":
+    if info.config.get("device") == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
                    "behind each other and that host time is hidden: compare such a lane with a run of it alone.")
     with st.expander("Run configuration"):
-        st.json(info["config"], expanded=False)
-    if not is_live(info) and info["status"] in ("finished", "stopped") and "source" not in info["config"]:
+        st.json(info.config, expanded=False)
+    if not is_live(info) and info.status in ("finished", "stopped") and info.kind is SourceKind.RACE:
         # The run's own medians correct a remembered cost probe that disagrees with them (a run of the runner's;
         # a Monitor's run trained the user's own loop, which the probe does not measure).
-        board.learn_from_run(RunConfig.from_dict(info["config"]), lane_medians(series), run_id)
+        board.learn_from_run(RunConfig.from_dict(info.config), lane_medians(series), run_id)
     if live_at_start and not is_live(info):
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 

@@ -233,7 +233,7 @@ def test_manager_limits_concurrent_runs_and_lists_them(no_leaked_threads):
     assert not run.alive
     listed = manager.list_runs()
     assert listed["run_id"].tolist() == [run.run_id] and listed["status"].iloc[0] == "stopped"
-    assert manager.run_info(run.run_id)["lanes"][0]["mode"] == "32-true"
+    assert manager.run_info(run.run_id).lanes[0].mode == "32-true"
 
 
 def test_snapshot_of_a_lane_is_a_copy(no_leaked_threads):
