@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from amp_core import catalog
+from amp_core.catalog import modes as catalog_modes
 
 
 class ConfigError(ValueError):
@@ -233,7 +233,7 @@ class RunConfig:
             raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
         # A plain mode has no options to parse or refuse: checked against the mode names read without torch, so
         # RUN_DEFAULTS (built at import) and the Train page's first paint do not import torch through precision.py.
-        recipes = [mode for mode in self.modes if mode not in catalog.modes()[0]]
+        recipes = [mode for mode in self.modes if mode not in catalog_modes()[0]]
         if recipes:
             from amp_core.precision import fsdp_refusal, parse_recipe
         for mode in recipes:

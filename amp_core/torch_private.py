@@ -34,6 +34,10 @@ class TorchAPIChanged(RuntimeError):
         self.api = api
 
 
+PYTREE_LOGGER = "torch.utils._pytree"
+"""The logger of torch's private pytree module (its register_constant deprecation for Enums goes there)."""
+
+
 def _attribute(owner: object, name: str, api: str):
     try:
         return getattr(owner, name)

@@ -11,6 +11,8 @@ import functools
 import logging
 from pathlib import PurePath
 
+from amp_core.torch_private import PYTREE_LOGGER
+
 log = logging.getLogger("amp_core.precision")
 
 _LOADER_TAIL = ": Could not load this library"
@@ -34,7 +36,7 @@ class _TorchaoKernelLibraries(logging.Filter):
 
 class _TorchaoEnumConstants(logging.Filter):
     """torch's `<enum ...> is an Enum subclass ... register_constant() ... deprecated` for an Enum of torchao's (its
-    logger: `torch.utils._pytree`); torchao registers them, not AMP Lab or the user."""
+    logger: torch's pytree module's, torch_private.PYTREE_LOGGER); torchao registers them, not AMP Lab or the user."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (isinstance(record.msg, str) and record.msg.startswith(_REGISTER_CONSTANT) and record.args):
@@ -50,4 +52,4 @@ class _TorchaoEnumConstants(logging.Filter):
 def drop_expected_torchao_lines() -> None:
     """Install the two filters (once; imports nothing)."""
     logging.getLogger("torchao").addFilter(_TorchaoKernelLibraries())
-    logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumConstants())
+    logging.getLogger(PYTREE_LOGGER).addFilter(_TorchaoEnumConstants())

@@ -89,7 +89,8 @@ def test_importing_the_engine_loads_no_plotly_or_streamlit():
     graph = import_graph()
     engine = sorted(m for m in graph if not is_under(m, "amp_core.views") and m not in FRONT_ENDS)
     code = (f"import importlib, sys\nfor name in {engine!r}: importlib.import_module(name)\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'plotly', 'streamlit'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'plotly', 'streamlit', 'transformers', 'lightning', 'torchao'}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -198,15 +199,37 @@ def test_only_torch_private_names_private_torch_apis():
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)}")
     assert not problems, "\n".join(problems)
 
+TRAINERS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+LAZY_TRAINER_USERS = ("amp_core.workloads.hf",)
+"""Engine modules that import transformers only inside the functions that build a model from it (the `hf` extra's
+workloads): the engine reaches them, never transformers at import time."""
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (module-level statements only, not inside functions)."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
 def test_only_the_integrations_import_the_trainers():
     """transformers, accelerate and lightning are optional extras: only amp_core.integrations.<trainer> imports them
-    (so `import amp_core...` works without them), and the core never reaches those modules."""
+    (so `import amp_core...` works without them), and the core never reaches those modules; the hf workloads import
+    transformers lazily, inside the functions that build a model."""
     graph = import_graph()
-    trainers = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+    for lazy in LAZY_TRAINER_USERS:
+        path = ROOT / (lazy.replace(".", "/") + ".py")
+        eager = [name for name in top_level_imports(path) if any(is_under(name, bad) for bad in TRAINERS)]
+        assert not eager, f"{lazy} imports {eager} at import time"
+        graph[lazy] = {name for name in graph[lazy] if not any(is_under(name, bad) for bad in TRAINERS)}
     problems = [f"{module} reaches {name} (imported by {via})" for module in graph
                 if module not in ("amp_core.integrations.transformers", "amp_core.integrations.lightning")
                 for name, via in reached(graph, module).items()
-                if any(is_under(name, bad) for bad in trainers) or name in (
+                if any(is_under(name, bad) for bad in TRAINERS) or name in (
                     "amp_core.integrations.transformers", "amp_core.integrations.lightning")]
     assert not problems, "\n".join(problems)
     assert "transformers" in graph["amp_core.integrations.transformers"]
