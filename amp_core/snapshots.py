@@ -1,5 +1,6 @@
 """Rolling snapshots of each lane's state, taken on the training thread between two steps (the engine's: the runner
-keeps them; replays in amp_core.diagnostics read them)."""
+keeps them through SnapshotHook; replays in amp_core.diagnostics read them), and a lane's copy for the op inspector
+(LaneSnapshot)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from amp_core.config import ConfigError
+from amp_core.precision import Precision
 from amp_core.step import LaneState
 from amp_core.torch_private import scaler_tensors
+from amp_core.workloads import Workload
+
+if TYPE_CHECKING:
+    from amp_core.lanes import Lane
+    from amp_core.runner import Run
 
 
 class ReplayError(ConfigError):
@@ -168,3 +175,44 @@ class SnapshotRing:
                                       "(RunConfig.snapshot_keep, snapshot_every); launch with a larger "
                                       "snapshot_keep to replay that far back")
         return usable[-1]
+
+
+class SnapshotHook:
+    """A run's first before_lane_step hook (RunHooks) when RunConfig.snapshot_every is set: the lane's rolling state
+    snapshot when one is due; returns its host seconds (probe time)."""
+
+    def __init__(self, ring: SnapshotRing):
+        self.ring = ring
+        self.every = ring.every
+        """Steps between two snapshots: the steps in between may be plain ones (RunHooks.plain_steps)."""
+
+    def __call__(self, run: Run, lane: Lane, step: int) -> float | None:
+        if not self.ring.due(step):
+            return None
+        return self.ring.take(lane.state, step, run.batch_of(lane), run.generators[lane.replicate])
+
+
+@dataclass(slots=True)
+class LaneSnapshot:
+    """A copy of a lane taken between two steps (for the op inspector): changing it changes nothing live."""
+
+    mode: str
+    step: int
+    model: torch.nn.Module
+    precision: Precision
+    workload: Workload
+    batch: tuple[torch.Tensor, torch.Tensor]
+    scale: float | None = None
+    """The lane's GradScaler scale at the snapshot (None: the mode has no scaler)."""
+
+
+def copy_lane(mode: str, state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> LaneSnapshot:
+    """A LaneSnapshot of `state` (its current weights) with `batch`, made between two of its steps (the caller holds
+    the run's step lock); the copy holds no gradients."""
+    model = copy.deepcopy(state.model)
+    batch = tuple(t.clone() for t in batch)
+    scaler = state.scaler
+    scale = scaler.get_scale() if scaler.is_enabled() else None  # a device sync, between two steps
+    for p in model.parameters():
+        p.grad = None
+    return LaneSnapshot(mode, step, model, state.precision, state.workload, batch, scale)

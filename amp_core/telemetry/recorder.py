@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from amp_core.records.sink import RecordSink
 from amp_core.records.tracks import TrackRecords
 from amp_core.telemetry.meters import Meter, Window
 from amp_core.torch_private import scale_tensor
+
+if TYPE_CHECKING:
+    from amp_core.telemetry.driver import PlainStep
 
 MAX_IN_FLIGHT = 256
 """At this many steps whose figures are on their way, the oldest is waited for: the host is then that many steps
@@ -232,17 +236,17 @@ class StepRecorder:
         if len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at:
             self.resolve()
 
-    def add_plain(self, track: LaneTrack, plain: list[tuple], scaled: bool = False) -> None:
-        """Plain steps kept by a loop (the runner's and the Monitor's fast path: a step that sampled nothing, was not
-        skipped and whose loss was finite as far as the host knew), oldest first, as `add` takes a full step: each
-        (step, lr, t_wall_s, window, samples, probe seconds), its figures sent through `track.meter`. Made here, in a
-        batch, where the caches hold this code, rather than right after each step, where they hold the model."""
+    def add_plain(self, track: LaneTrack, plain: list[PlainStep], scaled: bool = False) -> None:
+        """Plain steps kept by a StepDriver (a step that sampled nothing, was not skipped and whose loss was finite as
+        far as the host knew), oldest first, as `add` takes a full step, their figures sent through `track.meter`.
+        Made here, in a batch, where the caches hold this code, rather than right after each step, where they hold
+        the model."""
         meter = track.meter
-        for step, lr, t_wall_s, window, samples, probe_s in plain:
-            result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=scaled, skipped=False,
-                                probe_ms=probe_s * 1e3)
-            attach_window(meter, window, result)
-            self.add(track, result, samples)
+        for kept in plain:
+            result = StepResult(step=kept.step, lr=kept.lr, t_wall_s=kept.t_wall_s, scaled=scaled, skipped=False,
+                                probe_ms=kept.probe_s * 1e3)
+            attach_window(meter, kept.window, result)
+            self.add(track, result, kept.samples)
 
     @property
     def waiting(self) -> int:
