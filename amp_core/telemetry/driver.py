@@ -91,10 +91,11 @@ class StepDriver:
         self.plain_until = until
         return step < until
 
-    def replan(self, step: int) -> None:
-        """Decide again from `step` (a watcher was asked for something: a request, a failure)."""
+    def replan(self, step: int) -> bool:
+        """`is_plain`, deciding again from `step` (a watcher may have been asked for something: a request, a
+        failure)."""
         self.plain_until = 0
-        self.is_plain(step)
+        return self.is_plain(step)
 
     # --- the timed window ---------------------------------------------------------------------------------------
     def begin(self, step: int, scale: torch.Tensor | float | None = None, *, plain: bool = False,
