@@ -94,3 +94,17 @@ class RunHooks:
         may be plain); None when one watches every step."""
         everies = [getattr(hook, "every", None) for hook in (*self.before_lane_step, *self.after_lane_step)]
         return None if None in everies else tuple(everies)
+
+
+def describe_lanes(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Module]) -> tuple[str, str, dict]:
+    """What a run's `started` event says of its lanes once they are built: (the lanes, the FP8 layers of each FP8
+    recipe as clauses, each recipe's report by mode: the replicate-0 lanes whose recipe has options)."""
+    what = f"{config.workload} x {', '.join(config.modes)}"
+    if config.seeds > 1:
+        what += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
+    recipes = {lane.mode: lane.state.precision.recipe_report(bases[lane.replicate])
+               for lane in lanes if lane.replicate == 0 and lane.state.precision.options}
+    skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
+                      f"{', '.join(report['fp8_skipped']) or 'none'}"
+                      for recipe, report in recipes.items() if "fp8_layers" in report)
+    return what, skipped, recipes

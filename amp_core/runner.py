@@ -14,7 +14,7 @@ import torch
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
-from amp_core.lanes import Lane, RunHooks, divergence_hint
+from amp_core.lanes import Lane, RunHooks, describe_lanes, divergence_hint
 from amp_core.layer_amax import LayerAmaxHook
 from amp_core.precision import resolve_device
 from amp_core.probes.faults import param_by_name
@@ -238,16 +238,9 @@ class Run:
         for lane in self.lanes:
             for hook in self.hooks.lane_setup:
                 hook(self, lane)
-        lanes = f"{config.workload} x {', '.join(config.modes)}"
-        if config.seeds > 1:
-            lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
-        recipes = {lane.mode: lane.state.precision.recipe_report(bases[lane.replicate])
-                   for lane in self.lanes if lane.replicate == 0 and lane.state.precision.options}
-        skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
-                          f"{', '.join(report['fp8_skipped']) or 'none'}"
-                          for recipe, report in recipes.items() if "fp8_layers" in report)
+        lanes, fp8, recipes = describe_lanes(config, self.lanes, bases)
         described = [hook(self) for hook in self.hooks.describe]
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}"
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}{fp8}"
                         + "".join(f"; {clause}" for clause, _ in described),
                         intra_op_threads=torch.get_num_threads(), recipes=recipes,
                         **{key: value for _, data in described for key, value in data.items()})
