@@ -63,6 +63,9 @@ class LaneState:
     probes: StepProbes = None
     driver: StepDriver = None
     """Measures the lane's steps (telemetry.driver): its window, its plain steps, a full step's figures."""
+    copies_pending: torch.cuda.Event | None = None
+    """Recorded behind a snapshot's copies of this lane's state on their side stream (snapshots.PinnedCopies): the
+    lane's stream waits for it, on the device, before its next optimizer step writes the state."""
     always_norm: bool = False
     """The gradient norm is measured on every step: clipping needs it, faults are planned, or the mode's gradients
     can overflow (Precision.watch_grads)."""
@@ -221,6 +224,11 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
     lr_factor = faults.scale_lr(optimizer, step)
     lr = float(optimizer.param_groups[0]["lr"])  # torchao's optimizers keep it as a CPU tensor (no device sync)
     lane.watch.begin()
+    if lane.copies_pending is not None:
+        # A snapshot's copies read the state on a side stream: the update waits for them on the device (no host
+        # sync); on a device that has no such copies this is never set.
+        torch.cuda.current_stream(precision.device).wait_event(lane.copies_pending)
+        lane.copies_pending = None
     scaler.step(optimizer)
     scaler.update()
     faults.restore_lr(optimizer, lr_factor)
