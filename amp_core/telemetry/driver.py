@@ -51,8 +51,8 @@ class StepDriver:
     may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
-    __slots__ = ("also_every", "always_norm", "kept", "meter", "opened", "plain", "plain_until", "probes", "recorder",
-                 "scaler", "schedule", "track", "watch", "watchers")
+    __slots__ = ("also_every", "always_norm", "end", "kept", "meter", "opened", "plain", "plain_until", "probes",
+                 "recorder", "scaler", "schedule", "track", "watch", "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -72,6 +72,9 @@ class StepDriver:
         """Steps before this one are plain (`plan`)."""
         self.kept: list[PlainStep] = []
         self.opened = NOTHING_OPENED
+        self.end: Callable[[Window], None] = meter.close
+        """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
+        bound here: a plain step's window makes one call less)."""
 
     def attach(self, recorder: StepRecorder, track: LaneTrack) -> None:
         """Where the steps' records go."""
@@ -106,10 +109,6 @@ class StepDriver:
         if not plain:
             self.opened = self.probes.open(step, memory, grad_stats, saved_bytes)
         return self.meter.open(scale)
-
-    def end(self, window: Window) -> None:
-        """Close the timed window: the first thing after the training work."""
-        self.meter.close(window)
 
     # --- after the window ---------------------------------------------------------------------------------------
     def keep(self, window: Window, step: int, lr: float, loss: torch.Tensor | float, samples: int | None,
