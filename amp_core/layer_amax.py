@@ -4,18 +4,15 @@ module's output and output-gradient abs max on a shadow copy of the lane (a `lay
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from amp_core.probes.layerwatch import layer_sampler
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 
-if TYPE_CHECKING:
-    from amp_core.lanes import Lane
-    from amp_core.runner import Run
-
 
 class LayerAmaxHook:
-    """An after_lane_step hook (RunHooks) acting every `every` steps; `lane_end` lets a lane's shadow copy go."""
+    """An after_lane_step hook (RunHooks) acting every `every` steps; `lane_end` lets a lane's shadow copy go. Its
+    `run` and `lane` are a runner.Run and its lanes.Lane (not imported: the runner imports this module)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -23,7 +20,7 @@ class LayerAmaxHook:
         self._samplers: dict[int, LayerAmaxSampler] = {}
         """Per lane, the shadow copy layer amax is sampled on (one more copy of the weights while the lane lives)."""
 
-    def __call__(self, run: Run, lane: Lane, step: int) -> None:
+    def __call__(self, run: Any, lane: Any, step: int) -> None:
         """Per-module abs max on the shadow copy (the lane's weights after this step, this step's batch), after the
         timed step: its cost is reported in the event as sample_ms and never enters step_ms."""
         state = lane.state
@@ -43,5 +40,5 @@ class LayerAmaxHook:
         run.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **sample.event_data(),
                        sample_ms=(time.perf_counter() - start) * 1e3)
 
-    def lane_end(self, run: Run, lane: Lane) -> None:
+    def lane_end(self, run: Any, lane: Any) -> None:
         self._samplers.pop(lane.index, None)

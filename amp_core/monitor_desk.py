@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, StepResult
 
-if TYPE_CHECKING:
-    from amp_core.monitor import Monitor
-
 NOT_SOON = 2**62
 """A FullStepAt answer: nothing here needs a full step."""
 
 
 class MonitorDesk:
-    """The layer watch, the requests and op traces of one Monitor (see the module's docstring)."""
+    """The layer watch, the requests and op traces of one Monitor (see the module's docstring): `monitor` is the
+    amp_core.monitor.Monitor it serves (not imported: the Monitor imports this module)."""
 
-    def __init__(self, monitor: Monitor, store: RunStore | None):
+    def __init__(self, monitor: Any, store: RunStore | None):
         config = monitor.config
         self.monitor = monitor
         self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_budget)

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,10 +20,6 @@ from amp_core.precision import Precision
 from amp_core.step import LaneState
 from amp_core.torch_private import scaler_tensors
 from amp_core.workloads import Workload
-
-if TYPE_CHECKING:
-    from amp_core.lanes import Lane
-    from amp_core.runner import Run
 
 
 class ReplayError(ConfigError):
@@ -284,14 +280,15 @@ class SnapshotRing:
 
 class SnapshotHook:
     """A run's first before_lane_step hook (RunHooks) when RunConfig.snapshot_every is set: the lane's rolling state
-    snapshot when one is due; returns its host seconds (probe time)."""
+    snapshot when one is due; returns its host seconds (probe time). Its `run` and `lane` are a runner.Run and its
+    lanes.Lane (not imported: views that read snapshots must not reach the runner)."""
 
     def __init__(self, ring: SnapshotRing):
         self.ring = ring
         self.every = ring.every
         """Steps between two snapshots: the steps in between may be plain ones (RunHooks.plain_steps)."""
 
-    def __call__(self, run: Run, lane: Lane, step: int) -> float | None:
+    def __call__(self, run: Any, lane: Any, step: int) -> float | None:
         if not self.ring.due(step):
             return None
         return self.ring.take(lane.state, step, run.batch_of(lane), run.generators[lane.replicate])

@@ -7,9 +7,9 @@
 - driver.py: the StepDriver (the timed window, plain or full steps, a full step's assembly, records to the recorder).
 """
 
-from amp_core.telemetry.driver import PlainStep, StepDriver
+from amp_core.telemetry.driver import StepDriver
 from amp_core.telemetry.meters import CudaMeter, HostMeter, Meter, Window, meter_for
-from amp_core.telemetry.recorder import MAX_IN_FLIGHT, LaneTrack, StepRecorder, StepResult, resolve_step
+from amp_core.telemetry.recorder import MAX_IN_FLIGHT, LaneTrack, PlainStep, StepRecorder, StepResult, resolve_step
 from amp_core.telemetry.schedule import SamplingSchedule
 from amp_core.telemetry.watch import OptimizerWatch
 

@@ -15,31 +15,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from amp_core.telemetry.meters import Meter, Window
-from amp_core.telemetry.recorder import LaneTrack, StepRecorder, StepResult, send_figures
+from amp_core.telemetry.recorder import LaneTrack, PlainStep, StepRecorder, StepResult, send_figures
 from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
 from amp_core.telemetry.watch import OptimizerWatch
 from amp_core.torch_private import scale_tensor
-
-
-@dataclass(slots=True)
-class PlainStep:
-    """A step that sampled nothing, kept as it was made until the next drain turns it into a record."""
-
-    step: int
-    lr: float
-    t_wall_s: float
-    window: Window
-    """Its timed window, with the loss (and on a scaled step the scale after it) sent."""
-    samples: int | None
-    """The batch's size (for samples/s)."""
-    probe_s: float = 0.0
-    """Host seconds the driver's caller spent on the step outside its window (a Monitor's own)."""
-
 
 FullStepAt = Callable[[int], int]
 """What else watches a driver's steps: given a step, the first step from it on that must take the full path (the step

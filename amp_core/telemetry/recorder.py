@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +23,6 @@ from amp_core.records.sink import RecordSink
 from amp_core.records.tracks import TrackRecords
 from amp_core.telemetry.meters import Meter, Window
 from amp_core.torch_private import scale_tensor
-
-if TYPE_CHECKING:
-    from amp_core.telemetry.driver import PlainStep
 
 MAX_IN_FLIGHT = 256
 """At this many steps whose figures are on their way, the oldest is waited for: the host is then that many steps
@@ -78,6 +74,21 @@ class StepResult:
     """The found-inf flag was sent with the figures (the skip was not known on the host)."""
     filled: bool = False
     """The figures were filled in as they were sent (a meter that has them on the host at once)."""
+
+
+@dataclass(slots=True)
+class PlainStep:
+    """A step that sampled nothing, kept as it was made until the next drain turns it into a record."""
+
+    step: int
+    lr: float
+    t_wall_s: float
+    window: Window
+    """Its timed window, with the loss (and on a scaled step the scale after it) sent."""
+    samples: int | None
+    """The batch's size (for samples/s)."""
+    probe_s: float = 0.0
+    """Host seconds the driver's caller spent on the step outside its window (a Monitor's own)."""
 
 
 def send_figures(meter: Meter, window: Window, result: StepResult, loss: torch.Tensor | float,
