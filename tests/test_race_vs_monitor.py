@@ -4,9 +4,8 @@ equal sampled gradient statistics and the same skip and scale events."""
 
 from __future__ import annotations
 
-import threading
-
 import dataclasses
+import threading
 
 import pytest
 import torch
