@@ -143,8 +143,32 @@ class FaultSpec:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class RunConfig:
-    """One launch: one workload, one lane per precision mode and seed (lanes = modes x seeds)."""
+class SamplingSettings:
+    """Which steps take the sampled figures: the settings a lane race (RunConfig) and a Monitor (MonitorConfig) share,
+    with their defaults written once, here (the telemetry's SamplingSchedule is built from them)."""
+
+    grad_norm_every: int = 25
+    """Measure the gradient norm (fp32) every N steps (and on every skipped step). A race lane measures it on every
+    step anyway when clipping, when faults are planned, and in modes whose gradients overflow in ordinary training
+    (16-mixed, 16-true); other steps record NaN: on a small model the norm costs half the harness's whole budget per
+    step. The default samples the steps that measure memory, so fewer steps differ from the rest."""
+    gradstats_every: int = 50
+    """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
+    memory_every: int = 25
+    """Measure memory on steps 0, 1 and every N steps: bytes held by parameters, gradients and optimizer state; in a
+    race also the bytes saved for backward (a forward of its own, outside the timed step); on CUDA from step 1 the
+    allocator peak of the step above its start. Other steps carry the figures."""
+
+    def __post_init__(self) -> None:
+        _positive("grad_norm_every", self.grad_norm_every, int)
+        _whole("gradstats_every", self.gradstats_every)
+        _positive("memory_every", self.memory_every, int)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunConfig(SamplingSettings):
+    """One launch: one workload, one lane per precision mode and seed (lanes = modes x seeds); its sampled figures'
+    settings (grad_norm_every, gradstats_every, memory_every) are SamplingSettings'."""
 
     workload: str = "digits_mlp"
     """Registered workload name (see amp_core.workloads.WORKLOADS)."""
@@ -186,20 +210,10 @@ class RunConfig:
     """GradScaler settings (16-mixed only)."""
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject on purpose (demos)."""
-    memory_every: int = 25
-    """Measure memory on steps 0, 1 and every N steps: bytes saved for backward (a forward of its own, outside the
-    timed step) and, on CUDA from step 1, the allocator peak of the lane's own step. Other steps carry the figures."""
-    gradstats_every: int = 50
-    """Gradient range histograms every N steps (always on a skipped step); 0 turns them off."""
     amax_every: int = 0
     """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), after
     the lane's step, on a shadow copy of its model (one more copy of the weights per lane while the run lasts): the
     cost stays out of step_ms and is reported in the event as sample_ms. 0 turns it off."""
-    grad_norm_every: int = 25
-    """Measure the gradient norm (fp32) every N steps. It is measured on every step anyway when clipping, when faults
-    are planned, and in modes whose gradients overflow in ordinary training (16-mixed, 16-true); other steps record
-    NaN: on a small model the norm costs half the harness's whole budget per step. The default samples the steps
-    that measure memory, so fewer steps differ from the rest."""
     intra_op_threads: int = 0
     """Intra-op (OpenMP) threads of the run's own thread; 0 = measured: one where that is faster for this model on a
     CPU, else the process's setting. Other threads, the user's included, keep their own."""
@@ -225,6 +239,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
         this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
+        SamplingSettings.__post_init__(self)
         if not isinstance(self.workload, str) or not self.workload.strip():
             raise ConfigError("workload", f"name a workload, got {self.workload!r}")
         if isinstance(self.modes, str) or not self.modes:
@@ -265,10 +280,7 @@ class RunConfig:
                                        f"{self.seeds!r}")
         if not isinstance(self.grad_clip, (int, float)) or not math.isfinite(self.grad_clip) or self.grad_clip < 0:
             raise ConfigError("grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip!r}")
-        _positive("memory_every", self.memory_every, int)
-        _whole("gradstats_every", self.gradstats_every)
         _whole("amax_every", self.amax_every)
-        _positive("grad_norm_every", self.grad_norm_every, int)
         _whole("intra_op_threads", self.intra_op_threads)
         _whole("snapshot_every", self.snapshot_every)
         _positive("snapshot_keep", self.snapshot_keep, int)
@@ -311,7 +323,15 @@ class RunConfig:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Each field of a config dataclass -> the docstring under it, read once from the class's source: the help the CLI
-    and the Train form show, so that a setting's meaning is written once, where its default is."""
+    and the Train form show, so that a setting's meaning is written once, where its default is (an inherited field's
+    in the class it is inherited from)."""
+    docs = {}
+    for klass in reversed([klass for klass in cls.__mro__ if dataclasses.is_dataclass(klass)]):
+        docs |= _own_field_docs(klass)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}

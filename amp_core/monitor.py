@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from amp_core.config import ConfigError
+from amp_core.config import ConfigError, SamplingSettings
 from amp_core.diagnostics.attached_replay import (
     REPLAY_COST_EVENT,
     REPLAY_OFF_EVENT,
@@ -69,18 +69,16 @@ from amp_core.diagnostics.attached_replay import (
     REPLAY_SETTINGS,
     AttachedReplay,
     LossFn,
+    ReplayOnFailure,
 )
-from amp_core.diagnostics.replay_modes import REPLAYED_EVENT, report_data
+from amp_core.monitor_desk import NOT_SOON, MonitorDesk
 from amp_core.precision import MODES, mode_from_dtypes
-from amp_core.probes.layerwatch import LayerWatch
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
-from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
-from amp_core.telemetry import LaneTrack, OptimizerWatch, SamplingSchedule, StepRecorder, StepResult, meter_for
-from amp_core.telemetry.recorder import send_figures
-from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
+from amp_core.telemetry import OptimizerWatch, SamplingSchedule, StepDriver, StepRecorder, StepResult, meter_for
+from amp_core.telemetry.sampled import StepProbes
 from amp_core.torch_private import scale_tensor, scaler_settings
 
 LANE = 0
@@ -98,8 +96,9 @@ def _whole(name: str, value: Any, minimum: int) -> None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class MonitorConfig:
-    """How a Monitor records a loop; saved with the run, with what the Monitor saw of the loop (see Monitor)."""
+class MonitorConfig(SamplingSettings):
+    """How a Monitor records a loop; saved with the run, with what the Monitor saw of the loop (see Monitor). Its
+    sampled figures' settings (grad_norm_every, gradstats_every, memory_every) are SamplingSettings', the race's."""
 
     name: str = ""
     """Label shown in run pickers."""
@@ -111,12 +110,6 @@ class MonitorConfig:
     total_steps: int = 0
     """Optimizer steps the loop will make (for progress); 0: the scheduler's total_steps where it has one, else
     unknown."""
-    grad_norm_every: int = 25
-    """Measure the gradient norm (fp32) every N steps (and on every skipped step)."""
-    gradstats_every: int = 50
-    """Gradient range histograms every N steps (and on every skipped step); 0 turns them off."""
-    memory_every: int = 25
-    """Measure memory on steps 0, 1 and every N steps; other steps carry the figures."""
     probe_budget: float = 0.0025
     """Gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k parameters on a
     CPU core) are taken on their sampled and skipped steps, and layer diagnostics on their sampled steps, each only
@@ -146,6 +139,7 @@ class MonitorConfig:
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
 
     def __post_init__(self) -> None:
+        SamplingSettings.__post_init__(self)
         if not isinstance(self.name, str) or not isinstance(self.workload, str) \
                 or not isinstance(self.integration, str):
             raise ConfigError("name", "name, workload and integration are text")
@@ -153,9 +147,6 @@ class MonitorConfig:
             raise ConfigError("mode", f"unknown mode {self.mode!r}; choose from {', '.join(MODES)} (or leave it "
                                       "empty: the Monitor sees it from the loop)")
         _whole("total_steps", self.total_steps, 0)
-        _whole("grad_norm_every", self.grad_norm_every, 1)
-        _whole("gradstats_every", self.gradstats_every, 0)
-        _whole("memory_every", self.memory_every, 1)
         _whole("layers_every", self.layers_every, 0)
         _whole("replay_max", self.replay_max, 0)
         if self.replay not in REPLAY_SETTINGS or (self.replay == 1 and self.replay is not True) \
@@ -193,32 +184,35 @@ class Monitor:
     job's default group, when one is initialised). ConfigError for a bad setting; StoreError if the store cannot
     be used.
 
-    A Monitor is a driver of the telemetry layer: an OptimizerWatch on the optimizer, a Meter window from one `step`
-    to the next, the sampled probes on the SamplingSchedule, and a StepRecorder writing the records, exactly as a
-    lane of the race. Extension point: `step_hooks`, callables `(monitor, result)` run at the end of every `step()`
-    on the loop's thread, after the step was measured and handed to the recorder (`result`: a telemetry.StepResult;
-    on CUDA its device figures may still be on their way). They must not sync the device; an integration (a
-    Trainer callback) or a request from the dashboard answered at the next step hangs here.
+    A Monitor is optimizer hooks (an OptimizerWatch) and a step driver (telemetry.driver: the timed window from one
+    `step` to the next, plain or full steps from the SamplingSchedule, a StepRecorder writing the records), exactly as
+    a lane of the race; its diagnostics hang on it as hooks (monitor_desk: layer watch, requests, op traces;
+    diagnostics.attached_replay: replays). Extension point: `step_hooks`, callables `(monitor, result)` run at the end
+    of every `step()` on the loop's thread, after the step was measured and handed to the recorder (`result`: a
+    telemetry.StepResult; on CUDA its device figures may still be on their way); while there are any, every step takes
+    the full path. They must not sync the device; an integration (a Trainer callback) hangs here.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None = None, scheduler=None, *, name: str = "", mode: str = "",
                  store: RunStore | str | os.PathLike | None = None, process_group=None, loss_fn: LossFn | None = None,
                  replay_without: tuple = (), **settings):
-        self.config = MonitorConfig(name=name, mode=mode, **settings)
+        self.config = config = MonitorConfig(name=name, mode=mode, **settings)
         self.loss_fn = loss_fn
         """The loop's loss as a function of (model, batch), for replays (or given to `step`)."""
         self.grad_clip = 0.0
         """The loop's gradient clipping (max norm; 0: none), which a replay applies too (the callbacks set it).
         `replay_without`: objects the replay's copy of the model must leave out (a Lightning module's trainer)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.inner_model = _inner(model)
+        """The user's module inside a DDP wrapper (parameter and module names as the user wrote them)."""
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        named = [(n, p) for n, p in _inner(model).named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.inner_model.named_parameters() if p.requires_grad]
         if not named:
             raise ConfigError("model", "the model has no parameters that require gradients")
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self.device = self._params[0].device
+        params = [p for _, p in named]
+        self.device = params[0].device
+        self._param_dtype = params[0].dtype
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -231,35 +225,32 @@ class Monitor:
         opened = None
         if self.rank == 0:
             opened = store if isinstance(store, RunStore) else open_store(store)
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if self.world_size > 1:
             self._sink: RecordSink | RankSink = RankSink(new_run_id(), opened, group=process_group,
-                                                         flush_every_s=self.config.flush_every_s, check_skips=ddp)
+                                                         flush_every_s=config.flush_every_s, check_skips=self._ddp)
         else:
-            self._sink = RecordSink(new_run_id(), opened, self.config.flush_every_s)
+            self._sink = RecordSink(new_run_id(), opened, config.flush_every_s)
         self.run_id = self._sink.run_id
-        self._ddp = ddp
-        self.mode = self.config.mode
+        self.mode = config.mode
         self.steps_done = 0
         self.closed = False
         self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
         """Run at the end of every `step()` (see the class docstring)."""
-        self._meter = meter_for(self.device)
-        self._replay = AttachedReplay(_inner(model), optimizer, self.scaler, self.config.replay, self.config.replay_max,
-                                      without=replay_without, has_loss_fn=loss_fn is not None)
-        self._watch = OptimizerWatch(optimizer, self.scaler)
-        self._schedule = SamplingSchedule(grad_norm_every=self.config.grad_norm_every,
-                                          gradstats_every=self.config.gradstats_every,
-                                          memory_every=self.config.memory_every, probe_budget=self.config.probe_budget)
-        self._probes = StepProbes(self._meter, _inner(model), self._names, self._params, optimizer, self._schedule,
-                                  lost_updates=False)
-        self._recorder = StepRecorder(self._sink)
-        self._track: LaneTrack | None = None
-        """The run's records (from the first step when the mode is seen from the loop)."""
-        self._lr_next = float(optimizer.param_groups[0]["lr"])
-        self._loop_s = 0.0
+        self.loop_s = 0.0
         """The loop's own host time between step() calls (what probe_budget compares the probes' with: the loop's,
         not the process's, which may be doing other things)."""
+        self._watch = OptimizerWatch(optimizer, self.scaler)
+        meter = meter_for(self.device)
+        probes = StepProbes(meter, self.inner_model, [n for n, _ in named], params, optimizer,
+                            SamplingSchedule.of(config, probe_budget=config.probe_budget), lost_updates=False)
+        self._driver = StepDriver(meter, probes, self._watch, self.scaler)
+        self._recorder = StepRecorder(self._sink)
+        self._replay = AttachedReplay(self.inner_model, optimizer, self.scaler, config.replay, config.replay_max,
+                                      without=replay_without, has_loss_fn=loss_fn is not None)
+        self._replays = ReplayOnFailure(self._replay, lambda kind, message, step, **data: self.note(
+            kind, message, at_step=step, **data), self._settle)
+        self._lr_next = float(optimizer.param_groups[0]["lr"])
         self._autocast_seen: tuple[bool, torch.dtype | None] | None = None
         self._forward_hook = None
         if not self.mode:
@@ -267,26 +258,16 @@ class Monitor:
         else:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
-        # Layer diagnostics and the dashboard's requests ride on the recorder and the step hooks, like any extension.
-        self._layers = LayerWatch(_inner(model), self.config.layers_every, self.config.probe_budget)
-        self._layers.between_steps(-1, 0)
-        self._desk = Desk(opened, self.run_id)  # a page's requests, rank 0 only
-        self._trace_asked: list[int] = []
-        self._trace = None
-        self._push_at = time.monotonic() + self.config.flush_every_s / 2
-        self._recorder.on_record.append(self._layer_failure)
+        # Layer diagnostics and the dashboard's requests ride on the recorder and the driver, like any extension.
+        self._desk = MonitorDesk(self, opened)
+        self._layers = self._desk.layers
+        self._recorder.on_record.append(self._desk.recorded)
         if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded
-            self._recorder.on_record.append(lambda track, result: self._replay.recorded(result.step, result.loss))
-        self.step_hooks += (self._answer_trace, self._between_steps)
-        self._plain: list[tuple] = []
-        """Plain steps kept for the next drain: (step, lr, t_wall_s, window, samples, host seconds)."""
-        self._plain_until = 0
-        """Steps before this one may be plain (`_plain_step`)."""
-        self._plain_sink = not isinstance(self._sink, RankSink)
-        """Under torchrun every step goes the full way: the ranks flush together by counting steps."""
+            self._recorder.on_record.append(self._replays.recorded)
+        self._driver.watchers += (self._desk.full_at, self._hooks_watch)
         self._due = 0.0
         """A plain step meeting this time (`time.monotonic()`) takes the full path: a flush or a layer read is due."""
-        self._start_window()
+        self._begin(0)
 
     # --- the user's loop -----------------------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float, samples: int | None = None, *, batch: Any = None,
@@ -297,72 +278,72 @@ class Monitor:
         the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
-        window = self._window
-        self._meter.close(window)
+        driver, window, watch = self._driver, self._window, self._watch
+        driver.end(window)
         began = time.perf_counter()
-        self._loop_s += began - self._window_host
+        self.loop_s += began - self._window_host
         step = self.steps_done
-        if step < self._plain_until and self._plain_step(loss, samples, began, window, step):
+        lr = watch.lr_used if watch.stepped else self._lr_next
+        # A plain step (decided when its window opened) keeps its figures for the next drain, unless the scaler
+        # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
+        if (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
+                and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
+            self._lr_next = float(self.optimizer.param_groups[0]["lr"])
+            self.steps_done = step = step + 1
+            if driver.is_plain(step):  # the next window as `_begin` opens it, with nothing sampled on it
+                watch.stepped = False
+                self._window_host = time.perf_counter()
+                self._window = driver.begin(step, scale_tensor(self.scaler), plain=True)
+            else:
+                self._begin(step)
             return
         # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
         hooked_s = self._layers.hooks_so_far_s()
         window.excluded_s = hooked_s
-        meter, watch, schedule = self._meter, self._watch, self._schedule
-        if self._track is None:
+        if driver.track is None:
             self._open()
-        self._drain()  # the plain steps before this one are recorded first: records and events stay in step order
-        skipped = watch.skipped()
-        result = StepResult(step=step, lr=watch.lr_used if watch.stepped else self._lr_next, t_wall_s=time.time(),
-                            scaled=watch.scaled, skipped=skipped)
+        schedule, skipped = driver.schedule, watch.skipped()
+        result = driver.finish(window, step, lr, loss, skipped=skipped, found_inf=watch.found_inf,
+                               memory=schedule.memory(step), grad_stats=schedule.grad_stats(step), loop_s=self.loop_s)
         self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-        norms = names = None
-        if schedule.grad_norm(step) or skipped:
-            norms, names = named_grad_norms(self._names, self._params)
-        send_figures(meter, window, result, loss, self.scaler, watch.found_inf, norms, names)
-        self._probes.close(result, self._opened, schedule.memory(step), schedule.grad_stats(step), self._loop_s)
         result.probe_ms = (time.perf_counter() - began + hooked_s) * 1e3
-        self._recorder.add(self._track, result, samples)
+        driver.record(result, samples)
         self.steps_done = step + 1
+        self._desk.after_step(result)
         for hook in self.step_hooks:
             hook(self, result)
         if self._replay.on:  # after the step was measured: its window is closed, the next one not yet open
-            self._replay_if_failed(step, loss, skipped, batch, loss_fn or self.loss_fn, result)
+            self._replays.after_step(run_id=self.run_id, mode=self.mode, device=str(self.device),
+                                     grad_clip=self.grad_clip, step=step, loss=loss, skipped=skipped, batch=batch,
+                                     loss_fn=loss_fn or self.loss_fn,
+                                     loss_on_host=result.loss if result.filled else None)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
         self._sink.flush_if_due()
-        self._start_window()
+        self._begin(self.steps_done)
 
-    def _plain_step(self, loss: torch.Tensor | float, samples: int | None, began: float, window, step: int) -> bool:
-        """Most steps sample nothing, fail nothing and meet no flush (`step < _plain_until`, decided when a full
-        step opened the window): such a step sends its figures and keeps them; its record is made with the others
-        at the next drain (a flush, or the next full step), in one batch. Right after the user's step the host's
-        caches hold the model, not this code: each call made here costs microseconds, so this path makes few.
-        False (nothing kept) when the step is not plain after all: the full path takes it."""
-        watch = self._watch
-        if (watch.scaled and not watch.stepped) or len(self.step_hooks) != 2 or time.monotonic() >= self._due:
-            return False  # skipped by the scaler, a hook added since, or a flush (or a layer read) is due
-        meter, scaler = self._meter, self.scaler
-        meter.send(window, [loss, scale_tensor(scaler)] if watch.scaled else [loss])
-        there = meter.on_host(window)
-        if there is not None and not math.isfinite(there[1][0]):
-            return False  # a loss that is not finite (known at once on a CPU) arms the layer watch now
-        self._plain.append((step, watch.lr_used if watch.stepped else self._lr_next, time.time(), window, samples,
-                            time.perf_counter() - began))
-        self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-        self.steps_done = step = step + 1
-        if step < self._plain_until:  # the next step's window as _start_window opens it, nothing sampled on it
-            watch.stepped = False
-            self._window_host = time.perf_counter()
-            self._window = meter.open(scale_tensor(scaler))
-        else:
-            self._start_window()
-        return True
+    def _begin(self, step: int) -> None:
+        """Open step `step`: the state kept for replays (replay=True), then the driver's windows (the sampled probes',
+        then the timed one, which takes the scale the step begins with)."""
+        self._replays.before_window()
+        self._watch.begin()
+        plain = self._driver.replan(step)  # what the last step recorded (a failure) may watch this one
+        if not self._driver.kept:
+            self._due = self._due_at()
+        self._window_host = time.perf_counter()
+        self._window = self._driver.begin(step, scale_tensor(self.scaler), plain=plain)
 
-    def _drain(self) -> None:
-        """The plain steps kept so far become StepResults for the recorder, oldest first."""
-        if not self._plain:
-            return
-        plain, self._plain = self._plain, []
-        self._recorder.add_plain(self._track, plain, self._watch.scaled)
+    def _due_at(self) -> float:
+        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due."""
+        return min(self._desk.read_at, self._sink.flush_due_at) if self._driver.plain else 0.0
+
+    def _hooks_watch(self, step: int) -> int:
+        """The driver's FullStepAt for `step_hooks`: while there are any, every step is full."""
+        return step if self.step_hooks else NOT_SOON
+
+    def _settle(self) -> None:
+        """Every step measured so far becomes a record (a host sync on CUDA)."""
+        self._driver.drain()
+        self._recorder.resolve(wait=True)
 
     @property
     def replay_on(self) -> bool:
@@ -371,12 +352,12 @@ class Monitor:
 
     def flush(self) -> None:
         """Write what was recorded now (otherwise every `flush_every_s`); under torchrun every rank calls it."""
-        self._drain()
+        self._driver.drain()
         self._recorder.resolve()
-        self._answer_layers_and_requests()
+        self._desk.answer()
         self._sink.flush()
         # A request taken, or a failure recorded, here watches the coming steps: they take the full path again.
-        self._plain_until = self._next_full_step(self.steps_done)
+        self._driver.replan(self.steps_done)
         self._due = self._due_at()
 
     def close(self, status: str = "finished", error: str = "") -> None:
@@ -388,14 +369,10 @@ class Monitor:
         self._watch.remove()
         if self._forward_hook is not None:
             self._forward_hook.remove()
-        self._layers.close()
-        if self._trace is not None:
-            self._trace.stop()
-            self._trace = None
-        self._drain()
-        self._recorder.resolve(wait=True)
-        self._answer_layers_and_requests()
-        if self._track is None:
+        self._desk.close()
+        self._settle()
+        self._desk.answer()
+        if self._driver.track is None:
             self._open()
         kept = self._replay.kept
         if kept is not None and kept.copies:
@@ -406,10 +383,10 @@ class Monitor:
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
-    def note(self, kind: str, message: str, **data) -> None:
-        """Record an event of the run (at the step the Monitor is at): what an integration saw of the trainer, e.g.
-        a precision asked and not applied."""
-        self._sink.event(kind, message, LANE, self.steps_done, **data)
+    def note(self, kind: str, message: str, at_step: int | None = None, **data) -> None:
+        """Record an event of the run (at `at_step`, default the step the Monitor is at): what an integration saw of
+        the trainer, e.g. a precision asked and not applied."""
+        self._sink.event(kind, message, LANE, self.steps_done if at_step is None else at_step, **data)
 
     def __enter__(self) -> Monitor:
         return self
@@ -420,113 +397,6 @@ class Monitor:
         else:  # a crash: the run did not finish, and says why
             self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
 
-    # --- layer diagnostics and requests from the dashboard (step hooks and the recorder's on_record) -------------
-    def _layer_failure(self, track: LaneTrack, result: StepResult) -> None:
-        """A recorded step that failed (skipped, or a loss or gradient norm not finite): the layer watch names the
-        first module that held inf/NaN (from this step's figures when it was watched, else the next step's)."""
-        failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
-                   else "gradient norm not finite" if result.grad_norm is not None
-                   and not math.isfinite(result.grad_norm) else "")
-        if failure:
-            self._layers.failed(result.step, failure)
-
-    @staticmethod
-    def _between_steps(monitor: Monitor, result: StepResult) -> None:
-        """Step hook: the layer hooks come off the step that ended (on for the next when it is watched); every half
-        flush interval, the watched steps' figures become events and the page's requests are answered and taken;
-        an op trace a page asked for starts here, before the next step's window opens."""
-        monitor._layers.between_steps(result.step, result.step + 1, monitor._loop_s)
-        if time.monotonic() >= monitor._push_at:
-            monitor._answer_layers_and_requests()
-        if monitor._trace_asked and monitor._trace is None:
-            monitor._start_trace()
-
-    def _answer_layers_and_requests(self) -> None:
-        """The watched steps' figures as events (one host transfer each: it waits for those steps on CUDA, which a
-        flush may); answer what the layer watch read; take the page's new requests: a layer pass or an op trace of
-        the next step."""
-        self._push_at = time.monotonic() + self.config.flush_every_s / 2
-        for kind, message, step, data in self._layers.read():
-            self._sink.event(kind, message, LANE, step, **data)
-        for request_id, answer in self._layers.answers:
-            self._desk.answer(request_id, f"layer numerics of step {answer['step']}", answer)
-        self._layers.answers = []
-        for request_id, kind in self._desk.take():
-            if kind == LAYERS:
-                self._layers.requests.append(request_id)
-            elif kind == TRACE:
-                self._trace_asked.append(request_id)
-            else:
-                self._desk.answer(request_id, f"this process does not know the request {kind!r}", status="refused")
-
-    def _start_trace(self) -> None:
-        from amp_core.probes.steptrace import StepTrace  # the op tracer only when a page asks for it
-
-        label = f"{self.config.name or self.run_id} · step {self.steps_done}"
-        self._trace = StepTrace(_inner(self.model), label, self.mode or "?", str(self.device))
-        self._trace.start()
-
-    @staticmethod
-    def _answer_trace(monitor: Monitor, result: StepResult) -> None:
-        """Step hook: the op trace of the step that ended (started before its window: the step's time includes the
-        tracer's), to the pages that asked."""
-        if monitor._trace is None:
-            return
-        from amp_core.probes.steptrace import to_answer
-
-        trace, monitor._trace = monitor._trace.stop(), None
-        asked, monitor._trace_asked = monitor._trace_asked, []
-        step = result.step
-        monitor._sink.event("traced", f"step {step} was traced on request: its step time includes the tracer's",
-                            LANE, step)
-        for request_id in asked:
-            monitor._desk.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
-
-    # --- replays of failed steps (amp_core.diagnostics.attached_replay) -----------------------------------------------
-    def _replay_if_failed(self, step: int, loss, skipped: bool | None, batch: Any, loss_fn: LossFn | None,
-                          result: StepResult) -> None:
-        """A failed step (skipped, a non-finite loss, a loss above the band) is replayed from the state kept before
-        it, here, on the loop's thread between two windows; its report becomes a `replayed` event."""
-        replay = self._replay
-        if not replay.every_step and not skipped:
-            # replay="auto": only a skipped step (known on the host) can be replayed without a copy before each step.
-            if result.filled and not math.isfinite(result.loss) and not replay.missing_said:
-                replay.missing_said = True
-                self._sink.event(REPLAY_OFF_EVENT, f"step {step}'s loss is {result.loss} after the optimizer "
-                                                   "stepped: replaying it needs the state from before the step, "
-                                                   "which replay='auto' does not keep (replay=True: a copy before "
-                                                   "each step)", LANE, step)
-            return
-        # The loss on the host: free on a CPU; on CUDA a host sync, made only with replay=True (its one cost beyond
-        # the copy: a failure must be seen before the kept state is overwritten by the next step's) or on a skip.
-        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
-        failure = replay.failure(step, value, bool(skipped))
-        if not failure or not replay.due(step):
-            return
-        if batch is None or loss_fn is None:
-            if not replay.missing_said:
-                replay.missing_said = True
-                self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the "
-                                                   "step's batch and a loss closure (monitor.step(loss, batch=..., "
-                                                   "loss_fn=...))", LANE, step)
-            return
-        try:
-            if not replay.every_step:
-                # The band is the recorded losses before this step: on CUDA the records still on their way are
-                # waited for (a sync, on this skipped step only). The skip left the state as it was before the step.
-                self._drain()
-                self._recorder.resolve(wait=True)
-                replay.keep_skipped()
-            report = replay.replay(run_id=self.run_id, mode=self.mode, step=step, loss=value, batch=batch,
-                                         loss_fn=loss_fn, device=str(self.device), grad_clip=self.grad_clip)
-        except Exception as exc:  # a diagnostic never stops the user's training: the event says what went wrong
-            self._sink.event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and its replay failed: "
-                                               f"{type(exc).__name__}: {exc}", LANE, step)
-            return
-        self._sink.event(REPLAYED_EVENT, f"step {step} failed ({failure}), replayed in every mode: "
-                                         f"{report.verdict.line()}", LANE, step, report=report_data(report))
-
-    # --- what the model tells ------------------------------------------------------------------------------------
     def _see_autocast(self, module, args) -> None:
         device_type = self.device.type
         enabled = torch.is_autocast_enabled(device_type)
@@ -534,54 +404,18 @@ class Monitor:
         self._forward_hook.remove()  # once is enough: a loop keeps its precision
         self._forward_hook = None
 
-    # --- measuring ---------------------------------------------------------------------------------------------
-    def _start_window(self) -> None:
-        """Open the next step's windows: the sampled probes' (the allocator's, on its memory steps), then the timed
-        one, which takes the scale the step begins with; and up to which step the steps may be plain ones."""
-        step = self.steps_done
-        self._replay.keep()  # the state before the next step (replay=True): before its window opens
-        self._watch.begin()
-        self._opened = self._probes.open(step, memory=False, grad_stats=False)
-        self._plain_until = self._next_full_step(step)
-        if not self._plain:
-            self._due = self._due_at()
-        self._window_host = time.perf_counter()
-        self._window = self._meter.open(scale_tensor(self.scaler))
-
-    def _due_at(self) -> float:
-        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due."""
-        return min(self._push_at, self._sink.flush_due_at) if self._plain_sink else 0.0
-
-    def _next_full_step(self, step: int) -> int:
-        """The first step from `step` on that takes the full path whatever happens: one that samples a figure, or
-        is watched by the layer watch, or arms it for the next. `step` itself when anything else watches the steps
-        (a trace, a layer request or failure, a hook that is not the Monitor's own, a fused optimizer, ranks, a copy
-        of the state before each step for replays)."""
-        layers = self._layers
-        if (self._track is None or not self._plain_sink or len(self.step_hooks) != 2 or self._watch.fused
-                or self._replay.every_step
-                or self._opened is not NOTHING_OPENED or not layers.idle(step, self._loop_s) or self._trace_asked
-                or self._trace is not None):
-            return step
-        if step <= 1:
-            return step  # memory on steps 0 and 1
-        schedule = self._schedule
-        everies = [schedule.grad_norm_every, schedule.memory_every, schedule.gradstats_every]
-        full = min(-(-step // every) * every for every in everies if every)
-        if layers.every:
-            watched = -(-(step + 1) // layers.every) * layers.every
-            full = min(full, watched - 1)  # the step before a watched one arms it
-        return full
-
     # --- the run in the store ---------------------------------------------------------------------------------
     def _open(self) -> None:
-        """Register the run (on the first step when the mode is seen from the loop)."""
+        """Register the run (on the first step when the mode is seen from the loop); from then on the steps that
+        sample nothing may be plain (not under torchrun, where the ranks flush by counting steps; not with a fused
+        optimizer, whose skips only the device knows; not with a copy of the state before each step)."""
         if not self.mode:
             enabled, dtype = self._autocast_seen or (False, None)
-            self.mode = mode_from_dtypes(dtype if enabled else None, self._params[0].dtype, self.device.type)
+            self.mode = mode_from_dtypes(dtype if enabled else None, self._param_dtype, self.device.type)
         self._sink.open(self._saved_config(), str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
-        self._track = self._recorder.track(LANE, self.mode, self._meter)
+        self._driver.attach(self._recorder, self._recorder.track(LANE, self.mode, self._driver.meter))
+        self._driver.plain = not (self._sink.counts_calls or self._watch.fused or self._replay.every_step)
         replay = self._replay
         data = replay.describe()
         kept = replay.kept
@@ -591,7 +425,7 @@ class Monitor:
 
     @property
     def _opened_run(self) -> bool:
-        return self._track is not None
+        return self._driver.track is not None
 
     def _saved_config(self) -> dict[str, Any]:
         config, optimizer, scaler = self.config, self.optimizer, self.scaler
@@ -619,8 +453,7 @@ def _flush_at_exit(ref: weakref.ref) -> None:
     if monitor is None or monitor.closed or not monitor._opened_run:
         return
     try:
-        monitor._drain()
-        monitor._recorder.resolve(wait=True)
+        monitor._settle()
         if isinstance(monitor._sink, RankSink):
             monitor._sink.flush_own()
         else:

@@ -3,7 +3,6 @@ RunManager: the process's runs."""
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 import time
@@ -16,123 +15,22 @@ import torch
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
-from amp_core.precision import Precision, resolve_device
+from amp_core.lanes import Lane, describe_lanes, divergence_hint
+from amp_core.layer_amax import LayerAmaxHook
+from amp_core.precision import resolve_device
 from amp_core.probes.faults import param_by_name
-from amp_core.probes.layerwatch import layer_sampler
-from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 from amp_core.records import Event
-from amp_core.records.ranks import RankSink
 from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.runs import RunReader
-from amp_core.snapshots import SnapshotRing
+from amp_core.snapshots import LaneSnapshot, SnapshotHook, SnapshotRing, copy_lane
 from amp_core.step import LaneState, build_lane_state, plain_step, train_step
-from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
+from amp_core.switches import choose_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
-from amp_core.workloads import WORKLOADS, Data, Workload, check_launch
+from amp_core.workloads import WORKLOADS, Data, check_launch
 
-TEAM_MARGIN = 0.5
-"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
-team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
-a CLI run that chose 2 threads kept 0.36-0.67 of its speed with two browser sessions watching, 0.82-0.86 with 1)."""
-MEASURE_ROUNDS = 3
-"""choose_threads times one thread and the team alternately this many times and keeps the best of each."""
-@dataclass(slots=True)
-class LaneSnapshot:
-    """A copy of a lane taken between two steps (for the op inspector): changing it changes nothing live."""
-
-    mode: str
-    step: int
-    model: torch.nn.Module
-    precision: Precision
-    workload: Workload
-    batch: tuple[torch.Tensor, torch.Tensor]
-    scale: float | None = None
-    """The lane's GradScaler scale at the snapshot (None: the mode has no scaler)."""
-
-
-class Lane:
-    """One precision mode (and seed replicate) inside a run: its training state and its status."""
-
-    def __init__(self, index: int, mode: str, seed: int = 0, replicate: int = 0):
-        self.index = index
-        self.mode = mode
-        self.seed = seed
-        """The seed of the lane's initial weights and batches (RunConfig.seed + replicate)."""
-        self.replicate = replicate
-        """Which seed replicate of its mode the lane is (0 .. RunConfig.seeds - 1)."""
-        self.status = "pending"
-        """pending | running | finished | stopped | diverged | failed."""
-        self.error = ""
-        self.steps_done = 0
-        self.state: LaneState | None = None
-        self.track: LaneTrack | None = None
-        """Its records and carried memory figures (telemetry), from the run's setup."""
-        self.plain = False
-        """Its steps that sample nothing may be plain ones (`Run._plain_lane_step`), decided when the loop begins."""
-        self.kept: list[tuple] = []
-        """Its plain steps not yet recorded (`StepRecorder.add_plain`'s entries)."""
-
-
-def divergence_hint(config: RunConfig, precision: Precision) -> str:
-    """Why a lane may have diverged, when the config makes it likely (shown with the divergence event)."""
-    dtype = precision.param_dtype
-    if config.optimizer != "sgd" and torch.tensor(config.eps, dtype=dtype).item() == 0:
-        return (f" — Adam's eps={config.eps:g} is 0 in {str(dtype).removeprefix('torch.')}, and its second moment "
-                "underflows there too: try eps=1e-4 or SGD for this mode")
-    return ""
-
-
-def choose_threads(state: LaneState, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
-    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured: the process's
-    setting when this model's step is long or one thread is clearly slower (TEAM_MARGIN), else 1. Says what it chose.
-
-    On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
-    workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
-    than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
-    only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
-    A team wins little on a quick step and loses much when a core is taken: while a browser, a dashboard or another
-    run uses one of two cores, every parallel op waits for the team's descheduled thread (a CLI run followed by two
-    browser sessions ran 10-100x slower with 2 threads, chosen for 0.24 ms against 0.25 ms with 1).
-    """
-    if requested:
-        pin_intra_op_threads(requested)
-        return f"{requested} intra-op thread(s), as configured"
-    default = pin_intra_op_threads(process_intra_op_threads())
-    if default <= 1 or state.precision.device_type != "cpu":
-        return f"{default} intra-op thread(s)"
-    model = copy.deepcopy(state.model)
-    inputs, targets = (state.precision.prepare_input(t) for t in batch)
-
-    def forward_backward_s() -> float:
-        best = math.inf
-        for _ in range(4):
-            start = time.perf_counter()
-            with state.precision.forward_context():
-                loss = state.workload.loss(model(inputs), targets)
-            loss.backward()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    # One thread first: its time does not depend on what else the machine runs (a team's does).
-    pin_intra_op_threads(1)
-    single = forward_backward_s()
-    if single > 0.05:
-        pin_intra_op_threads(default)
-        return f"{default} intra-op threads"
-    # Then both in turn, best of each: a moment of load (a page drawing as the run starts) must not decide it.
-    multi = math.inf
-    for _ in range(MEASURE_ROUNDS):
-        pin_intra_op_threads(default)
-        multi = min(multi, forward_backward_s())
-        pin_intra_op_threads(1)
-        single = min(single, forward_backward_s())
-    if single > multi * (1 + TEAM_MARGIN):
-        pin_intra_op_threads(default)
-        return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
-    pin_intra_op_threads(1)
-    return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"
+__all__ = ["Lane", "Run", "RunHooks", "RunLimitError", "RunManager", "build_lane_state"]
 
 
 LaneHook = Callable[["Run", Lane, int], float | None]
@@ -148,11 +46,15 @@ class RunHooks:
     - `lane_setup(run, lane)`: once every lane's state is built, for each lane in order (wrap its model:
       `lane.state.bind_model(...)`);
     - `setup_done(run)`: after the "started" event, before the first step (replace `run.generators`, say something);
-    - `before_lane_step(run, lane, step)` / `after_lane_step(run, lane, step)`: around each lane step, the lane's
-      batch in `run.batch_of(lane)`; after a failed step `lane.status` is "failed". Between two lane steps the lane's
-      model is quiet: a snapshot (`run.snapshot_lane`, or the state itself) can be taken there. A before hook that
-      measures returns the host seconds it took (else None): they join the step's probe_ms, outside its step_ms
-      (the replay snapshots, `take_snapshot`, are the first before hook when RunConfig.snapshot_every is set);
+    - `before_lane_step(run, lane, step)` / `after_lane_step(run, lane, step)`: around each full lane step, the
+      lane's batch in `run.batch_of(lane)`; after a failed step `lane.status` is "failed". Between two lane steps the
+      lane's model is quiet: a snapshot (`run.snapshot_lane`, or the state itself) can be taken there. A before hook
+      that measures returns the host seconds it took (else None): they join the step's probe_ms, outside its step_ms.
+      A hook that acts only every N steps says so with an `every` attribute (an int > 0): the steps in between may
+      then be plain ones, which no hook sees; a hook without it sees every step (the replay snapshots,
+      snapshots.SnapshotHook, are the first before hook when RunConfig.snapshot_every is set; the layer amax,
+      layer_amax.LayerAmaxHook, the first after hook when RunConfig.amax_every is);
+    - `lane_end(run, lane)`: a lane's state is let go (it failed, diverged or the run ended);
     - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
       ranks agree first);
     - `run_end(run)`: the thread's last act, after the final status is set and the records are closed;
@@ -170,15 +72,14 @@ class RunHooks:
     before_lane_step: list[LaneHook] = field(default_factory=list)
     after_lane_step: list[LaneHook] = field(default_factory=list)
     on_divergence: Callable[[Run, Lane, str, int], None] | None = None
+    lane_end: list[Callable[[Run, Lane], None]] = field(default_factory=list)
     run_end: list[Callable[[Run], None]] = field(default_factory=list)
 
-
-def take_snapshot(run: Run, lane: Lane, step: int) -> float | None:
-    """[replay] A before_lane_step hook: the lane's rolling state snapshot when one is due (run.snapshots); returns
-    its host seconds (probe time)."""
-    if not run.snapshots.due(step):
-        return None
-    return run.snapshots.take(lane.state, step, run.batch_of(lane), run.generators[lane.replicate])
+    def plain_steps(self) -> tuple[int, ...] | None:
+        """The every N of each lane-step hook when every one of them acts every N steps only (the steps in between
+        may be plain); None when one watches every step."""
+        everies = [getattr(hook, "every", None) for hook in (*self.before_lane_step, *self.after_lane_step)]
+        return None if None in everies else tuple(everies)
 
 
 class Run:
@@ -217,17 +118,17 @@ class Run:
         self._thread: threading.Thread | None = None
         self._batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         """This step's batch of each seed replicate (every lane of a seed trains on its seed's)."""
-        self._amax_samplers: dict[int, LayerAmaxSampler] = {}
-        """Per lane, the shadow copy layer amax is sampled on (RunConfig.amax_every)."""
         self._samples = 0
         """Samples in the current batch (for samples/s)."""
-        self._kept = 0
-        """Plain steps kept by the lanes, not yet recorded (`_drain`)."""
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
         """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.snapshots, read
-        by amp_core.diagnostics.replay; taken by the `take_snapshot` before_lane_step hook."""
-        if self.snapshots.every > 0:
-            self.hooks = replace(self.hooks, before_lane_step=[take_snapshot, *self.hooks.before_lane_step])
+        by amp_core.diagnostics.replay; taken by a SnapshotHook, the first before_lane_step hook."""
+        hooks = self.hooks
+        before = [SnapshotHook(self.snapshots)] if self.snapshots.every > 0 else []
+        amax = [LayerAmaxHook(config.amax_every)] if config.amax_every > 0 else []
+        self.hooks = replace(hooks, before_lane_step=[*before, *hooks.before_lane_step],
+                             after_lane_step=[*amax, *hooks.after_lane_step],
+                             lane_end=[*(hook.lane_end for hook in amax), *hooks.lane_end])
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
@@ -320,14 +221,7 @@ class Run:
             if state is None or not self._batches:
                 why = "has not started yet" if lane.status == "pending" else f"has ended ({lane.status})"
                 raise ValueError(f"lane {index} ({lane.mode}) {why}")
-            model = copy.deepcopy(state.model)
-            batch = tuple(t.clone() for t in self._batches[lane.replicate])
-            step = lane.steps_done
-            scaler = state.scaler
-            scale = scaler.get_scale() if scaler.is_enabled() else None  # a device sync, between two steps
-        for p in model.parameters():
-            p.grad = None
-        return LaneSnapshot(lane.mode, step, model, state.precision, state.workload, batch, scale)
+            return copy_lane(lane.mode, state, self._batches[lane.replicate], lane.steps_done)
 
     # --- lanes (the run's thread; hooks may call these) ------------------------------------------------------
     def stop_lane(self, lane: Lane, why: str, step: int) -> None:
@@ -339,7 +233,8 @@ class Run:
 
     def _free(self, lane: Lane) -> None:
         lane.state = None
-        self._amax_samplers.pop(lane.index, None)
+        for hook in self.hooks.lane_end:
+            hook(self, lane)
 
     # --- the thread ----------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -355,8 +250,8 @@ class Run:
                     lane.status, lane.error = "failed", str(exc)
         finally:
             for lane in self.lanes:
-                lane.state = None  # free the models; records stay
-            self._amax_samplers.clear()
+                if lane.state is not None:
+                    self._free(lane)  # free the models; records stay
             with self._control:
                 if failure or (self.lanes and all(lane.status == "failed" for lane in self.lanes)):
                     self.status = "failed"
@@ -384,6 +279,7 @@ class Run:
             lane.state = self.hooks.build_lane(config, lane.index, lane.mode, bases[lane.replicate], workload,
                                                self.device)
             lane.track = self.recorder.track(lane.index, lane.mode, lane.state.meter)
+            lane.state.driver.attach(self.recorder, lane.track)
             lane.status = "running"
         self.generators = [torch.Generator().manual_seed(config.seed + r) for r in range(config.seeds)]
         first = self.lanes[0].state  # measured on the lane's own model, before any hook wraps it
@@ -392,16 +288,9 @@ class Run:
         for lane in self.lanes:
             for hook in self.hooks.lane_setup:
                 hook(self, lane)
-        lanes = f"{config.workload} x {', '.join(config.modes)}"
-        if config.seeds > 1:
-            lanes += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
-        recipes = {lane.mode: lane.state.precision.recipe_report(bases[lane.replicate])
-                   for lane in self.lanes if lane.replicate == 0 and lane.state.precision.options}
-        skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
-                          f"{', '.join(report['fp8_skipped']) or 'none'}"
-                          for recipe, report in recipes.items() if "fp8_layers" in report)
+        lanes, fp8, recipes = describe_lanes(config, self.lanes, bases)
         described = [hook(self) for hook in self.hooks.describe]
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}{skipped}"
+        self.sink.event("started", f"{lanes} on {self.device}; {threads}{fp8}"
                         + "".join(f"; {clause}" for clause, _ in described),
                         intra_op_threads=torch.get_num_threads(), recipes=recipes,
                         **{key: value for _, data in described for key, value in data.items()})
@@ -409,13 +298,15 @@ class Run:
             hook(self)
 
     def _loop(self) -> None:
-        config, recorder, hooks = self.config, self.recorder, self.hooks
-        # Plain steps (see _plain_lane_step) where nothing but the snapshots watches a lane step from outside.
-        plain_run = (set(hooks.before_lane_step) <= {take_snapshot} and not hooks.after_lane_step
-                     and not isinstance(self.sink, RankSink))
+        config, recorder, hooks, sink = self.config, self.recorder, self.hooks, self.sink
+        # Plain steps where every hook acts every N steps only, and the sink's flush needs no call per step.
+        everies = hooks.plain_steps()
+        plain_run = everies is not None and not sink.counts_calls
         for lane in self.lanes:
-            lane.plain = plain_run and lane.state is not None and lane.state.plain
-        plain_until, flush_at, workload = 0, 0.0, WORKLOADS[config.workload]
+            if lane.state is not None:
+                lane.plain = lane.state.driver.plain = plain_run and lane.state.plain
+                lane.state.driver.also_every = everies or ()
+        flush_at, workload = 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up is a few hundred ns with the caches holding the model.
         sample, generators, batch_size, lanes = self.data.sample, self.generators, config.batch_size, self.lanes
         resumed, stop_asked, monotonic = self._resume.is_set, self._stop.is_set, time.monotonic
@@ -423,20 +314,17 @@ class Run:
             # Every lane of a seed sees this same batch, in the same order.
             self._batches = [sample(generator, batch_size) for generator in generators]
             self._samples = workload.samples_in(self._batches[0])
-            if step >= plain_until:
-                plain_until = self._next_full_step(step)
-            plain = step < plain_until
             stepped = False
             for lane in lanes:
                 if not resumed():
                     self._drain()
                     recorder.resolve(wait=True)  # a paused run shows every step it made
-                    self.sink.flush()
+                    sink.flush()
                     self._resume.wait()
                 if stop_asked():
                     break
                 if lane.status == "running":
-                    if plain and lane.plain:
+                    if lane.state.driver.is_plain(step):
                         self._plain_lane_step(lane, step)
                     else:
                         self._drain()  # the plain steps before this one are recorded first, in step order
@@ -449,8 +337,8 @@ class Run:
                     stepped = True
                 if monotonic() >= flush_at:  # one clock read a step (a RankSink's flush counts steps: each)
                     self._drain()  # what the flush writes holds every step made
-                    self.sink.flush_if_due()
-                    flush_at = self.sink.flush_due_at if plain_run else 0.0
+                    sink.flush_if_due()
+                    flush_at = sink.flush_due_at if plain_run else 0.0
             if stop_asked() or not stepped:
                 break
         self._drain()
@@ -470,47 +358,30 @@ class Run:
         except Exception as exc:  # one lane failing (e.g. out of memory) must not take the others down
             self._lane_failed(lane, step, exc)
             return
-        self.recorder.add(lane.track, result, self._samples)
-        if schedule.amax(step) and lane.state is not None:
-            self._sample_layer_amax(lane, step)
+        state.driver.record(result, self._samples)
 
     def _plain_lane_step(self, lane: Lane, step: int) -> None:
         """A step that samples nothing, of a lane that needs nothing else (`LaneState.plain`): its training work
-        (`plain_step`) and its figures kept, made a record with the others at the next drain (a flush, a full step,
-        a pause, the end: `_drain`). Right after a step the host's caches hold the model, not this code: each call
-        made here costs microseconds, so this path makes few. A loss that is not finite is drained at once, so the
-        lane stops on it as on a full step."""
+        (`plain_step`), kept by the lane's driver and made a record with the others at the next drain (a flush, a full
+        step, a pause, the end: `_drain`). A loss known not to be finite is recorded at once, so the lane stops on it
+        as on a full step."""
+        driver = lane.state.driver
         try:
             with self._step_lock:
-                window, lr, t_wall_s = plain_step(lane.state, self._batches[lane.replicate])
+                window, lr, loss = plain_step(lane.state, self._batches[lane.replicate], step)
         except Exception as exc:
             self._lane_failed(lane, step, exc)
             return
-        lane.kept.append((step, lr, t_wall_s, window, self._samples, 0.0))
         lane.steps_done = step + 1
-        self._kept += 1
-        if not math.isfinite(window.values[0]):  # the loss (a host meter's: LaneState.plain)
+        if not driver.keep(window, step, lr, loss, self._samples):
             self._drain()
+            driver.record(driver.finish(window, step, lr, loss, skipped=False), self._samples)
 
     def _drain(self) -> None:
-        """Every lane's kept plain steps become records (StepRecorder.add_plain), oldest first."""
-        if not self._kept:
-            return
-        self._kept = 0
+        """Every lane's kept plain steps become records, oldest first (lane by lane: each lane's are in step order)."""
         for lane in self.lanes:
-            if lane.kept:
-                kept, lane.kept = lane.kept, []
-                self.recorder.add_plain(lane.track, kept)
-
-    def _next_full_step(self, step: int) -> int:
-        """The first step from `step` on that every lane takes the full way: one that samples a figure (memory,
-        gradient norm or statistics, layer amax) or takes a replay snapshot."""
-        if step <= 1:
-            return step  # memory on steps 0 and 1
-        config = self.config
-        everies = (config.memory_every, config.grad_norm_every, config.gradstats_every, config.amax_every,
-                   self.snapshots.every)
-        return min(-(-step // every) * every for every in everies if every > 0)
+            if lane.state is not None:
+                lane.state.driver.drain()
 
     def _lane_failed(self, lane: Lane, step: int, exc: Exception) -> None:
         self._drain()
@@ -533,24 +404,6 @@ class Run:
                 self.hooks.on_divergence(self, lane, why, step)
         elif lane.steps_done >= self.config.steps and lane.status == "running":
             lane.status = "finished"
-
-    def _sample_layer_amax(self, lane: Lane, step: int) -> None:
-        """Per-module abs max on a shadow copy of the lane (its weights after this step, this step's batch), taken
-        after the timed step: its cost is reported in the event as sample_ms and never enters step_ms."""
-        state = lane.state
-        start = time.perf_counter()
-        try:
-            scale = state.scaler.get_scale() if state.scaler.is_enabled() else None  # a device sync: sampled steps only
-            sampler = self._amax_samplers.get(lane.index)
-            if sampler is None:
-                sampler = layer_sampler(state.model, state.precision, state.workload.loss)
-                self._amax_samplers[lane.index] = sampler
-            sample = sampler.sample(self._batches[lane.replicate], scale)
-        except Exception as exc:  # a failed sample must not stop the lane
-            self.sink.event("warning", f"layer amax sampling failed: {type(exc).__name__}: {exc}", lane.index, step)
-            return
-        self.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **sample.event_data(),
-                        sample_ms=(time.perf_counter() - start) * 1e3)
 
 
 class RunLimitError(ConfigError):

@@ -7,6 +7,7 @@ Measuring must not change what is measured (DESIGN.md):
   measured as a figure only is taken after it. Sampled probes (telemetry.sampled: parameter copies for lost updates,
   gradient statistics, the memory window's reads, forensics of a skipped step) and the saved-tensor probe run before
   or after the window and may sync; their host time is the step's `probe_ms`.
+- The window is the lane's StepDriver's (telemetry.driver: `begin` and `end`, the one place that decides what it holds).
 - A step adds no host sync of its own. Its figures (loss, scale, found-inf, gradient norms) are sent through the
   lane's meter and read by the run's StepRecorder once they are on the host (at once on a CPU). The syncs a lane step
   makes are the training's own: GradScaler.step reads found-inf unless the optimizer is fused; with a fused
@@ -17,7 +18,6 @@ Measuring must not change what is measured (DESIGN.md):
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,9 +27,8 @@ from amp_core.config import RunConfig
 from amp_core.measure import SavedTensorsProbe
 from amp_core.precision import Precision, get_precision
 from amp_core.probes.faults import FaultPlan, init_scale_override
-from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepResult, meter_for
+from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepDriver, StepResult, meter_for
 from amp_core.telemetry.meters import Window
-from amp_core.telemetry.recorder import send_figures
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms
 from amp_core.torch_private import scale_tensor
 from amp_core.workloads import Workload
@@ -62,6 +61,11 @@ class LaneState:
     meter: Meter = None
     watch: OptimizerWatch = None
     probes: StepProbes = None
+    driver: StepDriver = None
+    """Measures the lane's steps (telemetry.driver): its window, its plain steps, a full step's figures."""
+    copies_pending: torch.cuda.Event | None = None
+    """Recorded behind a snapshot's copies of this lane's state on their side stream (snapshots.PinnedCopies): the
+    lane's stream waits for it, on the device, before its next optimizer step writes the state."""
     always_norm: bool = False
     """The gradient norm is measured on every step: clipping needs it, faults are planned, or the mode's gradients
     can overflow (Precision.watch_grads)."""
@@ -82,6 +86,11 @@ class LaneState:
             self.watch = OptimizerWatch(self.optimizer, self.scaler, unscaled_too=False)  # skips only
         self.probes = StepProbes(self.meter, model, self.param_names, self.params, self.optimizer, self.schedule)
         self.always_norm = bool(self.grad_clip or self.faults or self.precision.watch_grads)
+        driver = StepDriver(self.meter, self.probes, self.watch, self.scaler, always_norm=self.always_norm)
+        if self.driver is not None:  # a model wrapped later (DDP) keeps the lane's place in the run's records
+            driver.attach(self.driver.recorder, self.driver.track)
+            driver.plain, driver.also_every = self.driver.plain, self.driver.also_every
+        self.driver = driver
 
     def read_skip(self) -> bool | None:
         """Whether the step skipped: known at once (a host sync with a fused optimizer) when an LR schedule must
@@ -112,8 +121,7 @@ def build_optimizer(config: RunConfig, model: torch.nn.Module, precision: Precis
 
 def sampling_schedule(config: RunConfig) -> SamplingSchedule:
     """The run's sampled figures, as the telemetry schedules them."""
-    return SamplingSchedule(grad_norm_every=config.grad_norm_every, gradstats_every=config.gradstats_every,
-                            memory_every=config.memory_every, amax_every=config.amax_every)
+    return SamplingSchedule.of(config, amax_every=config.amax_every)
 
 
 def build_lane_state(config: RunConfig, index: int, mode: str, base_model: torch.nn.Module, workload: Workload,
@@ -171,14 +179,15 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         return _step(lane, batch, step, measure_memory, collect_grad_stats)
 
 
-def plain_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Window, float, float]:
-    """One step of a `LaneState.plain` lane on a step that samples nothing: `_step`'s training work and timed window,
-    without the calls that do nothing on such a lane (faults, scaler, clipping, schedule, probes), its loss sent
-    through the meter. Returns (window, lr, t_wall_s): the caller keeps them and makes the StepResult later
-    (`StepRecorder.add_plain`); the records are those of `train_step` (tests/test_runner.py holds them equal)."""
-    precision, optimizer, meter = lane.precision, lane.optimizer, lane.meter
+def plain_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int
+               ) -> tuple[Window, float, torch.Tensor]:
+    """One step of a `LaneState.plain` lane on a step that samples nothing: `_step`'s training work between the
+    driver's `begin` and `end`, without the calls that do nothing on such a lane (faults, scaler, clipping, schedule,
+    probes). Returns (window, lr, loss) for the driver to keep (`StepDriver.keep`); the records are those of
+    `train_step` (tests/test_runner.py holds them equal)."""
+    precision, optimizer, driver = lane.precision, lane.optimizer, lane.driver
     with precision.step_context():
-        window = meter.open()
+        window = driver.begin(step, plain=True)
         inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
         optimizer.zero_grad(set_to_none=True)
         with precision.forward_context():
@@ -186,18 +195,16 @@ def plain_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor]) -> tup
         loss.backward()
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        meter.close(window)
-        t_wall_s = time.time()
-        meter.send(window, [loss])
-    return window, lr, t_wall_s
+        driver.end(window)
+    return window, lr, loss
 
 
 def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, measure_memory: bool,
           collect_grad_stats: bool) -> StepResult:
     precision, model, optimizer, scaler, faults = lane.precision, lane.model, lane.optimizer, lane.scaler, lane.faults
-    opened = lane.probes.open(step, measure_memory, collect_grad_stats, lambda: saved_tensor_bytes(lane, batch))
-
-    window = lane.meter.open(scale_tensor(scaler))
+    driver = lane.driver
+    window = driver.begin(step, scale_tensor(scaler), memory=measure_memory, grad_stats=collect_grad_stats,
+                          saved_bytes=lambda: saved_tensor_bytes(lane, batch))
     batch = faults.perturb_batch(step, batch)
     inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
     optimizer.zero_grad(set_to_none=True)
@@ -206,17 +213,22 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
     scaler.scale(loss).backward()
     faults.corrupt_grads(step, model)
     scaler.unscale_(optimizer)
-    norms = names = None
+    norms = None
     if lane.grad_clip:
-        norms, names = named_grad_norms(lane.param_names, lane.params)
+        norms = named_grad_norms(lane.param_names, lane.params)
         # Clipping by a non-finite norm multiplies every gradient by NaN (inf/inf or 0*inf), which would hide the
         # parameter that really overflowed; such a step is skipped (or diverges) anyway, so leave them.
-        total = norms[1]
+        total = norms[0][1]
         torch.nn.utils.clip_grads_with_norm_(lane.params, lane.grad_clip,
                                              torch.where(torch.isfinite(total), total, torch.zeros_like(total)))
     lr_factor = faults.scale_lr(optimizer, step)
     lr = float(optimizer.param_groups[0]["lr"])  # torchao's optimizers keep it as a CPU tensor (no device sync)
     lane.watch.begin()
+    if lane.copies_pending is not None:
+        # A snapshot's copies read the state on a side stream: the update waits for them on the device (no host
+        # sync); on a device that has no such copies this is never set.
+        torch.cuda.current_stream(precision.device).wait_event(lane.copies_pending)
+        lane.copies_pending = None
     scaler.step(optimizer)
     scaler.update()
     faults.restore_lr(optimizer, lr_factor)
@@ -224,13 +236,6 @@ def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, 
     if not skipped:
         # The scheduler follows the optimizer: stepping it on a skipped step would shift the schedule.
         lane.scheduler.step()
-    lane.meter.close(window)
-
-    if norms is None and (lane.always_norm or collect_grad_stats or lane.schedule.grad_norm(step)):
-        # A figure only, so after the window: the optimizer leaves the gradients as they were.
-        norms, names = named_grad_norms(lane.param_names, lane.params)
-    result = StepResult(step=step, lr=lr, t_wall_s=time.time(), scaled=lane.watch.scaled, skipped=skipped,
-                        fired_faults=faults.take_fired())
-    send_figures(lane.meter, window, result, loss, scaler, lane.watch.found_inf, norms, names)
-    result.probe_ms = lane.probes.close(result, opened, measure_memory, collect_grad_stats) * 1e3
-    return result
+    driver.end(window)
+    return driver.finish(window, step, lr, loss, skipped=skipped, found_inf=lane.watch.found_inf, norms=norms,
+                         memory=measure_memory, grad_stats=collect_grad_stats, fired_faults=faults.take_fired())

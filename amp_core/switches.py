@@ -1,13 +1,25 @@
 """Process-global torch switches a lane step depends on (TF32 flags, intra-op threads), set so that no run leaks a
-setting into another run or into the user's own threads, and the user's own setting survives."""
+setting into another run or into the user's own threads, and the user's own setting survives; and the choice of a
+run's intra-op threads (choose_threads)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+
+TEAM_MARGIN = 0.5
+"""choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
+team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
+a CLI run that chose 2 threads kept 0.36-0.67 of its speed with two browser sessions watching, 0.82-0.86 with 1)."""
+MEASURE_ROUNDS = 3
+"""choose_threads times one thread and the team alternately this many times and keeps the best of each."""
 
 STEP_LOCK = threading.RLock()
 """One lock for the whole process. A CUDA lane step holds it from its first launch to its last: the TF32 flags it
@@ -95,3 +107,55 @@ def pin_intra_op_threads(threads: int) -> int:
             torch.set_num_threads(threads)
             _on_a_fresh_thread(torch.set_num_threads, default)
     return default
+
+
+def choose_threads(state: Any, batch: tuple[torch.Tensor, torch.Tensor], requested: int = 0) -> str:
+    """Set the calling thread's own intra-op threads (no other thread's): `requested`, else measured on `state` (a
+    lane's step.LaneState: its precision, model and workload) with `batch`: the process's setting when this model's
+    step is long or one thread is clearly slower (TEAM_MARGIN), else 1. Says what it chose.
+
+    On a machine with few cores, an OpenMP team started from a second thread (a run's, a probe's) wakes its
+    workers through the kernel for every parallel op (libgomp throttles spinning once it manages more threads
+    than there are cores), about 25 us each: for a small model that is most of a step. Big ops amortise it, so
+    only quick steps are measured, on a copy of the lane's model, with a batch the caller does not train on.
+    A team wins little on a quick step and loses much when a core is taken: while a browser, a dashboard or another
+    run uses one of two cores, every parallel op waits for the team's descheduled thread (a CLI run followed by two
+    browser sessions ran 10-100x slower with 2 threads, chosen for 0.24 ms against 0.25 ms with 1).
+    """
+    if requested:
+        pin_intra_op_threads(requested)
+        return f"{requested} intra-op thread(s), as configured"
+    default = pin_intra_op_threads(process_intra_op_threads())
+    if default <= 1 or state.precision.device_type != "cpu":
+        return f"{default} intra-op thread(s)"
+    model = copy.deepcopy(state.model)
+    inputs, targets = (state.precision.prepare_input(t) for t in batch)
+
+    def forward_backward_s() -> float:
+        best = math.inf
+        for _ in range(4):
+            start = time.perf_counter()
+            with state.precision.forward_context():
+                loss = state.workload.loss(model(inputs), targets)
+            loss.backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    # One thread first: its time does not depend on what else the machine runs (a team's does).
+    pin_intra_op_threads(1)
+    single = forward_backward_s()
+    if single > 0.05:
+        pin_intra_op_threads(default)
+        return f"{default} intra-op threads"
+    # Then both in turn, best of each: a moment of load (a page drawing as the run starts) must not decide it.
+    multi = math.inf
+    for _ in range(MEASURE_ROUNDS):
+        pin_intra_op_threads(default)
+        multi = min(multi, forward_backward_s())
+        pin_intra_op_threads(1)
+        single = min(single, forward_backward_s())
+    if single > multi * (1 + TEAM_MARGIN):
+        pin_intra_op_threads(default)
+        return f"{default} intra-op threads (measured {multi * 1e3:.2f} ms vs {single * 1e3:.2f} ms with 1)"
+    pin_intra_op_threads(1)
+    return f"1 intra-op thread (measured {single * 1e3:.2f} ms vs {multi * 1e3:.2f} ms with {default})"

@@ -21,7 +21,8 @@ sampled probes (memory every 25 steps, gradient statistics every 50), whose cost
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
                               [--snapshot-every N]
     (from the repository root)
-Last line: overhead_ratio_max=<number>
+Second-to-last line: added_us_per_step=<number> (the largest over the cases of the runner's median step interval
+minus the bare loop's, in microseconds: what the harness adds per step). Last line: overhead_ratio_max=<number>
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def main() -> None:
     workloads = [item.split(":") for item in (args.workloads or DEFAULTS[args.device][0]).split(",")]
     modes = (args.modes or DEFAULTS[args.device][1]).split(",")
     process_threads = process_intra_op_threads()
-    ratios = {}
+    ratios, added_us = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(Path(tmp) / "bench.sqlite3")
         for workload, size, batch_size in workloads:
@@ -193,9 +194,11 @@ def main() -> None:
                 runner_ms, bare_ms = statistics.median(harness), statistics.median(bare)
                 key = f"{workload}/{size}/b{batch_size}/{mode}"
                 ratios[key] = statistics.median(round_ratios)
+                added_us[key] = (runner_ms - bare_ms) * 1e3
                 line = (f"{key:<34} ratio={ratios[key]:.4f} (median of rounds {min(round_ratios):.3f}.."
                         f"{max(round_ratios):.3f}) | pooled medians: runner_ms={runner_ms:.4f} bare_ms={bare_ms:.4f} "
-                        f"ratio={runner_ms / bare_ms:.4f} | means incl. sampled probes: runner "
+                        f"ratio={runner_ms / bare_ms:.4f} added_us={added_us[key]:.1f} | means incl. sampled probes: "
+                        f"runner "
                         f"{statistics.fmean(harness_means):.4f} ms, bare {statistics.fmean(bare_means):.4f} ms, "
                         f"ratio={statistics.fmean(harness_means) / statistics.fmean(bare_means):.4f} | "
                         f"probe_ms_per_step={statistics.fmean(probe_ms):.4f} | run threads chosen "
@@ -218,6 +221,8 @@ def main() -> None:
                     print(f"{key}: above its target {target}", flush=True)
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
+    largest = max(added_us, key=added_us.get)
+    print(f"added_us_per_step={added_us[largest]:.1f} ({largest}: the pooled median step interval, runner minus bare)")
     print(f"overhead_ratio_max={max(ratios.values()):.4f}")
     if failures:
         sys.exit(1)

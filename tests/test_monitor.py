@@ -119,7 +119,7 @@ def test_plain_steps_kept_for_the_next_drain_record_what_full_steps_record(store
     must equal those of a Monitor that takes the full path on every step (gradient norm every step)."""
     plain, backed_off, lrs = fp16_loop(store, steps=60, overflow_at=(17, 18, 40), onecycle=True)
     full, _, _ = fp16_loop(store, steps=60, overflow_at=(17, 18, 40), onecycle=True, grad_norm_every=1)
-    assert plain._plain_until > 2, "the plain path was never open"
+    assert plain._driver.plain_until > 2, "the plain path was never open"
     columns = ["step", "loss", "lr", "scale", "skipped", "params_bytes"]
     kept, every = store.steps(plain.run_id)[columns], store.steps(full.run_id)[columns]
     assert kept["step"].tolist() == list(range(60))

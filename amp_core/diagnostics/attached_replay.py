@@ -37,6 +37,7 @@ from torch import nn
 
 from amp_core.config import ConfigError
 from amp_core.diagnostics.replay_modes import (
+    REPLAYED_EVENT,
     Fork,
     ReplayReport,
     ReplaySubject,
@@ -44,6 +45,7 @@ from amp_core.diagnostics.replay_modes import (
     named_first,
     replay_modes,
     replay_targets,
+    report_data,
 )
 from amp_core.precision import Precision
 from amp_core.probes.numerics import prepare_batch, probe_step
@@ -371,3 +373,66 @@ class AttachedReplay:
                             start_step=step, rows=rows, recorded_loss=loss, band=band, rule=self.rule, faults=[],
                             verdict=judge(rows, band, self.rule, []), notes=notes,
                             replay_s=time.perf_counter() - began)
+
+
+class ReplayOnFailure:
+    """A Monitor's replays as a hook of its loop: before each step's window, the state kept (replay=True); as each
+    step is recorded, its loss for the band; after each step, a failed one replayed from the state kept before it, on
+    the loop's thread between two windows, its report a `replayed` event.
+
+    `event(kind, message, step, **data)` records an event of the run; `settle()` makes every step measured so far a
+    record (a host sync on CUDA: only before a skipped step's replay, whose band is the losses before it)."""
+
+    def __init__(self, replay: AttachedReplay, event: Callable[..., None], settle: Callable[[], None]):
+        self.replay = replay
+        self._event = event
+        self._settle = settle
+
+    def before_window(self) -> None:
+        self.replay.keep()
+
+    def recorded(self, track, result) -> None:
+        """The recorder's on_record hook: the losses as they are recorded (no read on the training path)."""
+        self.replay.recorded(result.step, result.loss)
+
+    def after_step(self, *, run_id: str, mode: str, device: str, grad_clip: float, step: int, loss,
+                   skipped: bool | None, batch: Any, loss_fn: LossFn | None, loss_on_host: float | None) -> None:
+        """Step `step` ended (`loss_on_host`: its loss where the host has it at once, else None): replay it if it
+        failed (skipped, a non-finite loss, a loss above the band)."""
+        replay = self.replay
+        if not replay.every_step and not skipped:
+            # replay="auto": only a skipped step (known on the host) can be replayed without a copy before each step.
+            if loss_on_host is not None and not math.isfinite(loss_on_host) and not replay.missing_said:
+                replay.missing_said = True
+                self._event(REPLAY_OFF_EVENT, f"step {step}'s loss is {loss_on_host} after the optimizer stepped: "
+                                              "replaying it needs the state from before the step, which "
+                                              "replay='auto' does not keep (replay=True: a copy before each step)",
+                            step)
+            return
+        # The loss on the host: free on a CPU; on CUDA a host sync, made only with replay=True (its one cost beyond
+        # the copy: a failure must be seen before the kept state is overwritten by the next step's) or on a skip.
+        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+        failure = replay.failure(step, value, bool(skipped))
+        if not failure or not replay.due(step):
+            return
+        if batch is None or loss_fn is None:
+            if not replay.missing_said:
+                replay.missing_said = True
+                self._event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and was not replayed: pass the step's "
+                                              "batch and a loss closure (monitor.step(loss, batch=..., "
+                                              "loss_fn=...))", step)
+            return
+        try:
+            if not replay.every_step:
+                # The band is the recorded losses before this step: on CUDA the records still on their way are
+                # waited for (a sync, on this skipped step only). The skip left the state as it was before the step.
+                self._settle()
+                replay.keep_skipped()
+            report = replay.replay(run_id=run_id, mode=mode, step=step, loss=value, batch=batch, loss_fn=loss_fn,
+                                   device=device, grad_clip=grad_clip)
+        except Exception as exc:  # a diagnostic never stops the user's training: the event says what went wrong
+            self._event(REPLAY_OFF_EVENT, f"step {step} failed ({failure}) and its replay failed: "
+                                          f"{type(exc).__name__}: {exc}", step)
+            return
+        self._event(REPLAYED_EVENT, f"step {step} failed ({failure}), replayed in every mode: "
+                                    f"{report.verdict.line()}", step, report=report_data(report))

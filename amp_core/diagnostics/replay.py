@@ -316,7 +316,8 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
         data = run.data
         if data is None:
             raise ReplayError("run", f"run {run_id} has not loaded its data yet")
-        start = _from_snapshot(config, index, mode, run.snapshots.nearest(index, step), workload, data, device)
+        with run.snapshots.lease(index, step) as snapshot:
+            start = _from_snapshot(config, index, mode, snapshot, workload, data, device)
     else:
         ok, reason = availability(mode, device)
         if not ok:

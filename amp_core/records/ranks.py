@@ -53,6 +53,9 @@ class RankSink:
     every rank must call `flush_if_due` equally often, and `flush`/`close` together.
     """
 
+    counts_calls = True
+    """`flush_if_due` counts its calls (the ranks flush at the same call): every step makes one (RecordSink's)."""
+
     def __init__(self, run_id: str, store: RunStore | None, *, group=None, flush_every_s: float = FLUSH_EVERY_S,
                  check_skips: bool = True, on_agreed: Callable[[set], None] | None = None):
         self.group = group

@@ -79,6 +79,10 @@ class GradStatsLog:
 class RecordSink:
     """A run's step records, events and gradient statistics; `flush` writes what is new in one transaction."""
 
+    counts_calls = False
+    """`flush_if_due` decides by the clock alone, so a loop may leave it uncalled until `flush_due_at` (a RankSink
+    counts the calls instead: every step must make one)."""
+
     def __init__(self, run_id: str, store: RunStore | None = None, flush_every_s: float = FLUSH_EVERY_S):
         self.run_id = run_id
         self.store = store

@@ -3,13 +3,15 @@
 - meters.py: the Meter interface (HostMeter: perf_counter; CudaMeter: events and pinned copies, no host sync);
 - schedule.py: which steps measure memory, gradient norms, gradient statistics and layer amax;
 - watch.py: what the optimizer tells (the LR it used, whether GradScaler let it step, a fused optimizer's flag);
-- recorder.py: StepResult and the StepRecorder (in-flight queue, resolve, StepRecords and events).
+- recorder.py: StepResult and the StepRecorder (in-flight queue, resolve, StepRecords and events);
+- driver.py: the StepDriver (the timed window, plain or full steps, a full step's assembly, records to the recorder).
 """
 
+from amp_core.telemetry.driver import StepDriver
 from amp_core.telemetry.meters import CudaMeter, HostMeter, Meter, Window, meter_for
-from amp_core.telemetry.recorder import MAX_IN_FLIGHT, LaneTrack, StepRecorder, StepResult, resolve_step
+from amp_core.telemetry.recorder import MAX_IN_FLIGHT, LaneTrack, PlainStep, StepRecorder, StepResult, resolve_step
 from amp_core.telemetry.schedule import SamplingSchedule
 from amp_core.telemetry.watch import OptimizerWatch
 
-__all__ = ["MAX_IN_FLIGHT", "CudaMeter", "HostMeter", "LaneTrack", "Meter", "OptimizerWatch", "SamplingSchedule",
-           "StepRecorder", "StepResult", "Window", "meter_for", "resolve_step"]
+__all__ = ["MAX_IN_FLIGHT", "CudaMeter", "HostMeter", "LaneTrack", "Meter", "OptimizerWatch", "PlainStep",
+           "SamplingSchedule", "StepDriver", "StepRecorder", "StepResult", "Window", "meter_for", "resolve_step"]

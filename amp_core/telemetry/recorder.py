@@ -76,6 +76,21 @@ class StepResult:
     """The figures were filled in as they were sent (a meter that has them on the host at once)."""
 
 
+@dataclass(slots=True)
+class PlainStep:
+    """A step that sampled nothing, kept as it was made until the next drain turns it into a record."""
+
+    step: int
+    lr: float
+    t_wall_s: float
+    window: Window
+    """Its timed window, with the loss (and on a scaled step the scale after it) sent."""
+    samples: int | None
+    """The batch's size (for samples/s)."""
+    probe_s: float = 0.0
+    """Host seconds the driver's caller spent on the step outside its window (a Monitor's own)."""
+
+
 def send_figures(meter: Meter, window: Window, result: StepResult, loss: torch.Tensor | float,
                  scaler: torch.amp.GradScaler | None, found_inf: torch.Tensor | None,
                  norms: tuple[torch.Tensor, torch.Tensor] | None, norm_names: list[str] | None) -> None:
@@ -232,17 +247,17 @@ class StepRecorder:
         if len(self._in_flight) >= RESOLVE_BATCH or time.monotonic() >= self._resolve_at:
             self.resolve()
 
-    def add_plain(self, track: LaneTrack, plain: list[tuple], scaled: bool = False) -> None:
-        """Plain steps kept by a loop (the runner's and the Monitor's fast path: a step that sampled nothing, was not
-        skipped and whose loss was finite as far as the host knew), oldest first, as `add` takes a full step: each
-        (step, lr, t_wall_s, window, samples, probe seconds), its figures sent through `track.meter`. Made here, in a
-        batch, where the caches hold this code, rather than right after each step, where they hold the model."""
+    def add_plain(self, track: LaneTrack, plain: list[PlainStep], scaled: bool = False) -> None:
+        """Plain steps kept by a StepDriver (a step that sampled nothing, was not skipped and whose loss was finite as
+        far as the host knew), oldest first, as `add` takes a full step, their figures sent through `track.meter`.
+        Made here, in a batch, where the caches hold this code, rather than right after each step, where they hold
+        the model."""
         meter = track.meter
-        for step, lr, t_wall_s, window, samples, probe_s in plain:
-            result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=scaled, skipped=False,
-                                probe_ms=probe_s * 1e3)
-            attach_window(meter, window, result)
-            self.add(track, result, samples)
+        for kept in plain:
+            result = StepResult(step=kept.step, lr=kept.lr, t_wall_s=kept.t_wall_s, scaled=scaled, skipped=False,
+                                probe_ms=kept.probe_s * 1e3)
+            attach_window(meter, kept.window, result)
+            self.add(track, result, kept.samples)
 
     @property
     def waiting(self) -> int:

@@ -1,0 +1,44 @@
+"""The race's layer amax sampling (RunConfig.amax_every) as a run hook: every N steps, after a lane's step, each
+module's output and output-gradient abs max on a shadow copy of the lane (a `layer_amax` event per lane)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from amp_core.probes.layerwatch import layer_sampler
+from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
+
+
+class LayerAmaxHook:
+    """An after_lane_step hook (RunHooks) acting every `every` steps; `lane_end` lets a lane's shadow copy go. Its
+    `run` and `lane` are a runner.Run and its lanes.Lane (not imported: the runner imports this module)."""
+
+    def __init__(self, every: int):
+        self.every = every
+        """Steps between two samples: the steps in between may be plain ones (RunHooks.plain_steps)."""
+        self._samplers: dict[int, LayerAmaxSampler] = {}
+        """Per lane, the shadow copy layer amax is sampled on (one more copy of the weights while the lane lives)."""
+
+    def __call__(self, run: Any, lane: Any, step: int) -> None:
+        """Per-module abs max on the shadow copy (the lane's weights after this step, this step's batch), after the
+        timed step: its cost is reported in the event as sample_ms and never enters step_ms."""
+        state = lane.state
+        if step % self.every or state is None or lane.status != "running":
+            return
+        start = time.perf_counter()
+        try:
+            scale = state.scaler.get_scale() if state.scaler.is_enabled() else None  # a device sync: sampled steps only
+            sampler = self._samplers.get(lane.index)
+            if sampler is None:
+                sampler = self._samplers[lane.index] = layer_sampler(state.model, state.precision,
+                                                                      state.workload.loss)
+            sample = sampler.sample(run.batch_of(lane), scale)
+        except Exception as exc:  # a failed sample must not stop the lane
+            run.sink.event("warning", f"layer amax sampling failed: {type(exc).__name__}: {exc}", lane.index, step)
+            return
+        run.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **sample.event_data(),
+                       sample_ms=(time.perf_counter() - start) * 1e3)
+
+    def lane_end(self, run: Any, lane: Any) -> None:
+        self._samplers.pop(lane.index, None)

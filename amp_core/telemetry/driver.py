@@ -1,0 +1,139 @@
+"""The step driver: how one track's steps (a race lane's, a Monitor's loop's) are measured around their training work,
+written once for both. It opens and closes a step's timed window, decides from the sampling schedule whether a step
+is plain or full, keeps plain steps (PlainStep) until they are drained into the recorder in a batch, assembles a full
+step (gradient norms, figures sent, sampled probes closed) and hands it to the StepRecorder.
+
+What the timed window holds is decided here and nowhere else: `begin` opens the sampled probes (outside the window)
+and then the window, as the last thing before the training work; `end` closes it, as the first thing after. Between
+the two is the training work only: `step.train_step` / `step.plain_step` for a race lane, the user's own loop between
+two `Monitor.step` calls. A gradient norm measured as a figure only, the figures' copies and the sampled probes come
+after `end` (`finish`), their host time being the step's probe_ms.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from amp_core.telemetry.meters import Meter, Window
+from amp_core.telemetry.recorder import LaneTrack, PlainStep, StepRecorder, StepResult, send_figures
+from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
+from amp_core.telemetry.watch import OptimizerWatch
+from amp_core.torch_private import scale_tensor
+
+FullStepAt = Callable[[int], int]
+"""What else watches a driver's steps: given a step, the first step from it on that must take the full path (the step
+itself: this one; a large number: none soon)."""
+
+
+class StepDriver:
+    """The measured steps of one track (see the module's docstring). `plain`: the steps the schedule leaves unsampled
+    may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
+    N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
+
+    __slots__ = ("also_every", "always_norm", "end", "kept", "meter", "opened", "plain", "plain_until", "probes",
+                 "recorder", "scaler", "schedule", "track", "watch", "watchers")
+
+    def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
+                 scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
+        self.meter = meter
+        self.probes = probes
+        self.schedule = probes.schedule
+        self.watch = watch
+        self.scaler = scaler
+        self.always_norm = always_norm
+        """Measure the gradient norm on every full step (clipping, planned faults, a mode that overflows)."""
+        self.recorder: StepRecorder | None = None
+        self.track: LaneTrack | None = None
+        self.plain = False
+        self.also_every: tuple[int, ...] = ()
+        self.watchers: list[FullStepAt] = []
+        self.plain_until = 0
+        """Steps before this one are plain (`plan`)."""
+        self.kept: list[PlainStep] = []
+        self.opened = NOTHING_OPENED
+        self.end: Callable[[Window], None] = meter.close
+        """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
+        bound here: a plain step's window makes one call less)."""
+
+    def attach(self, recorder: StepRecorder, track: LaneTrack) -> None:
+        """Where the steps' records go."""
+        self.recorder, self.track = recorder, track
+
+    # --- plain or full --------------------------------------------------------------------------------------------
+    def is_plain(self, step: int) -> bool:
+        """Whether `step` is a plain one: it samples no figure and nothing watches it. Decided once for the steps up
+        to the next full one (`replan` decides again, when a watcher may have changed its mind)."""
+        if step < self.plain_until:
+            return True
+        until = self.schedule.next_full_step(step, self.also_every) if self.plain else step
+        for full_at in self.watchers:
+            if until <= step:
+                break
+            until = min(until, full_at(step))
+        self.plain_until = until
+        return step < until
+
+    def replan(self, step: int) -> bool:
+        """`is_plain`, deciding again from `step` (a watcher may have been asked for something: a request, a
+        failure)."""
+        self.plain_until = 0
+        return self.is_plain(step)
+
+    # --- the timed window ---------------------------------------------------------------------------------------
+    def begin(self, step: int, scale: torch.Tensor | float | None = None, *, plain: bool = False,
+              memory: bool = False, grad_stats: bool = False, saved_bytes: Callable[[], int] | None = None) -> Window:
+        """Open step `step`: on a full step the sampled probes first (outside the window: the bytes saved for
+        backward, parameter copies, the allocator's window), then the timed window, which takes `scale` (the scale
+        the step begins with) before it starts."""
+        if not plain:
+            self.opened = self.probes.open(step, memory, grad_stats, saved_bytes)
+        return self.meter.open(scale)
+
+    # --- after the window ---------------------------------------------------------------------------------------
+    def keep(self, window: Window, step: int, lr: float, loss: torch.Tensor | float, samples: int | None,
+             probe_s: float = 0.0) -> bool:
+        """A plain step: send its loss (and on a scaled step the scale after it) and keep it for the next drain.
+        False, with nothing kept, when its loss is known at once not to be finite (a host meter): the caller then
+        takes the full path with the same window (`finish`), so a divergence or a failure is seen at this step."""
+        meter = self.meter
+        meter.send(window, [loss, scale_tensor(self.scaler)] if self.watch.scaled else [loss])
+        there = meter.on_host(window)
+        if there is not None and not math.isfinite(there[1][0]):
+            return False
+        self.kept.append(PlainStep(step, lr, time.time(), window, samples, probe_s))
+        return True
+
+    def finish(self, window: Window, step: int, lr: float, loss: torch.Tensor | float, *, skipped: bool | None,
+               found_inf: torch.Tensor | None = None,
+               norms: tuple[tuple[torch.Tensor, torch.Tensor], list[str]] | None = None,
+               memory: bool = False, grad_stats: bool = False, fired_faults: list | tuple = (),
+               loop_s: float = 0.0) -> StepResult:
+        """A full step after its window closed: the gradient norm (fp32) where a figure needs it (every step with
+        `always_norm`, on gradient-statistics, skipped and the schedule's grad-norm steps; `norms`: measured already,
+        by clipping, with the parameters' names), its figures sent through the meter, the sampled probes closed.
+        Returns its StepResult (probe_ms: the probes' host time), not yet recorded (`record`)."""
+        t_wall_s = time.time()
+        if norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)):
+            # A figure only, so after the window: the optimizer leaves the gradients as they were.
+            norms = named_grad_norms(self.probes.names, self.probes.params)
+        result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=self.watch.scaled, skipped=skipped,
+                            fired_faults=fired_faults)
+        send_figures(self.meter, window, result, loss, self.scaler, found_inf, *(norms or (None, None)))
+        opened, self.opened = self.opened, NOTHING_OPENED
+        result.probe_ms = self.probes.close(result, opened, memory, grad_stats, loop_s) * 1e3
+        return result
+
+    def record(self, result: StepResult, samples: int | None) -> None:
+        """Hand a full step to the recorder, after the plain steps kept before it (records stay in step order)."""
+        self.drain()
+        self.recorder.add(self.track, result, samples)
+
+    def drain(self) -> None:
+        """The kept plain steps become records (StepRecorder.add_plain), oldest first."""
+        if self.kept:
+            kept, self.kept = self.kept, []
+            self.recorder.add_plain(self.track, kept, self.watch.scaled)
