@@ -21,6 +21,7 @@ from amp_core.config import (
 )
 from pages.common import (
     app_frame,
+    can_control,
     device_panel,
     get_manager,
     plugin_panel,
@@ -30,6 +31,7 @@ from pages.common import (
     store_guarded,
     warm_up,
 )
+from pages.common import control_note as presenter_note
 
 REFRESH_S = 1.0  # the live view's redraw period while a run goes
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
@@ -118,7 +120,10 @@ with st.container(border=True):
 errors_slot = st.empty()
 
 launch_now = launch_drawn = False
-if not warm.core.is_set():
+if not can_control():  # a visitor of a shared server: the form is there to read, the runs below to follow
+    presenter_note()
+    launch_drawn = True
+elif not warm.core.is_set():
     # The first paint: Launch is there at once; a press before the device is known waits for it, then launches.
     launch_now, launch_drawn = st.button("Launch", type="primary", key="train_launch"), True
     modes_slot.caption("**Precision modes** — checking which modes this machine runs (PyTorch is loading)…")
@@ -348,7 +353,10 @@ with maxbatch_slot:
     budget_mib = m1.number_input("Memory budget (MiB, 0 = what is free now)", min_value=0.0, value=0.0, step=256.0,
                                  key="train_maxbatch_budget",
                                  help="0: the free GPU memory on CUDA, the machine's available memory on a CPU.")
-    if m2.button("Find the largest batch", key="train_maxbatch_go",
+    if not can_control():
+        with m2:
+            presenter_note()
+    elif m2.button("Find the largest batch", key="train_maxbatch_go",
                  help="For the chosen workload, size, optimizer and lanes — the same search as `amp-lab maxbatch`. "
                       "On a CPU it is modelled from measured bytes (seconds); on CUDA it tries real steps."):
         start_maxbatch(float(budget_mib))
@@ -363,13 +371,20 @@ if config is not None:
     waits_for_user = config.size != "small" and probe_key not in asked
     busy = any(run.alive for run in manager.runs())
     known = board.known(config)
-    racing = not waits_for_user and not busy and known is None
+    watching = not can_control()  # a visitor sees what was measured, and starts no race
+    racing = not watching and not waits_for_user and not busy and known is None
 
     @st.fragment(run_every=PROBE_POLL_S if racing else None)
     def cost_panel() -> None:
         with st.container(border=True):
             st.markdown(f"**What each mode costs here** · {entries[config.workload].title}, {config.size}, "
                         f"batch {config.batch_size}")
+            if watching:
+                if known is None:
+                    st.caption("Not measured for these settings yet: the presenter's cost probe measures them.")
+                else:
+                    draw_costs(known)
+                return
             if waits_for_user:
                 modes = tuple([BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE])
                 st.dataframe(step_estimates(config.workload, config.size, config.batch_size, modes, device),
@@ -432,6 +447,9 @@ def controls(info: dict) -> None:
         st.caption(note)
     status = info["status"]
     if run is None or not run.alive or status not in ("running", "paused"):
+        return
+    if not can_control():
+        presenter_note()
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":
