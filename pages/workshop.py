@@ -87,6 +87,8 @@ if "workshop_error" in st.session_state:
     st.error(st.session_state["workshop_error"])
 
 current: ScenarioLaunch | None = st.session_state.get("workshop_launch") if controlling else presented().get("latest")
+if current is not None and current.manager is not manager:
+    current = None  # launched through a RunManager this server has since replaced (its runs are in the store)
 if not controlling:
     @st.fragment(run_every=FOLLOW_S)
     def follow_presenter() -> None:

@@ -5,7 +5,7 @@
 that every page has a live run); "visitor" and "presenter" open every page at 1440x900 in headless Chromium and write
 OUT/ROLE.json: per page, the text of every button drawn (st.button, form and download buttons), how many times the
 presenter's note is drawn, the sidebar's text, tracebacks drawn, and for the Train page the loss chart's points at
-two moments (a live run followed grows between them); plus a screenshot of each page, OUT/ROLE_PAGE.png. The
+two moments (a live run followed draws later steps); plus a screenshot of each page, OUT/ROLE_PAGE.png. The
 presenter's tour ends by pressing Stop.
 """
 
@@ -39,10 +39,13 @@ BUTTONS = """() => Array.from(document.querySelectorAll(['stMain', 'stSidebarUse
         + (button.textContent.trim() || button.getAttribute('aria-label') || '(no label)'))"""
 """The page's and the sidebar's buttons (not Streamlit's own header, nor a table's toolbar): what they say, a download
 button's marked "download: "."""
-LOSS_POINTS = """() => {
+LAST_STEP = """() => {
     const plot = document.querySelector('.js-plotly-plot');
-    return plot && plot._fullData ? plot._fullData.reduce((n, trace) => n + (trace.x ? trace.x.length : 0), 0) : 0;
+    if (!plot || !plot._fullData) return 0;
+    const drawn = plot._fullData.filter(trace => trace.x && trace.x.length);
+    return Math.max(0, ...drawn.map(trace => Number(trace.x[trace.x.length - 1])));
 }"""
+"""The last step the first chart (the loss) draws: a long run's chart is decimated, so its point count stops growing."""
 
 
 def open_page(page, url: str, name: str) -> None:
@@ -51,7 +54,7 @@ def open_page(page, url: str, name: str) -> None:
     page.get_by_role("heading", name=title, exact=True).wait_for(timeout=90_000)
     page.wait_for_function(SETTLED, timeout=90_000)
     if name in LIVE_LANE_PAGES:
-        page.get_by_text(LIVE_LANE_PAGES[name], exact=True).click()
+        page.get_by_role("radio", name=LIVE_LANE_PAGES[name]).check(force=True)  # (the input hides under its label)
         page.get_by_text("Lane", exact=True).wait_for(timeout=30_000)  # the picker of the live run's lanes
         page.wait_for_function(SETTLED, timeout=60_000)
 
@@ -76,10 +79,10 @@ def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
     seen: dict = {}
     if name == "train":  # the run followed live: its chart grows while this browser watches
         page.get_by_text("Run status: running").wait_for(timeout=60_000)
-        page.wait_for_function(f"({LOSS_POINTS})() > 0", timeout=60_000)
-        first = page.evaluate(LOSS_POINTS)
-        page.wait_for_function(f"({LOSS_POINTS})() > {first}", timeout=60_000)
-        seen["loss_points"] = [first, page.evaluate(LOSS_POINTS)]
+        page.wait_for_function(f"({LAST_STEP})() > 0", timeout=60_000)
+        first = page.evaluate(LAST_STEP)
+        page.wait_for_function(f"({LAST_STEP})() > {first}", timeout=60_000)
+        seen["last_step"] = [first, page.evaluate(LAST_STEP)]
     page.wait_for_function(SETTLED, timeout=60_000)
     seen.update(buttons=page.evaluate(BUTTONS), notes=page.locator("[data-testid='stMain']").get_by_text(NOTE).count(),
                 sidebar=page.locator("[data-testid='stSidebar']").inner_text(),
