@@ -36,9 +36,10 @@ BUTTONS = """() => Array.from(document.querySelectorAll(['stMain', 'stSidebarUse
         .map(area => `[data-testid="${area}"] [data-testid^="stBaseButton"]`).join(', ')))
     .filter(button => button.dataset.testid !== 'stBaseButton-elementToolbar')
     .map(button => (button.closest('[data-testid="stDownloadButton"]') ? 'download: ' : '')
-        + (button.textContent.trim() || button.getAttribute('aria-label') || '(no label)'))"""
-"""The page's and the sidebar's buttons (not Streamlit's own header, nor a table's toolbar): what they say, a download
-button's marked "download: "."""
+        + ((button.querySelector('[data-testid="stMarkdownContainer"]') || button).textContent.trim()
+           || button.getAttribute('aria-label') || '(no label)'))"""
+"""The page's and the sidebar's buttons (not Streamlit's own header, nor a table's toolbar): their label (an icon's
+name left out), a download button's marked "download: "."""
 LAST_STEP = """() => {
     const plot = document.querySelector('.js-plotly-plot');
     if (!plot || !plot._fullData) return 0;
