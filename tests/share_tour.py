@@ -50,13 +50,23 @@ LAST_STEP = """() => {
 
 
 def open_page(page, url: str, name: str) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     path, title = PAGES[name]
     page.goto(f"{url}/{path}")
     page.get_by_role("heading", name=title, exact=True).wait_for(timeout=90_000)
     page.wait_for_function(SETTLED, timeout=90_000)
     if name in LIVE_LANE_PAGES:
-        page.get_by_role("radio", name=LIVE_LANE_PAGES[name]).check(force=True)  # (the input hides under its label)
-        page.get_by_text("Lane", exact=True).wait_for(timeout=30_000)  # the picker of the live run's lanes
+        choice = page.locator("[data-testid='stRadio'] label", has_text=LIVE_LANE_PAGES[name])
+        lane_picker = page.get_by_text("Lane", exact=True)  # the picker of the live run's lanes
+        for attempt in range(3):  # a click that lands while the page is still redrawing can be lost: click again
+            choice.click(timeout=60_000)
+            try:
+                lane_picker.wait_for(timeout=30_000)
+                break
+            except PlaywrightTimeout:
+                if attempt == 2:
+                    raise
         page.wait_for_function(SETTLED, timeout=60_000)
 
 
