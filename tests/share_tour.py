@@ -55,6 +55,9 @@ def open_page(page, url: str, name: str) -> None:
     path, title = PAGES[name]
     page.goto(f"{url}/{path}")
     page.get_by_role("heading", name=title, exact=True).wait_for(timeout=90_000)
+    # A page opened by its URL is drawn again inside the app's frame (pages.common.app_frame): its sidebar links show
+    # once that run has drawn, and the page's own widgets with it (before, they can be placeholders).
+    page.locator("[data-testid='stSidebarUserContent'] a").first.wait_for(timeout=90_000)
     page.wait_for_function(SETTLED, timeout=90_000)
     if name in LIVE_LANE_PAGES:
         choice = page.locator("[data-testid='stRadio'] label", has_text=LIVE_LANE_PAGES[name])
