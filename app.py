@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from pages.common import device_panel, get_manager, plugin_panel, store_banner, store_panel, wait_for_store, warm_up
+from pages.common import (
+    device_panel,
+    get_manager,
+    plugin_panel,
+    sharing_panel,
+    store_banner,
+    store_panel,
+    wait_for_store,
+    warm_up,
+)
 
 st.set_page_config(page_title="AMP Lab", page_icon=":material/science:", layout="wide")
 
@@ -29,6 +38,7 @@ with st.sidebar:
     # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
     for page in pages:
         st.page_link(page)
+    sharing_panel()  # a visitor of a shared server: watching (read-only); the presenter: how many visitors
     st.divider()
     device_slot = st.empty()
 if light_first and not warm.core.is_set():

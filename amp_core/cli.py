@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from amp_core import access
 from amp_core.config import (
     FAULT_GRAMMAR,
     INSPECT_DEFAULTS,
@@ -81,8 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start the dashboard: `streamlit run app.py` with AMP Lab's defaults. Arguments "
                                     "it does not know (e.g. --server.headless false) go to streamlit as they are.")
     ui.add_argument("--share", action="store_true",
-                    help="listen on every network interface (0.0.0.0) for a workshop: anyone who can reach the port "
-                         "can launch training runs on this machine and read every run")
+                    help="listen on every network interface (0.0.0.0) for a workshop: visitors from other machines "
+                         "watch read-only (every page and every run in the store); only a browser on this machine "
+                         "launches, pauses or stops runs")
+    ui.add_argument("--remote-control", action="store_true",
+                    help="with --share: visitors control the runs too (launch, pause, stop, faults, replays) — "
+                         "anyone who can reach the port uses this machine")
     ui.add_argument("--port", type=int, default=None, help="port to listen on (default: Streamlit's, 8501)")
     ui.set_defaults(handler=cmd_ui, takes_extra_args=True)
 
@@ -245,9 +250,22 @@ def cmd_ui(args: argparse.Namespace) -> int:
     if address is None:
         address = "0.0.0.0" if args.share else "127.0.0.1"
         command += ["--server.address", address]
-    if address not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: AMP Lab listens on {address}: anyone who can reach this port can launch training runs on "
-              "this machine and read every run in its store", file=sys.stderr)
+    shared = address not in ("127.0.0.1", "localhost", "::1")
+    if args.remote_control and not shared:
+        print("error: --remote-control needs --share (or a --server.address beyond this machine)", file=sys.stderr)
+        return 2
+    if shared and args.remote_control:
+        print(f"warning: AMP Lab listens on {address} with --remote-control: anyone who can reach this port can "
+              "launch training runs on this machine and read every run in its store", file=sys.stderr)
+    elif shared:
+        print(f"warning: AMP Lab listens on {address}: anyone who can reach this port can read every run in its "
+              "store; visitors from other machines watch read-only, only a browser on this machine launches, pauses "
+              "or stops runs (--remote-control hands them control)", file=sys.stderr)
+    # The dashboard reads how it is shared from its environment (amp_core.access), as it reads its store.
+    if shared:
+        os.environ[access.SHARE_ENV] = access.CONTROL if args.remote_control else access.WATCH
+    else:
+        os.environ.pop(access.SHARE_ENV, None)
     if args.store is not None:  # the dashboard reads its store and its plugins from the environment
         os.environ["AMP_LAB_STORE"] = args.store
     if args.workload_module:

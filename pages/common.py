@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from amp_core import background
 if TYPE_CHECKING:
     import pandas as pd
 
+    from amp_core.access import Sharing
     from amp_core.diagnostics.cost import ProbeBoard
     from amp_core.runner import RunManager
 
@@ -248,6 +250,109 @@ def plugin_panel(warm: WarmUp) -> None:
         st.caption("Plugin workloads: " + ", ".join(f"`{name}` ({module})" for name, module in PLUGIN_ORIGINS.items()))
 
 
+# --- sharing: who may start work or change a run (amp_core.access decides; each control is gated where drawn) ---
+VISITORS_REFRESH_S = 5.0
+"""How often the presenter's sidebar counts the visitors again (only while the server is shared)."""
+
+
+def server_sharing() -> Sharing:
+    """How this server is shared: $AMP_LAB_SHARE (set by `amp-lab ui --share`) and the address it listens on."""
+    from amp_core.access import sharing
+
+    return sharing(os.environ, st.get_option("server.address"))
+
+
+def connection_peer() -> str | None:
+    """The address this session's browser connected from, as the server's own socket saw it (never a header).
+
+    st.context.ip_address reads it but gives None both for a loopback peer and for a session with no connection behind
+    it (AppTest), which the decision must tell apart: when it is None, Streamlit's session client is asked for the same
+    field unnormalised (ClientContext.remote_ip in Streamlit 1.67; Streamlit's own backend operations read it as the
+    TCP peer). If that ever moves, the answer is None: unknown, so in a shared server nobody controls — never the
+    other way round."""
+    public = st.context.ip_address
+    if public is not None:
+        return public
+    from streamlit.runtime import Runtime
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is None or not Runtime.exists():
+        return None
+    client = Runtime.instance().get_client(ctx.session_id)
+    peer = getattr(getattr(client, "client_context", None), "remote_ip", None)
+    return peer if isinstance(peer, str) else None
+
+
+def can_control() -> bool:
+    """May this browser start work or change a run (launch, pause, stop, faults, replays, probes, requests)? Always when
+    the server is not shared; when it is, only a direct connection from this machine (or everyone with
+    --remote-control). Draw a control only where this is True, and control_note() in its place otherwise: a widget
+    that is not drawn cannot be triggered."""
+    from amp_core.access import is_loopback, may_control, was_proxied
+
+    share = server_sharing()
+    if not share.shared or share.remote_control:
+        return True
+    peer = connection_peer()
+    # The headers are read only for a loopback peer, and can only take control away (a relayed connection).
+    proxied = is_loopback(peer) and was_proxied(st.context.headers.keys())
+    return may_control(share, peer, proxied)
+
+
+def control_note() -> None:
+    """The one line a visitor sees where a control would be."""
+    from amp_core.access import PRESENTER_NOTE
+
+    st.caption(f":material/visibility: {PRESENTER_NOTE}")
+
+
+def connected_peers() -> list[str | None] | None:
+    """The address of every connected session (browser tab) of this server, or None where it cannot be read.
+
+    Streamlit 1.67 has no public list of sessions: this reads its runtime's session manager (private), here and
+    nowhere else; if that moves, the sidebar says it cannot count rather than failing."""
+    from streamlit.runtime import Runtime
+
+    try:
+        sessions = list(Runtime.instance()._session_mgr.list_active_sessions())
+        peers = [getattr(getattr(info.client, "client_context", None), "remote_ip", None) for info in sessions]
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return [peer if isinstance(peer, str) else None for peer in peers]
+
+
+def sharing_panel() -> None:
+    """The sidebar's word on sharing: a visitor is watching (read-only); the presenter sees how many visitors are."""
+    share = server_sharing()
+    if not share.shared:
+        return
+    if not can_control():
+        st.markdown(":material/visibility: **watching (read-only)**")
+        st.caption("This machine's presenter controls the runs; every run, chart and export is yours to look at.")
+        return
+    if share.problem:
+        st.error(share.problem)
+    if share.remote_control:
+        st.warning("Shared with remote control: anyone who can reach this port can launch, pause and stop runs here.",
+                   icon=":material/warning:")
+        return
+
+    def visitors() -> None:
+        from amp_core.access import visitor_count
+
+        peers = connected_peers()
+        if peers is None:
+            st.caption(":material/groups: Shared: visitors watch read-only (this Streamlit does not say how many).")
+            return
+        people, sessions = visitor_count(peers)
+        tabs = f" ({sessions} tabs)" if sessions != people else ""
+        st.caption(f":material/groups: Shared: **{people} visitor{'' if people == 1 else 's'}** watching "
+                   f"read-only{tabs}; only this machine controls the runs.")
+
+    st.fragment(visitors, run_every=VISITORS_REFRESH_S)()
+
+
 def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
     """Widgets to probe a running lane of a live run in this process (`verb` "trace" / "probe", `what` says what the
     click does): `probe(run, lane_index)` on the click, kept in session state under `state_key`; returns the result
@@ -261,6 +366,9 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
                 "(a finished lane has freed its model).")
         return None
     choice = st.selectbox("Lane", list(lanes), key=f"{prefix}_lane")
+    if not can_control():  # a probe copies a live lane's weights: the presenter's CPU and memory
+        control_note()
+        return None
     if st.button(f"{verb.capitalize()} this lane now", key=f"{prefix}_{verb}_lane",
                  help=f"{what} The lane's parameters, gradients, optimizer and scaler are not touched."):
         run, index = lanes[choice]
@@ -344,6 +452,9 @@ def attached_request(prefix: str, kind: str, run_id: str, live: bool) -> tuple[i
     key = f"{prefix}_request_{run_id}"
     if store is None:
         st.info("Requests go through the store, and this server has none.")
+        return None
+    if not can_control():  # a request is work for the user's own training process
+        control_note()
         return None
     if st.button(requests.KINDS[kind].capitalize(), key=f"{prefix}_ask_{kind}", disabled=not live,
                  help="Written to the store; the run's process reads it at its next flush and answers at its next "

@@ -14,6 +14,8 @@ from pages.common import (
     LIVE_MARK,
     app_frame,
     attached_request,
+    can_control,
+    control_note,
     first_nonfinite_list,
     get_manager,
     live_lane_probe,
@@ -68,10 +70,14 @@ def workload_report() -> numerics.NumericsReport | None:
     first, second, third, fourth = st.columns([3, 2, 2, 2])
     workload = first.selectbox("Workload", names, index=names.index("tiny_transformer"), key="lnum_workload",
                                format_func=lambda name: WORKLOADS[name].title)
-    size = second.selectbox("Size", list(WORKLOADS[workload].sizes), key="lnum_size")
-    batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
-                                    value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
-                                    help="Ranges depend on the batch: a larger one reaches further into the tails.")
+    if can_control():
+        size = second.selectbox("Size", list(WORKLOADS[workload].sizes), key="lnum_size")
+        batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
+                                        value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
+                                        help="Ranges depend on the batch: a larger one reaches further into the tails.")
+    else:  # a visitor's probe runs on the presenter's CPU: the smallest size at the default batch, cached for all
+        size, batch_size = next(iter(WORKLOADS[workload].sizes)), numerics.DEFAULT_NUMERICS_BATCH
+        second.caption(f"Size **{size}**, batch **{batch_size}**: larger probes are the presenter's to run.")
     preferred = next((m for m in (INSPECT_DEFAULTS.numerics_mode, "bf16-mixed") if m in runnable), runnable[-1])
     mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
                             help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
@@ -154,6 +160,9 @@ def show_report(report: numerics.NumericsReport) -> None:
 
 
 def launch_sampled_run() -> None:
+    if not can_control():  # a visitor of a shared server: the presenter launches runs
+        control_note()
+        return
     with st.expander("Launch a run that samples layer amax"):
         st.caption("Every N steps, after a lane's step, the run refreshes a shadow copy of the lane's model and "
                    "measures every module's output and gradient abs max on it; the training step itself, and its "

@@ -9,7 +9,7 @@ from amp_core.runs import is_live
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import app_frame, attached_request, get_manager, live_lane_probe, run_picker
+from pages.common import app_frame, attached_request, can_control, get_manager, live_lane_probe, run_picker
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
@@ -42,9 +42,13 @@ def workload_traces() -> list[optrace.OpTrace]:
     names = list(WORKLOADS)
     workload = left.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD), key="opi_workload",
                               format_func=lambda name: WORKLOADS[name].title)
-    size = middle.selectbox("Size", list(WORKLOADS[workload].sizes), key="opi_size")
-    batch_size = right.number_input("Batch size", min_value=1, max_value=1024, value=optrace.DEFAULT_TRACE_BATCH,
-                                    key="opi_batch", help=field_docs(InspectConfig)["trace_batch_size"])
+    if can_control():
+        size = middle.selectbox("Size", list(WORKLOADS[workload].sizes), key="opi_size")
+        batch_size = right.number_input("Batch size", min_value=1, max_value=1024, value=optrace.DEFAULT_TRACE_BATCH,
+                                        key="opi_batch", help=field_docs(InspectConfig)["trace_batch_size"])
+    else:  # a visitor's trace runs on the presenter's CPU: the smallest size at the default batch, cached for all
+        size, batch_size = next(iter(WORKLOADS[workload].sizes)), optrace.DEFAULT_TRACE_BATCH
+        middle.caption(f"Size **{size}**, batch **{batch_size}**: larger traces are the presenter's to run.")
     preferred = INSPECT_DEFAULTS.trace_mode if INSPECT_DEFAULTS.trace_mode in runnable else runnable[-1]
     if st.session_state.opi_source == SOURCES[0]:
         modes = [st.selectbox("Mode", runnable, index=runnable.index(preferred), key="opi_mode")]

@@ -16,6 +16,8 @@ from amp_core.workloads import WORKLOADS, param_names
 from pages.common import (
     LIVE_MARK,
     app_frame,
+    can_control,
+    control_note,
     first_nonfinite_list,
     fresh_selectbox,
     get_manager,
@@ -65,59 +67,63 @@ st.caption("Which parameters overflowed, and when; how the GradScaler's scale ba
 
 # ---- fault injection ------------------------------------------------------------------------------------
 # Open by default: a newcomer finds the demo here whether or not runs exist (collapse it to give the run room).
-with st.expander("Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
-                 expanded=True, icon=":material/syringe:"):
-    st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
-                "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
-                "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
-    top = st.columns(2)
-    workload = top[0].selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEMO_WORKLOADS[0]),
-                                format_func=lambda name: WORKLOADS[name].title, key="dbg_workload",
-                                help="digits_mlp: 300 steps take a few seconds on a laptop CPU, and its scale "
-                                     "never overflows on its own, so every skip is the fault's.")
-    kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_HELP[k]}", key="dbg_kind")
-    device = resolve_device("auto")
-    runnable = runnable_modes(device)
-    with st.form("dbg_fault_form"):
-        modes = st.multiselect("Modes (one lane each)", runnable,
-                               default=[m for m in ("16-mixed", "bf16-mixed") if m in runnable], key="dbg_modes",
-                               help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
-        row = st.columns(4)
-        if kind == "init_scale":
-            step, duration = 0, 1
-            row[0].caption("init_scale acts from the first step")
-        else:
-            step = row[0].number_input("At step", min_value=0, value=50, step=1, key="dbg_step")
-            duration = row[1].number_input("For steps", min_value=1, value=3, step=1, key="dbg_duration",
-                                           help="A 10-step spike halves the scale 10 times: with the growth "
-                                                "interval below it needs 10 x 50 steps to climb back.")
-        factor, param = 1.0, ""
-        if kind in ("loss_scale", "lr_scale", "init_scale", "batch_outlier"):
-            factor = row[2].number_input("Factor" if kind != "init_scale" else "Initial scale",
-                                         value=1e6 if kind == "loss_scale" else 2.0**24 if kind == "init_scale"
-                                         else 30.0 if kind == "batch_outlier" else 10.0, format="%g", key="dbg_factor")
-        else:
-            param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
-                                     help="The gradient that gets the inf/NaN (its first element).")
-        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=RUN_DEFAULTS.steps, step=50,
-                                    key="dbg_steps", help=field_docs(RunConfig)["steps"])
-        growth_interval = st.number_input(
-            "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
-            value=faults.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
-            help="PyTorch's default is 2000: after a backoff the scale would take thousands of steps to "
-                 "climb back, longer than this demo runs. 50 makes the recovery visible.")
-        launched = st.form_submit_button("Launch demo run", type="primary")
-    if launched:
-        try:
-            config = faults.demo_config(workload=workload, modes=tuple(modes), kind=kind, step=int(step),
-                                          duration=int(duration), factor=float(factor), param=param,
-                                          steps=int(steps), growth_interval=int(growth_interval))
-            run = manager.launch(config)
-        except ConfigError as error:
-            st.error(f"Cannot launch the demo: **{error.field}**: {error.why}")
-        else:
-            st.session_state["dbg_run"] = run.run_id  # the picker below opens on the new run
-            st.success(f"Launched {run.run_id}: {config.name}")
+if not can_control():  # a visitor of a shared server: faults are planted by the presenter only
+    control_note()
+else:
+    with st.expander("Fault injection: launch a demo run with a loss spike, an inf/NaN gradient or a bad scale",
+                     expanded=True, icon=":material/syringe:"):
+        st.markdown("Launch a short run with a fault on purpose. The default, the same loss spike in a `16-mixed` "
+                    "and a `bf16-mixed` lane, shows the difference live: fp16's scaled gradients overflow, the "
+                    "scaler skips those steps and halves its scale, then grows it back; bf16 skips nothing.")
+        top = st.columns(2)
+        workload = top[0].selectbox("Workload", list(WORKLOADS), index=list(WORKLOADS).index(DEMO_WORKLOADS[0]),
+                                    format_func=lambda name: WORKLOADS[name].title, key="dbg_workload",
+                                    help="digits_mlp: 300 steps take a few seconds on a laptop CPU, and its scale "
+                                         "never overflows on its own, so every skip is the fault's.")
+        kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_HELP[k]}", key="dbg_kind")
+        device = resolve_device("auto")
+        runnable = runnable_modes(device)
+        with st.form("dbg_fault_form"):
+            modes = st.multiselect("Modes (one lane each)", runnable,
+                                   default=[m for m in ("16-mixed", "bf16-mixed") if m in runnable], key="dbg_modes",
+                                   help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
+            row = st.columns(4)
+            if kind == "init_scale":
+                step, duration = 0, 1
+                row[0].caption("init_scale acts from the first step")
+            else:
+                step = row[0].number_input("At step", min_value=0, value=50, step=1, key="dbg_step")
+                duration = row[1].number_input("For steps", min_value=1, value=3, step=1, key="dbg_duration",
+                                               help="A 10-step spike halves the scale 10 times: with the growth "
+                                                    "interval below it needs 10 x 50 steps to climb back.")
+            factor, param = 1.0, ""
+            if kind in ("loss_scale", "lr_scale", "init_scale", "batch_outlier"):
+                factor = row[2].number_input("Factor" if kind != "init_scale" else "Initial scale",
+                                             value=1e6 if kind == "loss_scale" else 2.0**24 if kind == "init_scale"
+                                             else 30.0 if kind == "batch_outlier" else 10.0, format="%g",
+                                             key="dbg_factor")
+            else:
+                param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
+                                         help="The gradient that gets the inf/NaN (its first element).")
+            steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=RUN_DEFAULTS.steps,
+                                        step=50, key="dbg_steps", help=field_docs(RunConfig)["steps"])
+            growth_interval = st.number_input(
+                "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
+                value=faults.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
+                help="PyTorch's default is 2000: after a backoff the scale would take thousands of steps to "
+                     "climb back, longer than this demo runs. 50 makes the recovery visible.")
+            launched = st.form_submit_button("Launch demo run", type="primary")
+        if launched:
+            try:
+                config = faults.demo_config(workload=workload, modes=tuple(modes), kind=kind, step=int(step),
+                                              duration=int(duration), factor=float(factor), param=param,
+                                              steps=int(steps), growth_interval=int(growth_interval))
+                run = manager.launch(config)
+            except ConfigError as error:
+                st.error(f"Cannot launch the demo: **{error.field}**: {error.why}")
+            else:
+                st.session_state["dbg_run"] = run.run_id  # the picker below opens on the new run
+                st.success(f"Launched {run.run_id}: {config.name}")
 
 # ---- run and lane ---------------------------------------------------------------------------------------
 run_id = run_picker(manager, key="dbg_run", label="Run (live or finished)")
@@ -236,7 +242,10 @@ def replay_panel(run_id: str, lane: int, steps_done: int, review, spike_rule: Sp
         key=f"dbg_replay_step_{run_id}_{lane}",
         help="Opens on the lane's first spike, else its first skipped step or non-finite loss (a scaler's first steps "
              "often skip while it finds its scale).")
-    if replay_row[1].button("Replay", key="dbg_replay", type="primary"):
+    if not can_control():  # a replay trains copies on the presenter's machine and records its verdict in the run
+        with replay_row[2]:
+            control_note()
+    elif replay_row[1].button("Replay", key="dbg_replay", type="primary"):
         with st.spinner(f"Replaying step {replay_step_value} of lane {lane} in every mode ..."):
             try:
                 st.session_state["dbg_replay_report"] = replay_run(manager, run_id, lane, int(replay_step_value),

@@ -23,6 +23,7 @@ from amp_core.config import (
 from amp_core.extras import missing_extras
 from pages.common import (
     app_frame,
+    can_control,
     device_panel,
     get_manager,
     plugin_panel,
@@ -32,6 +33,7 @@ from pages.common import (
     store_guarded,
     warm_up,
 )
+from pages.common import control_note as presenter_note
 
 # The live view's redraw period while a run goes. A redraw (read the new records, build and serialise five figures)
 # holds the interpreter that the run's training thread needs for ~0.1-0.2 s on a 2-core CPU (cProfile: most of it
@@ -131,7 +133,10 @@ with st.container(border=True):
 errors_slot = st.empty()
 
 launch_now = launch_drawn = False
-if not warm.core.is_set():
+if not can_control():  # a visitor of a shared server: the form is there to read, the runs below to follow
+    presenter_note()
+    launch_drawn = True
+elif not warm.core.is_set():
     # The first paint: Launch is there at once; a press before the device is known waits for it, then launches.
     launch_now, launch_drawn = st.button("Launch", type="primary", key="train_launch"), True
     modes_slot.caption("**Precision modes** — checking which modes this machine runs (PyTorch is loading)…")
@@ -384,7 +389,10 @@ with maxbatch_slot:
     budget_mib = m1.number_input("Memory budget (MiB, 0 = what is free now)", min_value=0.0, value=0.0, step=256.0,
                                  key="train_maxbatch_budget",
                                  help="0: the free GPU memory on CUDA, the machine's available memory on a CPU.")
-    if m2.button("Find the largest batch", key="train_maxbatch_go",
+    if not can_control():
+        with m2:
+            presenter_note()
+    elif m2.button("Find the largest batch", key="train_maxbatch_go",
                  help="For the chosen workload, size, optimizer and lanes — the same search as `amp-lab maxbatch`. "
                       "On a CPU it is modelled from measured bytes (seconds); on CUDA it tries real steps."):
         start_maxbatch(float(budget_mib))
@@ -399,13 +407,20 @@ if config is not None:
     waits_for_user = config.size != "small" and probe_key not in asked
     busy = any(run.alive for run in manager.runs())
     known = board.known(config)
-    racing = not waits_for_user and not busy and known is None
+    watching = not can_control()  # a visitor sees what was measured, and starts no race
+    racing = not watching and not waits_for_user and not busy and known is None
 
     @st.fragment(run_every=PROBE_POLL_S if racing else None)
     def cost_panel() -> None:
         with st.container(border=True):
             st.markdown(f"**What each mode costs here** · {entries[config.workload].title}, {config.size}, "
                         f"batch {config.batch_size}")
+            if watching:
+                if known is None:
+                    st.caption("Not measured for these settings yet: the presenter's cost probe measures them.")
+                else:
+                    draw_costs(known)
+                return
             if waits_for_user:
                 modes = tuple([BASELINE_MODE] + [m for m in config.modes if m != BASELINE_MODE])
                 st.dataframe(step_estimates(config.workload, config.size, config.batch_size, modes, device),
@@ -468,6 +483,9 @@ def controls(info: RunInfo) -> None:
     status = info.status
     run = manager.get(run_id)
     if run is None or not info.controllable or status not in ("running", "paused"):
+        return
+    if not can_control():
+        presenter_note()
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":

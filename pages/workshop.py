@@ -13,10 +13,20 @@ from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes
 from amp_core.workshop import SCENARIOS, ScenarioLaunch, Waiting, evaluate, headline
-from pages.common import PRESENTER_KEY, app_frame, get_manager, presenter_on, presenter_style, store_guarded
+from pages.common import (
+    PRESENTER_KEY,
+    app_frame,
+    can_control,
+    control_note,
+    get_manager,
+    presenter_on,
+    presenter_style,
+    store_guarded,
+)
 
 REFRESH_S = 1.0  # the live part's redraw period while a scenario's runs go
 CARDS_PER_ROW = 3
+FOLLOW_S = 2.0  # how often a visitor's page looks whether the presenter launched another scenario
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 manager = get_manager()
@@ -27,12 +37,21 @@ st.session_state[PRESENTER_KEY] = presenter
 if presenter:
     presenter_style()
 st.title("Workshop")
+controlling = can_control()  # a visitor of a shared server follows the presenter's scenario and launches none
+
+
+@st.cache_resource(show_spinner=False)
+def presented() -> dict[str, ScenarioLaunch]:
+    """The scenario this server's presenter launched last (under "latest"), for the visitors' pages to follow."""
+    return {}
 
 
 def launch(name: str) -> None:
+    if not can_control():  # (the buttons are not drawn for a visitor; this keeps a callback from ever launching)
+        return
     st.session_state["workshop_pick"] = name  # the presenter view's picker shows what runs
     try:
-        st.session_state["workshop_launch"] = ScenarioLaunch(manager, SCENARIOS[name])
+        st.session_state["workshop_launch"] = presented()["latest"] = ScenarioLaunch(manager, SCENARIOS[name])
     except ConfigError as error:
         st.session_state["workshop_error"] = f"**{error.field}** — {error.why}. Nothing was launched."
     else:
@@ -40,7 +59,11 @@ def launch(name: str) -> None:
 
 
 # --- the scenarios ------------------------------------------------------------------------------------------------
-if presenter:  # fewer controls: one picker and one button
+if not controlling:
+    control_note()
+    st.caption("The presenter's latest scenario is drawn below as it runs, and checked from its own records; each "
+               "of its runs is on every page (Train, Compare) too.")
+elif presenter:  # fewer controls: one picker and one button
     picked_col, button_col = st.columns([4, 1], vertical_alignment="bottom")
     picked_col.selectbox("Scenario", list(SCENARIOS), format_func=lambda n: SCENARIOS[n].title,
                                   key="workshop_pick")
@@ -67,9 +90,20 @@ else:
 if "workshop_error" in st.session_state:
     st.error(st.session_state["workshop_error"])
 
-current: ScenarioLaunch | None = st.session_state.get("workshop_launch")
+current: ScenarioLaunch | None = st.session_state.get("workshop_launch") if controlling else presented().get("latest")
+if current is not None and current.manager is not manager:
+    current = None  # launched through a RunManager this server has since replaced (its runs are in the store)
+if not controlling:
+    @st.fragment(run_every=FOLLOW_S)
+    def follow_presenter() -> None:
+        """A visitor's page turns to the presenter's next scenario by itself."""
+        if presented().get("latest") is not current:
+            st.rerun(scope="app")
+
+    follow_presenter()
 if current is None:
-    st.info("Pick a scenario and press Launch: its runs take a few seconds here.")
+    st.info("Pick a scenario and press Launch: its runs take a few seconds here." if controlling else
+            "The presenter has not launched a scenario yet: it appears here, live, once they do.")
     st.stop()
 
 scenario = current.scenario

@@ -72,7 +72,8 @@ def test_share_listens_on_every_interface_and_says_what_that_exposes(ui_server):
     assert listening_addresses(proc, port) == {"0.0.0.0"}
     streamlit_server.stop(proc)
     output = proc.stdout.read()
-    assert "warning: AMP Lab listens on 0.0.0.0" in output and "launch training runs" in output
+    assert "warning: AMP Lab listens on 0.0.0.0" in output and "read every run" in output
+    assert "visitors from other machines watch read-only" in output  # the controls stay on this machine
 
 
 def test_plain_streamlit_run_is_loopback_too(tmp_path):

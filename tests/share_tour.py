@@ -1,0 +1,146 @@
+"""One browser's tour of a shared dashboard, run as its own process so that it can run inside a network namespace
+(tests/test_sharing_browser.py: a visitor from another address) or on this machine (the presenter, over loopback).
+
+`python -m tests.share_tour URL ROLE OUT`: ROLE "launch" launches a long run from the Train page (the presenter's, so
+that every page has a live run); "visitor" and "presenter" open every page at 1440x900 in headless Chromium and write
+OUT/ROLE.json: per page, the text of every button drawn (st.button, form and download buttons), how many times the
+presenter's note is drawn, the sidebar's text, tracebacks drawn, and for the Train page the loss chart's points at
+two moments (a live run followed draws later steps); plus a screenshot of each page, OUT/ROLE_PAGE.png. The
+presenter's tour ends by pressing Stop.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+
+VIEWPORT = {"width": 1440, "height": 900}
+PAGES = {"train": ("", "Train"), "workshop": ("workshop", "Workshop"), "compare": ("compare", "Compare runs"),
+         "op_inspector": ("op_inspector", "Op inspector"), "layer_numerics": ("layer_numerics", "Layer numerics"),
+         "overflow_debugger": ("overflow_debugger", "Overflow debugger"), "formats": ("formats", "Number formats")}
+"""Each page: its URL path and its title."""
+PRESENTER_PAGES = ("train", "workshop", "op_inspector", "layer_numerics", "overflow_debugger")
+"""The pages with controls: the presenter's tour (Compare and Formats start no work for anyone)."""
+LIVE_LANE_PAGES = {"op_inspector": "A live lane", "layer_numerics": "A live lane"}
+"""Pages whose live-lane probe is behind a radio choice: the tour picks it."""
+NOTE = "This machine's presenter controls the runs"
+LAUNCH_STEPS = 200_000
+"""The launched run's steps: it trains through the whole test (the presenter's tour stops it at its end)."""
+LAUNCH_BATCH = 8
+"""A small batch: the run shares a busy machine with both browsers."""
+BUTTONS = """() => Array.from(document.querySelectorAll(['stMain', 'stSidebarUserContent']
+        .map(area => `[data-testid="${area}"] [data-testid^="stBaseButton"]`).join(', ')))
+    .filter(button => button.dataset.testid !== 'stBaseButton-elementToolbar')
+    .map(button => (button.closest('[data-testid="stDownloadButton"]') ? 'download: ' : '')
+        + ((button.querySelector('[data-testid="stMarkdownContainer"]') || button).textContent.trim()
+           || button.getAttribute('aria-label') || '(no label)'))"""
+"""The page's and the sidebar's buttons (not Streamlit's own header, nor a table's toolbar): their label (an icon's
+name left out), a download button's marked "download: "."""
+LAST_STEP = """() => {
+    const plot = document.querySelector('.js-plotly-plot');
+    if (!plot || !plot._fullData) return 0;
+    const drawn = plot._fullData.filter(trace => trace.x && trace.x.length);
+    return Math.max(0, ...drawn.map(trace => Number(trace.x[trace.x.length - 1])));
+}"""
+"""The last step the first chart (the loss) draws: a long run's chart is decimated, so its point count stops growing."""
+
+
+def open_page(page, url: str, name: str) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    path, title = PAGES[name]
+    page.goto(f"{url}/{path}")
+    page.get_by_role("heading", name=title, exact=True).wait_for(timeout=90_000)
+    # A page opened by its URL is drawn again inside the app's frame (pages.common.app_frame): its sidebar links show
+    # once that run has drawn, and the page's own widgets with it (before, they can be placeholders).
+    page.locator("[data-testid='stSidebarUserContent'] a").first.wait_for(timeout=90_000)
+    page.wait_for_function(SETTLED, timeout=90_000)
+    if name in LIVE_LANE_PAGES:
+        choice = page.locator("[data-testid='stRadio'] label", has_text=LIVE_LANE_PAGES[name])
+        lane_picker = page.get_by_text("Lane", exact=True)  # the picker of the live run's lanes
+        for attempt in range(3):  # a click that lands while the page is still redrawing can be lost: click again
+            choice.click(timeout=60_000)
+            try:
+                lane_picker.wait_for(timeout=30_000)
+                break
+            except PlaywrightTimeout:
+                if attempt == 2:
+                    raise
+        page.wait_for_function(SETTLED, timeout=60_000)
+
+
+def launch_run(page, url: str) -> None:
+    """The presenter's run: Launch on the Train page with many steps, until the page says it is running."""
+    open_page(page, url, "train")
+    # One lane: the run shares a busy machine with both browsers.
+    page.get_by_role("button", name="Remove 16-mixed").click()
+    page.wait_for_function(SETTLED, timeout=60_000)
+    for label, value in (("Steps", LAUNCH_STEPS), ("Batch size", LAUNCH_BATCH)):
+        box = page.get_by_label(label, exact=True)
+        box.fill(str(value))
+        box.press("Enter")
+        page.wait_for_function(SETTLED, timeout=60_000)
+    page.get_by_role("button", name="Launch", exact=True).click()
+    page.get_by_text("Run status: running").wait_for(timeout=90_000)
+
+
+def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
+    open_page(page, url, name)
+    seen: dict = {}
+    if name == "train":  # the run followed live: its chart grows while this browser watches
+        page.get_by_text("Run status: running").wait_for(timeout=60_000)
+        page.wait_for_function(f"({LAST_STEP})() > 0", timeout=60_000)
+        first = page.evaluate(LAST_STEP)
+        page.wait_for_function(f"({LAST_STEP})() > {first}", timeout=60_000)
+        seen["last_step"] = [first, page.evaluate(LAST_STEP)]
+    page.wait_for_function(SETTLED, timeout=60_000)
+    seen.update(buttons=page.evaluate(BUTTONS), notes=page.locator("[data-testid='stMain']").get_by_text(NOTE).count(),
+                sidebar=page.locator("[data-testid='stSidebar']").inner_text(),
+                exceptions=page.locator("[data-testid='stException']").count())
+    page.screenshot(path=str(shots / f"{role}_{name}.png"))
+    if name == "train":  # and the run itself, further down
+        page.get_by_text("Run status: running").scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / f"{role}_{name}_run.png"))
+    return seen
+
+
+def stop_run(page, url: str) -> None:
+    """The presenter's Stop, on the Train page: the control works from this machine (and the run ends)."""
+    open_page(page, url, "train")
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_text("Run status: stopped").wait_for(timeout=60_000)
+
+
+def main(url: str, role: str, out: Path) -> None:
+    """`role`: "launch" (the presenter launches the run), "visitor" (a tour), "presenter" (a tour, then Stop)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            if role == "launch":
+                launch_run(page, url)
+                return
+            seen = {}
+            for name in PAGES if role == "visitor" else PRESENTER_PAGES:
+                began = time.monotonic()
+                try:
+                    seen[name] = visit(page, url, name, out, role)
+                except Exception:
+                    page.screenshot(path=str(out / f"{role}_{name}_failed.png"))  # what the page showed instead
+                    raise
+                seen[name]["seconds"] = round(time.monotonic() - began, 1)
+                (out / f"{role}.json").write_text(json.dumps(seen, indent=1))  # (so far: a failure shows the rest)
+            if role == "presenter":
+                stop_run(page, url)
+        finally:
+            browser.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
