@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from amp_core import background
+from amp_core.compiled import compile_hooks
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import Precision, resolve_device
 from amp_core.probes.faults import param_by_name
@@ -63,7 +64,7 @@ class Lane:
         self.replicate = replicate
         """Which seed replicate of its mode the lane is (0 .. RunConfig.seeds - 1)."""
         self.status = "pending"
-        """pending | running | finished | stopped | diverged | failed."""
+        """pending | running | compiling (amp_core.compiled) | finished | stopped | diverged | failed."""
         self.error = ""
         self.steps_done = 0
         self.state: LaneState | None = None
@@ -228,6 +229,7 @@ class Run:
         by amp_core.diagnostics.replay; taken by the `take_snapshot` before_lane_step hook."""
         if self.snapshots.every > 0:
             self.hooks = replace(self.hooks, before_lane_step=[take_snapshot, *self.hooks.before_lane_step])
+        self.hooks = compile_hooks(self.hooks, config)  # compiled lanes (`+compile`): compile time kept out of steps
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
