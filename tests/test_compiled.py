@@ -1,0 +1,120 @@
+"""Compiled lanes (`+compile`) with real inductor on the CPU: eager and compiled lanes race from the same weights and
+batches, compile time stays out of step time, dynamo's graph breaks are named, a failing compile fails its lane
+alone, drift is recorded per step, and the compiled op view shows fewer standalone casts than eager. Each module
+fixture compiles once (seconds cold; inductor's cache makes a rerun quicker)."""
+
+from __future__ import annotations
+
+import pytest
+from compile_workloads import PlantedBreak
+
+from amp_core.compiled import COMPILED_EVENT, GRAPH_BREAK_EVENT, eager_recipe, is_compiled_recipe, one_line
+from amp_core.config import ConfigError, RunConfig
+from amp_core.precision import availability, cpp_compiler
+from amp_core.runner import Run
+from amp_core.views import compiled as compiled_views
+from amp_core.workloads import WORKLOADS, check_launch
+
+STEPS = 6
+
+
+def finished(config: RunConfig) -> Run:
+    run = Run(config).start()
+    run.join(600)
+    assert not run.alive
+    return run
+
+
+@pytest.fixture(scope="module")
+def race():
+    return finished(RunConfig(workload="digits_mlp", modes=("32-true", "bf16-mixed", "bf16-mixed+compile"),
+                              steps=STEPS, batch_size=16, gradstats_every=0))
+
+
+@pytest.fixture(scope="module")
+def planted():
+    workload = PlantedBreak()
+    WORKLOADS[workload.name] = workload
+    try:
+        yield finished(RunConfig(workload=workload.name, modes=("32-true", "32-true+compile", "bf16-mixed",
+                                                                  "bf16-mixed+compile"), steps=STEPS, batch_size=8,
+                                 gradstats_every=0))
+    finally:
+        WORKLOADS.pop(workload.name)
+
+
+def test_recipe_names_and_refusals(monkeypatch):
+    assert is_compiled_recipe("bf16-mixed+compile") and not is_compiled_recipe("bf16-mixed")
+    assert eager_recipe("bf16-mixed+compile-max-autotune") == "bf16-mixed"
+    ok, why = availability("bf16-mixed+compile-reduce-overhead", "cpu")
+    assert not ok and "CUDA graphs" in why
+    assert cpp_compiler()  # this machine has one: the real lookup answers
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler-amp-lab",))
+    ok, why = availability("bf16-mixed+compile", "cpu")
+    assert not ok and "needs a C++ compiler" in why
+    with pytest.raises(ConfigError, match=r"modes: .*C\+\+ compiler"):
+        check_launch(RunConfig(workload="digits_mlp", modes=("bf16-mixed+compile",)))
+
+
+def test_eager_and_compiled_lanes_race_with_compile_time_kept_out(race):
+    assert [lane.status for lane in race.lanes] == ["finished"] * 3
+    frame = race.frame()
+    assert frame.groupby("lane").size().tolist() == [STEPS] * 3
+    compiled = [e for e in race.events() if e.kind == COMPILED_EVENT]
+    assert [e.lane for e in compiled] == [2] and compiled[0].data["graphs"] >= 1
+    kinds = [e.kind for e in race.events() if e.lane == 2]
+    assert kinds.index("compiling") < kinds.index(COMPILED_EVENT)
+    # the first compile happened before step 0, outside the timed steps: every step is far shorter than it
+    assert frame[frame.lane == 2]["step_ms"].max() < compiled[0].data["compile_ms"]
+    # the same weights and batches: the first losses agree closely (bf16 rounding may differ)
+    first = frame[frame.step == 0].set_index("lane")["loss"]
+    assert abs(first[2] - first[1]) / abs(first[1]) < 1e-2
+
+
+def test_drift_recorded_per_step_and_summarised(race):
+    compiles, drift, summary = compiled_views.compiled_view(race.run_id and _Reader(race), [race.run_id])
+    assert compiles["recipe"].tolist() == ["bf16-mixed+compile"] and compiles["compile s"].iloc[0] > 0
+    assert drift["step"].tolist() == list(range(STEPS)) and drift["vs_fp32"].notna().all()
+    assert summary["verdict"].iloc[0].startswith("one seed")
+
+
+class _Reader:
+    """The RunReader view of one finished in-memory run, as the pages read it."""
+
+    def __init__(self, run: Run):
+        from amp_core.runner import RunManager
+
+        self.manager = RunManager()
+        self.manager._runs[run.run_id] = run
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+
+def test_planted_graph_break_is_named_and_a_failed_compile_fails_alone(planted):
+    status = {lane.mode: lane.status for lane in planted.lanes}
+    assert status == {"32-true": "finished", "32-true+compile": "finished", "bf16-mixed": "finished",
+                      "bf16-mixed+compile": "failed"}
+    failed = planted.lanes[3]
+    assert failed.error.startswith("CompileFailed: compile failed:") and "\n" not in failed.error
+    breaks = [e for e in planted.events() if e.kind == GRAPH_BREAK_EVENT and e.lane == 1]
+    assert breaks and "graph_break()" in breaks[0].data["what"]
+    compiled = next(e for e in planted.events() if e.kind == COMPILED_EVENT and e.lane == 1)
+    assert compiled.data["graph_breaks"] >= 1 and compiled.data["graphs"] >= 2
+    assert planted.frame().groupby("lane").size().to_dict() == {0: STEPS, 1: STEPS, 2: STEPS}
+
+
+def test_one_line_keeps_the_first_line():
+    assert one_line(RuntimeError("first\n\nsecond")) == "RuntimeError: first"
+
+
+def test_compiled_op_view_shows_fewer_standalone_casts_than_eager():
+    from amp_core.probes.compiled_ops import trace_workload_compiled
+
+    trace, eager_casts = trace_workload_compiled("digits_mlp", "bf16-mixed+compile", batch_size=8)
+    assert trace.graph_casts > 0 and set(trace.ops["phase"]) == {"forward", "backward"}
+    assert trace.fusing_kernels >= 1  # inductor fused casts into computing kernels
+    assert trace.kept_cast_kernels < eager_casts
+    assert "bf16" in set(trace.ops["dtype"])
