@@ -77,6 +77,11 @@ def break_reason(message: str) -> tuple[str, str]:
     return what, why
 
 
+def _first_line(text: str) -> str:
+    """A guard failure's first line, its spacing closed up (dynamo pads it to line up the source it quotes)."""
+    return " ".join(text.splitlines()[0].split()) if text else ""
+
+
 class CompileFailed(RuntimeError):
     """A lane's model could not be compiled; the message is one line."""
 
@@ -208,7 +213,7 @@ class CompileWatch:
         reason = next((line.strip().removeprefix("last reason:").strip() for line in text.splitlines()
                        if "last reason" in line), "")
         self.run.sink.event(RECOMPILE_STORM_EVENT, f"lane {self.lane} ({lane.mode}) recompiled past dynamo's limit "
-                            f"({limit}): that code now runs eagerly; last reason: {reason or 'not given'}",
+                            f"({limit}): that code now runs eagerly; last reason: {_first_line(reason) or 'not given'}",
                             self.lane, lane.steps_done, recompile_limit=limit, reason=reason,
                             dynamo_message=text.splitlines()[0] if text else "")
 
@@ -230,7 +235,7 @@ class CompileWatch:
                 else "its forward"
             mode = self.run.lanes[lane].mode
             self.run.sink.event(RECOMPILE_EVENT, f"lane {lane} ({mode}) recompiled {graph} in {seconds:.2f} s at step "
-                                f"{step}: {reason or 'a new frame (no guard failed)'}", lane, step,
+                                f"{step}: {_first_line(reason) or 'a new frame (no guard failed)'}", lane, step,
                                 compile_id=compile_id, compile_ms=seconds * 1e3, reason=reason)
         self._pending = waiting
 

@@ -55,6 +55,7 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     model = precision.prepare_module(workload.build_model(config.size, data))
     compiled = compile_option(precision)
     if compiled is not None:  # the bare compiled loop: torch.compile as a user writes it; WARMUP holds its compile
+        torch._dynamo.reset()  # compiled afresh, not served by the entries the race's lane left for the same forward
         model.compile(mode=None if compiled.compile_mode == "default" else compiled.compile_mode)
     eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
     optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
@@ -84,6 +85,7 @@ def race(config: RunConfig, medians: dict[str, float] | None = None,
          compile_s: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """(speedup vs 32-true, lane_peak_bytes) per mode, from a real race through the runner; fills `medians` (median
     step ms per mode) and `compile_s` (a compiled lane's first compile, from its `compiled` event) when given."""
+    torch._dynamo.reset()  # a compiled lane compiles afresh (the bare loop compiled the same forward before it)
     run = Run(config).start()
     run.join()
     if run.status != "finished":

@@ -6,9 +6,18 @@ fixture compiles once (seconds cold; inductor's cache makes a rerun quicker)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from compile_workloads import PlantedBreak
 
-from amp_core.compiled import COMPILED_EVENT, GRAPH_BREAK_EVENT, eager_recipe, is_compiled_recipe, one_line
+from amp_core.compiled import (
+    COMPILED_EVENT,
+    GRAPH_BREAK_EVENT,
+    RECOMPILE_EVENT,
+    RECOMPILE_STORM_EVENT,
+    eager_recipe,
+    is_compiled_recipe,
+    one_line,
+)
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import availability, cpp_compiler
 from amp_core.runner import Run
@@ -104,6 +113,20 @@ def test_planted_graph_break_is_named_and_a_failed_compile_fails_alone(planted):
     compiled = next(e for e in planted.events() if e.kind == COMPILED_EVENT and e.lane == 1)
     assert compiled.data["graph_breaks"] >= 1 and compiled.data["graphs"] >= 2
     assert planted.frame().groupby("lane").size().to_dict() == {0: STEPS, 1: STEPS, 2: STEPS}
+
+
+def test_recompile_named_with_its_guard_and_the_storm_is_an_event(planted):
+    recompiles = [e for e in planted.events() if e.kind == RECOMPILE_EVENT and e.lane == 1]
+    # dynamo's guard failures, as it words them (a compiled lane of another mode of the same model adds its own)
+    assert any("self.calls ==" in e.data["reason"] for e in recompiles)
+    assert all(e.data["compile_ms"] > 0 and "\n" not in e.message for e in recompiles)
+    storms = [e for e in planted.events() if e.kind == RECOMPILE_STORM_EVENT and e.lane == 1]
+    assert len(storms) == 1 and storms[0].data["recompile_limit"] == torch._dynamo.config.recompile_limit
+    assert len(recompiles) <= torch._dynamo.config.recompile_limit
+    table = compiled_views.compile_summary(_Reader(planted).events(planted.run_id),
+                                           _Reader(planted).run_info(planted.run_id)["lanes"])
+    row = table.set_index("recipe").loc["32-true+compile"]
+    assert row["recompiles"] >= 1 and row["storm"] == "yes" and "graph_break()" in row["break reasons"]
 
 
 def test_one_line_keeps_the_first_line():
