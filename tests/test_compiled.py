@@ -24,7 +24,8 @@ from amp_core.runner import Run
 from amp_core.views import compiled as compiled_views
 from amp_core.workloads import WORKLOADS, check_launch
 
-STEPS = 6
+STEPS = 24
+"""Enough for the workshop's speed check (MIN_STEPS 20); a CPU step of this model is about a millisecond."""
 
 
 def finished(config: RunConfig) -> Run:
@@ -141,3 +142,49 @@ def test_compiled_op_view_shows_fewer_standalone_casts_than_eager():
     assert trace.fusing_kernels >= 1  # inductor fused casts into computing kernels
     assert trace.kept_cast_kernels < eager_casts
     assert "bf16" in set(trace.ops["dtype"])
+
+
+def _evidence(run: Run, edit=None):
+    """The workshop's evidence of `run` as recorded, its step records edited by `edit(steps, lanes)` when given."""
+    from amp_core.workshop.evidence import gather
+
+    evidence = gather(_Reader(run), [run.run_id])
+    if edit is not None:
+        part = evidence.parts[0]
+        edit(part.steps, {lane["mode"]: int(lane["lane"]) for lane in part.info["lanes"]})
+    return evidence
+
+
+def test_workshop_compile_scenario_checks_both_ways_from_recorded_evidence(race):
+    from amp_core.workshop import SCENARIOS, Verdict, evaluate
+
+    scenario = SCENARIOS["compile"]
+    assert scenario.configs("cpu")[0].modes == tuple(lane.mode for lane in race.lanes)
+    results = {r.title: r for r in evaluate(scenario, _evidence(race))}
+    assert results["Compile time kept apart"].verdict is Verdict.HELD
+    assert results["Drift against eager"].verdict is Verdict.HELD
+    assert results["Compiled vs eager speed"].verdict in (Verdict.HELD, Verdict.CANNOT_TELL)  # this CPU's answer
+
+    def slow_step(steps, lanes):  # one compiled step that took longer than the whole compile
+        steps.loc[(steps["lane"] == lanes["bf16-mixed+compile"]) & (steps["step"] == 5), "step_ms"] = 1e9
+
+    def drifted(steps, lanes):
+        steps.loc[steps["lane"] == lanes["bf16-mixed+compile"], "loss"] *= 1.2
+
+    def twice_as_fast(steps, lanes):
+        eager = steps[steps["lane"] == lanes["bf16-mixed"]].set_index("step")["step_ms"]
+        mine = steps["lane"] == lanes["bf16-mixed+compile"]
+        steps.loc[mine, "step_ms"] = steps.loc[mine, "step"].map(eager).to_numpy() / 2
+
+    def same_speed(steps, lanes):
+        eager = steps[steps["lane"] == lanes["bf16-mixed"]].set_index("step")["step_ms"]
+        mine = steps["lane"] == lanes["bf16-mixed+compile"]
+        steps.loc[mine, "step_ms"] = steps.loc[mine, "step"].map(eager).to_numpy()
+
+    def verdict(edit, title):
+        return next(r for r in evaluate(scenario, _evidence(race, edit)) if r.title == title).verdict
+
+    assert verdict(slow_step, "Compile time kept apart") is Verdict.FAILED
+    assert verdict(drifted, "Drift against eager") is Verdict.FAILED
+    assert verdict(twice_as_fast, "Compiled vs eager speed") is Verdict.HELD
+    assert verdict(same_speed, "Compiled vs eager speed") is Verdict.CANNOT_TELL
