@@ -267,8 +267,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(
         name="compile", title="Does compile change the answer?",
         watch="bf16-mixed eager and bf16-mixed+compile (inductor) race from the same weights and batches, beside "
-              "32-true. Watch the compiled lane say `compiling` first, then the step-time chart: is compiled faster "
-              "here? And the loss lines: does compiling move them?",
+              "32-true. Watch the compiled lane say `compiling` first, then the step-time chart (is compiled faster "
+              "here) and the loss lines (does compiling move them).",
         caveat="Compile time is an event, never step time. The speed is the median of per-step ratios (eager over "
                "compiled in the same interleaved step) with a 95% interval: which way it goes is this device's "
                "answer at this size, and where the interval includes 1x the check says \"cannot tell here\".",
