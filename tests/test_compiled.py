@@ -188,3 +188,16 @@ def test_workshop_compile_scenario_checks_both_ways_from_recorded_evidence(race)
     assert verdict(drifted, "Drift against eager") is Verdict.FAILED
     assert verdict(twice_as_fast, "Compiled vs eager speed") is Verdict.HELD
     assert verdict(same_speed, "Compiled vs eager speed") is Verdict.CANNOT_TELL
+
+
+def test_a_copy_of_a_compiled_lane_model_is_eager_with_the_same_weights():
+    """What layer numerics, the op trace and replay run on: torch drops the compiled call when it copies a module."""
+    import copy
+
+    from amp_core.compiled import compile_lane_model
+
+    model = torch.nn.Linear(4, 2)
+    compile_lane_model(model, "default", lambda: None)  # lazy: nothing compiles until the model is called
+    assert model._compiled_call_impl is not None
+    twin = copy.deepcopy(model)
+    assert twin._compiled_call_impl is None and torch.equal(twin.weight, model.weight)
