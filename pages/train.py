@@ -504,7 +504,7 @@ def compiled_lanes(info: dict) -> None:
     for _, event in events[events["kind"] == "compile_slow"].iterrows():
         st.warning(event["message"])
     table = compiled_views.compile_summary(events, list(info["lanes"]))
-    st.dataframe(table, hide_index=True, key="train_compiled")
+    st.dataframe(table[compiled_views.TRAIN_COLUMNS], hide_index=True, key="train_compiled")
     st.caption(compiled_views.COMPILE_NOTE)
 
 

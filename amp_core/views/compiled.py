@@ -128,12 +128,12 @@ def compile_summary(events: pd.DataFrame, lanes_info: list[dict]) -> pd.DataFram
         first = compiled[0] if compiled else {}
         rows.append({
             "lane": index, "recipe": lane["mode"], "status": lane["status"],
-            "compile s": first.get("compile_ms", float("nan")) / 1e3 if first else float("nan"),
-            "graphs": first.get("graphs"), "graph breaks": first.get("graph_breaks"),
+            "compile s": round(first["compile_ms"] / 1e3, 2) if "compile_ms" in first else float("nan"),
+            "graphs": first.get("graphs", float("nan")), "graph breaks": first.get("graph_breaks", float("nan")),
             "break reasons": "; ".join(f"{b.get('what', '')}" + (f" ({b['why']})" if b.get("why") else "")
                                        for b in breaks) or "none",
             "recompiles": len(recompiles),
-            "recompile s": sum(r.get("compile_ms", 0.0) for r in recompiles) / 1e3,
+            "recompile s": round(sum(r.get("compile_ms", 0.0) for r in recompiles) / 1e3, 2),
             "recompile reasons": "; ".join(dict.fromkeys(str(r.get("reason") or "new frame") for r in recompiles))
                                  or "none",
             "storm": "yes" if (mine["kind"] == RECOMPILE_STORM_EVENT).any() else "no",
@@ -142,6 +142,10 @@ def compile_summary(events: pd.DataFrame, lanes_info: list[dict]) -> pd.DataFram
         })
     return pd.DataFrame(rows)
 
+
+TRAIN_COLUMNS = ["lane", "recipe", "status", "compile s", "graphs", "graph breaks", "break reasons", "recompiles",
+                 "recompile reasons", "storm"]
+"""The compile summary's columns the Train page shows (the rest are on Compare and in the report)."""
 
 COMPILE_NOTE = ("Compile time is its own figure: each compiled lane compiles once before its first step, on a batch "
                 "of the training's shape it does not train on, so step times exclude it; a recompile later in the run "
