@@ -18,16 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from amp_core import torch_private
 from amp_core.precision import compile_option, parse_recipe
 
-if TYPE_CHECKING:
-    from amp_core.runner import Lane, Run, RunHooks
+# The run, its lanes and its hooks are the runner's (amp_core.runner imports this module; the views read its names):
+# annotated loosely here so that importing this module never reaches the runner.
+Run = Lane = RunHooks = Any
 
 COMPILING_EVENT = "compiling"
 COMPILED_EVENT = "compiled"
@@ -41,8 +42,7 @@ COMPILE_EVENTS = (COMPILING_EVENT, COMPILED_EVENT, GRAPH_BREAK_EVENT, RECOMPILE_
                   COMPILE_SLOW_EVENT)
 COMPILING_STATUS = "compiling"
 """A lane's status while dynamo / inductor compile for it (back to `running` when they are done)."""
-_STORM_LOGGER = "torch._dynamo.convert_frame"
-"""Where dynamo warns that a function hit its recompile limit (it then runs that frame eagerly)."""
+_STORM_LOGGER = torch_private.DYNAMO_FRAME_LOGGER
 _ONE_LINE_CHARS = 240
 
 
@@ -91,13 +91,13 @@ def compile_lane_model(model: torch.nn.Module, mode: str, on_call) -> None:
     deepcopy of it is eager, torch drops the compiled call when copying). `on_call()` runs before each compiled
     call (it says which lane is calling, for dynamo's callbacks)."""
     model.compile(backend="inductor", mode=None if mode == "default" else mode)
-    compiled = model._compiled_call_impl
+    compiled = torch_private.compiled_call(model)
 
     def call(*args, **kwargs):
         on_call()
         return compiled(*args, **kwargs)
 
-    model._compiled_call_impl = call
+    torch_private.set_compiled_call(model, call)
 
 
 @dataclass(slots=True)
@@ -129,24 +129,17 @@ class CompileWatch:
         self._stormed: set[int] = set()
         self._lock = threading.Lock()
         self._handler = _StormHandler(self)
+        self._remove_callbacks = lambda: None
 
     # --- registration -------------------------------------------------------------------------------------
     def attach(self) -> None:
-        from torch._dynamo.callback import callback_handler
-
         self.thread = threading.current_thread()
-        callback_handler.register_start_callback(self._started)
-        callback_handler.register_end_callback(self._ended)
+        self._remove_callbacks = torch_private.watch_dynamo_compiles(self._started, self._ended)
         logging.getLogger(_STORM_LOGGER).addHandler(self._handler)
 
     def detach(self) -> None:
-        from torch._dynamo.callback import callback_handler
-
         self.resolve_pending()
-        for callbacks, callback in ((callback_handler.start_callbacks, self._started),
-                                    (callback_handler.end_callbacks, self._ended)):
-            if callback in callbacks:
-                callbacks.remove(callback)
+        self._remove_callbacks()
         logging.getLogger(_STORM_LOGGER).removeHandler(self._handler)
         for compiling in self._open.values():
             compiling.timer.cancel()
@@ -208,7 +201,7 @@ class CompileWatch:
             return
         self._stormed.add(self.lane)
         lane = self.run.lanes[self.lane]
-        limit = torch._dynamo.config.recompile_limit
+        limit = torch_private.recompile_limit()
         text = record.getMessage()
         reason = next((line.strip().removeprefix("last reason:").strip() for line in text.splitlines()
                        if "last reason" in line), "")
@@ -221,9 +214,7 @@ class CompileWatch:
         """Recompile events for the compiles whose reason dynamo has recorded since (its compilation metrics)."""
         if not self._pending:
             return
-        from torch._dynamo.utils import get_compilation_metrics
-
-        by_id = {metrics.compile_id: metrics for metrics in get_compilation_metrics()}
+        by_id = {metrics.compile_id: metrics for metrics in torch_private.compilation_metrics()}
         waiting = []
         for lane, compile_id, seconds, step in self._pending:
             metrics = by_id.get(compile_id)
@@ -246,15 +237,8 @@ class _StormHandler(logging.Handler):
         self.watch = watch
 
     def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("torch._dynamo hit config."):
+        if torch_private.is_recompile_limit_warning(record):
             self.watch.storm(record)
-
-
-def graph_break_counts() -> Counter:
-    """Dynamo's own count of graph breaks by message, so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return Counter(counters["graph_break"])
 
 
 def warm_up(run: Run, lane: Lane, watch: CompileWatch) -> None:
@@ -269,7 +253,7 @@ def warm_up(run: Run, lane: Lane, watch: CompileWatch) -> None:
     run.sink.flush()  # a page reading the store sees `compiling` while it lasts
     batch = run.data.sample(torch.Generator().manual_seed(run.config.seed + 2 + lane.replicate),
                             run.config.batch_size)
-    breaks_before = graph_break_counts()
+    breaks_before = torch_private.graph_break_counts()
     compiles_before = len(watch.compiles)
     buffers = [b.detach().clone() for b in state.model.buffers()]
     devices = [torch.device(precision.device)] if precision.device_type == "cuda" else []
@@ -295,7 +279,7 @@ def warm_up(run: Run, lane: Lane, watch: CompileWatch) -> None:
         with torch.no_grad():
             for buffer, saved in zip(state.model.buffers(), buffers, strict=True):
                 buffer.copy_(saved)
-    breaks = graph_break_counts() - breaks_before
+    breaks = torch_private.graph_break_counts() - breaks_before
     graphs = [entry for entry in watch.compiles[compiles_before:] if entry[0] == lane.index]
     dynamo_graphs = sum(1 for entry in graphs if entry[2] == "DYNAMO")
     named = [{"what": what, "why": why, "count": count}

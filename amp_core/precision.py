@@ -466,13 +466,12 @@ class CompiledModel(RecipeOption):
 
 
 def cpp_compiler() -> str:
-    """The C++ compiler inductor would use on a CPU (its own list, `torch._inductor.config.cpp.cxx`: CXX, then g++),
+    """The C++ compiler inductor would use on a CPU (its own list, inductor's `cpp.cxx` config: CXX, then g++),
     found by running `COMPILER --version` as inductor does, or "" when none answers: asked for real, never assumed.
     (inductor's own lookup may install a compiler when asked to by an environment variable; this one never does.)"""
-    from torch._inductor import config as inductor_config
+    from amp_core.torch_private import inductor_cxx_names
 
-    names = inductor_config.cpp.cxx
-    return _answering_compiler(tuple(names) if isinstance(names, (list, tuple)) else (names,))
+    return _answering_compiler(inductor_cxx_names())
 
 
 @functools.lru_cache(maxsize=8)
@@ -491,7 +490,7 @@ def _answering_compiler(names: tuple[str | None, ...]) -> str:
 
 
 def _has_triton() -> bool:
-    from torch.utils._triton import has_triton
+    from amp_core.torch_private import has_triton
 
     return has_triton()
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from amp_core.precision import Precision
+from amp_core.torch_private import inductor_backend
 
 CAST_TARGETS = frozenset({"prims.convert_element_type.default", "aten._to_copy.default"})
 CANNOT_SEE = ("Inside a fused kernel AMP Lab sees the aten ops inductor built it from (its name) and the types of its "
@@ -131,8 +132,6 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
     the post-AOT graphs and the generated code (module docstring). The caller's model is not touched. The compile is
     a real one (seconds; inductor's caches make a repeat quicker); it adds entries to dynamo's cache of the model's
     forward (a live compiled lane of the same model is unaffected: its own entries still match)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
     work = precision.prepare_module(copy.deepcopy(model))  # a deepcopy is eager: torch drops the compiled call
     for parameter in work.parameters():
         parameter.grad = None
@@ -140,17 +139,13 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
     codes: list[str] = []
     phases: list[str] = []
 
-    def inner(graph, example_inputs, **kwargs):
+    def inner(graph, example_inputs, compile_inner, **kwargs):
         phase = "backward" if kwargs.get("is_backward") else "forward"
         phases.append(phase)
         graphs.append(pd.DataFrame(_graph_rows(graph, phase)))
-        compiled = compile_fx_inner(graph, example_inputs, **kwargs)
+        compiled = compile_inner(graph, example_inputs, **kwargs)
         codes.append(getattr(compiled, "source_code", "") or "")
         return compiled
-
-    def backend(graph, example_inputs):
-        patches = None if mode == "default" else torch._inductor.list_mode_options(mode)
-        return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches)
 
     # The recipe's autocast, entered inside the compiled function (so its casts are in the graph), built from plain
     # values: dynamo traces torch.autocast itself, not the Precision object's helpers.
@@ -161,7 +156,7 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
             return loss(work(inputs), targets)
 
     inputs, targets = (precision.prepare_input(t) for t in batch)
-    compiled_step = torch.compile(step, backend=backend)
+    compiled_step = torch.compile(step, backend=inductor_backend(inner, mode))
     with torch.random.fork_rng(devices=[torch.device(precision.device)] if precision.device_type == "cuda" else []):
         compiled_step(inputs, targets).backward()
     kernels, extern = [], []
