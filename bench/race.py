@@ -81,10 +81,10 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def race(config: RunConfig, medians: dict[str, float] | None = None,
-         compile_s: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """(speedup vs 32-true, lane_peak_bytes) per mode, from a real race through the runner; fills `medians` (median
-    step ms per mode) and `compile_s` (a compiled lane's first compile, from its `compiled` event) when given."""
+def race(config: RunConfig, compile_s: dict[str, float] | None = None
+         ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(speedup vs 32-true, lane_peak_bytes, median ms/step) per mode, from a real race through the runner; fills
+    `compile_s` (a compiled lane's first compile, from its `compiled` event) when given."""
     torch._dynamo.reset()  # a compiled lane compiles afresh (the bare loop compiled the same forward before it)
     run = Run(config).start()
     run.join()
@@ -93,12 +93,10 @@ def race(config: RunConfig, medians: dict[str, float] | None = None,
     frame = run.frame()
     summary = summarize(frame).set_index("mode")
     peaks = frame.groupby("mode")["lane_peak_bytes"].max()
-    if medians is not None:
-        medians.update(frame.groupby("mode")["step_ms"].median().to_dict())
     if compile_s is not None:
         compile_s.update({run.lanes[e.lane].mode: e.data["compile_ms"] / 1e3 for e in run.events()
                           if e.kind == COMPILED_EVENT})
-    return summary["speedup"].to_dict(), peaks.to_dict()
+    return summary["speedup"].to_dict(), peaks.to_dict(), summary["median_ms"].to_dict()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,11 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     compile_s: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         times = {mode: bare_ms_per_step(config, mode, args.steps) for mode in modes}
-        medians, compiles = {}, {}
+        compiles: dict[str, float] = {}
         for mode in modes:
             bare[mode].append(times[BASELINE_MODE] / times[mode])
             bare_ms[mode].append(times[mode])
-        speedups, race_peaks = race(config, medians, compiles)
+        speedups, race_peaks, medians = race(config, compiles)
         for mode in modes:
             raced[mode].append(speedups[mode])
             race_ms[mode].append(medians[mode])
@@ -162,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         changes.append(abs(change))
         print(f"{args.workload}/{args.size}/b{args.batch_size} {args.device} {mode:<11} bare_speedup={bare_speedup:.3f}"
               f" race_speedup={race_speedup:.3f} | lane_peak_MiB race={race_peaks[mode] / 2**20:.1f}"
-              f" alone={alone[mode] / 2**20:.1f} ({change:+.2%})", flush=True)
+              f" alone={alone[mode] / 2**20:.1f} ({change:+.2%}) | ms_per_step"
+              f" race={statistics.median(race_ms[mode]):.2f} bare={statistics.median(bare_ms[mode]):.2f}", flush=True)
     for mode in modes:
         if is_fp8_recipe(mode):
             bare_fp8 = statistics.median(bare[mode]) / statistics.median(bare[FP8_BASELINE])
