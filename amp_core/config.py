@@ -233,6 +233,9 @@ class RunConfig(SamplingSettings):
     dtype. Off: each lane's model is replicated in DDP."""
     stop_on_divergence: bool = True
     """Stop a lane whose loss goes non-finite (the other lanes go on)."""
+    compile_warn_s: float = 60.0
+    """A compiled lane (`+compile`) whose compile runs longer than this many seconds says so while it runs (a
+    `compile_slow` event)."""
     name: str = ""
     """Optional label shown in run pickers."""
 
@@ -283,6 +286,7 @@ class RunConfig(SamplingSettings):
         _whole("amax_every", self.amax_every)
         _whole("intra_op_threads", self.intra_op_threads)
         _whole("snapshot_every", self.snapshot_every)
+        _positive("compile_warn_s", self.compile_warn_s)
         _positive("snapshot_keep", self.snapshot_keep, int)
         if not isinstance(self.fused_optimizer, bool):
             raise ConfigError("fused_optimizer", f"must be true or false, got {self.fused_optimizer!r}")

@@ -21,7 +21,7 @@ class Lane:
         self.replicate = replicate
         """Which seed replicate of its mode the lane is (0 .. RunConfig.seeds - 1)."""
         self.status = "pending"
-        """pending | running | finished | stopped | diverged | failed."""
+        """pending | running | compiling (amp_core.compiled) | finished | stopped | diverged | failed."""
         self.error = ""
         self.steps_done = 0
         self.state: LaneState | None = None

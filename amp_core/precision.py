@@ -49,6 +49,9 @@ RECIPE_OPTION_HELP: dict[str, str] = {
     "sr": "bf16 weights updated with stochastic rounding (torchao _AdamW); use with bf16-true.",
     "reduce-bf16": "FSDP2 reduce-scatters gradients in bf16 (half the traffic of fp32); --fsdp only (torchrun).",
     "reduce-fp32": "FSDP2 reduce-scatters gradients in fp32 (the mixed modes' default, named to race it); --fsdp only.",
+    "compile": "the lane's model compiled with torch.compile (inductor); compile time is an event, never step time.",
+    "compile-max-autotune": "torch.compile mode='max-autotune': inductor benchmarks kernel choices (a longer compile).",
+    "compile-reduce-overhead": "torch.compile mode='reduce-overhead': CUDA graphs replay the step's kernels (CUDA).",
 }
 """One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
 
@@ -434,6 +437,75 @@ class ReduceDtype(RecipeOption):
     fsdp_only = True
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledModel(RecipeOption):
+    """`+compile` / `+compile-max-autotune` / `+compile-reduce-overhead`: the lane's model compiled with
+    torch.compile's inductor backend (`nn.Module.compile`, in place, so parameter names and the optimizer's parameters
+    stay the lane's own); the step is otherwise the same. The weights are not changed: `prepare_module` leaves the
+    module eager, and the run compiles its lane (amp_core.compiled), so every copy a probe makes is an eager one."""
+
+    name: str
+    compile_mode: str
+    """torch.compile's `mode`: default | max-autotune | reduce-overhead."""
+    help: str
+    needs_torchao = False
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        if device is None:
+            return ""
+        if _device_type(device) == "cpu":
+            if self.compile_mode == "reduce-overhead":
+                return (f"+{self.name} replays CUDA graphs, which a CPU has none of; use +compile (or "
+                        f"+compile-max-autotune) here")
+            if not cpp_compiler():
+                return (f"+{self.name} needs a C++ compiler on a CPU (inductor writes C++ kernels) and none was "
+                        "found (set CXX or install g++)")
+        elif _device_type(device) == "cuda" and not _has_triton():
+            return f"+{self.name} needs triton on CUDA (inductor writes triton kernels) and it is not installed"
+        return ""
+
+    def fsdp_refusal(self) -> str:
+        return "compiled lanes under FSDP2 are not raced yet"
+
+    def note(self, device: str) -> str:
+        return f"{self.help} The first step compiles (seconds to minutes), outside the timed steps."
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler inductor would use on a CPU (its own list, inductor's `cpp.cxx` config: CXX, then g++),
+    found by running `COMPILER --version` as inductor does, or "" when none answers: asked for real, never assumed.
+    (inductor's own lookup may install a compiler when asked to by an environment variable; this one never does.)"""
+    from amp_core.torch_private import inductor_cxx_names
+
+    return _answering_compiler(inductor_cxx_names())
+
+
+@functools.lru_cache(maxsize=8)
+def _answering_compiler(names: tuple[str | None, ...]) -> str:
+    import subprocess
+
+    for name in names:
+        if name is None:
+            continue
+        try:
+            subprocess.run([name, "--version"], check=True, capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return name
+    return ""
+
+
+def _has_triton() -> bool:
+    from amp_core.torch_private import has_triton
+
+    return has_triton()
+
+
+def compile_option(precision: Precision) -> CompiledModel | None:
+    """The recipe's compile option (`+compile...`), if any."""
+    return next((o for o in precision.options if isinstance(o, CompiledModel)), None)
+
+
 RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     Float8Matmuls(name="fp8-tensorwise", torchao_recipe="tensorwise",
                   help=RECIPE_OPTION_HELP["fp8-tensorwise"]),
@@ -452,6 +524,11 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     StochasticRounding(name="sr", help=RECIPE_OPTION_HELP["sr"]),
     ReduceDtype(name="reduce-bf16", reduce_dtype=torch.bfloat16, help=RECIPE_OPTION_HELP["reduce-bf16"]),
     ReduceDtype(name="reduce-fp32", reduce_dtype=torch.float32, help=RECIPE_OPTION_HELP["reduce-fp32"]),
+    CompiledModel(name="compile", compile_mode="default", help=RECIPE_OPTION_HELP["compile"]),
+    CompiledModel(name="compile-max-autotune", compile_mode="max-autotune",
+                  help=RECIPE_OPTION_HELP["compile-max-autotune"]),
+    CompiledModel(name="compile-reduce-overhead", compile_mode="reduce-overhead",
+                  help=RECIPE_OPTION_HELP["compile-reduce-overhead"]),
 )}
 """Every recipe option by name, in the order the UI lists them."""
 
@@ -471,7 +548,7 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
                              f"{', '.join(RECIPE_OPTIONS)}")
         options.append(RECIPE_OPTIONS[name])
     for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option"),
-                       (ReduceDtype, "reduction option")):
+                       (ReduceDtype, "reduction option"), (CompiledModel, "compile option")):
         chosen = [option.name for option in options if isinstance(option, kind)]
         if len(chosen) > 1:
             raise ValueError(f"{recipe!r} names {len(chosen)} {what}s ({', '.join(chosen)}); choose one")

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from amp_core import background
+from amp_core.compiled import compile_hooks
 from amp_core.config import ConfigError, RunConfig
 from amp_core.lanes import Lane, describe_lanes, divergence_hint
 from amp_core.layer_amax import LayerAmaxHook
@@ -129,6 +130,7 @@ class Run:
         self.hooks = replace(hooks, before_lane_step=[*before, *hooks.before_lane_step],
                              after_lane_step=[*amax, *hooks.after_lane_step],
                              lane_end=[*(hook.lane_end for hook in amax), *hooks.lane_end])
+        self.hooks = compile_hooks(self.hooks, config)  # compiled lanes (`+compile`): compile time kept out of steps
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:

@@ -7,6 +7,7 @@ on a real object, so a torch that changed fails one test that says which API, in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -18,8 +19,10 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
     raise ImportError(f"torch {torch.__version__}: torch.utils._python_dispatch.TorchDispatchMode is gone "
                       "(the op inspector's dispatch mode needs it)") from exc
 
-__all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "foreach_copy_", "foreach_norm",
-           "found_inf_flag", "scale_tensor", "scaler_settings", "scaler_tensors", "supports_amp_scaling"]
+__all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "compilation_metrics", "compiled_call",
+           "foreach_copy_", "foreach_norm", "found_inf_flag", "graph_break_counts", "has_triton", "inductor_backend",
+           "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit", "scale_tensor", "scaler_settings",
+           "scaler_tensors", "set_compiled_call", "supports_amp_scaling", "watch_dynamo_compiles"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -151,3 +154,92 @@ class ScopedModuleTracker(ModuleTracker):
         for hook in hooks:
             hook.remove()
         hooks.clear()
+
+
+# --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.compiled) and their op view --------
+def _private_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise TorchAPIChanged(name) from None
+
+
+def watch_dynamo_compiles(started, ended):
+    """Register `started(args)` / `ended(args)` with dynamo's compile callbacks (args: callback_trigger, compile_id;
+    they fire only when dynamo or a lazy backward compiles); returns a function that removes both."""
+    handler = _attribute(_private_module("torch._dynamo.callback"), "callback_handler",
+                         "torch._dynamo.callback.callback_handler")
+    handler.register_start_callback(started)
+    handler.register_end_callback(ended)
+
+    def remove() -> None:
+        for callbacks, callback in ((handler.start_callbacks, started), (handler.end_callbacks, ended)):
+            if callback in callbacks:
+                callbacks.remove(callback)
+    return remove
+
+
+def compilation_metrics() -> list:
+    """Dynamo's record of its recent compiles (compile_id, co_name, recompile_reason, times, failure)."""
+    return _attribute(_private_module("torch._dynamo.utils"), "get_compilation_metrics",
+                      "torch._dynamo.utils.get_compilation_metrics")()
+
+
+def graph_break_counts() -> Counter:
+    """Dynamo's own count of graph breaks by message, so far in this process."""
+    counters = _attribute(_private_module("torch._dynamo.utils"), "counters", "torch._dynamo.utils.counters")
+    return Counter(counters["graph_break"])
+
+
+def recompile_limit() -> int:
+    """How many compiled versions of one frame dynamo keeps before it runs the frame eagerly."""
+    return int(_attribute(_private_module("torch._dynamo.config"), "recompile_limit",
+                          "torch._dynamo.config.recompile_limit"))
+
+
+def compiled_call(module: torch.nn.Module):
+    """What `module(...)` calls once `module.compile()` compiled it in place (None: it is eager)."""
+    return _attribute(module, "_compiled_call_impl", "nn.Module._compiled_call_impl")
+
+
+def set_compiled_call(module: torch.nn.Module, call) -> None:
+    compiled_call(module)  # it is there (or the API moved)
+    module._compiled_call_impl = call
+
+
+def inductor_cxx_names() -> tuple:
+    """The C++ compilers inductor tries on a CPU, in order (None: its own conda-installed g++, never used here)."""
+    cpp = _attribute(_attribute(_private_module("torch._inductor.config"), "cpp", "torch._inductor.config.cpp"),
+                     "cxx", "torch._inductor.config.cpp.cxx")
+    return tuple(cpp) if isinstance(cpp, (list, tuple)) else (cpp,)
+
+
+def has_triton() -> bool:
+    return bool(_attribute(_private_module("torch.utils._triton"), "has_triton", "torch.utils._triton.has_triton")())
+
+
+def inductor_backend(inner, mode: str = "default"):
+    """A torch.compile backend that is inductor with `inner(graph, example_inputs, compile_inner, **kwargs)` in the
+    place of its inner compile: handed each post-AOT graph (forward, then backward with is_backward=True) and
+    inductor's own inner compile to call."""
+    compile_fx = _private_module("torch._inductor.compile_fx")
+    outer = _attribute(compile_fx, "compile_fx", "torch._inductor.compile_fx.compile_fx")
+    compile_inner = _attribute(compile_fx, "compile_fx_inner", "torch._inductor.compile_fx.compile_fx_inner")
+    options = _attribute(_private_module("torch._inductor"), "list_mode_options", "torch._inductor.list_mode_options")
+    patches = None if mode == "default" else options(mode)
+
+    def backend(graph, example_inputs):
+        return outer(graph, example_inputs, config_patches=patches,
+                     inner_compile=lambda g, inputs, **kwargs: inner(g, inputs, compile_inner, **kwargs))
+    return backend
+
+
+DYNAMO_FRAME_LOGGER = "torch._dynamo.convert_frame"
+"""The logger dynamo warns on when a frame hits its recompile limit (it then runs that frame eagerly)."""
+
+
+def is_recompile_limit_warning(record) -> bool:
+    """Whether a log record of DYNAMO_FRAME_LOGGER is dynamo's recompile-limit warning."""
+    return str(record.msg).startswith("torch._dynamo hit config.")

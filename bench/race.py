@@ -12,7 +12,10 @@ the same Precision object the race does (model preparation, optimizer, autocast,
 (the speedups' baseline); an FP8 lane also gets bf16-mixed, and a line with its speedup against bf16-mixed.
 
     python3 -m bench.race [--device cuda] [--workload tiny_transformer] [--size large] [--batch-size 32] [--modes M,..]
-Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>
+Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>;
+with a compiled lane (`--modes bf16-mixed,bf16-mixed+compile`; its eager twin is always raced): its speedup against
+eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<race ms/step of the compiled
+lane / a bare compiled loop's of the same model, measured in the same process> (target <= 1.05 on a CPU).
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ import time
 
 import torch
 
+from amp_core.compiled import COMPILED_EVENT, eager_recipe, is_compiled_recipe
 from amp_core.config import RunConfig
-from amp_core.precision import BASELINE_MODE, availability, get_precision, is_fp8_recipe, parse_modes
+from amp_core.precision import (
+    BASELINE_MODE,
+    availability,
+    compile_option,
+    get_precision,
+    is_fp8_recipe,
+    parse_modes,
+)
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
@@ -42,6 +53,10 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     data = workload.load_data(config)
     torch.manual_seed(config.seed)
     model = precision.prepare_module(workload.build_model(config.size, data))
+    compiled = compile_option(precision)
+    if compiled is not None:  # the bare compiled loop: torch.compile as a user writes it; WARMUP holds its compile
+        torch._dynamo.reset()  # compiled afresh, not served by the entries the race's lane left for the same forward
+        model.compile(mode=None if compiled.compile_mode == "default" else compiled.compile_mode)
     eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
     optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
     scaler = precision.make_scaler()
@@ -66,8 +81,11 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(speedup vs 32-true, lane_peak_bytes, median ms/step) per mode, from a real race through the runner."""
+def race(config: RunConfig, compile_s: dict[str, float] | None = None
+         ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(speedup vs 32-true, lane_peak_bytes, median ms/step) per mode, from a real race through the runner; fills
+    `compile_s` (a compiled lane's first compile, from its `compiled` event) when given."""
+    torch._dynamo.reset()  # a compiled lane compiles afresh (the bare loop compiled the same forward before it)
     run = Run(config).start()
     run.join()
     if run.status != "finished":
@@ -75,6 +93,9 @@ def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float], dict[st
     frame = run.frame()
     summary = summarize(frame).set_index("mode")
     peaks = frame.groupby("mode")["lane_peak_bytes"].max()
+    if compile_s is not None:
+        compile_s.update({run.lanes[e.lane].mode: e.data["compile_ms"] / 1e3 for e in run.events()
+                          if e.kind == COMPILED_EVENT})
     return summary["speedup"].to_dict(), peaks.to_dict(), summary["median_ms"].to_dict()
 
 
@@ -92,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     modes = parse_modes(args.modes) or (
         ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true") if args.device == "cuda"
         else ("32-true", "bf16-mixed", "16-mixed"))
-    needed = (BASELINE_MODE, *((FP8_BASELINE,) if any(is_fp8_recipe(m) for m in modes) else ()))
+    needed = (BASELINE_MODE, *((FP8_BASELINE,) if any(is_fp8_recipe(m) for m in modes) else ()),
+              *(eager_recipe(m) for m in modes if is_compiled_recipe(m)))
     args.modes = tuple(dict.fromkeys((*(m for m in needed if m not in modes), *modes)))
     for recipe in args.modes:
         ok, why = availability(recipe, args.device)
@@ -116,15 +138,19 @@ def main(argv: list[str] | None = None) -> None:
     raced: dict[str, list[float]] = {mode: [] for mode in modes}
     bare_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     race_ms: dict[str, list[float]] = {mode: [] for mode in modes}
+    compile_s: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         times = {mode: bare_ms_per_step(config, mode, args.steps) for mode in modes}
+        compiles: dict[str, float] = {}
         for mode in modes:
             bare[mode].append(times[BASELINE_MODE] / times[mode])
             bare_ms[mode].append(times[mode])
-        speedups, race_peaks, medians = race(config)
+        speedups, race_peaks, medians = race(config, compiles)
         for mode in modes:
             raced[mode].append(speedups[mode])
             race_ms[mode].append(medians[mode])
+            if mode in compiles:
+                compile_s[mode].append(compiles[mode])
     alone = {mode: race(RunConfig.from_dict({**config.to_dict(), "modes": [mode]}))[1][mode] for mode in modes}
     errors, changes = [], []
     for mode in modes:
@@ -143,6 +169,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode} vs {FP8_BASELINE}: bare_speedup={bare_fp8:.3f} race_speedup={race_fp8:.3f}", flush=True)
     print(f"speedup_error_max={max(errors):.4f}")
     print(f"memory_change_max={max(changes):.4f}")
+    overheads = []
+    for mode in (m for m in modes if is_compiled_recipe(m)):
+        eager = eager_recipe(mode)
+        race_vs_eager = statistics.median(race_ms[eager]) / statistics.median(race_ms[mode])
+        bare_vs_eager = statistics.median(bare_ms[eager]) / statistics.median(bare_ms[mode])
+        overhead = statistics.median(race_ms[mode]) / statistics.median(bare_ms[mode])
+        overheads.append(overhead)
+        print(f"{mode}: speedup_vs_eager race={race_vs_eager:.3f} bare={bare_vs_eager:.3f} | ms/step race="
+              f"{statistics.median(race_ms[mode]):.3f} bare_compiled_loop={statistics.median(bare_ms[mode]):.3f} | "
+              f"compile_s={statistics.median(compile_s[mode]) if compile_s[mode] else float('nan'):.2f} "
+              f"(first compile per round, inductor's caches warm after round 1)", flush=True)
+    if overheads:
+        print(f"compiled_overhead_ratio={max(overheads):.4f}")
 
 
 if __name__ == "__main__":

@@ -357,6 +357,7 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
     """Widgets to probe a running lane of a live run in this process (`verb` "trace" / "probe", `what` says what the
     click does): `probe(run, lane_index)` on the click, kept in session state under `state_key`; returns the result
     of the last click, or None. A lane that ends meanwhile, or a probe that fails, gets a message, not a traceback."""
+    from amp_core.compiled import is_compiled_recipe
     from amp_core.config import ConfigError
 
     lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
@@ -366,6 +367,10 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
                 "(a finished lane has freed its model).")
         return None
     choice = st.selectbox("Lane", list(lanes), key=f"{prefix}_lane")
+    if is_compiled_recipe(lanes[choice][0].lanes[lanes[choice][1]].mode):
+        st.caption(f"This lane is compiled (`+compile`): the {verb} runs on an eager copy with the same weights "
+                   "(a copy of a compiled module is eager). The op inspector's compiled view shows what inductor "
+                   "made of the step.")
     if not can_control():  # a probe copies a live lane's weights: the presenter's CPU and memory
         control_note()
         return None

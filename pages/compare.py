@@ -6,6 +6,7 @@ import streamlit as st
 
 from amp_core.records.store import StoreError
 from amp_core.views import compare, plots, report
+from amp_core.views import compiled as compiled_views
 from amp_core.views.summary import (
     DIFFERENCE_RULE,
     by_lane,
@@ -121,6 +122,24 @@ bands = st.session_state.setdefault("cmp_bands", compare.StepTimeBands())  # fin
 
 @st.fragment(run_every=LIVE_REFRESH_S if live else None)
 @store_guarded
+def compiled_lanes_section(series) -> None:
+    """Compile time, graph breaks, recompiles and drift against eager for the compiled lanes among those shown."""
+    run_ids = list(dict.fromkeys(lane.run_id for lane in series if compiled_views.has_compiled([lane.mode])))
+    if not run_ids:
+        return
+    st.subheader("Compiled lanes")
+    compiles, drift, drift_table = compiled_views.compiled_view(manager, run_ids)
+    st.dataframe(compiles, hide_index=True, key="cmp_compiled")
+    st.caption(compiled_views.COMPILE_NOTE)
+    if drift.empty:
+        st.info("No drift to show: a compiled lane is measured against the eager lane of the same recipe and seed in "
+                "the same run; race both (e.g. bf16-mixed and bf16-mixed+compile).")
+        return
+    st.dataframe(drift_table, hide_index=True, key="cmp_drift")
+    st.plotly_chart(compiled_views.drift_figure(drift, lane_labels), key="cmp_chart_drift")
+    st.caption(compiled_views.DRIFT_NOTE)
+
+
 def comparison() -> None:
     # Each redraw reads the lanes through their multi-resolution summary (a few thousand points per figure, whatever
     # their length): every record is gathered only for a download, when it is asked for.
@@ -193,6 +212,8 @@ def comparison() -> None:
         st.caption(":orange[:material/warning:] These lanes come from different runs: they ran at different times, "
                    "maybe with different settings or with other runs beside them, so their speed compares less fairly "
                    "than lanes of one run (which take turns step by step).")
+
+    compiled_lanes_section(series)
 
     st.subheader("Charts")
     c1, c2, c3 = st.columns(3)

@@ -2,9 +2,10 @@
 
 import streamlit as st
 
+from amp_core.compiled import one_line as compiled_one_line
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
-from amp_core.probes import optrace
+from amp_core.probes import compiled_ops, optrace
 from amp_core.runs import is_live
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
@@ -106,6 +107,48 @@ def attached_trace() -> list[optrace.OpTrace]:
     return [arrived[run_id][1]] if run_id in arrived else []
 
 
+@st.cache_data(show_spinner="Compiling one forward + backward with inductor (seconds to a minute)…", max_entries=8)
+def compiled_traced(workload: str, mode: str, size: str, device: str, batch_size: int):
+    return compiled_ops.trace_workload_compiled(workload, mode, size=size, device=device, batch_size=batch_size)
+
+
+def compiled_section() -> None:
+    """The same workload and mode compiled with inductor: its graphs' ops and dtypes, its kernels, the casts kept and
+    fused away against the eager trace."""
+    if st.session_state.get("opi_source") != SOURCES[0]:
+        return
+    st.subheader("Compiled (`+compile`): what inductor made of this step")
+    mode = st.session_state.get("opi_mode", "bf16-mixed")
+    if not st.toggle(f"Compile {mode} with inductor and show what ran", key="opi_compiled"):
+        st.caption("A compiled lane's layer numerics and replay run on an eager copy with the same weights.")
+        return
+    recipe = f"{mode}+compile"
+    ok, why = availability(recipe, DEVICE)
+    if not ok:
+        st.error(f"Cannot compile here: {why}")
+        return
+    try:
+        trace, eager_casts = compiled_traced(st.session_state.opi_workload, recipe, st.session_state.opi_size,
+                                             DEVICE, int(st.session_state.opi_batch))
+    except Exception as error:  # dynamo or inductor refused the model: one line, the page goes on
+        st.error(f"The compile failed: {compiled_one_line(error)}")
+        return
+    left, middle, right = st.columns(3)
+    left.metric("Casts eager runs as their own ops", eager_casts)
+    middle.metric("Casts in the compiled graphs", trace.graph_casts)
+    right.metric("Kernels that only cast (kept)", trace.kept_cast_kernels,
+                 help=f"{trace.fusing_kernels} other kernel(s) cast inside a computing kernel (fused away)")
+    st.dataframe(trace.kernel_frame(), hide_index=True, key="opi_compiled_kernels")
+    st.info(compiled_ops.CANNOT_SEE)
+    with st.expander("The post-AOT graphs: every op with its dtype (forward, backward)"):
+        st.dataframe(trace.ops, hide_index=True, key="opi_compiled_ops")
+    with st.expander("Inductor's generated code"):
+        for index, code in enumerate(trace.code):
+            st.code(code[:20000], language="python")
+            if len(code) > 20000:
+                st.caption(f"(first 20,000 of {len(code):,} characters of part {index + 1})")
+
+
 def show_summary(trace: optrace.OpTrace) -> None:
     summary = trace.summary()
     st.markdown(f"**{trace.label}** on {trace.device}")
@@ -195,6 +238,8 @@ if traces:
                                  "low_precision_share": st.column_config.NumberColumn(
                                      "low-precision FLOP share", format="percent"),
                                  "flops": st.column_config.NumberColumn("FLOPs", format="localized")})
+
+compiled_section()
 
 st.subheader("The seed demo: `x + y` and `x @ y` under autocast, run here")
 st.markdown("From *EffectivePyTorch* (Mixed precision → Autocast): on a CUDA GPU under fp16 autocast the notes "

@@ -234,6 +234,7 @@ from amp_core.diagnostics.cost import (  # noqa: E402
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
+from amp_core.views import compiled as compiled_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
@@ -544,6 +545,23 @@ def lane_problems(info: RunInfo) -> None:
             st.warning(f"Lane **{lane.mode}** was interrupted: the process running it ended.")
 
 
+def compiled_lanes(info: RunInfo) -> None:
+    """Compiled lanes (`+compile`): which is compiling now, and each one's compile time, graph breaks and recompiles
+    (read from the run's events only when a lane compiles)."""
+    if not compiled_views.has_compiled(lane.mode for lane in info.lanes):
+        return
+    for lane in info.lanes:
+        if lane.status == "compiling":
+            st.info(f"Lane **{lane.mode}** is compiling (dynamo + inductor): its timed steps start once the "
+                    "compile is done, and the compile time is recorded apart.")
+    events = manager.events(run_id)
+    for _, event in events[events["kind"] == "compile_slow"].iterrows():
+        st.warning(event["message"])
+    table = compiled_views.compile_summary(events, list(info.lanes))
+    st.dataframe(table[compiled_views.TRAIN_COLUMNS], hide_index=True, key="train_compiled")
+    st.caption(compiled_views.COMPILE_NOTE)
+
+
 def replicates(series: list, seeds: dict[str, int]) -> None:
     """Each mode across its seeds, and whether two modes differ by more than the spread across seeds."""
     table = replicate_table(series, seeds)
@@ -610,6 +628,7 @@ def live_view() -> None:
     what_ran(info)
     lane_problems(info)
     lane_rows(info, series)
+    compiled_lanes(info)
     seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)

@@ -23,10 +23,13 @@ EVERY_OPTION = ("bf16-mixed+fp8-tensorwise", "bf16-mixed+fp8-rowwise", "bf16-mix
 
 FSDP_OPTIONS = ("reduce-bf16", "reduce-fp32")
 """Options of a model sharded with FSDP2: raced under torchrun in test_fsdp.py."""
+COMPILE_OPTIONS = ("compile", "compile-max-autotune", "compile-reduce-overhead")
+"""Compiled lanes: raced with real inductor in test_compiled.py (reduce-overhead is CUDA graphs: refused on a CPU)."""
 
 
 def test_every_option_is_raced_by_the_test():
-    assert {recipe.split("+")[1] for recipe in EVERY_OPTION} | set(FSDP_OPTIONS) == set(RECIPE_OPTIONS)
+    assert {recipe.split("+")[1] for recipe in EVERY_OPTION} | set(FSDP_OPTIONS) | set(COMPILE_OPTIONS) == set(
+        RECIPE_OPTIONS)
     assert {name for name, option in RECIPE_OPTIONS.items() if option.fsdp_only} == set(FSDP_OPTIONS)
 
 
@@ -49,6 +52,7 @@ def test_a_recipe_parses_into_its_mode_and_option_objects():
     ("32-true+adamw-8bit+adamw-4bit", r"2 optimizer-state options"),
     ("bf16-true+states-bf16", r"already keeps Adam's states in bf16"),
     ("32-true+", r"unknown recipe option ''"),
+    ("32-true+compile+compile-max-autotune", r"2 compile options"),
 ])
 def test_a_bad_recipe_is_refused_in_one_line_naming_why(recipe, why):
     with pytest.raises(ConfigError, match=why) as caught:

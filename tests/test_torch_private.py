@@ -110,3 +110,28 @@ def test_a_missing_api_is_named():
 
     with pytest.raises(TorchAPIChanged, match=r"private API GradScaler\._init_scale is gone"):
         torch_private._attribute(Stripped(), "_init_scale", "GradScaler._init_scale")
+
+
+def test_torch_compile_accounting_wrappers_answer_on_this_torch():
+    """The dynamo / inductor names compiled lanes read (amp_core.compiled, the compiled op view), each called once;
+    nothing here compiles (a compiled module's call is lazy)."""
+    import logging
+
+    seen = []
+    remove = torch_private.watch_dynamo_compiles(seen.append, seen.append)
+    remove()
+    assert isinstance(torch_private.compilation_metrics(), list)
+    assert isinstance(torch_private.graph_break_counts(), dict)
+    assert torch_private.recompile_limit() >= 1
+    model = torch.nn.Linear(2, 2)
+    assert torch_private.compiled_call(model) is None
+    model.compile()
+    assert torch_private.compiled_call(model) is not None
+    torch_private.set_compiled_call(model, None)
+    assert torch_private.compiled_call(model) is None
+    assert torch_private.inductor_cxx_names()
+    assert isinstance(torch_private.has_triton(), bool)
+    assert callable(torch_private.inductor_backend(lambda *args, **kwargs: None, "max-autotune"))
+    record = logging.LogRecord(torch_private.DYNAMO_FRAME_LOGGER, logging.WARNING, "", 0,
+                               "torch._dynamo hit config.%s (%s)", ("recompile_limit", 8), None)
+    assert torch_private.is_recompile_limit_warning(record)

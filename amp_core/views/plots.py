@@ -42,6 +42,7 @@ RECIPE_OPTION_COLORS: dict[str, str] = {
     "adamw-8bit": "#393b79", "adamw-4bit": "#637939", "adamw-fp8": "#843c39", "states-bf16": "#7b4173",
     "sr": "#e7969c",
     "reduce-bf16": "#17becf", "reduce-fp32": "#6b6ecf",
+    "compile": "#d4a017", "compile-max-autotune": "#a05195", "compile-reduce-overhead": "#003f5c",
 }
 """A recipe lane takes its last option's colour, so it never shares its plain mode's."""
 

@@ -18,7 +18,7 @@ import pandas as pd
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from amp_core.views import compare, plots
+from amp_core.views import compare, compiled, plots
 from amp_core.views.live import what_ran_warnings
 from amp_core.views.summary import (
     DIFFERENCE_RULE,
@@ -122,6 +122,19 @@ def _events_section(events: pd.DataFrame, labels: dict[str, str], run_id: str) -
     return _table(frame) + more
 
 
+def _compiled_section(reader: RunReader, run_id: str, labels: dict[str, str]) -> list[str]:
+    """The compiled lanes' compile figures and drift against eager (nothing when no lane compiles)."""
+    compiles, drift, drift_table = compiled.compiled_view(reader, [run_id])
+    if compiles.empty:
+        return []
+    parts = ["<h2>Compiled lanes</h2>", _table(compiles.drop(columns="run_id")),
+             f'<p class="note">{html.escape(compiled.COMPILE_NOTE)}</p>']
+    if not drift_table.empty:
+        parts += [_table(drift_table.drop(columns="run_id")), _figure_block(900, compiled.drift_figure(drift, labels)),
+                  f'<p class="note">{html.escape(compiled.DRIFT_NOTE)}</p>']
+    return parts
+
+
 def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     """Run `run_id` as one self-contained HTML page (see the module's docstring); ValueError if the run is unknown."""
     reader = _reader(source)
@@ -170,6 +183,7 @@ def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     else:
         parts.append("<p>No steps recorded.</p>")
 
+    parts += _compiled_section(reader, run_id, labels)
     figures = report_figures(reader, run_id, info)
     parts.append("<h2>Charts</h2>")
     parts += [_figure_block(i, figure) for i, figure in enumerate(figures)] or ["<p>No steps to chart.</p>"]

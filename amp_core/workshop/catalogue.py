@@ -10,6 +10,7 @@ import pandas as pd
 
 import amp_core.workshop.architectures as architectures
 import amp_core.workshop.checks as checks
+import amp_core.workshop.compiled as compiled_checks
 import amp_core.workshop.speed as speed
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import resolve_device
@@ -267,6 +268,25 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         ),
         expects=lambda device: checks.fp8_expected_here(_fp8_device(device)),
         charts=("loss", "memory"), extras=("recipes",)),
+    Scenario(
+        name="compile", title="Does compile change the answer?",
+        watch="bf16-mixed eager and bf16-mixed+compile (inductor) race from the same weights and batches, beside "
+              "32-true. Watch the compiled lane say `compiling` first, then the step-time chart (is compiled faster "
+              "here) and the loss lines (does compiling move them).",
+        caveat="Compile time is an event, never step time. The speed is the median of per-step ratios (eager over "
+               "compiled in the same interleaved step) with a 95% interval: which way it goes is this device's "
+               "answer at this size, and where the interval includes 1x the check says \"cannot tell here\".",
+        build=lambda device: (_config(device, "does compile change the answer?", modes=compiled_checks.MODES,
+                                      steps=120, gradstats_every=0, memory_every=1000),),
+        checks=(
+            Check("Compile time kept apart", "the compiled lane's compile is an event; every step is shorter than it",
+                  compiled_checks.compile_time_apart),
+            Check("Compiled vs eager speed", "the paired interval decides faster or slower here (measured, not "
+                  "predicted)", compiled_checks.speed_told),
+            Check("Drift against eager", f"median |relative loss difference| per step within "
+                  f"{compiled_checks.DRIFT_MATCH:.0%}", compiled_checks.drift),
+        ),
+        charts=("loss", "step_time")),
     Scenario(
         name="llama-range", title="A real Llama in fp16 and bf16: why bf16's range saves it",
         watch="transformers' Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention; random init) races in "

@@ -1,0 +1,203 @@
+"""Compiled lanes (`+compile`) with real inductor on the CPU: eager and compiled lanes race from the same weights and
+batches, compile time stays out of step time, dynamo's graph breaks are named, a failing compile fails its lane
+alone, drift is recorded per step, and the compiled op view shows fewer standalone casts than eager. Each module
+fixture compiles once (seconds cold; inductor's cache makes a rerun quicker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compile_workloads import PlantedBreak
+
+from amp_core.compiled import (
+    COMPILED_EVENT,
+    GRAPH_BREAK_EVENT,
+    RECOMPILE_EVENT,
+    RECOMPILE_STORM_EVENT,
+    eager_recipe,
+    is_compiled_recipe,
+    one_line,
+)
+from amp_core.config import ConfigError, RunConfig
+from amp_core.precision import availability, cpp_compiler
+from amp_core.runner import Run
+from amp_core.views import compiled as compiled_views
+from amp_core.workloads import WORKLOADS, check_launch
+
+STEPS = 24
+"""Enough for the workshop's speed check (MIN_STEPS 20); a CPU step of this model is about a millisecond."""
+
+
+def finished(config: RunConfig) -> Run:
+    run = Run(config).start()
+    run.join(600)
+    assert not run.alive
+    return run
+
+
+@pytest.fixture(scope="module")
+def race():
+    return finished(RunConfig(workload="digits_mlp", modes=("32-true", "bf16-mixed", "bf16-mixed+compile"),
+                              steps=STEPS, batch_size=16, gradstats_every=0))
+
+
+@pytest.fixture(scope="module")
+def planted():
+    workload = PlantedBreak()
+    WORKLOADS[workload.name] = workload
+    try:
+        yield finished(RunConfig(workload=workload.name, modes=("32-true", "32-true+compile", "bf16-mixed",
+                                                                  "bf16-mixed+compile"), steps=STEPS, batch_size=8,
+                                 gradstats_every=0))
+    finally:
+        WORKLOADS.pop(workload.name)
+
+
+def test_recipe_names_and_refusals(monkeypatch):
+    assert is_compiled_recipe("bf16-mixed+compile") and not is_compiled_recipe("bf16-mixed")
+    assert eager_recipe("bf16-mixed+compile-max-autotune") == "bf16-mixed"
+    ok, why = availability("bf16-mixed+compile-reduce-overhead", "cpu")
+    assert not ok and "CUDA graphs" in why
+    assert cpp_compiler()  # this machine has one: the real lookup answers
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler-amp-lab",))
+    ok, why = availability("bf16-mixed+compile", "cpu")
+    assert not ok and "needs a C++ compiler" in why
+    with pytest.raises(ConfigError, match=r"modes: .*C\+\+ compiler"):
+        check_launch(RunConfig(workload="digits_mlp", modes=("bf16-mixed+compile",)))
+
+
+def test_eager_and_compiled_lanes_race_with_compile_time_kept_out(race):
+    assert [lane.status for lane in race.lanes] == ["finished"] * 3
+    frame = race.frame()
+    assert frame.groupby("lane").size().tolist() == [STEPS] * 3
+    compiled = [e for e in race.events() if e.kind == COMPILED_EVENT]
+    assert [e.lane for e in compiled] == [2] and compiled[0].data["graphs"] >= 1
+    kinds = [e.kind for e in race.events() if e.lane == 2]
+    assert kinds.index("compiling") < kinds.index(COMPILED_EVENT)
+    # the first compile happened before step 0, outside the timed steps: every step is far shorter than it
+    assert frame[frame.lane == 2]["step_ms"].max() < compiled[0].data["compile_ms"]
+    # the same weights and batches: the first losses agree closely (bf16 rounding may differ)
+    first = frame[frame.step == 0].set_index("lane")["loss"]
+    assert abs(first[2] - first[1]) / abs(first[1]) < 1e-2
+
+
+def test_drift_recorded_per_step_and_summarised(race):
+    compiles, drift, summary = compiled_views.compiled_view(race.run_id and _Reader(race), [race.run_id])
+    assert compiles["recipe"].tolist() == ["bf16-mixed+compile"] and compiles["compile s"].iloc[0] > 0
+    assert drift["step"].tolist() == list(range(STEPS)) and drift["vs_fp32"].notna().all()
+    assert summary["verdict"].iloc[0].startswith("one seed")
+
+
+class _Reader:
+    """The RunReader view of one finished in-memory run, as the pages read it."""
+
+    def __init__(self, run: Run):
+        from amp_core.runner import RunManager
+
+        self.manager = RunManager()
+        self.manager._runs[run.run_id] = run
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+
+def test_planted_graph_break_is_named_and_a_failed_compile_fails_alone(planted):
+    status = {lane.mode: lane.status for lane in planted.lanes}
+    assert status == {"32-true": "finished", "32-true+compile": "finished", "bf16-mixed": "finished",
+                      "bf16-mixed+compile": "failed"}
+    failed = planted.lanes[3]
+    assert failed.error.startswith("CompileFailed: compile failed:") and "\n" not in failed.error
+    breaks = [e for e in planted.events() if e.kind == GRAPH_BREAK_EVENT and e.lane == 1]
+    assert breaks and "graph_break()" in breaks[0].data["what"]
+    compiled = next(e for e in planted.events() if e.kind == COMPILED_EVENT and e.lane == 1)
+    assert compiled.data["graph_breaks"] >= 1 and compiled.data["graphs"] >= 2
+    assert planted.frame().groupby("lane").size().to_dict() == {0: STEPS, 1: STEPS, 2: STEPS}
+
+
+def test_recompile_named_with_its_guard_and_the_storm_is_an_event(planted):
+    recompiles = [e for e in planted.events() if e.kind == RECOMPILE_EVENT and e.lane == 1]
+    # dynamo's guard failures, as it words them (a compiled lane of another mode of the same model adds its own)
+    assert any("self.calls ==" in e.data["reason"] for e in recompiles)
+    assert all(e.data["compile_ms"] > 0 and "\n" not in e.message for e in recompiles)
+    storms = [e for e in planted.events() if e.kind == RECOMPILE_STORM_EVENT and e.lane == 1]
+    assert len(storms) == 1 and storms[0].data["recompile_limit"] == torch._dynamo.config.recompile_limit
+    assert len(recompiles) <= torch._dynamo.config.recompile_limit
+    table = compiled_views.compile_summary(_Reader(planted).events(planted.run_id),
+                                           _Reader(planted).run_info(planted.run_id).lanes)
+    row = table.set_index("recipe").loc["32-true+compile"]
+    assert row["recompiles"] >= 1 and row["storm"] == "yes" and "graph_break()" in row["break reasons"]
+
+
+def test_one_line_keeps_the_first_line():
+    assert one_line(RuntimeError("first\n\nsecond")) == "RuntimeError: first"
+
+
+def test_compiled_op_view_shows_fewer_standalone_casts_than_eager():
+    from amp_core.probes.compiled_ops import trace_workload_compiled
+
+    trace, eager_casts = trace_workload_compiled("digits_mlp", "bf16-mixed+compile", batch_size=8)
+    assert trace.graph_casts > 0 and set(trace.ops["phase"]) == {"forward", "backward"}
+    assert trace.fusing_kernels >= 1  # inductor fused casts into computing kernels
+    assert trace.kept_cast_kernels < eager_casts
+    assert "bf16" in set(trace.ops["dtype"])
+
+
+def _evidence(run: Run, edit=None):
+    """The workshop's evidence of `run` as recorded, its step records edited by `edit(steps, lanes)` when given."""
+    from amp_core.workshop.evidence import gather
+
+    evidence = gather(_Reader(run), [run.run_id])
+    if edit is not None:
+        part = evidence.parts[0]
+        edit(part.steps, {lane.mode: lane.lane for lane in part.info.lanes})
+    return evidence
+
+
+def test_workshop_compile_scenario_checks_both_ways_from_recorded_evidence(race):
+    from amp_core.workshop import SCENARIOS, Verdict, evaluate
+
+    scenario = SCENARIOS["compile"]
+    assert scenario.configs("cpu")[0].modes == tuple(lane.mode for lane in race.lanes)
+    results = {r.title: r for r in evaluate(scenario, _evidence(race))}
+    assert results["Compile time kept apart"].verdict is Verdict.HELD
+    assert results["Drift against eager"].verdict is Verdict.HELD
+    assert results["Compiled vs eager speed"].verdict in (Verdict.HELD, Verdict.CANNOT_TELL)  # this CPU's answer
+
+    def slow_step(steps, lanes):  # one compiled step that took longer than the whole compile
+        steps.loc[(steps["lane"] == lanes["bf16-mixed+compile"]) & (steps["step"] == 5), "step_ms"] = 1e9
+
+    def drifted(steps, lanes):
+        steps.loc[steps["lane"] == lanes["bf16-mixed+compile"], "loss"] *= 1.2
+
+    def twice_as_fast(steps, lanes):
+        eager = steps[steps["lane"] == lanes["bf16-mixed"]].set_index("step")["step_ms"]
+        mine = steps["lane"] == lanes["bf16-mixed+compile"]
+        steps.loc[mine, "step_ms"] = steps.loc[mine, "step"].map(eager).to_numpy() / 2
+
+    def same_speed(steps, lanes):
+        eager = steps[steps["lane"] == lanes["bf16-mixed"]].set_index("step")["step_ms"]
+        mine = steps["lane"] == lanes["bf16-mixed+compile"]
+        steps.loc[mine, "step_ms"] = steps.loc[mine, "step"].map(eager).to_numpy()
+
+    def verdict(edit, title):
+        return next(r for r in evaluate(scenario, _evidence(race, edit)) if r.title == title).verdict
+
+    assert verdict(slow_step, "Compile time kept apart") is Verdict.FAILED
+    assert verdict(drifted, "Drift against eager") is Verdict.FAILED
+    assert verdict(twice_as_fast, "Compiled vs eager speed") is Verdict.HELD
+    assert verdict(same_speed, "Compiled vs eager speed") is Verdict.CANNOT_TELL
+
+
+def test_a_copy_of_a_compiled_lane_model_is_eager_with_the_same_weights():
+    """What layer numerics, the op trace and replay run on: torch drops the compiled call when it copies a module."""
+    import copy
+
+    from amp_core.compiled import compile_lane_model
+
+    model = torch.nn.Linear(4, 2)
+    compile_lane_model(model, "default", lambda: None)  # lazy: nothing compiles until the model is called
+    assert model._compiled_call_impl is not None
+    twin = copy.deepcopy(model)
+    assert twin._compiled_call_impl is None and torch.equal(twin.weight, model.weight)
