@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
                       "(the op inspector's dispatch mode needs it)") from exc
 
 __all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "foreach_copy_", "foreach_norm",
-           "found_inf_flag", "scale_tensor", "scaler_settings", "scaler_tensors", "supports_amp_scaling"]
+           "forward_hooks", "found_inf_flag", "remove_forward_hooks", "scale_tensor", "scaler_settings", "scaler_tensors", "supports_amp_scaling"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -135,3 +135,27 @@ class ScopedModuleTracker(ModuleTracker):
         for hook in hooks:
             hook.remove()
         hooks.clear()
+
+
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def forward_hooks(module: torch.nn.Module) -> list[object]:
+    """The forward pre-hooks and forward hooks registered on `module` (a deep copy of a module carries copies of its
+    hooks, but no handle to remove them by)."""
+    pre = _attribute(module, "_forward_pre_hooks", "Module._forward_pre_hooks")
+    post = _attribute(module, "_forward_hooks", "Module._forward_hooks")
+    return [*pre.values(), *post.values()]
+
+
+def remove_forward_hooks(module: torch.nn.Module, kind: type) -> int:
+    """Remove the forward (pre-)hooks of `module` that are instances of `kind`; returns how many."""
+    removed = 0
+    for hooks_name in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = _attribute(module, hooks_name, f"Module.{hooks_name}")
+        for key in [key for key, hook in hooks.items() if isinstance(hook, kind)]:
+            for name in _FORWARD_HOOK_DICTS:
+                _attribute(module, name, f"Module.{name}").pop(key, None)
+            removed += 1
+    return removed
