@@ -19,7 +19,8 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
                       "(the op inspector's dispatch mode needs it)") from exc
 
 __all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "foreach_copy_", "foreach_norm",
-           "forward_hooks", "found_inf_flag", "remove_forward_hooks", "scale_tensor", "scaler_settings", "scaler_tensors", "supports_amp_scaling"]
+           "forward_hooks", "found_inf_flag", "remove_forward_hooks", "scale_tensor", "scaler_settings",
+           "scaler_tensors", "supports_amp_scaling"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
