@@ -66,7 +66,8 @@ class PlantedStack(Workload):
 
     name = "planted_stack"
     title = "Blocks with planted precision failures (bisect tests)"
-    description = "8 blocks of Linear -> planted/safe -> LayerNorm -> GELU; small: one planted overflow, medium: two at different depths, large: a bf16 drift."
+    description = ("8 blocks of Linear -> planted/safe -> LayerNorm -> GELU; small: one planted overflow, medium: two "
+                   "at different depths, large: a bf16 drift.")
     sizes = {
         "small": {"planted": (3,), "kind": "overflow"},
         "medium": {"planted": (1, 6), "kind": "overflow"},

@@ -6,8 +6,9 @@ Shaped like Polygraphy's `debug precision`: a *marker* object (`KeepSetMarker`: 
 of the lane's recipe plus `+keep:` for the selected modules, from the lane's state before the step, on its own copy,
 off the training thread. Unlike Polygraphy (a prefix of layers, for inference), the marker looks for a *set*: the
 candidates are ordered by what layer numerics measures on the failing step (the first inf/NaN module, then modules
-whose values are not finite, overflow or flush to zero when cast, or differ most from fp32), growing prefixes of that
-order are tried until one passes, and delta debugging (Zeller's ddmin) then minimises it.
+whose values are not finite, overflow or flush to zero when cast, or differ most from fp32); the search follows the
+first inf/NaN module trial by trial, then grows prefixes of that order until one passes, and delta debugging (Zeller's
+ddmin, complement-first) then minimises it.
 
 A trial passes when every step it replays has a finite loss and finite gradients, no step is skipped after the
 GradScaler's warm-up, and the loss is not above the fp32 reference's band (the reference: 32-true replayed from the
@@ -85,16 +86,6 @@ class BisectConfig:
 
 # --- the marker: what to try next, given the last outcome -----------------------------------------------------------
 
-def _split(items: list[str], parts: int) -> list[list[str]]:
-    size, extra = divmod(len(items), parts)
-    chunks, start = [], 0
-    for index in range(parts):
-        end = start + size + (1 if index < extra else 0)
-        chunks.append(items[start:end])
-        start = end
-    return [chunk for chunk in chunks if chunk]
-
-
 Outcome = tuple[bool, str]
 """What the marker hears of a trial: whether it passed, and the first inf/NaN module it named ('' for none)."""
 
@@ -106,8 +97,10 @@ def _search(ordered: list[str]) -> Generator[tuple[str, ...], Outcome, list[str]
        (an overflow hides the next one downstream until it is kept);
     2. if that stops short of a pass: growing prefixes of the evidence order (the modules chosen so far first),
        doubling until one passes;
-    3. ddmin on the passing set: split it into n chunks, keep a chunk or a complement that still passes, else refine
-       (n doubles) until the chunks are single modules. Returns a 1-minimal passing set."""
+    3. delta debugging on the passing set (ddmin's complement step, for a property that only holds more as more is
+       kept): drop a chunk when the rest still passes, else split the chunk in halves and try each; a single module
+       that cannot be dropped stays. About 2·k·log2(n) trials for k modules that must stay among n (ddmin's own
+       subset-first order needs about n when they are spread out). Returns a 1-minimal passing set."""
     chosen = [ordered[0]]
     passed, named = yield tuple(chosen)
     while not passed and named and named not in chosen:
@@ -122,24 +115,16 @@ def _search(ordered: list[str]) -> Generator[tuple[str, ...], Outcome, list[str]
                 break
             size *= 2
         pool = pool[:size]
-    current, n = list(pool), 2
-    while len(current) >= 2:
-        chunks = _split(current, n)
-        reduced = False
-        for chunk in chunks:
-            if (yield tuple(chunk))[0]:
-                current, n, reduced = chunk, 2, True
-                break
-        if not reduced and len(chunks) > 2:
-            for chunk in chunks:
-                rest = [name for name in current if name not in chunk]
-                if (yield tuple(rest))[0]:
-                    current, n, reduced = rest, max(n - 1, 2), True
-                    break
-        if not reduced:
-            if n >= len(current):
-                break
-            n = min(2 * n, len(current))
+    current = list(pool)
+    groups = [current] if len(current) > 1 else []
+    while groups:
+        group = groups.pop(0)
+        rest = [name for name in current if name not in group]
+        if (yield tuple(rest))[0]:
+            current = rest  # the whole group can go
+        elif len(group) > 1:
+            middle = len(group) // 2
+            groups += [group[:middle], group[middle:]]
     return current
 
 
