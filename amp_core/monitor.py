@@ -72,7 +72,8 @@ from amp_core.diagnostics.attached_replay import (
 )
 from amp_core.diagnostics.replay_modes import REPLAYED_EVENT, report_data
 from amp_core.precision import MODES, mode_from_dtypes
-from amp_core.probes.layerwatch import LayerWatch
+from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
+from amp_core.probes.nonfinite import NonfiniteSentinel
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
 from amp_core.records.requests import LAYERS, TRACE, Desk
@@ -144,6 +145,9 @@ class MonitorConfig:
     passes each step's batch: `monitor.step(loss, batch=...)`."""
     replay_max: int = 3
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
+    failing_step: bool = True
+    """Name the first inf/NaN module of the step that failed, not the next one: device-side flags per leaf module,
+    written on every forward without a sync and read only when a step fails (amp_core.probes.nonfinite)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not isinstance(self.workload, str) \
@@ -274,6 +278,8 @@ class Monitor:
         self._trace_asked: list[int] = []
         self._trace = None
         self._push_at = time.monotonic() + self.config.flush_every_s / 2
+        self._sentinel = NonfiniteSentinel(_inner(model), lambda: self.steps_done) if self.config.failing_step \
+            else None
         self._recorder.on_record.append(self._layer_failure)
         if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded
             self._recorder.on_record.append(lambda track, result: self._replay.recorded(result.step, result.loss))
@@ -389,6 +395,8 @@ class Monitor:
         if self._forward_hook is not None:
             self._forward_hook.remove()
         self._layers.close()
+        if self._sentinel is not None:
+            self._sentinel.close()
         if self._trace is not None:
             self._trace.stop()
             self._trace = None
@@ -427,7 +435,11 @@ class Monitor:
         failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
                    else "gradient norm not finite" if result.grad_norm is not None
                    and not math.isfinite(result.grad_norm) else "")
-        if failure:
+        named = self._sentinel.failed(result.step, failure) if failure and self._sentinel is not None else None
+        if named is not None:
+            if named[0]:
+                self._sink.event(FIRST_NONFINITE_EVENT, named[0], LANE, result.step, **named[1])
+        elif failure:
             self._layers.failed(result.step, failure)
 
     @staticmethod
