@@ -435,7 +435,9 @@ class Monitor:
         failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
                    else "gradient norm not finite" if result.grad_norm is not None
                    and not math.isfinite(result.grad_norm) else "")
-        named = self._sentinel.failed(result.step, failure) if failure and self._sentinel is not None else None
+        # A step the layer watch watched names its first inf/NaN with its ranges; any other, by the device flags.
+        named = self._sentinel.failed(result.step, failure) if failure and self._sentinel is not None \
+            and not self._layers.watches(result.step) else None
         if named is not None:
             if named[0]:
                 self._sink.event(FIRST_NONFINITE_EVENT, named[0], LANE, result.step, **named[1])
