@@ -11,6 +11,7 @@ from amp_core.views import numerics as numerics_views
 from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
+from pages.bisect_panel import bisect_panel
 from pages.common import (
     LIVE_MARK,
     app_frame,
@@ -308,3 +309,10 @@ if run_id is None:
     st.info("No runs yet.")
 else:
     show_amax_over_time(run_id)
+    run_info = get_manager().run_info(run_id)
+    if run_info is not None and run_info.config.get("source") != "monitor":
+        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
+        lane_modes = {entry["lane"]: entry["mode"] for entry in run_info["lanes"]}
+        bisect_lane = st.selectbox("Lane to bisect", list(lane_modes), key=f"lnum_bisect_lane_{run_id}",
+                                   format_func=lambda i: f"lane {i} · {lane_modes[i]}")
+        bisect_panel(get_manager(), run_id, bisect_lane, "lnum")

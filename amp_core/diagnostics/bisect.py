@@ -307,7 +307,8 @@ class BisectReport:
             return count
         slower = fixed.ms_per_step / own.ms_per_step - 1
         speed = f"costs {slower:.0%} of the speed" if slower > 0.005 else \
-            "costs no measurable speed" if slower > -0.005 else f"runs {-slower:.0%} faster here (noise)"
+            "costs no measurable speed" if slower > -0.005 else \
+            f"runs {-slower:.0%} faster than the failing lane here"
         memory = fixed.memory_bytes - own.memory_bytes
         held = f", {memory / 2**20:+.2f} MiB held" if memory else ""
         reference = rows.get(BASELINE_MODE)
@@ -677,3 +678,50 @@ def recorded_bisects(events, lane: int | None = None) -> list[BisectReport]:
         mine = mine[mine["lane"] == lane]
     return [BisectReport.from_data(data["report"]) for data in mine["data"]
             if isinstance(data, dict) and "report" in data]
+
+
+@dataclass(eq=False)
+class BisectJob:
+    """A bisect running on a thread of its own (a page starts it and polls `done`; the training thread and the
+    page's script are never held up). `report` when it ended with one, else `error` (a ConfigError's field and why,
+    or an unexpected exception's words)."""
+
+    run_id: str
+    lane: int | str
+    report: BisectReport | None = None
+    error: str = ""
+    done: bool = False
+
+
+def start_bisect(manager: Any, run_id: str, lane: int | str, *, step: int | None = None, window: str | None = None,
+                 check: BisectConfig | None = None) -> BisectJob:
+    """Run `bisect_run(..., record=True)` on a background thread (amp_core.background: stopped at exit)."""
+    from amp_core import background
+
+    job = BisectJob(run_id, lane)
+
+    def work() -> None:
+        try:
+            job.report = bisect_run(manager, run_id, lane, step=step, window=window, check=check, record=True)
+        except ConfigError as error:
+            job.error = f"{error.field}: {error.why}"
+        except Exception as error:  # shown on the page as words, never as a traceback
+            job.error = f"{type(error).__name__}: {error}"
+        finally:
+            job.done = True
+
+    background.start(work, f"amp-bisect-{run_id}-{lane}")
+    return job
+
+
+def fixed_race_config(config: dict, report: BisectReport, steps: int | None = None) -> RunConfig:
+    """The run's config with its lanes replaced by the original recipe, the fixed one and 32-true (the live race of
+    the fix: same workload, seed and settings)."""
+    data = dict(config)
+    data["modes"] = list(dict.fromkeys([report.recipe, report.fixed_recipe, BASELINE_MODE]))
+    data["seeds"] = 1
+    data["name"] = f"fix of run {report.run_id} lane {report.lane}: {report.fixed_recipe}"
+    if steps is not None:
+        data["steps"] = steps
+    data.pop("source", None)
+    return RunConfig.from_dict(data)
