@@ -45,8 +45,8 @@ def planted_server(tmp_path, monkeypatch):
 def open_page(browser, url: str):
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     page.goto(url)
-    page.get_by_role("heading").first.wait_for(timeout=90_000)
-    page.wait_for_function(SETTLED, timeout=90_000)
+    page.get_by_role("heading").first.wait_for(timeout=240_000)  # a loaded 2-core machine serves slowly
+    page.wait_for_function(SETTLED, timeout=240_000)
     return page
 
 
