@@ -71,6 +71,7 @@ def test_the_sentinel_reads_nothing_until_asked_and_forgets_old_steps():
     assert not sentinel.held(3)
 
 
+@pytest.mark.timeout(900)  # a Trainer in a process of its own: imports transformers, slow on a loaded machine
 def test_an_hf_trainer_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store):
     pytest.importorskip("transformers")
     from test_integrations import ENV, SCRIPT
