@@ -173,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--step", type=int, required=True, help="the step to replay (0-based)")
     replay.set_defaults(handler=cmd_replay, uses_workloads=True)
 
+    bisect = sub.add_parser("bisect", parents=[plugins],
+                            help="which modules to keep in fp32 to fix a failing lane, and what that costs",
+                            description="Replay the lane's failing step (or window) from its snapshot with sets of "
+                                        "modules kept in fp32 (+keep:), ordered by layer numerics and minimised by "
+                                        "delta debugging; print every trial, the set, a short race of the original "
+                                        "lane, the fixed lane and 32-true, and the fix as code. A stored run is "
+                                        "re-trained from its seed in this process.")
+    bisect.add_argument("run_id")
+    bisect.add_argument("--lane", required=True, help="a lane number, or a mode name (its first seed's lane)")
+    where = bisect.add_mutually_exclusive_group()
+    where.add_argument("--step", type=int, help="the failing step (default: the lane's first failure in its records)")
+    where.add_argument("--window", help="A:B, steps A to B-1 whose loss is above the fp32 band (a slow divergence)")
+    bisect.add_argument("--budget", type=int, default=None, help="at most this many trials (default 40)")
+    bisect.set_defaults(handler=cmd_bisect, uses_workloads=True)
+
     workshop = sub.add_parser("workshop", help="guided scenarios: list them, or run one and check what it showed")
     workshop_sub = workshop.add_subparsers(dest="workshop_command", metavar="{list,run}", required=True,
                                              parser_class=_Parser)
@@ -633,6 +648,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     report = replay_run(RunManager(open_store(args.store)), args.run_id, args.lane, args.step)
     print(replay_text(report))
     return 0
+
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    """`bisect RUN_ID --lane L [--step S | --window A:B] [--budget N]`: every trial, the set, the price race, the fix
+    as code and, last, the price line; the report is recorded as a `bisected` event of the run."""
+    from amp_core.diagnostics.bisect import BisectConfig, bisect_run
+    from amp_core.runner import RunManager
+    from amp_core.views.bisect import bisect_text
+
+    check = BisectConfig() if args.budget is None else BisectConfig(budget=args.budget)
+    report = bisect_run(RunManager(open_store(args.store)), args.run_id, args.lane, step=args.step,
+                        window=args.window, check=check, record=True)
+    print(bisect_text(report))
+    return 0 if report.verdict == "fixed" else 1
 
 
 def cmd_workshop(args: argparse.Namespace) -> int:

@@ -137,6 +137,9 @@ class MonitorConfig(SamplingSettings):
     passes each step's batch: `monitor.step(loss, batch=...)`."""
     replay_max: int = 3
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
+    failing_step: bool = True
+    """Name the first inf/NaN module of the step that failed, not the next one: device-side flags per leaf module,
+    written on every forward without a sync and read only when a step fails (amp_core.probes.nonfinite)."""
 
     def __post_init__(self) -> None:
         SamplingSettings.__post_init__(self)

@@ -9,7 +9,8 @@ import math
 import time
 from typing import Any
 
-from amp_core.probes.layerwatch import LayerWatch
+from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
+from amp_core.probes.nonfinite import NonfiniteSentinel
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, StepResult
@@ -33,6 +34,9 @@ class MonitorDesk:
         """When (`time.monotonic()`) the watched steps' figures are read and the requests taken next."""
         self.trace_asked: list[int] = []
         self.trace = None
+        self.sentinel = NonfiniteSentinel(monitor.inner_model, lambda: monitor.steps_done) \
+            if config.failing_step else None
+        """Per-module device-side inf/NaN flags of every step (MonitorConfig.failing_step), read when one fails."""
 
     def full_at(self, step: int) -> int:
         """The driver's FullStepAt: the first step from `step` on that is watched or arms the watch for the next
@@ -47,12 +51,17 @@ class MonitorDesk:
 
     def recorded(self, track: LaneTrack, result: StepResult) -> None:
         """The recorder's on_record hook: a step that failed (skipped, or a loss or gradient norm not finite) has the
-        layer watch name the first module that held inf/NaN (from this step's figures when it was watched, else the
-        next step's)."""
+        first module that held inf/NaN named: by the layer watch when it watched the step (with its ranges), else by
+        the sentinel's device flags of that same step, else (failing_step off) by the layer watch at the next step."""
         failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
                    else "gradient norm not finite" if result.grad_norm is not None
                    and not math.isfinite(result.grad_norm) else "")
-        if failure:
+        named = self.sentinel.failed(result.step, failure) if failure and self.sentinel is not None \
+            and not self.layers.watches(result.step) else None
+        if named is not None:
+            if named[0]:
+                self.monitor.note(FIRST_NONFINITE_EVENT, named[0], at_step=result.step, **named[1])
+        elif failure:
             self.layers.failed(result.step, failure)
 
     def after_step(self, result: StepResult) -> None:
@@ -107,6 +116,8 @@ class MonitorDesk:
 
     def close(self) -> None:
         self.layers.close()
+        if self.sentinel is not None:
+            self.sentinel.close()
         if self.trace is not None:
             self.trace.stop()
             self.trace = None

@@ -6,16 +6,21 @@ FP8 matmuls, optimizer-state formats, stochastic rounding, FSDP2 mixed-precision
 from __future__ import annotations
 
 import contextlib
+import difflib
+import fnmatch
 import functools
 import importlib.util
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from amp_core.switches import lane_step_switches, tf32_enabled
+from amp_core.torch_private import forward_hooks, remove_forward_hooks
 from amp_core.torchao_logs import drop_expected_torchao_lines
 
 drop_expected_torchao_lines()  # before any (lazy) torchao import below: its loader lines are expected on a CPU
@@ -85,6 +90,11 @@ class Precision:
         return "+".join((self.mode, *(option.name for option in self.options)))
 
     @property
+    def keep_patterns(self) -> tuple[str, ...]:
+        """The recipe's `+keep:PATTERN` globs over module names (modules computed in fp32), in the order written."""
+        return tuple(option.pattern for option in self.options if isinstance(option, KeepInFp32))
+
+    @property
     def float8(self) -> Float8Matmuls | None:
         """The FP8-matmul option of the recipe, if any."""
         return next((o for o in self.options if isinstance(o, Float8Matmuls)), None)
@@ -113,8 +123,11 @@ class Precision:
 
     def prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move the module to the device and cast its parameters (true modes only change dtype); an FP8 recipe then
-        swaps its eligible Linear layers for torchao's Float8Linear."""
+        swaps its eligible Linear layers for torchao's Float8Linear. `+keep:` modules compute in fp32 (a copy of a
+        kept lane's model prepared for another recipe loses its keep hooks)."""
         module = module.to(device=self.device, dtype=self.param_dtype)
+        # Before FP8 conversion: a kept Linear carries the keep hooks, which Float8Matmuls.plan leaves out.
+        keep_in_fp32(module, self.keep_patterns)
         for option in self.options:
             module = option.prepare_module(module, self.device)
         return module
@@ -153,8 +166,11 @@ class Precision:
         """What the recipe does to `module` (the base model, before preparation), for the run's `started` event:
         the Linear layers in FP8 and those skipped with the reason, and the recipe's notes for this device."""
         report: dict = {"recipe": self.recipe, "notes": [option.note(self.device) for option in self.options]}
+        kept = kept_module_names(module, self.keep_patterns) if self.keep_patterns else []
+        if kept:
+            report["kept_fp32"] = kept
         if self.float8 is not None:
-            converted, skipped = self.float8.plan(module, self.device)
+            converted, skipped = self.float8.plan(module, self.device, kept=kept)
             report["fp8_layers"], report["fp8_skipped"] = converted, skipped
         return report
 
@@ -306,12 +322,16 @@ class Float8Matmuls(RecipeOption):
                        f"({in_features}->{out_features})"
         return ""
 
-    def plan(self, module: torch.nn.Module, device: str) -> tuple[list[str], dict[str, str]]:
-        """(Linear layers converted, {layer: why skipped}) for `module` on `device`."""
+    def plan(self, module: torch.nn.Module, device: str, kept: Iterable[str] = ()) -> tuple[list[str], dict[str, str]]:
+        """(Linear layers converted, {layer: why skipped}) for `module` on `device`; a layer inside a module kept in
+        fp32 (`kept`, or one carrying the keep hooks: `+keep:`) stays a plain nn.Linear."""
         converted, skipped = [], {}
+        kept = {*kept, *(name for name, layer in module.named_modules() if is_kept(layer))}
         for name, layer in module.named_modules():
             if type(layer) is torch.nn.Linear:
-                why = self._keeps(layer, device)
+                holder = next((k for k in kept if name == k or name.startswith(f"{k}.") or not k), None)
+                why = f"kept in fp32 (+keep: {holder or '(the model)'})" if holder is not None else \
+                    self._keeps(layer, device)
                 if why:
                     skipped[name] = why
                 else:
@@ -506,6 +526,144 @@ def compile_option(precision: Precision) -> CompiledModel | None:
     return next((o for o in precision.options if isinstance(o, CompiledModel)), None)
 
 
+KEEP_PREFIX = "keep:"
+"""`MODE+keep:PATTERN`: modules whose name matches the glob PATTERN compute in fp32 (repeatable)."""
+KEEP_HELP = ("keep:PATTERN: modules whose name (model.named_modules()) matches the glob compute in fp32: outside "
+             "autocast with fp32 inputs (mixed modes), fp32 weights (true modes), left out of FP8 conversion.")
+
+
+@dataclass(frozen=True, slots=True)
+class KeepInFp32(RecipeOption):
+    """`+keep:PATTERN`: the modules matching a glob over `named_modules()` names compute in fp32. Mixed modes: outside
+    autocast, their floating inputs upcast; true modes: their parameters stay fp32 too; FP8 recipes: left out of
+    torchao's conversion. Outputs go back in the dtype the surrounding code expects (`keep_in_fp32`)."""
+
+    pattern: str
+    """The glob (fnmatch) over module names, as written after `keep:`."""
+    needs_torchao = False
+
+    @property
+    def name(self) -> str:
+        return f"{KEEP_PREFIX}{self.pattern}"
+
+    @property
+    def help(self) -> str:
+        return f"modules matching {self.pattern!r} compute in fp32"
+
+    def refusal(self, mode: str, device: str | None) -> str:
+        if low_precision_dtype(mode) is None:
+            return f"+{self.name} changes nothing in {mode}: it computes in fp32 already"
+        return ""
+
+
+class _KeepState(threading.local):
+    """Per thread (a replay steps beside the training thread): the autocast exits and output dtypes of the kept
+    modules whose forward is under way, innermost last."""
+
+    def __init__(self) -> None:
+        self.open: list[tuple[contextlib.AbstractContextManager, torch.dtype | None]] = []
+
+
+_KEEP_STATE = _KeepState()
+
+
+def _float_dtype(value: Any) -> torch.dtype | None:
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((dtype for dtype in map(_float_dtype, items) if dtype is not None), None)
+
+
+def _device_of(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return value.device.type
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((kind for kind in map(_device_of, items) if kind is not None), None)
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, dict):
+        for key in value:  # in place: a model's output class (a dict subclass) stays what it is
+            value[key] = _cast_floats(value[key], dtype)
+        return value
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_floats(item, dtype) for item in value]
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _KeepEnter:
+    """Forward pre-hook of a kept module: autocast off, floating inputs upcast to fp32."""
+
+    restore_dtype: torch.dtype | None
+    """The dtype its outputs go back in (the rest of a true-mode model's); None: the dtype of its first floating
+    input (mixed modes: what the surrounding code handed it), or as computed when it has none."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        device_type = _device_of((args, kwargs)) or next((p.device.type for p in module.parameters()), "cpu")
+        off = torch.autocast(device_type=device_type, enabled=False)
+        off.__enter__()
+        _KEEP_STATE.open.append((off, self.restore_dtype or _float_dtype((args, kwargs))))
+        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _KeepExit:
+    """Forward hook of a kept module (always called, so autocast comes back on after an exception too): outputs back
+    in the dtype the surrounding code expects."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        off, restore = _KEEP_STATE.open.pop()
+        off.__exit__(None, None, None)
+        return _cast_floats(output, restore) if restore is not None and output is not None else None
+
+
+def is_kept(module: torch.nn.Module) -> bool:
+    """Whether `module` carries the keep-in-fp32 hooks (`keep_in_fp32`)."""
+    return any(isinstance(hook, _KeepEnter) for hook in forward_hooks(module))
+
+
+def kept_module_names(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The names (`named_modules()`) that `patterns` (fnmatch globs) match, in the model's order. ValueError for a
+    pattern that matches nothing, naming the closest module names."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched: dict[str, None] = {}
+    for pattern in patterns:
+        hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3) or names[:3]
+            raise ValueError(f"+{KEEP_PREFIX}{pattern} matches no module of {type(model).__name__}; closest: "
+                             f"{', '.join(close) or '(it has no submodules)'}")
+        matched.update(dict.fromkeys(hits))
+    return [name for name in names if name in matched]
+
+
+def keep_in_fp32(model: torch.nn.Module, patterns: Iterable[str], *,
+                 restore_dtype: torch.dtype | None = None) -> list[str]:
+    """Make the modules of `model` matching `patterns` compute in fp32, under autocast and in true 16-bit modes alike:
+    their parameters and buffers become fp32, their floating inputs are upcast and autocast is off inside them; their
+    outputs go back in `restore_dtype` (None: their first floating input's dtype, or the 16-bit dtype their
+    parameters had). Keep hooks already on the model are replaced. Returns the names kept; ValueError for a pattern
+    that matches nothing (with the closest names)."""
+    names = kept_module_names(model, tuple(patterns))
+    for module in model.modules():
+        remove_forward_hooks(module, (_KeepEnter, _KeepExit))
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        if any(name.startswith(f"{other}.") for other in names):
+            continue  # inside a kept module: fp32 already
+        held = next((t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()), None)
+        restore = restore_dtype or (held if held in (torch.float16, torch.bfloat16) else None)
+        module.float()
+        module.register_forward_pre_hook(_KeepEnter(restore), with_kwargs=True)
+        module.register_forward_hook(_KeepExit(), with_kwargs=True, always_call=True)
+    return names
+
+
 RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     Float8Matmuls(name="fp8-tensorwise", torchao_recipe="tensorwise",
                   help=RECIPE_OPTION_HELP["fp8-tensorwise"]),
@@ -543,6 +701,13 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
         raise ValueError(f"unknown mode {mode!r} in {recipe!r}; choose from {', '.join(MODES)}")
     options = []
     for name in names:
+        if name.startswith(KEEP_PREFIX):
+            pattern = name[len(KEEP_PREFIX):].strip()
+            if not pattern:
+                raise ValueError(f"+{KEEP_PREFIX} in {recipe!r} needs a pattern (a glob over module names, e.g. "
+                                 f"{KEEP_PREFIX}*.attn)")
+            options.append(KeepInFp32(pattern=pattern))
+            continue
         if name not in RECIPE_OPTIONS:
             raise ValueError(f"unknown recipe option {name!r} in {recipe!r}; choose from "
                              f"{', '.join(RECIPE_OPTIONS)}")

@@ -20,9 +20,10 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
                       "(the op inspector's dispatch mode needs it)") from exc
 
 __all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "compilation_metrics", "compiled_call",
-           "foreach_copy_", "foreach_norm", "found_inf_flag", "graph_break_counts", "has_triton", "inductor_backend",
-           "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit", "scale_tensor", "scaler_settings",
-           "scaler_tensors", "set_compiled_call", "supports_amp_scaling", "watch_dynamo_compiles"]
+           "foreach_copy_", "foreach_norm", "forward_hooks", "found_inf_flag", "graph_break_counts", "has_triton",
+           "inductor_backend", "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit",
+           "remove_forward_hooks", "scale_tensor", "scaler_settings", "scaler_tensors", "set_compiled_call",
+           "supports_amp_scaling", "watch_dynamo_compiles"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -154,6 +155,30 @@ class ScopedModuleTracker(ModuleTracker):
         for hook in hooks:
             hook.remove()
         hooks.clear()
+
+
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def forward_hooks(module: torch.nn.Module) -> list[object]:
+    """The forward pre-hooks and forward hooks registered on `module` (a deep copy of a module carries copies of its
+    hooks, but no handle to remove them by)."""
+    pre = _attribute(module, "_forward_pre_hooks", "Module._forward_pre_hooks")
+    post = _attribute(module, "_forward_hooks", "Module._forward_hooks")
+    return [*pre.values(), *post.values()]
+
+
+def remove_forward_hooks(module: torch.nn.Module, kind: type) -> int:
+    """Remove the forward (pre-)hooks of `module` that are instances of `kind`; returns how many."""
+    removed = 0
+    for hooks_name in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = _attribute(module, hooks_name, f"Module.{hooks_name}")
+        for key in [key for key, hook in hooks.items() if isinstance(hook, kind)]:
+            for name in _FORWARD_HOOK_DICTS:
+                _attribute(module, name, f"Module.{name}").pop(key, None)
+            removed += 1
+    return removed
 
 
 # --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.compiled) and their op view --------

@@ -6,10 +6,11 @@ import streamlit as st
 from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
-from amp_core.runs import RunInfo, is_live
+from amp_core.runs import RunInfo, SourceKind, is_live
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
+from pages.bisect_panel import bisect_panel
 from pages.common import (
     LIVE_MARK,
     app_frame,
@@ -318,3 +319,10 @@ if run_id is None:
     st.info("No runs yet.")
 else:
     show_amax_over_time(run_id)
+    run_info = get_manager().run_info(run_id)
+    if run_info is not None and run_info.kind not in (SourceKind.MONITOR, SourceKind.INTEGRATION):
+        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
+        lane_modes = {entry.lane: entry.mode for entry in run_info.lanes}
+        bisect_lane = st.selectbox("Lane to bisect", list(lane_modes), key=f"lnum_bisect_lane_{run_id}",
+                                   format_func=lambda i: f"lane {i} · {lane_modes[i]}")
+        bisect_panel(get_manager(), run_id, bisect_lane, "lnum")

@@ -13,6 +13,7 @@ from amp_core.views import debugger
 from amp_core.views import replay as replay_views
 from amp_core.views.tables import content_widths, fit_widths
 from amp_core.workloads import WORKLOADS, param_names
+from pages.bisect_panel import bisect_panel
 from pages.common import (
     LIVE_MARK,
     app_frame,
@@ -312,6 +313,8 @@ if attached:
                                                    if not (info.config.get("replay") or {}).get("on") else ""))
 else:
     replay_panel(run_id, lane, lanes[lane].steps_done, review, spike_rule, recorded)
+    st.subheader("Keep layers in fp32: find the smallest set that fixes it, and its price")
+    bisect_panel(manager, run_id, lane, "dbg")
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")

@@ -60,8 +60,10 @@ def fp16_loop(store: RunStore, steps: int, plant_at: set[int], **settings) -> tu
             scaler.update()
             monitor.step(loss)
             if step not in (0, steps - 1):  # no hook stays on the model between steps unless the next is watched
-                watched = monitor._layers.current is not None
-                assert bool(model.fc1._forward_hooks) == watched
+                watched = monitor._layers.current is not None  # (the failing-step flags' hooks stay: their own)
+                layer_hooks = [hook for hook in model.fc1._forward_hooks.values()
+                               if "NonfiniteSentinel" not in hook.__qualname__]
+                assert bool(layer_hooks) == watched
     return monitor, model
 
 
@@ -136,8 +138,8 @@ def test_a_planted_inf_in_a_watched_step_is_named_for_that_step(store):
     assert "first inf/NaN: blow" in event.message and "the failing step itself" in event.message
 
 
-def test_a_planted_inf_in_an_unwatched_step_is_named_at_the_next_step(store):
-    monitor, _ = fp16_loop(store, 10, {5, 6}, layers_every=0)
+def test_a_planted_inf_in_an_unwatched_step_is_named_at_the_next_step_without_the_device_flags(store):
+    monitor, _ = fp16_loop(store, 10, {5, 6}, layers_every=0, failing_step=False)
     (event,) = events_of(store, monitor.run_id, FIRST_NONFINITE_EVENT).itertuples()
     assert event.data["module"] == "blow" and event.data["failed_step"] == 5 and int(event.step) == 6
     assert not event.data["same_step"] and "the next step after arming the hooks" in event.message
@@ -145,8 +147,16 @@ def test_a_planted_inf_in_an_unwatched_step_is_named_at_the_next_step(store):
     assert int(sample.step) == 6 and sample.data["why"].startswith("after step 5 failed")
 
 
+def test_the_device_flags_name_an_unwatched_failing_step_itself(store):
+    monitor, _ = fp16_loop(store, 10, {5, 6}, layers_every=0)  # failing_step is on by default
+    (event,) = events_of(store, monitor.run_id, FIRST_NONFINITE_EVENT).itertuples()
+    assert event.data["module"] == "blow" and event.data["failed_step"] == 5 and int(event.step) == 5
+    assert event.data["same_step"] and "in the failing step itself (step 5" in event.message
+
+
 def test_a_failure_with_no_inf_in_the_modules_says_so(store):
-    monitor, _ = fp16_loop(store, 6, {3}, layers_every=0)  # step 4, armed after step 3, is clean again
+    # Without the device flags (which name step 3's own 'blow'), step 4, armed after step 3, is clean again.
+    monitor, _ = fp16_loop(store, 6, {3}, layers_every=0, failing_step=False)
     (event,) = events_of(store, monitor.run_id, FIRST_NONFINITE_EVENT).itertuples()
     assert event.data["module"] is None and "no module held inf/NaN" in event.message
 

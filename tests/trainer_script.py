@@ -6,6 +6,7 @@ the trainer itself logged (HF, logging_steps=1) or its training_step returned (L
     python tests/trainer_script.py hf --store S --steps 8 --accumulate 2 --pause-at 3 [--fp16 | --bf16]
     python tests/trainer_script.py lightning --store S --steps 8 --precision 16-true --pause-at 3
     python tests/trainer_script.py hf --store S --steps 5 --replay --nan-at 3
+    python tests/trainer_script.py hf --store S --steps 6 --bf16 --overflow-at 3
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ class EmptyLabelsAt:
         return batch
 
 
+class OverflowAt(torch.nn.Module):
+    """GELU whose output is multiplied by 1e39 (inf in every format) from the `at`-th training forward on: a planted
+    overflow of one module at one optimizer step."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.calls += 1
+        out = torch.nn.functional.gelu(x)
+        return out * 1e39 if self.calls > self.at else out
+
+
 def hf(args) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -62,6 +78,8 @@ def hf(args) -> dict:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    if args.overflow_at >= 0:
+        model.transformer.h[1].mlp.act = OverflowAt(args.overflow_at * args.accumulate)
     training = TrainingArguments(output_dir="/tmp/amp-lab-hf-test", max_steps=args.steps, learning_rate=3e-3,
                                  per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate,
                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, fp16=args.fp16,
@@ -112,6 +130,8 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--replay", action="store_true", help="replay failed steps (MonitorConfig.replay=True)")
     parser.add_argument("--nan-at", type=int, default=-1, help="the batch of this step makes the loss NaN")
+    parser.add_argument("--overflow-at", type=int, default=-1,
+                        help="hf: transformer.h.1.mlp.act overflows from this optimizer step on")
     args = parser.parse_args()
     print("AMPLAB " + json.dumps(hf(args) if args.trainer == "hf" else lightning(args)), flush=True)
 

@@ -213,6 +213,10 @@ class LayerWatch:
         if self.watch_next is None:
             self.watch_next = (step, why)
 
+    def watches(self, step: int) -> bool:
+        """Whether step `step` is (or was, its figures unread) watched: its own figures can name its first inf/NaN."""
+        return any(watched is not None and watched.step == step for watched in (self.current, *self.pending))
+
     def hooks_so_far_s(self) -> float:
         """Host time the hooks have taken in the step under way."""
         return self.current.recorder.hook_s if self.current is not None else 0.0

@@ -160,3 +160,19 @@ def check_launch(config: RunConfig) -> None:
         if not ok:
             raise ConfigError("fused_optimizer", reason)
     WORKLOADS[config.workload].check_config(config)
+    _check_kept_modules(config)
+
+
+def _check_kept_modules(config: RunConfig) -> None:
+    """`+keep:PATTERN` names modules of the workload's model: a pattern that matches none is refused at launch."""
+    from amp_core.precision import get_precision, kept_module_names
+
+    recipes = [recipe for recipe in config.modes if get_precision(recipe, config.device).keep_patterns]
+    if not recipes:
+        return
+    model, _ = WORKLOADS[config.workload].seeded_model_and_batch(config)
+    for recipe in recipes:
+        try:
+            kept_module_names(model, get_precision(recipe, config.device).keep_patterns)
+        except ValueError as error:
+            raise ConfigError("modes", f"{recipe}: {error}") from None
