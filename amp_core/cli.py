@@ -117,6 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     maxbatch.add_argument("--optimizer", default="adam")
     maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
 
+    advise = sub.add_parser("advise", parents=[plugins],
+                            help="which precision to train this model in, here: a measured recommendation (exit 0; "
+                                 "3 when it cannot tell)",
+                            description="Probe every mode and recipe this device runs, race the promising ones "
+                                        "against 32-true with seed replicates, check their stability, memory and "
+                                        "largest batch, and recommend the fastest that trains like fp32 within seed "
+                                        "noise. Every figure is a run in the store.")
+    advise.add_argument("--workload", required=True)
+    advise.add_argument("--size", default="small")
+    advise.add_argument("--budget-min", type=float, default=5.0, help="minutes it may measure (default: %(default)s)")
+    advise.add_argument("--device", default="auto")
+    advise.add_argument("--candidates", default="",
+                        help="only these recipes, comma-separated (32-true always; default: every one this device "
+                             "runs)")
+    advise.add_argument("--html", default=None, metavar="PATH", help="also write the advice as an HTML report")
+    advise.set_defaults(handler=cmd_advise, uses_workloads=True)
+
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     trace.add_argument("--workload", default="digits_mlp")
     trace.add_argument("--mode", default="bf16-mixed")
@@ -434,6 +451,28 @@ def cmd_maxbatch(args: argparse.Namespace) -> int:
     from amp_core.diagnostics.maxbatch import cli_maxbatch
 
     return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    """`advise`: progress on stderr; the table, savings, what could not be told, the evidence runs, and last
+    `recommend: RECIPE — why`. Exit 0 (decided), 3 (cannot tell), 2 with one line for bad input."""
+    from amp_core.diagnostics.advise import AdviseConfig, advise
+    from amp_core.views.advise import advice_report_html, advice_text
+
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
+    config = AdviseConfig(workload=args.workload, size=args.size, budget_s=args.budget_min * 60, device=args.device,
+                          candidates=parse_modes(args.candidates))
+    store = open_store(args.store)
+    advice = advise(config, store, progress=lambda message, fraction: print(f"[{fraction:4.0%}] {message}",
+                                                                             file=sys.stderr, flush=True))
+    if args.html:
+        from amp_core.runs import RunReader
+
+        Path(args.html).write_text(advice_report_html(RunReader(store), advice.evidence.race_run), encoding="utf-8")
+        print(f"report: {Path(args.html).resolve()}", file=sys.stderr)
+    print(advice_text(advice))
+    return advice.exit_code
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
