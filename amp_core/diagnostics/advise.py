@@ -314,8 +314,10 @@ def decide(evidence: Evidence) -> Advice:
             why = "every candidate raced was unstable, trained worse, or was slower than 32-true here"
         else:
             best = min(probed, key=lambda c: c.probe_ratio)
-            why = (f"every candidate took at least x{cost.SLOW_FACTOR:g} of 32-true's ms/step in the cost probe (the "
-                   f"best, {best.recipe}, x{best.probe_ratio:.2f})")
+            unmeasured = len(runnable) - len(probed)
+            why = (f"every candidate the cost probe measured took at least x{cost.SLOW_FACTOR:g} of 32-true's ms/step "
+                   f"(the best, {best.recipe}, x{best.probe_ratio:.2f})"
+                   + (f"; {unmeasured} others gave no figure within the budget" if unmeasured else ""))
     if runner_up is None and recommended != BASELINE_MODE:
         runner_up = BASELINE_MODE
     for recipe, label in ((recommended, "recommended"), (runner_up, "runner-up")):
@@ -564,6 +566,8 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     modes = [recipe for recipe in runnable if "+" not in recipe]
     options = [recipe for recipe in runnable if "+" in recipe]
     probe_runs: list[str] = []
+    ratios: dict[str, float] = {}
+    """Each probed recipe's ms/step ÷ the 32-true lane's of the same probe race (as `gather` reads them back)."""
 
     def probe(recipes: list[str], cap_s: float, label: str) -> dict:
         probe_config = replace(base, modes=tuple(recipes), name=f"{name} · cost probe ({label})")
@@ -576,6 +580,11 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
         out = cost.race(probe_config, time_cap_s=cap_s, min_timed_s=min(cost.MIN_TIMED_S, cap_s / 4),
                         on_start=on_start, store=store)
         probe_runs.extend(run.run_id for run in seen)
+        yardstick = out.get(BASELINE_MODE)
+        for recipe, result in out.items():  # each figure against the 32-true lane raced beside it
+            if (isinstance(result, cost.ProbeResult) and isinstance(yardstick, cost.ProbeResult)
+                    and recipe != BASELINE_MODE):
+                ratios[recipe] = result.ms_per_step / yardstick.ms_per_step
         return out
 
     # (2) the cost probe ranks them: the modes first (cheap), then each option on its fastest base mode.
@@ -600,10 +609,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     check_stop()
 
     # (3) the seeded race of the promising ones.
-    ranked = sorted((result.ms_per_step / figures[BASELINE_MODE].ms_per_step, recipe)
-                    for recipe, result in figures.items()
-                    if recipe != BASELINE_MODE and isinstance(result, cost.ProbeResult)
-                    and isinstance(figures.get(BASELINE_MODE), cost.ProbeResult))
+    ranked = sorted((ratio, recipe) for recipe, ratio in ratios.items())
     promising = [recipe for ratio, recipe in ranked if ratio < cost.SLOW_FACTOR][:RACE_CANDIDATES]
     race_share = RACE_SHARE / (1 - PROBE_SHARE - (OPTION_PROBE_SHARE if options else 0)) * clock.left()
     lanes_ms = {recipe: result.ms_per_step for recipe, result in figures.items()
