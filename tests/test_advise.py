@@ -156,3 +156,23 @@ def test_the_cli_on_a_device_that_runs_only_32_true_says_so_and_recommends_it(tm
     bad = subprocess.run([*command[:7], "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: workload: unknown workload 'nope'")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_page_says_what_a_too_small_budget_could_do_and_starts_nothing():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "pages" / "advise.py"), default_timeout=120).run()
+    assert not at.exception and at.info  # nothing asked yet: it says what to do
+    at.selectbox(key="advise_workload").set_value("digits_mlp")
+    at.number_input(key="advise_budget").set_value(0.1)
+    at.button(key="advise_go").click().run()
+    assert not at.exception
+    assert [e.value for e in at.error] == [
+        f"**budget** — {check_error(AdviseConfig(workload='digits_mlp', budget_s=6))}. Nothing was started."]
+    assert "advise_job" not in at.session_state
+
+
+def check_error(config: AdviseConfig) -> str:
+    with pytest.raises(ConfigError) as refused:
+        check(config)
+    return refused.value.why
