@@ -3,6 +3,7 @@ device), end to end on the device as it is with a short budget, and the CLI's ou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -14,11 +15,13 @@ from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.diagnostics.advise import (
     ADVISED_EVENT,
     AdviseConfig,
+    BudgetClock,
     advise,
     check,
     decide,
     gather,
     record_advice,
+    replay_failures,
 )
 from amp_core.precision import availability, resolve_device
 from amp_core.records.opening import open_store
@@ -34,16 +37,21 @@ STEPS = 60
 def planted(tmp_path_factory):
     """A real race (digits_mlp, 3 seeds per mode) with faults planted in two candidates' lanes only:
     bf16-mixed's LR x 1e-4 from step 5 (it stops learning: a final loss far above fp32's on every device), 16-mixed's
-    first gradient inf for 10 steps after warm-up (its GradScaler skips all 10). bf16-true is left clean."""
+    batch x 1e6 at step 30 (fp16 overflows in its first layer: the loss goes inf and the lane stops). bf16-true is
+    left clean.
+    The advisor's stability step then replays each failed candidate's first failed step (recorded as events)."""
     store = open_store(tmp_path_factory.mktemp("advise") / "runs.sqlite3")
     manager = RunManager(store)
     modes = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
     faults = (FaultSpec(kind="lr_scale", factor=1e-4, step=5, duration=STEPS - 5, modes=("bf16-mixed",)),
-              FaultSpec(kind="grad_inf", step=30, duration=10, modes=("16-mixed",)))
+              FaultSpec(kind="batch_outlier", factor=1e6, step=30, modes=("16-mixed",)))
     run = manager.launch(RunConfig(workload="digits_mlp", modes=modes, seeds=3, steps=STEPS, device="cpu",
                                    faults=faults, name="advise evidence"))
     run.join(300)
     assert run.status == "finished"
+    notes: list[str] = []
+    replay_failures(manager, run, 12, BudgetClock(600), notes, lambda message, fraction: None)
+    assert not notes
     device = resolve_device("cpu")
     found = [(recipe, *availability(recipe, device)) for recipe in (*modes, "tf32")]
     record_advice(manager, run.run_id, found=found, probe_runs=[], warmup=12, budget_s=60.0, spent_s=30.0, notes=[],
@@ -57,9 +65,13 @@ def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower
     assert {c.recipe for c in evidence.candidates} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "tf32"}
     advice = decide(evidence)
 
-    skipping = advice.verdict("16-mixed")
-    assert skipping.verdict == "rejected" and "skipping" in skipping.reason
-    assert evidence.candidate("16-mixed").skipped_after_warmup >= 30  # 10 planted steps in each of 3 seeds
+    overflowed = advice.verdict("16-mixed")
+    assert overflowed.verdict == "rejected" and overflowed.reason.startswith("unstable: its loss went non-finite")
+    assert evidence.candidate("16-mixed").diverged == 3
+    # The first inf/NaN module, from the recorded replay of its first failed step (Layer numerics' probe).
+    first = evidence.candidate("16-mixed").first_nonfinite
+    assert first.startswith("fc1 (forward) at step 30 (its fp16 output holds")
+    assert f"first inf/NaN: {first}" in overflowed.figure
     frozen = advice.verdict("bf16-mixed")
     assert frozen.verdict == "rejected" and frozen.reason == "trains worse than fp32 beyond seed noise"
     assert frozen.loss_delta > 0 and "seed noise allows" in frozen.figure
@@ -80,6 +92,16 @@ def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower
         assert advice.recommended != rejected
         if evidence.candidate(rejected).ms_mean < recommended.ms_mean:
             assert advice.verdict(rejected).time_ratio < advice.verdict(advice.recommended).time_ratio
+
+    # decide is a function of the evidence alone: the same records with bf16-true's step times cut to a third (as on
+    # a device with native bf16) recommend it whenever it trains like fp32, 32-true the runner-up.
+    quick = dataclasses.replace(clean, ms_mean=base.ms_mean / 3, ms_sd=base.ms_sd / 3)
+    faster_here = decide(dataclasses.replace(evidence, candidates=tuple(
+        quick if c.recipe == "bf16-true" else c for c in evidence.candidates)))
+    if trains_like_fp32:
+        assert (faster_here.recommended, faster_here.runner_up) == ("bf16-true", "32-true")
+        assert faster_here.line().startswith("recommend: bf16-true — the fastest candidate that trains like fp32")
+        assert faster_here.verdict("bf16-true").verdict == "recommended"
 
     text = advice_text(advice)
     assert text.splitlines()[-1] == advice.line() and advice.line().startswith(f"recommend: {expected} — ")

@@ -293,7 +293,7 @@ def decide(evidence: Evidence) -> Advice:
     decided = base is not None and (raced_told or (not raced_any and settled_by_probe) or not runnable)
     if faster:
         recommended = faster[0][1]
-        rest = [recipe for _, recipe in faster[1:]] or [recipe for _, recipe in sorted(acceptable)
+        rest = [recipe for _, recipe in faster[1:]] or [recipe for _, recipe, _ in sorted(acceptable)
                                                          if recipe != recommended] or [BASELINE_MODE]
         runner_up = rest[0]
         v = verdicts[recommended]
@@ -453,6 +453,7 @@ def _first_nonfinite(events) -> dict[str, str]:
 
     out: dict[str, str] = {}
     for data in events.loc[events["kind"] == REPLAYED_EVENT, "data"]:
+        data = data.get("report") if isinstance(data, dict) else None  # record_replay's event: {"report": ...}
         if not isinstance(data, dict):
             continue
         own = next((row for row in data.get("rows", ()) if row.get("mode") == data.get("mode")), None)
@@ -495,7 +496,9 @@ class Stopped(Exception):
     """The advice was stopped from outside (a page's Stop button)."""
 
 
-class _Clock:
+class BudgetClock:
+    """Seconds spent and left of a budget, from its start."""
+
     def __init__(self, budget_s: float):
         self.started, self.budget_s = time.monotonic(), budget_s
 
@@ -545,7 +548,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     from amp_core.runner import RunManager
 
     base, found = check(config)
-    clock = _Clock(config.budget_s)
+    clock = BudgetClock(config.budget_s)
     stop = stop or threading.Event()
     say = progress or (lambda message, fraction: None)
     manager = RunManager(store, max_running=1)
@@ -639,7 +642,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     warmup = max(1, round(WARMUP_SHARE * race_steps))
 
     # (4) stability: the first inf/NaN module of each candidate that broke (a replay of its first failed step).
-    _replay_failures(manager, run, warmup, clock, notes, say)
+    replay_failures(manager, run, warmup, clock, notes, say)
     check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.
@@ -680,7 +683,11 @@ def _option_picks(options: list[str], figures: dict) -> list[str]:
     return list(picks.values())
 
 
-def _replay_failures(manager, run, warmup: int, clock: _Clock, notes: list[str], say: Progress) -> None:
+def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[str], say: Progress) -> None:
+    """(4) For each candidate whose lanes skipped a step or lost its loss to inf/NaN after warm-up (REPLAYS_AT_MOST),
+    replay its first failed step in the run's process (from its snapshots) and record the report as the run's
+    `replayed` event: its own mode's row names the first module that held inf/NaN. What could not be replayed is a
+    note, not a failure."""
     from amp_core.diagnostics.replay import replay_run
 
     frame = run.frame()
