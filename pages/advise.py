@@ -77,7 +77,9 @@ def draw_result(job: AdviceJob) -> None:
     (st.success if advice.decided else st.warning)(f"**{advice.line()}**")
     for line in views.savings(advice):
         st.markdown(f"- {line}")
-    st.dataframe(views.advice_table(advice), hide_index=True, key="advise_table")
+    st.dataframe(views.advice_table(advice).drop(columns="figure"), hide_index=True, key="advise_table")
+    with st.expander("The figure that decided each verdict"):
+        st.markdown("\n".join(f"- {line}" for line in views.figure_lines(advice)))
     with st.expander("What could not be told here", expanded=True):
         st.markdown("\n".join(f"- {line}" for line in advice.cannot_tell))
     st.markdown("**Evidence** (ordinary runs in the store): " + " · ".join(f"`{line}`" for line in

@@ -37,6 +37,11 @@ def advice_table(advice: Advice) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
+def figure_lines(advice: Advice) -> list[str]:
+    """The figure that decided each candidate measured, one line each (`RECIPE: figure`)."""
+    return [f"{v.recipe}: {v.figure}" for v in advice.verdicts if v.figure not in ("—", "not raced")]
+
+
 def savings(advice: Advice) -> list[str]:
     """What the recommended recipe and the runner-up save against 32-true: step time, memory, batch."""
     base = advice.verdict("32-true")
@@ -72,7 +77,7 @@ def advice_text(advice: Advice) -> str:
     table = advice_table(advice).drop(columns=["figure"])
     lines = [f"advice for {evidence.workload} ({evidence.size}) on {evidence.device_name}", "",
              table.to_string(index=False, max_colwidth=70), ""]
-    lines += [f"figure · {v.recipe}: {v.figure}" for v in advice.verdicts if v.figure not in ("—", "not raced")]
+    lines += [f"figure · {line}" for line in figure_lines(advice)]
     lines += ["", *savings(advice), "", "could not be told here:", *(f"  - {line}" for line in advice.cannot_tell),
               "", "evidence (runs in the store):", *(f"  {line}" for line in evidence_lines(advice)),
               f"  seed noise: {DIFFERENCE_RULE}", "", advice.line()]
