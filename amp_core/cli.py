@@ -469,7 +469,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.html:
         from amp_core.runs import RunReader
 
-        Path(args.html).write_text(advice_report_html(RunReader(store), advice.evidence.race_run), encoding="utf-8")
+        Path(args.html).write_text(advice_report_html(RunReader(store), advice), encoding="utf-8")
         print(f"report: {Path(args.html).resolve()}", file=sys.stderr)
     print(advice_text(advice))
     return advice.exit_code

@@ -89,7 +89,7 @@ def draw_result(job: AdviceJob) -> None:
     if left.button("Open the evidence in Compare", key="advise_compare"):
         open_in_compare([evidence.race_run, *evidence.probe_runs])
         st.switch_page("pages/compare.py")
-    right.download_button("Advice · HTML report", lambda: views.advice_report_html(manager, evidence.race_run),
+    right.download_button("Advice · HTML report", lambda: views.advice_report_html(manager, advice),
                           file_name=f"amp_lab_advice_{evidence.workload}.html", mime="text/html",
                           key="advise_report")
 

@@ -109,7 +109,7 @@ def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower
     assert table["recipe"].iloc[0] == expected and set(table["recipe"]) == {
         c.recipe for c in evidence.candidates}
     assert any("bisect" in line for line in advice.cannot_tell)
-    page = advice_report_html(manager, run_id)
+    page = advice_report_html(manager, advice)
     assert f"<b>recommend: {expected} — " in page and run_id in page and "<h2>Every candidate</h2>" in page
 
 

@@ -240,7 +240,7 @@ def decide(evidence: Evidence) -> Advice:
                 verdict, reason = "rejected", f"far slower than 32-true in the cost probe (≥ {cost.SLOW_FACTOR:g}x)"
                 figure = f"x{c.probe_ratio:.2f} of 32-true's ms/step"
             else:
-                verdict, reason = "not measured", "not raced: slower in the cost probe than the candidates raced"
+                verdict, reason = "not measured", "not raced within the budget"
                 figure = f"cost probe x{c.probe_ratio:.2f} of 32-true's ms/step"
             verdicts[c.recipe] = CandidateVerdict(verdict=verdict, reason=reason, figure=figure, **common)
             continue

@@ -1,23 +1,25 @@
 """The advice (amp_core.diagnostics.advise) for people: its table, its sentences, the CLI's text and the HTML report
-(the race run's charts with it, through views/report.py's machinery)."""
+(the race run's charts with it, through views/report.py's machinery). Each function takes an `Advice` made by the
+caller (`decide(gather(reader, race_run))`): views read run sources, and the advisor's module drives the runner."""
 
 from __future__ import annotations
 
 import html
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from amp_core.diagnostics.advise import Advice, decide, gather
 from amp_core.seednoise import DIFFERENCE_RULE
 from amp_core.views import report
 
 if TYPE_CHECKING:
     from amp_core.runs import RunReader
 
+Advice = Any
+"""amp_core.diagnostics.advise.Advice (not imported: that module drives the runner, which views never reach)."""
 TABLE_COLUMNS = ("recipe", "verdict", "time vs 32-true", "final loss − 32-true", "peak MiB", "max batch", "reason",
                  "figure")
 
@@ -84,12 +86,11 @@ def advice_text(advice: Advice) -> str:
     return "\n".join(lines)
 
 
-def advice_report_html(reader: RunReader, race_run: str) -> str:
-    """The advice anchored on `race_run` as one self-contained HTML page: the recommendation, the table, savings,
-    what could not be told, the evidence runs, and the race's charts (views/report.py's). ValueError for an unknown
-    run."""
-    advice = decide(gather(reader, race_run))
+def advice_report_html(reader: RunReader, advice: Advice) -> str:
+    """The advice as one self-contained HTML page: the recommendation, the table, savings, what could not be told,
+    the evidence runs, and the race run's charts (views/report.py's, read through `reader`)."""
     evidence = advice.evidence
+    race_run = evidence.race_run
     esc = html.escape
     info = reader.run_info(race_run)
     parts = [f"<h1>AMP Lab advice · {esc(evidence.workload)} ({esc(evidence.size)})</h1>",
