@@ -4,6 +4,7 @@ numerics without it."""
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import sys
 import time
@@ -14,12 +15,15 @@ from tqdm import tqdm
 from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig, field_docs
 from amp_core.precision import MODES, parse_modes
 from amp_core.records.opening import open_store
-from amp_core.records.store import StoreError
+from amp_core.records.store import LIVE_STATUSES, StoreError
 from amp_core.views.summary import lanes, summarize
 from amp_core.workloads import BUILT_IN, PLUGINS_ENV, load_plugins, plugin_modules
 
 APP_FILE = Path(__file__).resolve().parents[1] / "app.py"
 """The dashboard's entry file: beside the amp_core package in a source checkout (`pip install -e .`)."""
+
+RUN_STATUSES = (*LIVE_STATUSES, "finished", "stopped", "failed", "interrupted")
+"""Every status a stored run can have (RunInfo.status), for `list --status`."""
 
 LOG_PROGRESS_EVERY_S = 5.0
 """When stderr is not a terminal (a log file, CI), the progress line is written at most this often."""
@@ -96,7 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_flag(run, "fsdp")
     run.set_defaults(handler=cmd_run, uses_workloads=True)
 
-    sub.add_parser("list", help="runs in the store, newest first").set_defaults(handler=cmd_list)
+    listing = sub.add_parser("list", help="runs in the store, newest first: id, start, status, name, workload, modes")
+    listing.add_argument("--name", default=None, metavar="PATTERN",
+                         help="only runs whose name holds PATTERN (case-insensitive), or matches it as a glob "
+                              "when it has * ? or [ (e.g. 'fine-tune*')")
+    listing.add_argument("--status", default=None, metavar="STATUS[,STATUS]",
+                         help=f"only runs in these statuses ({', '.join(RUN_STATUSES)}; 'live' for "
+                              f"{', '.join(LIVE_STATUSES)})")
+    listing.set_defaults(handler=cmd_list)
 
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
                                            "self-contained HTML report (charts, summary, config, events)")
@@ -399,16 +410,51 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
+def _wanted_statuses(text: str | None) -> set[str] | None:
+    """`--status running,finished` (or `live`) as a set of statuses; None: every status."""
+    if text is None:
+        return None
+    wanted = set()
+    for status in (part.strip() for part in text.split(",") if part.strip()):
+        if status == "live":
+            wanted.update(LIVE_STATUSES)
+        elif status in RUN_STATUSES:
+            wanted.add(status)
+        else:
+            raise ConfigError("status", f"unknown status {status!r}; choose from {', '.join(RUN_STATUSES)} or live")
+    if not wanted:
+        raise ConfigError("status", "give at least one status")
+    return wanted
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    """A substring match, or a glob where the pattern has a wildcard; case-insensitive either way."""
+    name, pattern = name.casefold(), pattern.casefold()
+    return fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else pattern in name
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    wanted = _wanted_statuses(args.status)
     store = open_store(args.store)
+    store.check_liveness()  # a run whose writer is gone reads interrupted, not running
     runs = store.runs()
     if runs.empty:
         print(f"no runs in {store.location}")
         return 0
+    runs["name"] = runs["name"].fillna("")
+    if wanted is not None:
+        runs = runs[runs["status"].isin(wanted)]
+    if args.name is not None:
+        runs = runs[[_name_matches(name, args.name) for name in runs["name"]]]
+    if runs.empty:
+        print(f"no runs in {store.location} match the filters")
+        return 0
+    width = min(max(len("(no name)"), *(len(name) for name in runs["name"])), 40)
     for row in runs.itertuples():
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created_at))
-        print(f"{row.run_id}  {when}  {row.status:<11} {row.workload:<17} {','.join(row.modes):<30} "
-              f"{row.steps_written} step records")
+        name = row.name if len(row.name) <= width else row.name[:width - 1] + "…"
+        print(f"{row.run_id}  {when}  {row.status:<11} {name or '(no name)':<{width}}  {row.workload:<17} "
+              f"{','.join(row.modes):<30} {row.steps_written} step records")
     return 0
 
 
@@ -495,12 +541,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_workshop(args: argparse.Namespace) -> int:
     """`workshop list` and `workshop run NAME`: a scenario's runs through a RunManager on the store, then its checks."""
+    from amp_core.extras import needs_line
     from amp_core.workshop import SCENARIOS, ScenarioLaunch, exit_code, headline, unknown_scenario
 
     if args.workshop_command == "list":
         width = max(len(name) for name in SCENARIOS) + 2  # the titles in one column, whatever the names
         for scenario in SCENARIOS.values():
-            print(f"{scenario.name:<{width}}{scenario.title}")
+            needs = f"  ({needs_line(scenario.extras)})" if scenario.extras else ""
+            print(f"{scenario.name:<{width}}{scenario.title}{needs}")
         return 0
     scenario = SCENARIOS.get(args.name)
     if scenario is None:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from amp_core import catalog
+
 
 class ConfigError(ValueError):
     """An invalid setting. `field` names the setting; the message says why."""
@@ -219,15 +221,18 @@ class RunConfig:
     def __post_init__(self) -> None:
         """Pure checks of the values themselves. What depends on this process (is the workload registered, can
         this device run each mode, does the data folder exist) is asked at launch: `amp_core.workloads.check_launch`."""
-        from amp_core.precision import fsdp_refusal, parse_recipe
-
         if not isinstance(self.workload, str) or not self.workload.strip():
             raise ConfigError("workload", f"name a workload, got {self.workload!r}")
         if isinstance(self.modes, str) or not self.modes:
             raise ConfigError("modes", "choose at least one precision mode")
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
-        for mode in self.modes:
+        # A plain mode has no options to parse or refuse: checked against the mode names read without torch, so
+        # RUN_DEFAULTS (built at import) and the Train page's first paint do not import torch through precision.py.
+        recipes = [mode for mode in self.modes if mode not in catalog.modes()[0]]
+        if recipes:
+            from amp_core.precision import fsdp_refusal, parse_recipe
+        for mode in recipes:
             try:
                 parse_recipe(mode)
             except ValueError as error:
@@ -237,7 +242,7 @@ class RunConfig:
         if self.fsdp and self.grad_clip:
             raise ConfigError("grad_clip", "clipping is not offered with --fsdp (a rank measures its own shards' "
                                            "gradient norm, not the whole model's)")
-        for mode in self.modes:
+        for mode in recipes:
             why = fsdp_refusal(mode, self.fsdp)
             if why:
                 raise ConfigError("modes", why)

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from amp_core.switches import lane_step_switches, tf32_enabled
+from amp_core.torchao_logs import drop_expected_torchao_lines
+
+drop_expected_torchao_lines()  # before any (lazy) torchao import below: its loader lines are expected on a CPU
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable; one less object per step
 

@@ -272,9 +272,10 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
 
 
 def run_label(row: pd.Series, status: bool = True) -> str:
-    """A run as pickers list it; `status` False leaves its status out (for a page that shows it live elsewhere)."""
+    """A run as pickers list it: its name first (`amp-lab list` shows the same), or its id when it has none; `status`
+    False leaves its status out (for a page that shows it live elsewhere)."""
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(row["created_at"]))
-    name = f"{row['name']} · " if row.get("name") else ""
+    name = f"{row.get('name') or row['run_id']} · "
     tail = f" · {row['status']}" if status else ""
     return f"{name}{row['workload']} · {', '.join(row['modes'])} · {when}{tail}"
 

@@ -31,7 +31,11 @@ from pages.common import (
     warm_up,
 )
 
-REFRESH_S = 1.0  # the live view's redraw period while a run goes
+REFRESH_S = 2.0
+"""The live view's redraw period while a run goes. A redraw (read the new records, build and serialise five
+figures) holds the interpreter that the run's training thread needs for ~0.1-0.2 s on a 2-core CPU (cProfile: most
+of it plotly building and validating figures): every 2 s halves what a viewer takes from a run launched here, and
+the charts still move while one watches (Compare redraws as often)."""
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
 DEFAULT_WORKLOAD = DEFAULTS.workload

@@ -7,6 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from amp_core.config import ConfigError
+from amp_core.extras import missing_extras, needs_line
 from amp_core.views import plots
 from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower
@@ -58,7 +59,10 @@ else:
             with column.container(border=True, height="stretch"):
                 st.markdown(f"**{scenario.title}**")
                 st.caption(scenario.watch)
+                if scenario.extras:
+                    st.caption(f"This scenario {needs_line(scenario.extras)}")
                 st.button("Launch", key=f"workshop_launch_{name}", on_click=launch, args=(name,),
+                          disabled=bool(missing_extras(scenario.extras)),
                           help=f"`amp-lab workshop run {name}` does the same from a terminal.")
 if "workshop_error" in st.session_state:
     st.error(st.session_state["workshop_error"])

@@ -24,6 +24,7 @@ FP8_LANE = "bf16-mixed+fp8-rowwise"
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.extra("recipes"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed"),
 ]
 

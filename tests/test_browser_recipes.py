@@ -25,6 +25,7 @@ RACE = ["bf16-mixed", "bf16-mixed+fp8-rowwise", "32-true+adamw-8bit", "bf16-true
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.extra("recipes"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed"),
 ]
 

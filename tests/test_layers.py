@@ -172,3 +172,15 @@ def test_only_the_integrations_import_the_trainers():
     assert not problems, "\n".join(problems)
     assert "transformers" in graph["amp_core.integrations.transformers"]
     assert "lightning.pytorch.callbacks" in graph["amp_core.integrations.lightning"]
+
+
+def test_the_first_paint_imports_no_torch_pandas_or_numpy():
+    """The Train page draws its form before torch is imported (the warm-up imports it on a thread): what app.py and
+    the page import at the top, the RunConfig defaults built at import among them, stays off torch, pandas and numpy
+    (Streamlit imports plotly's top package itself). A fresh interpreter, since this one has them all."""
+    heavy = ("torch", "pandas", "numpy")
+    code = ("import sys, streamlit, pages.common, amp_core.catalog, amp_core.config; "
+            f"print(','.join(name for name in {heavy!r} if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"the first paint imports {done.stdout.strip()}"

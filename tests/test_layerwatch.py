@@ -169,6 +169,7 @@ def test_layer_numerics_page_shows_an_attached_runs_heatmap_and_first_inf(store)
 
 
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise"])
+@pytest.mark.extra("recipes")
 def test_an_fp8_lanes_scaled_shares_are_what_torchaos_own_scaled_cast_does(recipe):
     from torchao.float8.float8_utils import to_fp8_saturated
 

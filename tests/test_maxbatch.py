@@ -50,6 +50,7 @@ def maxbatch_tables(at) -> list:
     return [frame.value for frame in at.dataframe if "max batch" in frame.value.columns]
 
 
+@pytest.mark.extra("recipes")
 def test_the_train_page_finds_each_lanes_largest_batch_off_its_thread():
     from streamlit.testing.v1 import AppTest
 

@@ -166,6 +166,7 @@ def test_live_lane_without_runs_says_so(app):
     assert any("No live runs" in i.value for i in app.info)
 
 
+@pytest.mark.extra("recipes")
 def test_an_fp8_lanes_samples_measure_e4m3_and_e5m2_and_the_page_shows_them(no_leaked_threads):
     run = get_manager().launch(RunConfig(workload="tiny_transformer", size="small", steps=4, amax_every=2,
                                          modes=("bf16-mixed", "bf16-mixed+fp8-rowwise"), device="cpu",

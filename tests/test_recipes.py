@@ -30,6 +30,7 @@ def test_every_option_is_raced_by_the_test():
     assert {name for name, option in RECIPE_OPTIONS.items() if option.fsdp_only} == set(FSDP_OPTIONS)
 
 
+@pytest.mark.extra("recipes")
 def test_a_recipe_parses_into_its_mode_and_option_objects():
     mode, options = parse_recipe("bf16-mixed+fp8-rowwise")
     assert mode == "bf16-mixed" and [o.name for o in options] == ["fp8-rowwise"]
@@ -61,6 +62,7 @@ def test_stored_configs_keep_the_recipe_in_full():
     assert config.to_dict()["modes"] == ["32-true", "bf16-mixed+fp8-rowwise", "bf16-true+sr"]
 
 
+@pytest.mark.extra("recipes")
 def test_the_optimizer_a_recipe_needs_is_checked_at_launch():
     with pytest.raises(ConfigError, match=r"optimizer=sgd has no such state") as caught:
         check_launch(RunConfig(modes=("32-true+adamw-8bit",), optimizer="sgd", device="cpu"))
@@ -69,6 +71,7 @@ def test_the_optimizer_a_recipe_needs_is_checked_at_launch():
         check_launch(RunConfig(modes=("bf16-true+sr",), fused_optimizer=True, device="cpu"))
 
 
+@pytest.mark.extra("recipes")
 def test_fp8_on_a_cpu_says_it_is_emulated():
     ok, note = availability("bf16-mixed+fp8-rowwise", "cpu")
     assert ok and "Emulated here: real float8 matmuls" in note and "no speed-up" in note
@@ -87,6 +90,7 @@ def test_fp8_on_cuda_follows_the_compute_capability():
 
 
 @pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
+@pytest.mark.extra("recipes")
 def test_every_option_trains_through_the_runner():
     config = RunConfig(workload="tiny_transformer", modes=("32-true", *EVERY_OPTION), steps=3, batch_size=8,
                        optimizer="adamw", device="cpu", memory_every=1, gradstats_every=0)
@@ -109,6 +113,7 @@ def test_every_option_trains_through_the_runner():
     assert "Linear layers in FP8" in started.message
 
 
+@pytest.mark.extra("recipes")
 def test_the_fp8_filter_names_the_misshaped_layers_it_skips():
     precision = get_precision("bf16-mixed+fp8-tensorwise", "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
@@ -118,6 +123,7 @@ def test_the_fp8_filter_names_the_misshaped_layers_it_skips():
     assert type(prepared[0]).__name__ == "Float8Linear" and type(prepared[2]) is torch.nn.Linear
 
 
+@pytest.mark.extra("recipes")
 def test_low_bit_state_bytes_are_the_codes_and_scales_torchao_holds():
     model = torch.nn.Linear(256, 64, bias=False)
     optimizer = get_precision("32-true+adamw-8bit").build_optimizer(model.parameters(), "adamw", lr=1e-3, eps=1e-8)
@@ -133,6 +139,7 @@ def test_low_bit_state_bytes_are_the_codes_and_scales_torchao_holds():
     assert optim < 0.3 * 2 * 4 * model.weight.numel()
 
 
+@pytest.mark.extra("recipes")
 def test_bf16_states_are_bf16_and_sr_keeps_bf16_weights():
     model = torch.nn.Linear(64, 64)
     optimizer = get_precision("32-true+states-bf16").build_optimizer(model.parameters(), "adam", lr=1e-3, eps=1e-8)
@@ -148,6 +155,7 @@ def test_bf16_states_are_bf16_and_sr_keeps_bf16_weights():
 
 @pytest.mark.parametrize(("recipe", "gradient_format"), [("bf16-mixed+fp8-tensorwise", "float8_e5m2"),
                                                         ("bf16-mixed+fp8-rowwise", "float8_e4m3fn")])
+@pytest.mark.extra("recipes")
 def test_the_op_trace_of_an_fp8_lane_shows_float8_matmuls(recipe, gradient_format):
     frame = trace_workload("tiny_transformer", recipe, device="cpu").to_frame()
     scaled = frame[frame["op"] == "_scaled_mm"]
@@ -163,6 +171,7 @@ def test_the_op_trace_of_an_fp8_lane_shows_float8_matmuls(recipe, gradient_forma
 
 
 @pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
+@pytest.mark.extra("recipes")
 def test_the_cli_trains_every_option_and_refuses_in_one_line(tmp_path):
     store = tmp_path / "runs.db"
     command = [sys.executable, "-m", "amp_core", "--store", str(store), "run", "--workload", "tiny_transformer",
@@ -181,6 +190,7 @@ def test_the_cli_trains_every_option_and_refuses_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)
+@pytest.mark.extra("recipes")
 def test_the_fp8_workshop_scenario_follows_the_device(tmp_path):
     from amp_core.workshop import SCENARIOS
     from amp_core.workshop.checks import fp8_expected_here
@@ -195,6 +205,7 @@ def test_the_fp8_workshop_scenario_follows_the_device(tmp_path):
     assert "✓ FP8 matmuls ran" in done.stdout and "3 of 3 checks held" in done.stdout
 
 
+@pytest.mark.extra("recipes")
 def test_bench_race_takes_recipe_lanes_and_gives_fp8_its_speedup_against_bf16_mixed():
     command = [sys.executable, "-m", "bench.race", "--workload", "digits_mlp", "--steps", "5", "--rounds", "1",
                "--batch-size", "16"]
@@ -215,6 +226,7 @@ def test_bench_race_takes_recipe_lanes_and_gives_fp8_its_speedup_against_bf16_mi
                                       "bf16-mixed+fp8-rowwise")
 
 
+@pytest.mark.extra("recipes")
 def test_a_low_bit_lane_keeps_its_replay_snapshots_in_torchaos_own_state_tensors():
     # A snapshot copies the optimizer's state; torchao's low-bit states have no aten.clone (the run used to fail at
     # its first snapshot after step 0, step 25 by default).

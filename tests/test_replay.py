@@ -187,8 +187,8 @@ LOW_BIT = ("32-true", "bf16-mixed+adamw-8bit")
 
 
 @pytest.mark.parametrize("mode", LOW_BIT)
+@pytest.mark.extra("recipes")
 def test_a_low_bit_state_lane_replays_in_every_mode_from_a_snapshot(mode):
-    pytest.importorskip("torchao", reason="the recipes extra (pip install -e .[recipes]) is not installed")
     manager = RunManager()
     run = finished_run(manager, RunConfig(workload="digits_mlp", modes=LOW_BIT, steps=30, snapshot_every=10,
                                           optimizer="adamw"))
@@ -199,8 +199,8 @@ def test_a_low_bit_state_lane_replays_in_every_mode_from_a_snapshot(mode):
     assert all(math.isfinite(row.loss) and row.grads_finite for row in report.rows)
 
 
+@pytest.mark.extra("recipes")
 def test_carrying_adam_state_between_torch_and_torchao_formats():
-    pytest.importorskip("torchao", reason="the recipes extra (pip install -e .[recipes]) is not installed")
     from torchao.optim import AdamW8bit
 
     from amp_core.diagnostics.replay import carry_optimizer_state

@@ -16,7 +16,8 @@ import pytest
 
 from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
-from amp_core.precision import CPU_NATIVE_ENV, cpu_math
+from amp_core.extras import EXTRAS, missing_extras
+from amp_core.precision import CPU_NATIVE_ENV, cpu_math, parse_recipe
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.workshop import (
@@ -65,6 +66,11 @@ def printed_verdicts(output: str) -> dict[str, Verdict]:
     return {title: Verdict(mark) for mark, title in CHECK_LINE.findall(output)}
 
 
+SCENARIO_PARAMS = [pytest.param(name, marks=[pytest.mark.extra(*scenario.extras)] if scenario.extras else [])
+                   for name, scenario in SCENARIOS.items()]
+"""Every scenario, one that needs an extra marked (it skips, saying so, where the extra is not installed)."""
+
+
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every scenario run once by the CLI, each into a store of its own. The speed scenario runs alone (its step
@@ -77,7 +83,8 @@ def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
 
     results = dict([one("speed")])
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results.update(pool.map(one, [name for name in SCENARIOS if name != "speed"]))
+        results.update(pool.map(one, [name for name, scenario in SCENARIOS.items()
+                                      if name != "speed" and not missing_extras(scenario.extras)]))
     return results
 
 
@@ -85,7 +92,7 @@ def run_ids(output: str) -> list[str]:
     return re.findall(r"^run (\S+): ", output, flags=re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", SCENARIO_PARAMS)
 def test_every_scenario_runs_with_no_check_failed_on_this_device(cli_runs, name):
     """Every check holds, or (the speed checks, on a machine too busy to tell two speeds apart) says it cannot be told
     here and why; the exit code follows: 0 when every check held, 3 when one cannot be told."""
@@ -106,7 +113,7 @@ def test_every_scenario_runs_with_no_check_failed_on_this_device(cli_runs, name)
         assert scenario.expected_here("cpu") in done.stdout.splitlines()
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", SCENARIO_PARAMS)
 def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
     """A scenario run by another process, read back from its store (steps, events, gradient statistics): the checks
     read the same there, final, with the verdicts and figures the CLI printed."""
@@ -157,6 +164,23 @@ def test_list_names_every_scenario_first_on_its_line(capsys):
     assert [line.split()[0] for line in lines] == list(SCENARIOS)
     for line, scenario in zip(lines, SCENARIOS.values(), strict=True):
         assert scenario.title in line
+
+
+def test_a_scenario_declares_the_extras_its_lanes_need_and_list_names_them_with_the_install_line(capsys):
+    """What a scenario's lanes need (a recipe option built on torchao: the recipes extra), read from the runs it builds
+    on either device, is what it declares; `workshop list` names each such extra with its install line."""
+    assert main(["workshop", "list"]) == 0
+    lines = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    for name, scenario in SCENARIOS.items():
+        recipes = {mode for device in ("cpu", "cuda") for config in scenario.configs(device) for mode in config.modes}
+        needs_torchao = any(option.needs_torchao for recipe in recipes if "+" in recipe
+                            for option in parse_recipe(recipe)[1])
+        assert ("recipes" in scenario.extras) == needs_torchao, name
+        for extra in scenario.extras:
+            assert f"needs the {extra} extra" in lines[name] and EXTRAS[extra].install in lines[name], lines[name]
+        if not scenario.extras:
+            assert "extra (" not in lines[name]
+    assert any(scenario.extras for scenario in SCENARIOS.values())  # the fp8 scenario, at least
 
 
 def main_exit_code(argv: list[str]) -> int:

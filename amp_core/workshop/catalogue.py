@@ -45,6 +45,9 @@ class Scenario:
     after_run: Callable[[object, str], None] | None = None
     """(manager, run_id) -> work on a run once it has ended, on the launch's thread (the replays a scenario's checks
     read), or None."""
+    extras: tuple[str, ...] = ()
+    """The optional extras its runs need (keys of amp_core.extras.EXTRAS): `workshop list` and the Workshop page
+    name them with the install line, and a launch without them is refused before any run starts."""
 
     def configs(self, device: str = "auto") -> tuple[RunConfig, ...]:
         """The runs for `device` ('auto': CUDA when there is a GPU, else the CPU)."""
@@ -262,7 +265,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                   checks.fp8_saves_no_memory),
         ),
         expects=lambda device: checks.fp8_expected_here(_fp8_device(device)),
-        charts=("loss", "memory")),
+        charts=("loss", "memory"), extras=("recipes",)),
 )}
 
 

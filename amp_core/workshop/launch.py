@@ -16,10 +16,16 @@ class ScenarioLaunch:
     other: a second run starts when the first has ended, so each measures its steps on a machine it does not share
     with the other.
 
-    Raises ConfigError (a RunLimitError when too many runs are going) if the first run cannot start.
+    Raises ConfigError (a RunLimitError when too many runs are going) if the first run cannot start, or the scenario
+    needs an extra that is not installed.
     """
 
     def __init__(self, manager, scenario: Scenario, device: str = "auto"):
+        from amp_core.config import ConfigError
+        from amp_core.extras import missing_extras, needs_line
+
+        if missing_extras(scenario.extras):  # refused before any run starts, with the line that installs them
+            raise ConfigError("scenario", f"{scenario.title!r} {needs_line(scenario.extras)}")
         self.manager = manager
         self.scenario = scenario
         self.configs = scenario.configs(device)
