@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"only runs in these statuses ({', '.join(RUN_STATUSES)}; 'live' for "
                               f"{', '.join(LIVE_STATUSES)})")
     listing.set_defaults(handler=cmd_list)
+    sub.add_parser("workloads", parents=[plugins],
+                   help="the workloads (built-ins and plugins), each size's parameter count, and the extra a "
+                        "workload needs where it is missing").set_defaults(handler=cmd_workloads,
+                                                                           uses_workloads=True)
 
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
                                            "self-contained HTML report (charts, summary, config, events)")
@@ -456,6 +460,31 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{row.run_id}  {when}  {row.status:<11} {name or '(no name)':<{width}}  {row.workload:<17} "
               f"{','.join(row.modes):<30} {row.steps_written} step records")
     return 0
+
+
+def cmd_workloads(args: argparse.Namespace) -> int:
+    """One line per workload: its name, title and each size's parameter count (counted on the meta device), or the
+    extra to install where one it needs is missing."""
+    from amp_core.extras import missing_extras
+    from amp_core.workloads import WORKLOADS, parameter_count
+
+    width = max(len(name) for name in WORKLOADS) + 2
+    for name, workload in WORKLOADS.items():
+        missing = missing_extras(workload.requires)
+        if missing:
+            sizes = f"{', '.join(workload.sizes)} · needs {' '.join(extra.install for extra in missing)}"
+        else:
+            sizes = ", ".join(f"{size} {_parameters(parameter_count(name, size))}" for size in workload.sizes)
+        print(f"{name:<{width}}{workload.title} · {sizes}")
+    return 0
+
+
+def _parameters(count: int) -> str:
+    """123456 -> '123.5K params'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit} params"
+    return f"{count} params"
 
 
 def cmd_export(args: argparse.Namespace) -> int:

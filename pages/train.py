@@ -19,6 +19,7 @@ from amp_core.config import (
     ScalerConfig,
     field_docs,
 )
+from amp_core.extras import missing_extras
 from pages.common import (
     app_frame,
     device_panel,
@@ -59,10 +60,16 @@ def workload_entries() -> dict[str, catalog.WorkloadEntry]:
         warm.core.wait()
         from amp_core.workloads import WORKLOADS
 
-        found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes))
+        found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes), tuple(w.requires))
                  for name, w in WORKLOADS.items()]
         return {entry.name: entry for entry in sorted(found, key=lambda entry: entry.title.lower())}
     return {entry.name: entry for entry in catalog.builtin_workloads()}
+
+
+def needs_extra(entry: catalog.WorkloadEntry) -> str:
+    """' · needs pip install -e '.[hf]'' for a workload whose extra is missing here, else ''."""
+    missing = missing_extras(entry.requires)
+    return f" · needs {' '.join(extra.install for extra in missing)}" if missing else ""
 
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
@@ -76,11 +83,14 @@ names = list(entries)
 with st.container(border=True):
     c1, c2, c3 = st.columns([2, 1, 3])
     workload = c1.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in names else 0,
-                            format_func=lambda name: entries[name].title, key="train_workload")
+                            format_func=lambda name: entries[name].title + needs_extra(entries[name]),
+                            key="train_workload")
     size = c2.selectbox("Size", list(entries[workload].sizes), key="train_size",
-                        help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
+                        help="small runs in seconds on a laptop CPU; large and xl are sizes for a GPU")
     modes_slot = c3.empty()
     c1.caption(entries[workload].description)
+    parameters_slot = c2.empty()  # each size's parameter count, once torch is imported
+    missing = missing_extras(entries[workload].requires)
     # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
     c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
     # Defaults and help are RunConfig's own (config.py: one source for the form and the CLI).
@@ -191,6 +201,11 @@ try:
         faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
 except ConfigError as error:
     errors_slot.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+if missing:
+    config = None  # nothing to launch or probe: its model cannot be built here
+    errors_slot.error(f"**{entries[workload].title}** needs the {' and '.join(extra.name for extra in missing)} "
+                      f"extra, which is not installed here: `{' '.join(extra.install for extra in missing)}`, then "
+                      "restart the app. Nothing was launched.")
 if not launch_drawn:
     launch_now = st.button("Launch", type="primary", disabled=config is None, key="train_launch")
 # Below Launch: a table's first draw in a browser loads the grid's code, and what follows it waits for that.
@@ -239,6 +254,24 @@ from amp_core.views.summary import (  # noqa: E402
 )
 from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
 
+
+@st.cache_data(show_spinner=False)
+def parameter_counts(workload: str, sizes: tuple[str, ...]) -> str:
+    """'small 118.5K · medium 3.3M · ...': each size's parameters, counted on the meta device (nothing allocated)."""
+    from amp_core.workloads import parameter_count
+
+    return " · ".join(f"{size} {format_count(parameter_count(workload, size))}" for size in sizes)
+
+
+def format_count(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+if not missing:
+    parameters_slot.caption(f"Parameters: {parameter_counts(workload, entries[workload].sizes)}")
 manager = get_manager()
 if light_first:
     store_banner(manager)

@@ -46,7 +46,8 @@ def finished(config: RunConfig, store: RunStore | None = None) -> Run:
 
 
 @pytest.mark.parametrize("mode", CPU_MODES)
-@pytest.mark.parametrize("workload", list(WORKLOADS))
+# The transformers architectures (the hf extra) race in tests/test_hf_workloads.py, three modes each in one run.
+@pytest.mark.parametrize("workload", [name for name, spec in WORKLOADS.items() if not spec.requires])
 def test_every_workload_runs_five_steps_in_every_mode(workload, mode):
     # SGD: fp16 cannot hold Adam's default eps (see test_sixteen_true_adam_divergence_says_why).
     run = finished(RunConfig(workload=workload, modes=(mode,), steps=5, batch_size=8, optimizer="sgd", lr=1e-3))
