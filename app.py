@@ -30,6 +30,7 @@ pages = [
     st.Page("pages/layer_numerics.py", title="Layer numerics", icon=":material/stacked_bar_chart:"),
     st.Page("pages/overflow_debugger.py", title="Overflow debugger", icon=":material/local_fire_department:"),
     st.Page("pages/formats.py", title="Formats", icon=":material/pin:"),
+    st.Page("pages/advise.py", title="Advise", icon=":material/recommend:"),
 ]
 navigation = st.navigation(pages, position="hidden")
 # Only the Train page draws before torch is imported; every other page needs it for its first line anyway.

@@ -144,6 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
         config_flag(maxbatch, name)
     maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
 
+    advise = sub.add_parser("advise", parents=[plugins],
+                            help="which precision to train this model in, here: a measured recommendation (exit 0; "
+                                 "3 when it cannot tell)",
+                            description="Probe every mode and recipe this device runs, race the promising ones "
+                                        "against 32-true with seed replicates, check their stability, memory and "
+                                        "largest batch, and recommend the fastest that trains like fp32 within seed "
+                                        "noise. Every figure is a run in the store.")
+    advise.add_argument("--workload", required=True)
+    advise.add_argument("--size", default="small")
+    advise.add_argument("--budget-min", type=float, default=5.0, help="minutes it may measure (default: %(default)s)")
+    advise.add_argument("--device", default="auto")
+    advise.add_argument("--candidates", default="",
+                        help="only these recipes, comma-separated (32-true always; default: every one this device "
+                             "runs)")
+    advise.add_argument("--html", default=None, metavar="PATH", help="also write the advice as an HTML report")
+    advise.set_defaults(handler=cmd_advise, uses_workloads=True)
+
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
     config_flag(trace, "workload")
     config_flag(trace, "trace_mode", of=INSPECT_DEFAULTS, flag="--mode")
@@ -604,6 +621,28 @@ NUMERICS_COLUMNS = {"module": "module", "dtype": "dtype", "out_abs_max": "out |m
                     "out_fp16_subnormal": "fp16 subn", "out_bf16_zero": "bf16 ->0", "grad_abs_max": "grad |max|",
                     "output_error": "rel err"}
 """The per-module columns `numerics` prints (all of them go to --csv), with their short headers."""
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    """`advise`: progress on stderr; the table, savings, what could not be told, the evidence runs, and last
+    `recommend: RECIPE — why`. Exit 0 (decided), 3 (cannot tell), 2 with one line for bad input."""
+    from amp_core.diagnostics.advise import AdviseConfig, advise
+    from amp_core.views.advise import advice_report_html, advice_text
+
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
+    config = AdviseConfig(workload=args.workload, size=args.size, budget_s=args.budget_min * 60, device=args.device,
+                          candidates=parse_modes(args.candidates))
+    store = open_store(args.store)
+    advice = advise(config, store, progress=lambda message, fraction: print(f"[{fraction:4.0%}] {message}",
+                                                                             file=sys.stderr, flush=True))
+    if args.html:
+        from amp_core.runs import RunReader
+
+        Path(args.html).write_text(advice_report_html(RunReader(store), advice), encoding="utf-8")
+        print(f"report: {Path(args.html).resolve()}", file=sys.stderr)
+    print(advice_text(advice))
+    return advice.exit_code
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:

@@ -970,6 +970,19 @@ def _mode_availability(mode: str, device: str) -> tuple[bool, str]:
     return True, f"runs, but {math.words(dtype)}: expect it to be slower than fp32"
 
 
+def recipe_candidates(device: str = "auto") -> list[tuple[str, bool, str]]:
+    """(recipe, runs here, note: why not, or a caveat) of every mode and of every mode with one recipe option that
+    makes sense on it (RECIPE_OPTIONS, in the UI's order): what `amp-lab advise` chooses from. Options that need
+    --fsdp or take an argument are left out (neither is a choice one lane makes alone); a new option in
+    RECIPE_OPTIONS joins here by itself."""
+    recipes = list(MODES)
+    for option in RECIPE_OPTIONS.values():
+        if option.fsdp_only or getattr(option, "takes_argument", False):
+            continue
+        recipes += [f"{mode}+{option.name}" for mode in MODES if not option.refusal(mode, None)]
+    return [(recipe, *availability(recipe, device)) for recipe in recipes]
+
+
 def runnable_modes(device: str = "auto") -> list[str]:
     """The modes `device` can run, in the order the UI lists them."""
     return [mode for mode in MODES if availability(mode, device)[0]]

@@ -37,7 +37,7 @@ class SourceKind(enum.StrEnum):
     INTEGRATION = "integration"
     """The AMP Lab callback of a trainer (Hugging Face Trainer, Lightning), built on a Monitor."""
     PROBE = "probe"
-    """The cost probe's short race (its run id starts with PROBE_RUN_PREFIX; it writes no store)."""
+    """The cost probe's short race (its run id starts with PROBE_RUN_PREFIX; stored only as the advisor's evidence)."""
 
 
 PROBE_RUN_PREFIX = "probe-"

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TITLES = {"pages/train.py": "Train", "pages/workshop.py": "Workshop", "pages/compare.py": "Compare",
           "pages/op_inspector.py": "Op inspector",
           "pages/layer_numerics.py": "Layer numerics", "pages/overflow_debugger.py": "Overflow debugger",
-          "pages/formats.py": "Formats"}
+          "pages/formats.py": "Formats", "pages/advise.py": "Advise"}
 PAGES = list(TITLES)
 
 

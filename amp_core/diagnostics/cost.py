@@ -28,6 +28,7 @@ import torch
 from amp_core import background
 from amp_core.config import RunConfig
 from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
+from amp_core.records.store import RunStore
 from amp_core.runner import Run
 from amp_core.runs import PROBE_RUN_PREFIX
 from amp_core.workloads import WORKLOADS, check_launch
@@ -79,14 +80,16 @@ def cost_key(config: RunConfig) -> tuple:
 
 
 def race(config: RunConfig, *, warmup: int = WARMUP_STEPS, steps: int = TIMED_STEPS, time_cap_s: float = TIME_CAP_S,
-         min_timed_s: float = MIN_TIMED_S, on_start=None) -> dict[str, ProbeResult | str]:
-    """Race `config`'s modes (see race_modes) for `warmup` + `steps` steps through a real Run (no store), and give
+         min_timed_s: float = MIN_TIMED_S, on_start=None,
+         store: RunStore | None = None) -> dict[str, ProbeResult | str]:
+    """Race `config`'s modes (see race_modes) for `warmup` + `steps` steps through a real Run, and give
     each mode's median step time after the warm-up, or the error text of a lane that failed. Where those timed steps
     took less than `min_timed_s` in all, that race only told the pace: the modes race again, for as many steps as
     fill `min_timed_s` (within what is left of `time_cap_s`), and that race gives the figures. ConfigError for
-    settings a run would refuse. `on_start(run)` is called with each Run once it started (to stop it from outside)."""
+    settings a run would refuse. `on_start(run)` is called with each Run once it started (to stop it from outside).
+    `store`: where each race is kept as an ordinary run (the advisor's evidence); None keeps it in memory only."""
     deadline = time.monotonic() + time_cap_s
-    out, timed_s, ended = _race_once(config, warmup, steps, time_cap_s, on_start)
+    out, timed_s, ended = _race_once(config, warmup, steps, time_cap_s, on_start, store=store)
     if ended != "finished" or timed_s >= min_timed_s or timed_s <= 0:
         return out
     round_s = timed_s / steps  # one step of every lane, as this race went
@@ -94,20 +97,21 @@ def race(config: RunConfig, *, warmup: int = WARMUP_STEPS, steps: int = TIMED_ST
     longer = min(math.ceil(min_timed_s / round_s), int(left_s / 2 / round_s) - warmup)
     if longer <= steps:
         return out
-    again, _, _ = _race_once(config, warmup, longer, deadline - time.monotonic(), on_start, enough=steps)
+    again, _, _ = _race_once(config, warmup, longer, deadline - time.monotonic(), on_start, enough=steps, store=store)
     # Cut by the cap before it timed as many steps as the short race (the machine slowed down): the short one stands.
     return out if any(isinstance(result, ProbeResult) and result.capped for result in again.values()) else again
 
 
 def _race_once(config: RunConfig, warmup: int, steps: int, time_cap_s: float, on_start,
-               enough: int | None = None) -> tuple[dict[str, ProbeResult | str], float, str]:
+               enough: int | None = None, store: RunStore | None = None) -> tuple[dict[str, ProbeResult | str], float,
+                                                                                  str]:
     """One race (see `race`): each mode's figure, the seconds its timed steps took in all lanes, how the Run ended.
     A figure of fewer than `enough` timed steps (default: `steps`) is marked capped."""
     enough = steps if enough is None else enough
     # A lane whose loss goes NaN still costs what a step costs: it steps on, as it would with stop_on_divergence off.
-    probe = dataclasses.replace(config, modes=race_modes(config), steps=warmup + steps, faults=(), name="cost probe",
-                                stop_on_divergence=False)
-    run = Run(probe, run_id=f"{PROBE_RUN_PREFIX}{uuid.uuid4().hex[:8]}").start()
+    probe = dataclasses.replace(config, modes=race_modes(config), steps=warmup + steps, faults=(),
+                                name=config.name or "cost probe", stop_on_divergence=False)
+    run = Run(probe, store, run_id=f"{PROBE_RUN_PREFIX}{uuid.uuid4().hex[:8]}").start()
     if on_start is not None:
         on_start(run)
     run.join(time_cap_s)

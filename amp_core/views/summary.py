@@ -12,7 +12,6 @@ time, and `replicate_differences` says whether two modes differ by more than tha
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +23,8 @@ from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS, typed
 from amp_core.records.tracks import TrackRecords
+from amp_core.seednoise import DIFFERENCE_RULE as DIFFERENCE_RULE  # the rule lives with the engine; said here too
+from amp_core.seednoise import DIFFERENCE_SDS, difference_verdict
 
 if TYPE_CHECKING:
     from amp_core.runs import LaneInfo
@@ -36,12 +37,6 @@ REPLICATE_COLUMNS = ("run_id", "mode", "group", "lanes", "seeds", "final_loss_me
                      "median_ms_mean", "median_ms_sd", "median_ms_n", "diverged")
 DIFFERENCE_COLUMNS = ("run_id", "figure", "mode_a", "mode_b", "mean_a", "mean_b", "difference", "threshold", "seeds_a",
                       "seeds_b", "verdict")
-DIFFERENCE_SDS = 2.0
-"""Two modes differ when their means are more than this many standard errors of the difference apart."""
-DIFFERENCE_RULE = ("different when |mean_a − mean_b| > 2 × √(sd_a²/S_a + sd_b²/S_b) (S: seeds with a finite "
-                   "figure, sd: their sample standard deviation; a Welch-style two-sided rule, about 95% when the "
-                   "figures are normal); with fewer than 2 seeds a mode has no spread and the rule cannot tell")
-"""The rule `replicate_differences` applies, in words (shown with its verdicts)."""
 VERDICTS = ("different", "within the spread", "cannot tell")
 RANK_COLUMNS = ("run_id", "lane", "mode", "rank", "steps", "median_ms", "vs_fastest", "skipped_steps", "latest_loss",
                 "final_loss")
@@ -278,16 +273,6 @@ def replicate_table(series: list[LaneSeries], seeds: dict[str, int] | None, last
                      "median_ms_mean": ms_mean, "median_ms_sd": ms_sd, "median_ms_n": ms_n,
                      "diverged": int(sum(not np.isfinite(v) for v in latest))})
     return pd.DataFrame(rows, columns=list(REPLICATE_COLUMNS))
-
-
-def difference_verdict(mean_a: float, sd_a: float, n_a: int, mean_b: float, sd_b: float, n_b: int,
-                       sds: float = DIFFERENCE_SDS) -> tuple[str, float]:
-    """(verdict, threshold) of DIFFERENCE_RULE: "different" when |mean_a - mean_b| > sds × √(sd_a²/n_a + sd_b²/n_b),
-    "within the spread" when not, "cannot tell" (threshold NaN) when a side has fewer than 2 finite figures."""
-    if n_a < 2 or n_b < 2 or not all(np.isfinite([mean_a, sd_a, mean_b, sd_b])):
-        return "cannot tell", np.nan
-    threshold = sds * math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b)
-    return ("different" if abs(mean_a - mean_b) > threshold else "within the spread"), threshold
 
 
 def replicate_differences(table: pd.DataFrame, sds: float = DIFFERENCE_SDS) -> pd.DataFrame:

@@ -1,0 +1,200 @@
+"""`amp-lab advise`: the decision on recorded evidence from real runs (faults planted so the outcome is certain on any
+device), end to end on the device as it is with a short budget, and the CLI's output and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from amp_core.config import ConfigError, FaultSpec, RunConfig
+from amp_core.diagnostics.advise import (
+    ADVISED_EVENT,
+    AdviseConfig,
+    BudgetClock,
+    advise,
+    check,
+    decide,
+    gather,
+    record_advice,
+    replay_failures,
+)
+from amp_core.precision import availability, resolve_device
+from amp_core.records.opening import open_store
+from amp_core.runner import RunManager
+from amp_core.seednoise import difference_verdict
+from amp_core.views.advise import advice_report_html, advice_table, advice_text
+from tests.cli_process import ROOT
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A real race (digits_mlp, 3 seeds per mode) with faults planted in two candidates' lanes only:
+    bf16-mixed's LR x 1e-4 from step 5 (it stops learning: a final loss far above fp32's on every device), 16-mixed's
+    batch x 1e6 at step 30 (fp16 overflows in its first layer: the loss goes inf and the lane stops). bf16-true is
+    left clean.
+    The advisor's stability step then replays each failed candidate's first failed step (recorded as events)."""
+    store = open_store(tmp_path_factory.mktemp("advise") / "runs.sqlite3")
+    manager = RunManager(store)
+    modes = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+    faults = (FaultSpec(kind="lr_scale", factor=1e-4, step=5, duration=STEPS - 5, modes=("bf16-mixed",)),
+              FaultSpec(kind="batch_outlier", factor=1e6, step=30, modes=("16-mixed",)))
+    run = manager.launch(RunConfig(workload="digits_mlp", modes=modes, seeds=3, steps=STEPS, device="cpu",
+                                   faults=faults, name="advise evidence"))
+    run.join(300)
+    assert run.status == "finished"
+    notes: list[str] = []
+    replay_failures(manager, run, 12, BudgetClock(600), notes, lambda message, fraction: None)
+    assert not notes
+    device = resolve_device("cpu")
+    found = [(recipe, *availability(recipe, device)) for recipe in (*modes, "tf32")]
+    record_advice(manager, run.run_id, found=found, probe_runs=[], warmup=12, budget_s=60.0, spent_s=30.0, notes=[],
+                  device=device)
+    return store, manager, run.run_id
+
+
+def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower_one_can_be_recommended(planted):
+    _, manager, run_id = planted
+    evidence = gather(manager, run_id)
+    assert {c.recipe for c in evidence.candidates} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "tf32"}
+    advice = decide(evidence)
+
+    overflowed = advice.verdict("16-mixed")
+    assert overflowed.verdict == "rejected" and overflowed.reason.startswith("unstable: its loss went non-finite")
+    assert evidence.candidate("16-mixed").diverged == 3
+    # The first inf/NaN module, from the recorded replay of its first failed step (Layer numerics' probe).
+    first = evidence.candidate("16-mixed").first_nonfinite
+    assert first.startswith("fc1 (forward) at step 30 (its fp16 output holds")
+    assert f"first inf/NaN: {first}" in overflowed.figure
+    frozen = advice.verdict("bf16-mixed")
+    assert frozen.verdict == "rejected" and frozen.reason == "trains worse than fp32 beyond seed noise"
+    assert frozen.loss_delta > 0 and "seed noise allows" in frozen.figure
+    assert advice.verdict("tf32").verdict == ("not measured" if availability("tf32", "cpu")[0] else "refused")
+
+    # The decision holds the clean candidate against the same rule the Compare page states, on the same records.
+    base, clean = evidence.candidate("32-true"), evidence.candidate("bf16-true")
+    loss = difference_verdict(base.loss_mean, base.loss_sd, base.loss_n, clean.loss_mean, clean.loss_sd, clean.loss_n)
+    speed = difference_verdict(base.ms_mean, base.ms_sd, base.ms_n, clean.ms_mean, clean.ms_sd, clean.ms_n)
+    trains_like_fp32 = not (loss[0] == "different" and clean.loss_mean > base.loss_mean)
+    faster = speed[0] == "different" and clean.ms_mean < base.ms_mean
+    expected = "bf16-true" if trains_like_fp32 and faster else "32-true"
+    assert advice.recommended == expected and advice.decided and advice.exit_code == 0
+    # Whichever the device, the rejected candidates are rejected whatever their speed: where one of them stepped
+    # faster than the recommendation, the advice took the slower one.
+    recommended = evidence.candidate(advice.recommended)
+    for rejected in ("16-mixed", "bf16-mixed"):
+        assert advice.recommended != rejected
+        if evidence.candidate(rejected).ms_mean < recommended.ms_mean:
+            assert advice.verdict(rejected).time_ratio < advice.verdict(advice.recommended).time_ratio
+
+    # decide is a function of the evidence alone: the same records with bf16-true's step times cut to a third (as on
+    # a device with native bf16) recommend it whenever it trains like fp32, 32-true the runner-up.
+    quick = dataclasses.replace(clean, ms_mean=base.ms_mean / 3, ms_sd=base.ms_sd / 3)
+    faster_here = decide(dataclasses.replace(evidence, candidates=tuple(
+        quick if c.recipe == "bf16-true" else c for c in evidence.candidates)))
+    if trains_like_fp32:
+        assert (faster_here.recommended, faster_here.runner_up) == ("bf16-true", "32-true")
+        assert faster_here.line().startswith("recommend: bf16-true — the fastest candidate that trains like fp32")
+        assert faster_here.verdict("bf16-true").verdict == "recommended"
+
+    text = advice_text(advice)
+    assert text.splitlines()[-1] == advice.line() and advice.line().startswith(f"recommend: {expected} — ")
+    table = advice_table(advice)
+    assert table["recipe"].iloc[0] == expected and set(table["recipe"]) == {
+        c.recipe for c in evidence.candidates}
+    assert any("bisect" in line for line in advice.cannot_tell)
+    page = advice_report_html(manager, advice)
+    assert f"<b>recommend: {expected} — " in page and run_id in page and "<h2>Every candidate</h2>" in page
+
+
+def test_the_advice_reads_back_from_the_store_alone(planted):
+    store, manager, run_id = planted
+    from amp_core.runs import RunReader
+
+    again = decide(gather(RunReader(store), run_id))
+    first = decide(gather(manager, run_id))
+    assert again.line() == first.line()
+    assert [(v.recipe, v.verdict) for v in again.verdicts] == [(v.recipe, v.verdict) for v in first.verdicts]
+    events = store.events(run_id)
+    assert (events["kind"] == ADVISED_EVENT).sum() == 1
+
+
+def test_bad_input_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="workload: unknown workload 'nope'"):
+        check(AdviseConfig(workload="nope"))
+    with pytest.raises(ConfigError, match=r"budget: .* too small to decide anything: in 6 s it could list the \d+ "
+                                          r"candidates"):
+        check(AdviseConfig(workload="digits_mlp", budget_s=6))
+    with pytest.raises(ConfigError, match="budget: must be a number of minutes > 0"):
+        AdviseConfig(workload="digits_mlp", budget_s=-60)
+    with pytest.raises(ConfigError, match="candidates: '32-true\\+nope' is not a candidate"):
+        check(AdviseConfig(workload="digits_mlp", candidates=("32-true+nope",)))
+
+
+def test_end_to_end_on_this_device_a_short_budget_recommends_a_runnable_candidate_that_trains_like_fp32(tmp_path):
+    store = open_store(tmp_path / "runs.sqlite3")
+    said = []
+    advice = advise(AdviseConfig(workload="digits_mlp", budget_s=25, candidates=("bf16-mixed", "16-mixed")), store,
+                    progress=lambda message, fraction: said.append((message, fraction)))
+    device = resolve_device("auto")
+    assert availability(advice.recommended, device)[0]
+    assert advice.exit_code in (0, 3) and said and said[-1] == (advice.line(), 1.0)
+    verdict = advice.verdict(advice.recommended)
+    assert verdict.verdict in ("recommended", "baseline")
+    if advice.recommended != "32-true":  # trains like fp32 within seed noise, and faster beyond it
+        base, chosen = advice.evidence.candidate("32-true"), advice.evidence.candidate(advice.recommended)
+        assert difference_verdict(base.ms_mean, base.ms_sd, base.ms_n, chosen.ms_mean, chosen.ms_sd,
+                                  chosen.ms_n)[0] == "different"
+        assert not (chosen.loss_mean > base.loss_mean and difference_verdict(
+            base.loss_mean, base.loss_sd, base.loss_n, chosen.loss_mean, chosen.loss_sd, chosen.loss_n)[0]
+            == "different")
+    runs = store.runs()
+    evidence = advice.evidence
+    assert {evidence.race_run, *evidence.probe_runs} <= set(runs["run_id"])
+    race = store.run(evidence.race_run)
+    assert race["config"]["seeds"] >= 2 and race["config"]["modes"][0] == "32-true"
+    assert (store.events(evidence.race_run)["kind"] == ADVISED_EVENT).any()
+    assert all(not math.isnan(c.ms_mean) for c in evidence.candidates if c.raced)
+
+
+def test_the_cli_on_a_device_that_runs_only_32_true_says_so_and_recommends_it(tmp_path):
+    """A CPU told by AMP_LAB_CPU_NATIVE that it has a format it does not know refuses the 16-bit modes (with the
+    reason): left with 32-true alone, the advice says so and exits 0."""
+    env = dict(os.environ, AMP_LAB_CPU_NATIVE="fp4")
+    command = [sys.executable, "-m", "amp_core", "--store", str(tmp_path / "runs.sqlite3"), "advise", "--workload",
+               "digits_mlp", "--device", "cpu", "--budget-min", "0.5", "--candidates", "bf16-mixed,16-mixed"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "recommend: 32-true — this device (CPU: " + lines[-1].split("(CPU: ", 1)[1]
+    assert "can run only 32-true among the candidates" in lines[-1]
+    assert "AMP_LAB_CPU_NATIVE" in done.stdout  # the refused modes' reason, in the table
+    bad = subprocess.run([*command[:7], "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: workload: unknown workload 'nope'")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_page_says_what_a_too_small_budget_could_do_and_starts_nothing():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "pages" / "advise.py"), default_timeout=120).run()
+    assert not at.exception and at.info  # nothing asked yet: it says what to do
+    at.selectbox(key="advise_workload").set_value("digits_mlp")
+    at.number_input(key="advise_budget").set_value(0.1)
+    at.button(key="advise_go").click().run()
+    assert not at.exception
+    assert [e.value for e in at.error] == [
+        f"**budget** — {check_error(AdviseConfig(workload='digits_mlp', budget_s=6))}. Nothing was started."]
+    assert "advise_job" not in at.session_state
+
+
+def check_error(config: AdviseConfig) -> str:
+    with pytest.raises(ConfigError) as refused:
+        check(config)
+    return refused.value.why
