@@ -33,6 +33,8 @@ class WorkloadEntry:
     title: str
     description: str
     sizes: tuple[str, ...]
+    requires: tuple[str, ...] = ()
+    """The optional extras it needs (`pip install -e '.[hf]'`); the form marks it when one is missing."""
 
 
 def _constants(tree: ast.AST, names: set[str]) -> dict[str, Any]:
@@ -64,13 +66,18 @@ def recipes() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
 
 @functools.cache
 def builtin_workloads() -> tuple[WorkloadEntry, ...]:
-    """Every Workload subclass with a literal name in amp_core/workloads/*.py, sorted by title."""
+    """Every Workload subclass (directly, or through a base class of its own module) with a literal name in
+    amp_core/workloads/*.py, sorted by title."""
     entries = []
     for path in sorted((PACKAGE / "workloads").glob("*.py")):
+        workload_classes = {"Workload"}
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.ClassDef) and any(getattr(base, "id", "") == "Workload" for base in node.bases):
-                found = _constants(node, {"name", "title", "description", "sizes"})
+            if isinstance(node, ast.ClassDef) and any(getattr(base, "id", "") in workload_classes
+                                                      for base in node.bases):
+                workload_classes.add(node.name)
+                found = _constants(node, {"name", "title", "description", "sizes", "requires"})
                 if found.get("name"):
                     entries.append(WorkloadEntry(found["name"], found.get("title", found["name"]),
-                                                 found.get("description", ""), tuple(found.get("sizes", {}))))
+                                                 found.get("description", ""), tuple(found.get("sizes", {})),
+                                                 tuple(found.get("requires", ()))))
     return tuple(sorted(entries, key=lambda entry: entry.title.lower()))

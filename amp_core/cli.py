@@ -12,7 +12,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig, field_docs
+from amp_core.config import (
+    FAULT_GRAMMAR,
+    INSPECT_DEFAULTS,
+    RUN_DEFAULTS,
+    ConfigError,
+    FaultSpec,
+    RunConfig,
+    ScalerConfig,
+    field_docs,
+)
 from amp_core.precision import MODES, parse_modes
 from amp_core.records.opening import open_store
 from amp_core.records.store import LIVE_STATUSES, StoreError
@@ -36,13 +45,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def config_flag(parser: argparse.ArgumentParser, name: str, extra: str = "", *, scaler: bool = False,
-                **kwargs) -> None:
-    """`--name` for a RunConfig field (ScalerConfig's with `scaler`): its default and help are the field's own (one
-    source: config.py), `extra` says what only the command line needs."""
-    cls, defaults = (ScalerConfig, RUN_DEFAULTS.scaler) if scaler else (RunConfig, RUN_DEFAULTS)
+                of: object = None, flag: str | None = None, **kwargs) -> None:
+    """`--name` for a RunConfig field (ScalerConfig's with `scaler`; another config's defaults with `of`, e.g.
+    INSPECT_DEFAULTS): its default and help are the field's own (one source: config.py), `extra` says what only the
+    command line needs; `flag` spells the flag otherwise (`--mode` for InspectConfig's trace_mode)."""
+    if of is None:
+        of = RUN_DEFAULTS.scaler if scaler else RUN_DEFAULTS
+    cls, defaults = type(of), of
     default = getattr(defaults, name)
     text = " ".join(part for part in (field_docs(cls)[name], extra) if part).replace("%", "%%")
-    flag = "--" + name.replace("_", "-")
+    flag = flag or "--" + name.replace("_", "-")
     if isinstance(default, bool):
         parser.add_argument(flag, action="store_true", help=text, **kwargs)
     elif isinstance(default, tuple):  # a list of names, comma-separated on the command line
@@ -86,14 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_flag(run, "growth_interval", scaler=True)
     config_flag(run, "amax_every", "(The Layer numerics page's heatmap.)", metavar="N")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                     help="kind:arg@step+duration, e.g. loss_scale:1e6@50+10, grad_inf:fc1.weight@30, "
-                          "lr_scale:10@100+20, init_scale:1024, batch_outlier:1000@40 (repeatable)")
-    defaults = RunConfig()
-    run.add_argument("--snapshot-every", type=int, default=defaults.snapshot_every, metavar="N",
-                     help="keep each lane's state every N steps for replays in the process that runs the race (the "
-                          "dashboard's; `replay` of a stored run re-trains the lane from its seed instead); 0: off")
-    run.add_argument("--snapshot-keep", type=int, default=defaults.snapshot_keep, metavar="K",
-                     help="snapshots kept per lane (the newest)")
+                     help=f"a fault to inject, {FAULT_GRAMMAR} (repeatable)")
+    config_flag(run, "snapshot_every", "(They stay in the process that runs the race: `replay` of a stored run "
+                                       "re-trains the lane from its seed instead.)", metavar="N")
+    config_flag(run, "snapshot_keep", metavar="K")
     run.add_argument("--nproc", type=int, default=1, metavar="N",
                      help="run the race in N processes under torchrun (python -m torch.distributed.run), each "
                           "lane's model in DDP (gloo on a CPU, NCCL with one GPU per rank); rank 0 writes the store")
@@ -108,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"only runs in these statuses ({', '.join(RUN_STATUSES)}; 'live' for "
                               f"{', '.join(LIVE_STATUSES)})")
     listing.set_defaults(handler=cmd_list)
+    sub.add_parser("workloads", parents=[plugins],
+                   help="the workloads (built-ins and plugins), each size's parameter count, and the extra a "
+                        "workload needs where it is missing").set_defaults(handler=cmd_workloads,
+                                                                           uses_workloads=True)
 
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
                                            "self-contained HTML report (charts, summary, config, events)")
@@ -119,30 +131,28 @@ def build_parser() -> argparse.ArgumentParser:
     maxbatch = sub.add_parser("maxbatch", parents=[plugins],
                               help="the largest batch each recipe allows (CUDA: real steps; CPU: modelled from "
                                    "measured bytes)")
-    maxbatch.add_argument("--workload", default="digits_mlp")
-    maxbatch.add_argument("--modes", default="32-true,bf16-mixed", help="comma-separated modes or recipes")
+    config_flag(maxbatch, "workload")
+    config_flag(maxbatch, "modes", "Comma-separated.")
     maxbatch.add_argument("--budget-mib", type=float, default=None,
                           help="memory budget (default: free GPU memory, or the machine's available memory)")
-    maxbatch.add_argument("--size", default="small")
-    maxbatch.add_argument("--device", default="auto")
-    maxbatch.add_argument("--optimizer", default="adam")
+    for name in ("size", "device", "optimizer"):
+        config_flag(maxbatch, name)
     maxbatch.set_defaults(handler=cmd_maxbatch, uses_workloads=True)
 
     trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
-    trace.add_argument("--workload", default="digits_mlp")
-    trace.add_argument("--mode", default="bf16-mixed")
-    trace.add_argument("--size", default="small")
-    trace.add_argument("--device", default="cpu")
+    config_flag(trace, "workload")
+    config_flag(trace, "trace_mode", of=INSPECT_DEFAULTS, flag="--mode")
+    for name in ("size", "device"):
+        config_flag(trace, name)
     trace.add_argument("--csv", default=None, help="write the op table here")
     trace.set_defaults(handler=cmd_trace, uses_workloads=True)
 
     numerics = sub.add_parser("numerics", parents=[plugins],
                               help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
-    numerics.add_argument("--workload", default="digits_mlp")
-    numerics.add_argument("--mode", default="16-mixed")
-    numerics.add_argument("--size", default="small")
-    numerics.add_argument("--batch-size", type=int, default=64)
-    numerics.add_argument("--device", default="cpu")
+    config_flag(numerics, "workload")
+    config_flag(numerics, "numerics_mode", of=INSPECT_DEFAULTS, flag="--mode")
+    for name in ("size", "batch_size", "device"):
+        config_flag(numerics, name)
     numerics.add_argument("--csv", default=None, help="write the per-module table here")
     numerics.set_defaults(handler=cmd_numerics, uses_workloads=True)
 
@@ -167,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "failed but one cannot be told on this device)")
     workshop_run.add_argument("name", help="a scenario's name (see `workshop list`)")
     workshop_run.add_argument("--store", default=argparse.SUPPRESS, help="store path or URL (as the global --store)")
-    workshop_run.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    config_flag(workshop_run, "device")
     workshop_run.set_defaults(handler=cmd_workshop)
 
     store = sub.add_parser("store", help="move runs between stores (SQLite files, PostgreSQL databases)")
@@ -441,6 +451,31 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workloads(args: argparse.Namespace) -> int:
+    """One line per workload: its name, title and each size's parameter count (counted on the meta device), or the
+    extra to install where one it needs is missing."""
+    from amp_core.extras import missing_extras
+    from amp_core.workloads import WORKLOADS, parameter_count
+
+    width = max(len(name) for name in WORKLOADS) + 2
+    for name, workload in WORKLOADS.items():
+        missing = missing_extras(workload.requires)
+        if missing:
+            sizes = f"{', '.join(workload.sizes)} · needs {' '.join(extra.install for extra in missing)}"
+        else:
+            sizes = ", ".join(f"{size} {_parameters(parameter_count(name, size))}" for size in workload.sizes)
+        print(f"{name:<{width}}{workload.title} · {sizes}")
+    return 0
+
+
+def _parameters(count: int) -> str:
+    """123456 -> '123.5K params'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit} params"
+    return f"{count} params"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     if store.run(args.run_id) is None:
@@ -470,23 +505,105 @@ def cmd_store_copy(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    from amp_core.probes.optrace import cli_trace
+def _write_csv(frame, csv_path: str | None, hint: str, written: str) -> int:
+    """The end of a tool's report: without `csv_path`, print `hint` (how to get the whole table); else write `frame`
+    there and say `written`. The exit code: 0, or 2 with one line when the file cannot be written."""
+    if csv_path is None:
+        print(f"\n{hint}")
+        return 0
+    try:
+        frame.to_csv(csv_path, index=False)
+    except OSError as error:
+        print(f"error: cannot write {csv_path}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    print(f"\n{written} written to {csv_path}")
+    return 0
 
-    return cli_trace(args.workload, args.mode, args.csv, size=args.size, device=args.device)
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """`trace`: the summary and the per-module dtypes of one traced step; the op table as CSV. Exit 2 with one line
+    for bad input, 1 if the trace itself failed (e.g. out of memory at a large size)."""
+    from amp_core.precision import resolve_device
+    from amp_core.probes.optrace import trace_workload
+
+    batch_size = INSPECT_DEFAULTS.trace_batch_size
+    try:
+        trace = trace_workload(args.workload, args.mode, size=args.size, device=resolve_device(args.device),
+                               batch_size=batch_size)
+    except ValueError as error:  # a bad workload, mode, size or device (a ConfigError is one too)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:
+        print(f"error: the trace failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    summary = trace.summary()
+    print(f"{trace.label} on {trace.device} (size {args.size}, batch {batch_size}): one forward + backward")
+    for line in summary.lines():
+        print(f"  {line}")
+    modules = trace.module_frame()
+    modules = modules[modules["ops"] > 0]
+    print()
+    print(modules[["module", "forward_dtype", "backward_dtype", "ops", "casts", "flops"]].to_string(index=False))
+    return _write_csv(trace.to_frame(), args.csv, f"(pass --csv PATH to write the {summary.ops}-row op table)",
+                      f"op table: {summary.ops} rows")
 
 
 def cmd_maxbatch(args: argparse.Namespace) -> int:
-    from amp_core.diagnostics.maxbatch import cli_maxbatch
+    """`maxbatch`: one line per recipe; exit 2 with one line for bad input."""
+    from amp_core.diagnostics.maxbatch import PROBE_BATCHES, max_batches
 
-    return cli_maxbatch(args.workload, args.modes, args.budget_mib, args.size, args.device, args.optimizer)
+    try:
+        found = max_batches(args.workload, parse_modes(args.modes), size=args.size, device=args.device,
+                            budget_mib=args.budget_mib, optimizer=args.optimizer)
+    except ValueError as error:  # a bad workload, recipe, size, device or budget (a ConfigError is one too)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for entry in found:
+        print(entry.line())
+    if any(entry.modelled for entry in found):
+        print("modelled: no batch was tried at that size; fixed and per-sample bytes were measured on real steps at "
+              f"batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} (bytes held + bytes saved for backward)")
+    return 0
+
+
+NUMERICS_COLUMNS = {"module": "module", "dtype": "dtype", "out_abs_max": "out |max|",
+                    "out_min_nonzero": "out |min|>0", "out_range_log2": "range log2", "out_fp16_overflow": ">fp16 max",
+                    "out_fp16_subnormal": "fp16 subn", "out_bf16_zero": "bf16 ->0", "grad_abs_max": "grad |max|",
+                    "output_error": "rel err"}
+"""The per-module columns `numerics` prints (all of them go to --csv), with their short headers."""
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
-    from amp_core.probes.numerics import cli_numerics
+    """`numerics`: the per-module table and the first non-finite line; the CSV. Exit 2 with one line for bad input,
+    1 if the probe itself failed."""
+    from amp_core.precision import resolve_device
+    from amp_core.probes.numerics import MODULE_COLUMNS, probe_workload
 
-    return cli_numerics(args.workload, args.mode, args.csv, size=args.size, device=args.device,
-                        batch_size=args.batch_size)
+    try:
+        report = probe_workload(args.workload, args.mode, size=args.size, device=resolve_device(args.device),
+                                batch_size=args.batch_size)
+    except ValueError as error:  # a bad workload, mode, size or device (a ConfigError is one too)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:
+        print(f"error: the probe failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    scale = f", loss scale {report.scale:g}" if report.scale else ""
+    print(f"{report.label} on {report.device} (size {args.size}, batch {args.batch_size}{scale}): one forward + "
+          f"backward, against {report.reference_mode} on the same weights and batch")
+    print(f"  loss {report.loss:.6g} ({report.reference_mode}: {report.reference_loss:.6g})")
+    print()
+    modules = report.module_frame()
+    table = modules[list(NUMERICS_COLUMNS)].rename(columns=NUMERICS_COLUMNS)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print("  out |max|, |min|>0, grad |max|: the mode's tensors; >fp16 max, fp16 subn, bf16 ->0: shares of the fp32 "
+          "values' finite non-zero elements that a real cast overflows, makes subnormal, flushes to 0")
+    print()
+    print(report.first_line())
+    if report.first_nonfinite:
+        print(f"  why: {report.first_nonfinite.why}")
+    return _write_csv(modules, args.csv, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} columns)",
+                      f"per-module table: {len(report.modules)} rows")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -533,10 +650,10 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     launch.wait()
     for run_id in launch.run_ids:
         info = manager.run_info(run_id)
-        print(f"run {run_id}: {info['status']} ({info['config']['workload']}, {info['config']['size']})")
-        for lane in info["lanes"]:
-            if lane["error"]:
-                print(f"  {lane['mode']} {lane['status']}: {lane['error']}")
+        print(f"run {run_id}: {info.status} ({info.config['workload']}, {info.config['size']})")
+        for lane in info.lanes:
+            if lane.error:
+                print(f"  {lane.mode} {lane.status}: {lane.error}")
     if launch.error:
         print(f"error: {launch.error}", file=sys.stderr)
     results = launch.results()

@@ -30,6 +30,13 @@ SIZES = ("small", "medium", "large", "xl")
 """Every size a workload may offer; each workload lists its own (Workload.sizes). xl is a GPU size."""
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("loss_scale", "grad_inf", "grad_nan", "lr_scale", "init_scale", "batch_outlier")
+FAULT_FORM = "kind:arg@step+duration"
+"""A fault's text form (FaultSpec.parse); FAULT_GRAMMAR says it whole."""
+FAULT_GRAMMAR = (f"{FAULT_FORM}: loss_scale:1e6@50+10 (the loss x 1e6 for steps 50-59), grad_inf:fc1.weight@30 (inf "
+                 "into fc1.weight's gradient at step 30), grad_nan@30 (NaN into the first parameter's), "
+                 "lr_scale:10@100+20, init_scale:1024 (the GradScaler starts at 1024), batch_outlier:1000@40 (the "
+                 "batch's floating inputs and targets x 1000); the step is 0-based, the duration 1 unless given")
+"""The fault grammar, written once: the CLI's --fault help, the Train form and README quote it."""
 MAX_SEEDS = 8
 """At most this many seeds per mode: lanes = modes x seeds all train in one process, interleaved."""
 
@@ -74,9 +81,7 @@ class ScalerConfig:
 class FaultSpec:
     """A fault a demo run injects on purpose; it is recorded as an event when it fires.
 
-    Text form (CLI): ``kind:arg@step+duration``, e.g. ``loss_scale:1e6@50+10``,
-    ``grad_inf:fc1.weight@30``, ``grad_nan@30`` (first parameter), ``lr_scale:10@100+20``,
-    ``init_scale:1024``, ``batch_outlier:1000@40`` (the batch's floating inputs and targets x 1000).
+    Text form (CLI, the Train form): FAULT_GRAMMAR.
     """
 
     kind: str
@@ -124,8 +129,7 @@ class FaultSpec:
         """Parse the CLI text form; raises ConfigError naming what is wrong."""
         m = re.fullmatch(r"\s*(\w+)(?::([^@+]+))?(?:@(\d+))?(?:\+(\d+))?\s*", text)
         if not m:
-            raise ConfigError("faults", f"cannot read {text!r}; expected kind:arg@step+duration, "
-                                        "e.g. loss_scale:1e6@50+10")
+            raise ConfigError("faults", f"cannot read {text!r}; expected {FAULT_FORM}, e.g. loss_scale:1e6@50+10")
         kind, arg, step, duration = m.groups()
         kwargs: dict[str, Any] = {"kind": kind, "step": int(step or 0), "duration": int(duration or 1)}
         if kind in ("grad_inf", "grad_nan"):
@@ -320,3 +324,24 @@ def field_docs(cls: type) -> dict[str, str]:
 
 RUN_DEFAULTS = RunConfig()
 """Every RunConfig default (the CLI's flags and the Train form's widgets start from these)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class InspectConfig:
+    """What the one-step tools look at unless told (`amp-lab trace` and `numerics`, the Op inspector and Layer numerics
+    pages): one step of a freshly built workload (RunConfig's workload, size and device) in one mode."""
+
+    trace_mode: str = "bf16-mixed"
+    """The mode an op trace shows (one mode or recipe): bf16 autocast, whose casts are what a trace is for."""
+    trace_batch_size: int = 16
+    """Batch size of an op trace: dtypes do not depend on it, and a small batch keeps large sizes fast."""
+    numerics_mode: str = "16-mixed"
+    """The mode layer numerics probes against fp32 (one mode or recipe): fp16's narrow range is where a layer
+    overflows or flushes to zero."""
+
+    def __post_init__(self) -> None:
+        _positive("trace_batch_size", self.trace_batch_size, int)
+
+
+INSPECT_DEFAULTS = InspectConfig()
+"""The one-step tools' defaults (the CLI's trace and numerics flags and the pages' first picks start from these)."""

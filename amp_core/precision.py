@@ -313,6 +313,9 @@ class Float8Matmuls(RecipeOption):
                     skipped[name] = why
                 else:
                     converted.append(name)
+            elif type(layer).__name__ == "Conv1D":
+                skipped[name] = ("transformers' Conv1D (GPT-2's projections: a Linear with its weight stored "
+                                 "transposed), not an nn.Linear, which is all torchao converts")
         return converted, skipped
 
     def cast_config(self, role: str):

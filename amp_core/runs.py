@@ -1,5 +1,7 @@
 """Runs as typed sources: RunInfo / LaneInfo (what a page or the CLI knows of a run, read the same whether the run
-trains in this process or its records come from the store) and the one `is_live` every page and the CLI ask.
+trains in this process or its records come from the store), typed through: what writes it (SourceKind: a race, a
+Monitor, a trainer's callback, the cost probe), its writer in words, whether this process can control it, and the one
+`is_live` every page and the CLI ask.
 
 A run is live while it can still move: it trains in this process, or the store says another process (a CLI run, a
 Monitor script, a torchrun job) is writing it — its status is pending, running or paused. The store marks a run whose
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from dataclasses import dataclass
-from typing import Any
 
 import pandas as pd
 
@@ -25,23 +27,43 @@ from amp_core.records.schema import GradStats
 from amp_core.records.store import LIVE_STATUSES, RunStore, StoredTrack
 
 
-class _ReadByKey:
-    """`info["status"]` reads `info.status`: the dict readers of the run sources that came before these types."""
+class SourceKind(enum.StrEnum):
+    """What writes a run (its saved config says which: `source_kind`)."""
 
-    __slots__ = ()
+    RACE = "race"
+    """A Run racing its lanes: the dashboard's, `amp-lab run`, a torchrun job, a workshop scenario."""
+    MONITOR = "monitor"
+    """A Monitor in the user's own training loop (the "source" a Monitor saves in its config)."""
+    INTEGRATION = "integration"
+    """The AMP Lab callback of a trainer (Hugging Face Trainer, Lightning), built on a Monitor."""
+    PROBE = "probe"
+    """The cost probe's short race (its run id starts with PROBE_RUN_PREFIX; it writes no store)."""
 
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
+PROBE_RUN_PREFIX = "probe-"
+"""The run id of a cost probe's race starts with this."""
+
+
+def source_kind(run_id: str, config: dict) -> SourceKind:
+    """The kind of a run from its id and saved config: a Monitor saves "source" (and "integration" when a trainer's
+    callback drives it); a race saves its RunConfig."""
+    if config.get("source") == SourceKind.MONITOR:
+        return SourceKind.INTEGRATION if config.get("integration") else SourceKind.MONITOR
+    return SourceKind.PROBE if run_id.startswith(PROBE_RUN_PREFIX) else SourceKind.RACE
+
+
+def writer_words(kind: SourceKind, config: dict, in_process: bool) -> str:
+    """Who writes a run, in words: "a Monitor in `train.py`", "the AMP Lab callback of a Hugging Face Trainer in
+    `finetune.py`", "this process" (a race held here), "another AMP Lab process" (e.g. `amp-lab run`)."""
+    if kind in (SourceKind.MONITOR, SourceKind.INTEGRATION):
+        script = f"`{config['script']}`" if config.get("script") else "a script"
+        return (f"the AMP Lab callback of a {config['integration']} in {script}" if kind is SourceKind.INTEGRATION
+                else f"a Monitor in {script}")
+    return "this process" if in_process else "another AMP Lab process"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LaneInfo(_ReadByKey):
+class LaneInfo:
     """One lane of a run."""
 
     lane: int
@@ -59,7 +81,7 @@ class LaneInfo(_ReadByKey):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunInfo(_ReadByKey):
+class RunInfo:
     """One run, as every page and the CLI read it."""
 
     run_id: str
@@ -72,11 +94,24 @@ class RunInfo(_ReadByKey):
     lanes: tuple[LaneInfo, ...] = ()
     problems: list[str] = dataclasses.field(default_factory=list)
     """What of its stored records could not be read so far (a damaged chunk), as messages."""
+    kind: SourceKind = SourceKind.RACE
+    """What writes it (`source_kind`)."""
+    writer: str = ""
+    """Who writes it, in words (`writer_words`)."""
+    host: str = ""
+    """The host its writer runs on ("" for a run held in this process)."""
+    pid: int | None = None
+    """Its writer's process id on `host` (None for a run held in this process)."""
 
     @property
-    def live(self) -> bool:
-        """`is_live(self)`."""
-        return is_live(self)
+    def attached(self) -> bool:
+        """Written by a Monitor in the user's own process (alone or under a trainer's callback)."""
+        return self.kind in (SourceKind.MONITOR, SourceKind.INTEGRATION)
+
+    @property
+    def controllable(self) -> bool:
+        """This process can pause and stop it: a race whose thread runs here (any other run's writer decides)."""
+        return self.in_process and self.kind is SourceKind.RACE
 
     def lane_info(self, index: int) -> LaneInfo | None:
         return next((lane for lane in self.lanes if lane.lane == index), None)
@@ -142,7 +177,7 @@ class RunReader:
 
     def steps(self, run_id: str, start: int = 0, stop: int | None = None) -> pd.DataFrame:
         """A run's step records of steps [start, stop), every one (memory while the run is held here, else the
-        store; a damaged chunk's records are left out and said in `run_info(run_id)["problems"]`)."""
+        store; a damaged chunk's records are left out and said in `run_info(run_id).problems`)."""
         run = self.get(run_id)
         if run is not None:
             frame = run.frame(start)
@@ -167,7 +202,10 @@ class RunReader:
         steps done (cheaper: counting reads every track)."""
         run = self.get(run_id)
         if run is not None:
-            return RunInfo(run_id=run_id, config=run.config.to_dict(), status=run.status, in_process=run.alive,
+            config = run.config.to_dict()
+            kind = source_kind(run_id, config)
+            return RunInfo(run_id=run_id, config=config, status=run.status, in_process=run.alive, kind=kind,
+                           writer=writer_words(kind, config, in_process=True),
                            lanes=tuple(LaneInfo(lane=lane.index, mode=lane.mode, status=lane.status, error=lane.error,
                                                 steps_done=lane.steps_done, meta={"seed": lane.seed})
                                        for lane in run.lanes))
@@ -181,7 +219,9 @@ class RunReader:
         # Steps per lane: its rank-0 track's (ranks step together).
         for track in self.store.tracks(run_id) if count_steps else ():
             counts[track["lane"]] = max(counts.get(track["lane"], 0), track["records"])
-        return RunInfo(run_id=run_id, config=row["config"], status=row["status"],
+        kind = source_kind(run_id, row["config"])
+        return RunInfo(run_id=run_id, config=row["config"], status=row["status"], kind=kind,
+                       writer=writer_words(kind, row["config"], in_process=False), host=row["host"], pid=row["pid"],
                        lanes=tuple(LaneInfo(lane=lane["lane"], mode=lane["mode"], status=lane["status"],
                                             error=lane["error"], steps_done=int(counts.get(lane["lane"], 0)),
                                             meta=lane["meta"] or {})

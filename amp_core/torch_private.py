@@ -120,6 +120,18 @@ class ScopedModuleTracker(ModuleTracker):
         backward: torch's multi-grad hook counts no call for the root node, so the stock tracker never enters it."""
         self._grad_hooks.append(tensor.register_hook(self._get_append_fn(name, True)))
 
+    def _fw_post_hook(self, mod: torch.nn.Module, input: object, output: object) -> None:
+        """The stock hook, except for a module that returned its input itself (Dropout at p=0, nn.Identity: every
+        transformers model holds some): it ran no op, and its backward enter hook would sit on the same tensor as its
+        exit hook, firing after it, so the module would stay "running" for the rest of the backward and be named for
+        every op there."""
+        inputs = {id(t) for t in torch.utils._pytree.tree_leaves(input) if isinstance(t, torch.Tensor)}
+        outputs = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if outputs and all(id(t) in inputs for t in outputs):
+            self._get_pop_fn(self._get_mod_name(mod), False)()
+            return
+        super()._fw_post_hook(mod, input, output)
+
     def __enter__(self) -> ScopedModuleTracker:
         for module in self._names:
             self._handles.append(module.register_forward_pre_hook(self._fw_pre_hook))

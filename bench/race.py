@@ -66,8 +66,8 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float]]:
-    """(speedup vs 32-true, lane_peak_bytes) per mode, from a real race through the runner."""
+def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(speedup vs 32-true, lane_peak_bytes, median ms/step) per mode, from a real race through the runner."""
     run = Run(config).start()
     run.join()
     if run.status != "finished":
@@ -75,7 +75,7 @@ def race(config: RunConfig) -> tuple[dict[str, float], dict[str, float]]:
     frame = run.frame()
     summary = summarize(frame).set_index("mode")
     peaks = frame.groupby("mode")["lane_peak_bytes"].max()
-    return summary["speedup"].to_dict(), peaks.to_dict()
+    return summary["speedup"].to_dict(), peaks.to_dict(), summary["median_ms"].to_dict()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,13 +114,17 @@ def main(argv: list[str] | None = None) -> None:
                        steps=args.steps, device=args.device, gradstats_every=0, eps=1e-4, intra_op_threads=threads)
     bare: dict[str, list[float]] = {mode: [] for mode in modes}
     raced: dict[str, list[float]] = {mode: [] for mode in modes}
+    bare_ms: dict[str, list[float]] = {mode: [] for mode in modes}
+    race_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         times = {mode: bare_ms_per_step(config, mode, args.steps) for mode in modes}
         for mode in modes:
             bare[mode].append(times[BASELINE_MODE] / times[mode])
-        speedups, race_peaks = race(config)
+            bare_ms[mode].append(times[mode])
+        speedups, race_peaks, medians = race(config)
         for mode in modes:
             raced[mode].append(speedups[mode])
+            race_ms[mode].append(medians[mode])
     alone = {mode: race(RunConfig.from_dict({**config.to_dict(), "modes": [mode]}))[1][mode] for mode in modes}
     errors, changes = [], []
     for mode in modes:
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         changes.append(abs(change))
         print(f"{args.workload}/{args.size}/b{args.batch_size} {args.device} {mode:<11} bare_speedup={bare_speedup:.3f}"
               f" race_speedup={race_speedup:.3f} | lane_peak_MiB race={race_peaks[mode] / 2**20:.1f}"
-              f" alone={alone[mode] / 2**20:.1f} ({change:+.2%})", flush=True)
+              f" alone={alone[mode] / 2**20:.1f} ({change:+.2%}) | ms_per_step"
+              f" race={statistics.median(race_ms[mode]):.2f} bare={statistics.median(bare_ms[mode]):.2f}", flush=True)
     for mode in modes:
         if is_fp8_recipe(mode):
             bare_fp8 = statistics.median(bare[mode]) / statistics.median(bare[FP8_BASELINE])

@@ -3,12 +3,11 @@ layer's ranges against fp16, and a run's per-layer abs max over steps."""
 
 import streamlit as st
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import numerics
-from amp_core.runs import is_live
+from amp_core.runs import RunInfo, is_live
 from amp_core.views import numerics as numerics_views
-from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
 from pages.common import (
@@ -73,7 +72,7 @@ def workload_report() -> numerics.NumericsReport | None:
     batch_size = third.number_input("Batch size", min_value=1, max_value=4096,
                                     value=numerics.DEFAULT_NUMERICS_BATCH, key="lnum_batch",
                                     help="Ranges depend on the batch: a larger one reaches further into the tails.")
-    preferred = next((m for m in ("16-mixed", "bf16-mixed") if m in runnable), runnable[-1])
+    preferred = next((m for m in (INSPECT_DEFAULTS.numerics_mode, "bf16-mixed") if m in runnable), runnable[-1])
     mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
                             help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
     try:
@@ -167,7 +166,8 @@ def launch_sampled_run() -> None:
                                         key="lnum_run_workload", format_func=lambda name: WORKLOADS[name].title)
             modes = row[1].multiselect("Modes", runnable, default=[m for m in ("32-true", "16-mixed") if m in runnable],
                                        key="lnum_run_modes")
-            steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=300, key="lnum_run_steps")
+            steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=RUN_DEFAULTS.steps,
+                                        key="lnum_run_steps", help=field_docs(RunConfig)["steps"])
             every = row[3].number_input("Sample every N steps", min_value=1, value=10, key="lnum_run_every")
             launched = st.form_submit_button("Launch", type="primary")
         if launched:
@@ -195,12 +195,12 @@ def show_amax_over_time(run_id: str) -> None:
     st.fragment(store_guarded(amax_view), run_every=2.0 if live else None)(run_id)
 
 
-def attached_note(config: dict) -> None:
+def attached_note(info: RunInfo) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
-    if config.get("source") != "monitor":
+    if not info.attached:
         return
-    every = config.get("layers_every", 0)
-    st.caption(f"An attached run: {attached_writer(config)} measures every module's output and output gradient with "
+    every = info.config.get("layers_every", 0)
+    st.caption(f"An attached run: {info.writer} measures every module's output and output gradient with "
                "hooks during the script's own step"
                + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")
@@ -259,14 +259,15 @@ def amax_view(run_id: str) -> None:
     events = manager.events(run_id)
     samples = numerics_views.amax_samples(events)
     config = info.config if info is not None else {}
-    attached_note(config)
-    if config.get("source") == "monitor":
+    attached = info is not None and info.attached
+    if attached:
+        attached_note(info)
         requested_layers(run_id, is_live(info))
     every = config.get("amax_every", 0) or config.get("layers_every", 0)
     if samples.empty:
         if every:
             st.info(f"This run samples every {every} steps; no sample has arrived yet.")
-        elif config.get("source") == "monitor":
+        elif attached:
             st.info("This attached run samples its layers only after a failed step (its `layers_every` is 0).")
         else:
             st.info("This run did not sample layer amax (its `amax_every` is 0): launch one above.")

@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import optrace
 from amp_core.runs import is_live
@@ -44,8 +44,8 @@ def workload_traces() -> list[optrace.OpTrace]:
                               format_func=lambda name: WORKLOADS[name].title)
     size = middle.selectbox("Size", list(WORKLOADS[workload].sizes), key="opi_size")
     batch_size = right.number_input("Batch size", min_value=1, max_value=1024, value=optrace.DEFAULT_TRACE_BATCH,
-                                    key="opi_batch", help="Dtypes do not depend on it; shapes and FLOPs do.")
-    preferred = "bf16-mixed" if "bf16-mixed" in runnable else runnable[-1]
+                                    key="opi_batch", help=field_docs(InspectConfig)["trace_batch_size"])
+    preferred = INSPECT_DEFAULTS.trace_mode if INSPECT_DEFAULTS.trace_mode in runnable else runnable[-1]
     if st.session_state.opi_source == SOURCES[0]:
         modes = [st.selectbox("Mode", runnable, index=runnable.index(preferred), key="opi_mode")]
     else:
@@ -80,7 +80,7 @@ def attached_trace() -> list[optrace.OpTrace]:
     manager = get_manager()
     run_id = run_picker(manager, "opi_attached_run")
     info = manager.run_info(run_id) if run_id is not None else None
-    if info is None or info["config"].get("source") != "monitor":
+    if info is None or not info.attached:
         st.info("Pick a run written by a Monitor or a trainer callback (AmpLabCallback) in your own script: its "
                 "process traces its next step on request.")
         return []

@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from amp_core.config import FAULT_KINDS, ConfigError
+from amp_core.config import FAULT_KINDS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.diagnostics.replay import replay_run
 from amp_core.diagnostics.replay_modes import recorded_replays
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
@@ -11,7 +11,6 @@ from amp_core.probes.spikes import SpikeRule
 from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views
-from amp_core.views.live import attached_writer
 from amp_core.views.tables import content_widths, fit_widths
 from amp_core.workloads import WORKLOADS, param_names
 from pages.common import (
@@ -100,7 +99,8 @@ with st.expander("Fault injection: launch a demo run with a loss spike, an inf/N
         else:
             param = row[2].selectbox("Parameter", parameter_names(workload), key="dbg_param",
                                      help="The gradient that gets the inf/NaN (its first element).")
-        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=300, step=50, key="dbg_steps")
+        steps = row[3].number_input("Steps", min_value=1, max_value=100_000, value=RUN_DEFAULTS.steps, step=50,
+                                    key="dbg_steps", help=field_docs(RunConfig)["steps"])
         growth_interval = st.number_input(
             "GradScaler growth interval (clean steps before the scale doubles)", min_value=1,
             value=faults.DEMO_GROWTH_INTERVAL, step=10, key="dbg_growth",
@@ -128,15 +128,15 @@ info = manager.run_info(run_id)
 if info is None:
     st.warning(f"Run {run_id} is no longer available (it left the store).")
     st.stop()
-lanes = {lane["lane"]: lane for lane in info["lanes"]}
+lanes = {lane.lane: lane for lane in info.lanes}
 lane_ids = list(lanes)
-lane = fresh_selectbox("Lane", lane_ids, {i: f"lane {i} · {lanes[i]['mode']} · {lanes[i]['status']}" for i in lane_ids},
-                       f"dbg_lane_{run_id}", index=lane_ids.index(debugger.default_lane(info["lanes"])))
-mode = lanes[lane]["mode"]
+lane = fresh_selectbox("Lane", lane_ids, {i: f"lane {i} · {lanes[i].mode} · {lanes[i].status}" for i in lane_ids},
+                       f"dbg_lane_{run_id}", index=lane_ids.index(debugger.default_lane(info.lanes)))
+mode = lanes[lane].mode
 live = is_live(info)  # training here, or written by another process (the CLI, a Monitor script, torchrun)
-attached = info["config"].get("source") == "monitor"  # a Monitor or a trainer callback in the user's own process
+attached = info.attached  # a Monitor or a trainer callback in the user's own process
 if attached:
-    st.caption(f"An attached run: {attached_writer(info['config'])} writes it. Its skipped steps and scale are its own "
+    st.caption(f"An attached run: {info.writer} writes it. Its skipped steps and scale are its own "
                "GradScaler's; after a failed step its layer hooks name the first module whose output (or gradient) "
                "held inf/NaN. Its model lives in that process: fault injection and replay need a run AMP Lab trains.")
 
@@ -147,12 +147,12 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
     info = manager.run_info(run_id)
     steps, events = manager.steps(run_id), manager.events(run_id)
     try:
-        windows = debugger.fault_windows(info["config"], mode)
-        effects = debugger.fault_effects(steps, info["config"], info["lanes"])
+        windows = debugger.fault_windows(info.config, mode)
+        effects = debugger.fault_effects(steps, info.config, info.lanes)
     except ConfigError as error:
         st.warning(f"This run's fault plan cannot be read ({error}); faults are not shown.")
         windows = effects = None
-    overview = debugger.lane_overview(steps, events, info["lanes"])
+    overview = debugger.lane_overview(steps, events, info.lanes)
     widths = content_widths(overview, OVERVIEW_LABELS)
     st.dataframe(overview, hide_index=True, key="dbg_overview", column_config={
         column: st.column_config.Column(OVERVIEW_LABELS.get(column, column), width=width,
@@ -162,7 +162,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         for row in effects.itertuples(index=False):
             st.markdown(f"- lane {row.lane} `{row.mode}` · {row.fault}: {row.outcome}")
     st.plotly_chart(debugger.scale_timeline_figure(steps, events, lane, mode, windows), key="dbg_timeline")
-    scheduler_note = st.container() if info["config"].get("scheduler", "none") != "none" else st.expander(
+    scheduler_note = st.container() if info.config.get("scheduler", "none") != "none" else st.expander(
         "LR schedulers and skipped steps (this run has no scheduler)")
     scheduler_note.markdown(LR_SCHEDULER_NOTE)
     table = debugger.skipped_steps_table(events, lane)
@@ -302,13 +302,13 @@ if attached:
                 + (" so far." if live else ".") + (" Replays are off for it (see above)."
                                                    if not (info.config.get("replay") or {}).get("on") else ""))
 else:
-    replay_panel(run_id, lane, int(lanes[lane]["steps_done"]), review, spike_rule, recorded)
+    replay_panel(run_id, lane, lanes[lane].steps_done, review, spike_rule, recorded)
 
 # ---- gradient histogram ---------------------------------------------------------------------------------
 st.subheader("Gradient magnitudes against fp16 and bf16")
 stat_steps = manager.grad_stat_steps(run_id, lane)
 if not stat_steps:
-    every = info["config"].get("gradstats_every", 0)
+    every = info.config.get("gradstats_every", 0)
     st.info(f"No gradient statistics for lane {lane} yet: they are sampled every {every} steps and on every "
             "skipped step." if every else "This run was launched with gradient statistics off (gradstats_every 0).")
     st.stop()

@@ -10,6 +10,7 @@ import streamlit as st
 
 from amp_core import catalog
 from amp_core.config import (
+    FAULT_GRAMMAR,
     MAX_SEEDS,
     OPTIMIZERS,
     RUN_DEFAULTS,
@@ -19,6 +20,7 @@ from amp_core.config import (
     ScalerConfig,
     field_docs,
 )
+from amp_core.extras import missing_extras
 from pages.common import (
     app_frame,
     device_panel,
@@ -59,10 +61,16 @@ def workload_entries() -> dict[str, catalog.WorkloadEntry]:
         warm.core.wait()
         from amp_core.workloads import WORKLOADS
 
-        found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes))
+        found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes), tuple(w.requires))
                  for name, w in WORKLOADS.items()]
         return {entry.name: entry for entry in sorted(found, key=lambda entry: entry.title.lower())}
     return {entry.name: entry for entry in catalog.builtin_workloads()}
+
+
+def needs_extra(entry: catalog.WorkloadEntry) -> str:
+    """' · needs pip install -e '.[hf]'' for a workload whose extra is missing here, else ''."""
+    missing = missing_extras(entry.requires)
+    return f" · needs {' '.join(extra.install for extra in missing)}" if missing else ""
 
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
@@ -76,11 +84,14 @@ names = list(entries)
 with st.container(border=True):
     c1, c2, c3 = st.columns([2, 1, 3])
     workload = c1.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in names else 0,
-                            format_func=lambda name: entries[name].title, key="train_workload")
+                            format_func=lambda name: entries[name].title + needs_extra(entries[name]),
+                            key="train_workload")
     size = c2.selectbox("Size", list(entries[workload].sizes), key="train_size",
-                        help="small runs in seconds on a laptop CPU; xl is a size for a GPU")
+                        help="small runs in seconds on a laptop CPU; large and xl are sizes for a GPU")
     modes_slot = c3.empty()
     c1.caption(entries[workload].description)
+    parameters_slot = c2.empty()  # each size's parameter count, once torch is imported
+    missing = missing_extras(entries[workload].requires)
     # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
     c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
     # Defaults and help are RunConfig's own (config.py: one source for the form and the CLI).
@@ -115,9 +126,7 @@ with st.container(border=True):
         grad_clip = m1.number_input("Clip grad norm (0 = off)", value=DEFAULTS.grad_clip, key="train_clip",
                                     help=DOCS["grad_clip"])
         faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
-                                    help="Comma-separated `kind:arg@step+duration`, e.g. `loss_scale:1e6@50+10`, "
-                                         "`grad_inf:fc1.weight@30`, `grad_nan@30`, `lr_scale:10@100+20`, "
-                                         "`init_scale:1024`.")
+                                    help=f"Comma-separated, each {FAULT_GRAMMAR}.")
         name = m3.text_input("Run name", key="train_name")
 errors_slot = st.empty()
 
@@ -191,6 +200,11 @@ try:
         faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
 except ConfigError as error:
     errors_slot.error(f"**{error.field}** — {error.why}. Nothing was launched.")
+if missing:
+    config = None  # nothing to launch or probe: its model cannot be built here
+    errors_slot.error(f"**{entries[workload].title}** needs the {' and '.join(extra.name for extra in missing)} "
+                      f"extra, which is not installed here: `{' '.join(extra.install for extra in missing)}`, then "
+                      "restart the app. Nothing was launched.")
 if not launch_drawn:
     launch_now = st.button("Launch", type="primary", disabled=config is None, key="train_launch")
 # Below Launch: a table's first draw in a browser loads the grid's code, and what follows it waits for that.
@@ -214,7 +228,7 @@ from amp_core.diagnostics.cost import (  # noqa: E402
 )
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
-from amp_core.runs import is_live  # noqa: E402
+from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
@@ -239,6 +253,24 @@ from amp_core.views.summary import (  # noqa: E402
 )
 from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
 
+
+@st.cache_data(show_spinner=False)
+def parameter_counts(workload: str, sizes: tuple[str, ...]) -> str:
+    """'small 118.5K · medium 3.3M · ...': each size's parameters, counted on the meta device (nothing allocated)."""
+    from amp_core.workloads import parameter_count
+
+    return " · ".join(f"{size} {format_count(parameter_count(workload, size))}" for size in sizes)
+
+
+def format_count(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+if not missing:
+    parameters_slot.caption(f"Parameters: {parameter_counts(workload, entries[workload].sizes)}")
 manager = get_manager()
 if light_first:
     store_banner(manager)
@@ -427,15 +459,15 @@ followers: dict[str, RecordFollower] = st.session_state.setdefault("train_follow
 live_at_start = is_live(manager.run_info(run_id))
 
 
-def controls(info: dict) -> None:
+def controls(info: RunInfo) -> None:
     """Pause / resume / stop for a run going in this process (callbacks, so the rerun shows the new state); for a run
     another process writes, why there are none."""
-    run = manager.get(run_id)
-    note = control_note(info, run is not None)
+    note = control_note(info)
     if note:
         st.caption(note)
-    status = info["status"]
-    if run is None or not run.alive or status not in ("running", "paused"):
+    status = info.status
+    run = manager.get(run_id)
+    if run is None or not info.controllable or status not in ("running", "paused"):
         return
     b1, b2, _ = st.columns([1, 1, 6])
     if status == "paused":
@@ -445,7 +477,7 @@ def controls(info: dict) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-def lane_rows(info: dict, series: list) -> None:
+def lane_rows(info: RunInfo, series: list) -> None:
     """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
     table = lanes_table(info, series)
     if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
@@ -461,37 +493,37 @@ def lane_rows(info: dict, series: list) -> None:
     st.dataframe(table, hide_index=True, key="train_lanes", column_config=config_columns)
 
 
-def what_ran(info: dict) -> None:
+def what_ran(info: RunInfo) -> None:
     """Warnings a trainer integration recorded about what really ran (a precision asked and not applied, fp16 without
     loss scaling). They come with the run's first step, so the events are read once the run has a step, then kept."""
-    if not info["config"].get("integration"):
+    if info.kind is not SourceKind.INTEGRATION:
         return
     seen: dict[str, list[str]] = st.session_state.setdefault("train_what_ran", {})
-    if run_id not in seen and (any(lane["steps_done"] for lane in info["lanes"]) or not is_live(info)):
+    if run_id not in seen and (any(lane.steps_done for lane in info.lanes) or not is_live(info)):
         seen[run_id] = what_ran_warnings(manager.events(run_id))
     for message in seen.get(run_id, []):
         st.warning(f"What really ran: {message}.")
 
 
-def lane_problems(info: dict) -> None:
+def lane_problems(info: RunInfo) -> None:
     """Errors as messages, never tracebacks: the run's own failure once, else each lane that stopped early; records
     the store could not read (a damaged chunk: the rest is shown)."""
-    for problem in info.get("problems", []):
+    for problem in info.problems:
         st.warning(problem)
-    lanes_info = info["lanes"]
-    if lanes_info and all(lane["status"] == "failed" for lane in lanes_info) and len(
-            {lane["error"] for lane in lanes_info}) == 1:
-        st.error(f"The run failed: {lanes_info[0]['error'] or 'see the run events'}")
+    lanes_info = info.lanes
+    if lanes_info and all(lane.status == "failed" for lane in lanes_info) and len(
+            {lane.error for lane in lanes_info}) == 1:
+        st.error(f"The run failed: {lanes_info[0].error or 'see the run events'}")
         return
     for lane in lanes_info:
-        if lane["status"] == "failed":
-            others = any(other["status"] != "failed" for other in lanes_info)
-            st.error(f"Lane **{lane['mode']}** failed: {lane['error'] or 'see the run events'}."
+        if lane.status == "failed":
+            others = any(other.status != "failed" for other in lanes_info)
+            st.error(f"Lane **{lane.mode}** failed: {lane.error or 'see the run events'}."
                      + (" The other lanes went on." if others else ""))
-        elif lane["status"] == "diverged":
-            st.warning(f"Lane **{lane['mode']}** stopped: {lane['error']}.")
-        elif lane["status"] == "interrupted":
-            st.warning(f"Lane **{lane['mode']}** was interrupted: the process running it ended.")
+        elif lane.status == "diverged":
+            st.warning(f"Lane **{lane.mode}** stopped: {lane.error}.")
+        elif lane.status == "interrupted":
+            st.warning(f"Lane **{lane.mode}** was interrupted: the process running it ended.")
 
 
 def replicates(series: list, seeds: dict[str, int]) -> None:
@@ -555,25 +587,25 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
-    st.markdown(f"{STATUS_SYMBOLS.get(info['status'], '')} Run status: **{info['status']}** · `{run_id}`")
+    st.markdown(f"{STATUS_SYMBOLS.get(info.status, '')} Run status: **{info.status}** · `{run_id}`")
     controls(info)
     what_ran(info)
     lane_problems(info)
     lane_rows(info, series)
-    seeds = lane_seeds(run_id, info["lanes"])
+    seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)
     charts(series, follower, seeds)
-    if info["config"].get("device") == "cuda":
+    if info.config.get("device") == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
                    "behind each other and that host time is hidden: compare such a lane with a run of it alone.")
     with st.expander("Run configuration"):
-        st.json(info["config"], expanded=False)
-    if not is_live(info) and info["status"] in ("finished", "stopped") and "source" not in info["config"]:
+        st.json(info.config, expanded=False)
+    if not is_live(info) and info.status in ("finished", "stopped") and info.kind is SourceKind.RACE:
         # The run's own medians correct a remembered cost probe that disagrees with them (a run of the runner's;
         # a Monitor's run trained the user's own loop, which the probe does not measure).
-        board.learn_from_run(RunConfig.from_dict(info["config"]), lane_medians(series), run_id)
+        board.learn_from_run(RunConfig.from_dict(info.config), lane_medians(series), run_id)
     if live_at_start and not is_live(info):
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 

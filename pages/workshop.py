@@ -124,16 +124,16 @@ def draw_table(evidence) -> None:
 def live_view() -> None:
     evidence = current.evidence()
     results = evaluate(scenario, evidence)
-    statuses = ", ".join(f"{part.config.size}: {part.info['status']}" for part in evidence.parts)
+    statuses = ", ".join(f"{part.config.size}: {part.info.status}" for part in evidence.parts)
     st.caption(f"Runs {', '.join(f'`{run_id}`' for run_id in current.run_ids)} · {statuses}"
                + (f" · run {len(evidence.parts) + 1} of {evidence.expected_parts} starts when this one ends"
                   if len(evidence.parts) < evidence.expected_parts else ""))
     if current.error:
         st.error(current.error)
     for part in evidence.parts:  # a lane that stopped early draws little or nothing: say so in words
-        for lane in part.info["lanes"]:
-            if lane["status"] in ("diverged", "failed"):
-                st.warning(f"Lane **{lane['mode']}** {lane['status']}: {lane['error']}")
+        for lane in part.info.lanes:
+            if lane.status in ("diverged", "failed"):
+                st.warning(f"Lane **{lane.mode}** {lane.status}: {lane.error}")
     if presenter:  # one column: the story, then the checks
         for part in evidence.parts:
             if len(evidence.parts) > 1:

@@ -64,7 +64,7 @@ def test_a_planted_fp16_overflow_in_one_layer_is_replayed_and_judged_precision_n
     assert report.reproduced  # the recorded NaN loss came back in the loop's own mode
     (on,) = events_of(manager, last["run_id"], REPLAY_ON_EVENT)
     assert on[2]["on"] and on[2]["setting"] is True and 0 < on[2]["bytes"] <= REPLAY_AUTO_MAX_BYTES
-    config = manager.run_info(last["run_id"])["config"]["replay"]
+    config = manager.run_info(last["run_id"]).config["replay"]
     assert config["on"] and config["bytes"] == on[2]["bytes"]
     (cost,) = events_of(manager, last["run_id"], REPLAY_COST_EVENT)
     assert cost[2]["copies"] == 33 and cost[2]["kept_bytes"] > 0 and cost[2]["copy_ms"] > 0  # one per step, and one
@@ -112,7 +112,7 @@ def test_a_model_above_the_auto_limit_keeps_nothing_and_says_why_and_what_it_wou
     assert "above replay='auto''s limit of 64 MiB" in off[1] and f"{off[2]['bytes'] / 2**20:.3g} MiB" in off[1]
     assert "replay=True turns it on" in off[1]
     assert not events_of(manager, run_id, REPLAYED_EVENT) and not events_of(manager, run_id, REPLAY_COST_EVENT)
-    assert manager.run_info(run_id)["config"]["replay"]["on"] is False
+    assert manager.run_info(run_id).config["replay"]["on"] is False
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -123,10 +123,10 @@ def test_a_run_another_process_is_writing_counts_as_live(tmp_path):
             cli.kill()
             cli.wait()
     assert compare.live_run_ids(page_manager, [run_id]) == []
-    assert page_manager.run_info(run_id)["status"] == "stopped"
+    assert page_manager.run_info(run_id).status == "stopped"
     steps = compare.gather_steps(page_manager, [f"{run_id}/0"])["step"].tolist()
     assert len(steps) > 20 and steps == list(range(len(steps)))
-    assert len(steps) == page_manager.run_info(run_id)["lanes"][0]["steps_done"]
+    assert len(steps) == page_manager.run_info(run_id).lanes[0].steps_done
 
 
 def line_traces(fig) -> list:

@@ -19,6 +19,7 @@ from amp_core.probes import faults, gradstats
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run, RunManager, build_lane_state
+from amp_core.runs import LaneInfo
 from amp_core.step import train_step
 from amp_core.views import debugger, tables
 from amp_core.workloads import WORKLOADS, param_names
@@ -145,8 +146,8 @@ def test_loss_spike_skips_fp16_not_bf16(no_leaked_threads):
     events = _events(run)
     fired = events[events["kind"] == "fault"]
     assert sorted(zip(fired["lane"], fired["step"], strict=True)) == [(0, start), (1, start)]
-    info = {"config": config.to_dict(), "lanes": [{"lane": i, "mode": m} for i, m in enumerate(config.modes)]}
-    effects = debugger.fault_effects(frame, info["config"], info["lanes"]).set_index("mode")
+    lanes = [LaneInfo(lane=i, mode=m, status="finished") for i, m in enumerate(config.modes)]
+    effects = debugger.fault_effects(frame, config.to_dict(), lanes).set_index("mode")
     assert effects.loc["16-mixed", "skipped_steps"] == duration
     assert effects.loc["16-mixed", "scale_before"] == fp16.loc[start - 1, "scale"]
     assert effects.loc["16-mixed", "scale_min"] == fp16.loc[start:, "scale"].min()
@@ -156,8 +157,7 @@ def test_loss_spike_skips_fp16_not_bf16(no_leaked_threads):
     assert (fp16.loc[start + duration:recovered - 1, "scale"] < effects.loc["16-mixed", "scale_before"]).all()
     assert effects.loc["bf16-mixed", "skipped_steps"] == 0
     assert effects.loc["bf16-mixed", "outcome"].startswith("no GradScaler: 0 steps skipped")
-    overview = debugger.lane_overview(frame, events, [{"lane": i, "mode": m, "status": "finished"}
-                                                      for i, m in enumerate(config.modes)])
+    overview = debugger.lane_overview(frame, events, lanes)
     assert overview["skipped steps"].tolist() == [duration, 0]
     assert overview["scale now"].tolist() == [f"{fp16['scale'].iloc[-1]:g}", "no scaler"]
     assert (overview.loc[1, ["scale min", "scale max"]] == "no scaler").all()
@@ -372,8 +372,9 @@ def test_step_labels_and_default_lane(demo_run):
     assert debugger.default_stat_step([20, 40], demo_run.frame(), 0) == 40  # none skipped: the latest
     assert debugger.default_stat_step([20, 30, 40], demo_run.frame(), 1) == 40  # bf16 skips nothing
     assert debugger.default_stat_step([], demo_run.frame(), 0) is None
-    assert debugger.default_lane([{"lane": 0, "mode": "bf16-mixed"}, {"lane": 1, "mode": "16-mixed"}]) == 1
-    assert debugger.default_lane([{"lane": 0, "mode": "32-true"}]) == 0
+    assert debugger.default_lane([LaneInfo(lane=0, mode="bf16-mixed", status="finished"),
+                                  LaneInfo(lane=1, mode="16-mixed", status="finished")]) == 1
+    assert debugger.default_lane([LaneInfo(lane=0, mode="32-true", status="finished")]) == 0
 
 
 # ---- the demo launcher ----------------------------------------------------------------------------------
@@ -425,7 +426,7 @@ def test_stored_run_reads_back_the_same(tmp_path):
     table = debugger.skipped_steps_table(events, 0)
     assert table[["step", "parameters"]].values.tolist() == [[9, "fc1.bias (1 NaN)"]]
     assert debugger.scale_changes(events, 0)["step"].tolist() == [9]
-    assert debugger.fault_windows(manager.run_info(run.run_id)["config"], "16-mixed")["start"].tolist() == [9]
+    assert debugger.fault_windows(manager.run_info(run.run_id).config, "16-mixed")["start"].tolist() == [9]
 
 
 def test_a_long_parameters_cell_gives_way_and_the_numbers_stay_whole():

@@ -9,7 +9,16 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core import cli
-from amp_core.config import RUN_DEFAULTS, RunConfig, ScalerConfig, field_docs
+from amp_core.config import (
+    FAULT_GRAMMAR,
+    INSPECT_DEFAULTS,
+    RUN_DEFAULTS,
+    FaultSpec,
+    InspectConfig,
+    RunConfig,
+    ScalerConfig,
+    field_docs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS, SCALER_DOCS = field_docs(RunConfig), field_docs(ScalerConfig)
@@ -19,6 +28,7 @@ def test_every_config_field_has_its_docstring():
     assert set(DOCS) == {f for f in RunConfig.__dataclass_fields__}
     assert set(SCALER_DOCS) == {f for f in ScalerConfig.__dataclass_fields__}
     assert DOCS["steps"] == "Optimizer steps per lane."
+    assert set(field_docs(InspectConfig)) == set(InspectConfig.__dataclass_fields__)
 
 
 def test_amp_lab_run_without_flags_is_the_default_run_config():
@@ -26,14 +36,14 @@ def test_amp_lab_run_without_flags_is_the_default_run_config():
     assert cli.config_from_args(args) == RunConfig()
 
 
-def run_flags() -> dict[str, object]:
-    (run,) = [action.choices["run"] for action in cli.build_parser()._subparsers._group_actions]
+def run_flags(command: str = "run") -> dict[str, object]:
+    (run,) = [action.choices[command] for action in cli.build_parser()._subparsers._group_actions]
     return {action.dest: action for action in run._actions}
 
 
 @pytest.mark.parametrize("name", ["workload", "modes", "steps", "batch_size", "lr", "optimizer", "eps",
                                   "fused_optimizer", "scheduler", "seed", "seeds", "size", "device", "data_dir",
-                                  "grad_clip", "amax_every"])
+                                  "grad_clip", "amax_every", "snapshot_every", "snapshot_keep"])
 def test_a_run_flag_says_its_fields_docstring(name):
     action = run_flags()[name]
     assert action.help.replace("%%", "%").startswith(DOCS[name])
@@ -43,6 +53,45 @@ def test_a_run_flag_says_its_fields_docstring(name):
 def test_a_scaler_flag_says_its_fields_docstring(name):
     action = run_flags()[name]
     assert action.help.startswith(SCALER_DOCS[name]) and action.default == getattr(RUN_DEFAULTS.scaler, name)
+
+
+@pytest.mark.parametrize(("command", "names"), [
+    ("trace", {"workload", "size", "device"}),
+    ("numerics", {"workload", "size", "device", "batch_size"}),
+    ("maxbatch", {"workload", "modes", "size", "device", "optimizer"}),
+])
+def test_the_tool_commands_take_their_defaults_and_help_from_the_config(command, names):
+    """trace, numerics and maxbatch start from RunConfig's workload, size, device (auto, as a run), ... and their
+    one mode from InspectConfig; each flag's help is its field's docstring."""
+    flags = run_flags(command)
+    for name in names:
+        default = getattr(RUN_DEFAULTS, name)
+        assert flags[name].default == (",".join(default) if isinstance(default, tuple) else default), name
+        assert flags[name].help.replace("%%", "%").startswith(DOCS[name]), name
+    assert flags["device"].default == "auto"
+    if command != "maxbatch":
+        field = f"{command}_mode"
+        assert flags["mode"].default == getattr(INSPECT_DEFAULTS, field)
+        assert flags["mode"].help.startswith(field_docs(InspectConfig)[field])
+
+
+def test_the_workshop_device_flag_is_the_run_configs():
+    (workshop,) = [action.choices["workshop"] for action in cli.build_parser()._subparsers._group_actions]
+    (run,) = [action.choices["run"] for action in workshop._subparsers._group_actions]
+    device = next(action for action in run._actions if action.dest == "device")
+    assert device.default == RUN_DEFAULTS.device and device.help.startswith(DOCS["device"])
+
+
+def test_the_fault_grammar_is_written_once_and_quoted():
+    """config.FAULT_GRAMMAR is the one explanation: the CLI's --fault help, the FaultSpec docs and README quote it,
+    and its examples parse."""
+    assert FAULT_GRAMMAR in run_flags()["fault"].help
+    assert "FAULT_GRAMMAR" in FaultSpec.__doc__
+    assert FAULT_GRAMMAR in " ".join((ROOT / "README.md").read_text().split())
+    for example in ("loss_scale:1e6@50+10", "grad_inf:fc1.weight@30", "grad_nan@30", "lr_scale:10@100+20",
+                    "init_scale:1024", "batch_outlier:1000@40"):
+        assert f"{example} (" in FAULT_GRAMMAR or f"{example}," in FAULT_GRAMMAR
+        assert FaultSpec.parse(example).kind == example.split(":")[0].split("@")[0]
 
 
 def test_the_train_form_starts_from_the_run_config_defaults_and_says_their_docstrings():
@@ -60,3 +109,16 @@ def test_the_train_form_starts_from_the_run_config_defaults_and_says_their_docst
     assert at.selectbox(key="train_workload").value == RUN_DEFAULTS.workload
     assert at.toggle(key="train_fused").value == RUN_DEFAULTS.fused_optimizer
     assert at.toggle(key="train_onecycle").value == (RUN_DEFAULTS.scheduler == "onecycle")
+    assert FAULT_GRAMMAR in at.text_input(key="train_faults").help
+
+
+def test_the_fault_demo_starts_from_the_run_config_steps():
+    """The Overflow debugger's demo form (and faults.demo_config) take the steps default from RunConfig alone."""
+    from amp_core.probes import faults
+
+    at = AppTest.from_file(str(ROOT / "pages" / "overflow_debugger.py"), default_timeout=120).run()
+    assert not at.exception
+    steps = at.number_input(key="dbg_steps")
+    assert steps.value == RUN_DEFAULTS.steps and steps.help == DOCS["steps"]
+    config = faults.demo_config(workload="digits_mlp", modes=("16-mixed",), kind="loss_scale", step=5)
+    assert config.steps == RUN_DEFAULTS.steps

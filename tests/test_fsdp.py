@@ -11,6 +11,7 @@ import pytest
 from figure_json import spec
 
 from amp_core.config import RunConfig
+from amp_core.runs import RunReader
 from amp_core.views import plots
 from amp_core.views.compare import lane_table
 from amp_core.views.report import lane_labels
@@ -63,11 +64,9 @@ def test_an_fsdp_race_finishes_with_both_ranks_and_names_its_policies(fsdp_run):
     (job,) = events[events["kind"] == "job"].itertuples()
     assert "sharded with FSDP2" in job.message
     # Compare and the report name each lane's policy after its recipe.
-    labels = list(lane_labels(run_id, run["lanes"]).values())
+    labels = list(lane_labels(run_id, RunReader(store).run_info(run_id).lanes).values())
     assert labels == ["bf16-mixed · FSDP2 param bf16 · reduce fp32", "bf16-mixed+reduce-bf16 · FSDP2 param bf16 · "
                                                                      "reduce bf16"]
-    from amp_core.runs import RunReader
-
     table = lane_table(RunReader(store), [run_id])
     assert table["label"].str.startswith(tuple(labels)).all()
 
@@ -91,8 +90,7 @@ def test_the_memory_breakdown_shows_each_ranks_shards(fsdp_run):
         assert row.params_bytes == full // 2  # digits_mlp's dims split evenly in 2: each rank holds half
         assert row.grads_bytes == full // 2  # the reduce-scattered gradient shard, in the shards' fp32
         assert row.optim_bytes == 2 * (full // 2) + 4 * 4  # Adam's two moments of the shard, 4 step counters
-    run = store.run(run_id)
-    figure = spec(plots.memory_figure(frame, lane_labels(run_id, run["lanes"])))
+    figure = spec(plots.memory_figure(frame, lane_labels(run_id, RunReader(store).run_info(run_id).lanes)))
     assert figure["layout"]["title"]["text"] == "Memory held per rank (latest step)"
     names = [bar["name"] for bar in figure["data"]]
     assert names == [f"{label} · rank {rank}" for label in ("bf16-mixed · FSDP2 param bf16 · reduce fp32",

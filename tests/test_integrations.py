@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core.records.opening import open_store
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED, WHAT_RAN_EVENTS
 from amp_core.runner import RunManager
+from amp_core.runs import SourceKind
 from amp_core.views.live import RecordFollower
 from amp_core.views.numerics import amax_samples
 from amp_core.views.report import run_report_html
@@ -54,7 +55,9 @@ def follow_live(store: Path, trainer_args: tuple[str, ...], integration: str, pa
         (lane,) = follower.update(manager)
         assert lane.stats.records == pause_at + 1 and proc.poll() is None  # recorded so far; still going
         info = manager.run_info(paused["run_id"])
-        assert info["status"] == "running" and info["config"]["integration"] == integration
+        assert info.status == "running" and info.config["integration"] == integration
+        assert info.kind is SourceKind.INTEGRATION and info.attached and not info.controllable
+        assert info.writer.startswith(f"the AMP Lab callback of a {integration} in ")
 
         page = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run()
         assert not page.exception
@@ -69,7 +72,7 @@ def follow_live(store: Path, trainer_args: tuple[str, ...], integration: str, pa
         proc.kill()
     (lane,) = follower.update(manager)
     assert lane.stats.records == steps
-    assert manager.run_info(last["run_id"])["status"] == "finished"
+    assert manager.run_info(last["run_id"]).status == "finished"
     return last, manager, lane
 
 
@@ -104,7 +107,7 @@ def test_hf_fp16_on_a_cpu_is_recorded_as_the_fp32_that_ran_and_says_so(fresh_sto
     last = said(proc)
     assert proc.wait(120) == 0
     manager = RunManager(open_store(fresh_store))
-    assert last["mode"] == "32-true" and manager.run_info(last["run_id"])["lanes"][0]["mode"] == "32-true"
+    assert last["mode"] == "32-true" and manager.run_info(last["run_id"]).lanes[0].mode == "32-true"
     message = what_ran(manager, last["run_id"])[PRECISION_NOT_APPLIED]
     assert message.startswith("fp16 asked (16-mixed), not applied: the ops ran in fp32")
     assert message in run_report_html(manager, last["run_id"])

@@ -135,6 +135,45 @@ def test_the_monitor_drives_the_telemetry_never_the_runner():
     assert not problems, "\n".join(problems)
 
 
+def test_probes_are_instruments_that_drive_nothing():
+    """probes/ holds instruments: they measure what they are handed. The tools that drive the engine (a Run, a step,
+    the telemetry's driver) are in diagnostics/, above them; so no probe reaches the runner, the step, the telemetry,
+    the Monitor or diagnostics/."""
+    graph = import_graph()
+    above = ("amp_core.runner", "amp_core.step", "amp_core.telemetry", "amp_core.monitor", "amp_core.diagnostics")
+    problems = [problem for forbidden in above for problem in arrows_broken(graph, "amp_core.probes", forbidden)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_runner_reaches_nothing_in_diagnostics():
+    """diagnostics/ sits above the runner (the cost probe and replay drive a Run): the runner, and every module it
+    reaches (the step, the telemetry, the snapshot ring), imports nothing from it."""
+    graph = import_graph()
+    problems = [*arrows_broken(graph, "amp_core.runner", "amp_core.diagnostics"),
+                *arrows_broken(graph, "amp_core.step", "amp_core.diagnostics"),
+                *arrows_broken(graph, "amp_core.telemetry", "amp_core.diagnostics")]
+    assert not problems, "\n".join(problems)
+    assert "amp_core.runner" in reached(graph, "amp_core.diagnostics.cost"), "the graph sees diagnostics above"
+
+
+def test_config_imports_no_workload():
+    """The workloads read RunConfig; config.py (the one source of defaults) reaches no workload (no circle)."""
+    problems = arrows_broken(import_graph(), "amp_core.config", "amp_core.workloads")
+    assert not problems, "\n".join(problems)
+
+
+def test_instruments_and_tools_return_data_and_print_nothing():
+    """Printing for the terminal lives in the CLI (amp_core/cli.py) and the views: probes/ and diagnostics/ return
+    what they measured."""
+    printing = []
+    for package in ("probes", "diagnostics"):
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                    printing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not printing, "\n".join(printing)
+
+
 def test_the_import_graph_has_no_circle():
     """No amp_core module reaches itself through amp_core's own imports (config <-> workloads was one)."""
     graph = import_graph()

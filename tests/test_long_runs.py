@@ -257,7 +257,7 @@ def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
             seen.append([lane.stats.records for lane in series])
             wait_for_stored_steps(fresh_store, proc, more_than=sum(seen[-1]))  # the writer's next flush
         assert proc.poll() is None, "the writer ended before the test looked"
-        assert manager.run_info(run_id)["status"] == "running"
+        assert manager.run_info(run_id).status == "running"
         assert len(seen[-1]) == 2 and seen[-1][0] > seen[0][0] > 0 and seen == sorted(seen)
         for lane in series:
             steps = lane.points("step_ms")[0]
@@ -265,7 +265,7 @@ def test_a_page_follows_a_run_another_process_is_writing(fresh_store):
     finally:
         proc.send_signal(signal.SIGINT)  # the CLI stops the run cleanly on Ctrl-C
         proc.wait(30)
-    assert RunManager(open_store(fresh_store)).run_info(run_id)["status"] == "stopped"
+    assert RunManager(open_store(fresh_store)).run_info(run_id).status == "stopped"
 
 
 @pytest.mark.both_stores
@@ -493,8 +493,8 @@ def test_a_damaged_chunk_is_reported_for_its_run_and_every_other_run_opens(fresh
     lane = series[1]
     assert lane.problems and f"steps {first}–{last}" in lane.problems[0] and "lane 1 (16-mixed)" in lane.problems[0]
     assert len(lane.raw["step"]) == 9000 - (last - first + 1) and len(series[0].raw["step"]) == 9000
-    assert manager.run_info("damaged")["problems"] == list(lane.problems)
-    assert not manager.lane_series("intact")[1].problems and manager.run_info("intact")["problems"] == []
+    assert manager.run_info("damaged").problems == list(lane.problems)
+    assert not manager.lane_series("intact")[1].problems and manager.run_info("intact").problems == []
     assert len(manager.steps("intact")) == 18_000
     assert len(compare.gather_lanes(manager, ["intact/1", "damaged/0"])) == 2
     assert main(["--store", str(fresh_store), "list"]) == 0

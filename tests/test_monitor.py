@@ -23,6 +23,7 @@ from amp_core.monitor import Monitor, MonitorConfig
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import RunManager
+from amp_core.runs import SourceKind
 from amp_core.views.live import RecordFollower
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,7 +244,8 @@ def test_a_dashboard_follows_a_monitored_script_live_and_its_skips_are_exact(fre
         (lane,) = follower.update(manager)
         assert lane.stats.records == 10 and proc.poll() is None  # the records are here; the script is still going
         info = manager.run_info(first["run_id"])
-        assert info["status"] == "running" and info["config"]["source"] == "monitor"
+        assert info.status == "running" and info.kind is SourceKind.MONITOR and info.attached
+        assert not info.controllable and info.writer.startswith("a Monitor in ") and info.pid == proc.pid
 
         page = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run()
         assert not page.exception
@@ -269,7 +271,7 @@ def test_a_dashboard_follows_a_monitored_script_live_and_its_skips_are_exact(fre
     skipped, _ = lane.skipped()
     assert skipped.tolist() == last["skipped"] and {12, 30} <= set(last["skipped"])
     assert second["skipped"] == [s for s in last["skipped"] if s <= 24]
-    assert manager.run_info(first["run_id"])["status"] == "finished"
+    assert manager.run_info(first["run_id"]).status == "finished"
 
 
 def test_sigkill_of_a_monitored_script_leaves_an_interrupted_run_with_its_records(fresh_store):
@@ -282,8 +284,8 @@ def test_sigkill_of_a_monitored_script_leaves_an_interrupted_run_with_its_record
         proc.kill()
     manager = RunManager(open_store(fresh_store))  # a dashboard (re)started after the script died
     info = manager.run_info(paused["run_id"])
-    assert info["status"] == "interrupted" and info["lanes"][0]["status"] == "interrupted"
-    assert info["lanes"][0]["steps_done"] == 15
+    assert info.status == "interrupted" and info.lanes[0].status == "interrupted"
+    assert info.lanes[0].steps_done == 15
     assert len(manager.steps(paused["run_id"])) == 15
     events = manager.events(paused["run_id"])
     assert "interrupted" in events["kind"].tolist()

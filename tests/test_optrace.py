@@ -11,6 +11,7 @@ from stepped_run import SteppedRun
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from amp_core.cli import main
 from amp_core.config import RunConfig
 from amp_core.precision import get_precision
 from amp_core.probes import optrace
@@ -367,7 +368,7 @@ def bf16_autocast_casts(model: nn.Module, batch_size: int) -> tuple[int, int]:
 
 def test_cli_trace_prints_the_summary_and_writes_the_table(tmp_path, capsys):
     path = tmp_path / "ops.csv"
-    assert optrace.cli_trace("digits_mlp", "bf16-mixed", str(path)) == 0
+    assert main(["trace", "--workload", "digits_mlp", "--mode", "bf16-mixed", "--csv", str(path)]) == 0
     out = capsys.readouterr().out
     workload = WORKLOADS["digits_mlp"]
     model = workload.build_model("small", workload.load_data(RunConfig(workload="digits_mlp")))
@@ -380,16 +381,16 @@ def test_cli_trace_prints_the_summary_and_writes_the_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("nope", "32-true", None), "unknown workload"),
-    (("digits_mlp", "fp8", None), "unknown mode"),
-    (("digits_mlp", "tf32", None), "tf32 cannot run"),
+    (("nope", "32-true"), "unknown workload"),
+    (("digits_mlp", "fp8"), "unknown mode"),
+    (("digits_mlp", "tf32"), "tf32 cannot run"),
 ])
 def test_cli_trace_refuses_bad_input_in_one_line(args, message, capsys):
-    assert optrace.cli_trace(*args) == 2
+    assert main(["trace", "--workload", args[0], "--mode", args[1], "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_cli_trace_refuses_an_unwritable_csv_path(tmp_path, capsys):
-    assert optrace.cli_trace("digits_mlp", "32-true", str(tmp_path / "missing" / "ops.csv")) == 2
+    assert main(["trace", "--mode", "32-true", "--csv", str(tmp_path / "missing" / "ops.csv")]) == 2
     assert capsys.readouterr().err.startswith("error: cannot write")

@@ -10,8 +10,10 @@ import pytest
 from figure_json import values
 from step_records import records
 
+from amp_core.monitor import SOURCE as MONITOR_SOURCE
+from amp_core.runs import PROBE_RUN_PREFIX, RunInfo, SourceKind, source_kind, writer_words
 from amp_core.views import plots
-from amp_core.views.live import attached_writer, control_note, progress
+from amp_core.views.live import control_note, progress
 from amp_core.views.summary import first_rank, lanes, rank_table, summarize
 
 
@@ -89,19 +91,34 @@ def test_train_figures_draw_ranks_as_a_band_and_a_bar_per_rank():
     assert len(figures["scale"].to_plotly_json()["data"]) == 2  # rank 0's scale line and its skipped step
 
 
+def stored_info(config: dict, status: str = "running", run_id: str = "r1", in_process: bool = False) -> RunInfo:
+    """A run as RunReader.run_info types it (its kind and writer from its saved config, as for a stored run)."""
+    kind = source_kind(run_id, config)
+    return RunInfo(run_id=run_id, config=config, status=status, in_process=in_process, kind=kind,
+                   writer=writer_words(kind, config, in_process), host="" if in_process else "box",
+                   pid=None if in_process else 42)
+
+
 def test_a_run_another_process_writes_says_why_it_has_no_controls():
-    monitor = {"status": "running", "config": {"source": "monitor", "script": "train.py", "pid": 42, "host": "box",
-                                               "world_size": 4}}
-    note = control_note(monitor, held_here=False)
+    config = {"source": "monitor", "script": "train.py", "world_size": 4}
+    monitor = stored_info(config)
+    assert monitor.kind is SourceKind.MONITOR and monitor.attached and not monitor.controllable
+    note = control_note(monitor)
     assert note.startswith("Watched live: a Monitor in `train.py`, pid 42 on box (a torchrun job of 4 ranks)")
     assert "not offered here" in note
-    cli = control_note({"status": "running", "config": {"workload": "digits_mlp"}}, held_here=False)
-    assert "another process" in cli and "Ctrl-C" in cli
-    assert control_note(monitor, held_here=True) == ""
-    assert control_note({**monitor, "status": "finished"}, held_here=False) == ""
-    trainer = {**monitor["config"], "integration": "Hugging Face Trainer", "script": "finetune.py"}
-    assert attached_writer(trainer) == "the AMP Lab callback of a Hugging Face Trainer in `finetune.py`"
-    assert attached_writer({"source": "monitor"}) == "a Monitor in a script"
+    cli = stored_info({"workload": "digits_mlp"})
+    assert cli.kind is SourceKind.RACE and not cli.attached and not cli.controllable
+    assert "another AMP Lab process" in control_note(cli) and "Ctrl-C" in control_note(cli)
+    here = stored_info({"workload": "digits_mlp"}, in_process=True)
+    assert here.controllable and here.writer == "this process" and control_note(here) == ""
+    assert control_note(stored_info(config, status="finished")) == ""
+    trainer = stored_info({**config, "integration": "Hugging Face Trainer", "script": "finetune.py"})
+    assert trainer.kind is SourceKind.INTEGRATION and trainer.attached
+    assert trainer.writer == "the AMP Lab callback of a Hugging Face Trainer in `finetune.py`"
+    assert "belong to that Hugging Face Trainer" in control_note(trainer)
+    assert stored_info({"source": "monitor"}).writer == "a Monitor in a script"
+    assert source_kind(f"{PROBE_RUN_PREFIX}1234", {"workload": "digits_mlp"}) is SourceKind.PROBE
+    assert SourceKind.MONITOR == MONITOR_SOURCE  # what a Monitor saves as its config's source is what is read here
 
 
 def test_progress_of_a_run_of_unknown_length():

@@ -46,7 +46,8 @@ def finished(config: RunConfig, store: RunStore | None = None) -> Run:
 
 
 @pytest.mark.parametrize("mode", CPU_MODES)
-@pytest.mark.parametrize("workload", list(WORKLOADS))
+# The transformers architectures (the hf extra) race in tests/test_hf_workloads.py, three modes each in one run.
+@pytest.mark.parametrize("workload", [name for name, spec in WORKLOADS.items() if not spec.requires])
 def test_every_workload_runs_five_steps_in_every_mode(workload, mode):
     # SGD: fp16 cannot hold Adam's default eps (see test_sixteen_true_adam_divergence_says_why).
     run = finished(RunConfig(workload=workload, modes=(mode,), steps=5, batch_size=8, optimizer="sgd", lr=1e-3))
@@ -232,7 +233,7 @@ def test_manager_limits_concurrent_runs_and_lists_them(no_leaked_threads):
     assert not run.alive
     listed = manager.list_runs()
     assert listed["run_id"].tolist() == [run.run_id] and listed["status"].iloc[0] == "stopped"
-    assert manager.run_info(run.run_id)["lanes"][0]["mode"] == "32-true"
+    assert manager.run_info(run.run_id).lanes[0].mode == "32-true"
 
 
 def test_snapshot_of_a_lane_is_a_copy(no_leaked_threads):

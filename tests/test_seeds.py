@@ -86,9 +86,9 @@ def test_lanes_are_modes_times_seeds_and_each_seed_shares_weights_and_batches(tm
 
     # The seed of every lane is in its metadata, live and after a restart (a fresh manager reads the store).
     expected = [{"seed": s} for s in range(3) for _ in MODES]
-    stored = RunManager(store).run_info(run.run_id)["lanes"]
-    assert [lane["meta"] for lane in stored] == expected
-    assert [lane["mode"] for lane in stored] == list(MODES) * 3
+    stored = RunManager(store).run_info(run.run_id).lanes
+    assert [lane.meta for lane in stored] == expected
+    assert [lane.mode for lane in stored] == list(MODES) * 3
     assert summary.lane_seeds(run.run_id, stored) == {f"{run.run_id}/{i}": i // 2 for i in range(6)}
 
 

@@ -122,7 +122,7 @@ def test_the_checks_read_the_same_from_the_stored_records(cli_runs, name):
     evidence = gather(manager, run_ids(done.stdout))
     assert evidence.ended and len(evidence.parts) == len(SCENARIOS[name].configs("cpu"))
     for part in evidence.parts:
-        assert part.info["status"] == "finished"
+        assert part.info.status == "finished"
         assert part.config.name.startswith("workshop: ")
     results = evaluate(SCENARIOS[name], evidence)
     for result in results:
@@ -290,7 +290,7 @@ def test_precision_or_data_fails_when_the_planted_faults_do_not_show_their_point
     outlier = result_of(results, "The outlier is data")
     assert not outlier.held and outlier.figure.startswith("step 40: verdict unclear")
     assert "no mode breaks on replay" in outlier.explanation
-    events = evidence.manager.events(evidence.parts[0].run_id)
+    events = evidence.reader.events(evidence.parts[0].run_id)
     assert events[events["kind"] == "replayed"]["step"].tolist() == [40]  # recorded in the run, by the launch
 
 
@@ -359,4 +359,4 @@ def test_a_stopped_launch_ends_and_its_checks_say_what_never_came(tmp_path, step
     results = launch.results()
     assert all(result.final and not result.held for result in results)
     assert {result.figure for result in results[1:]} == {"the run ended before run 2 of 2 to start"}
-    assert manager.run_info(launch.run_ids[0])["status"] == "stopped"
+    assert manager.run_info(launch.run_ids[0]).status == "stopped"

@@ -14,6 +14,7 @@ import torch
 
 from amp_core import precision
 from amp_core.precision import CPU_NATIVE_ENV, availability, cpu_has_native, cpu_math, default_modes
+from amp_core.runs import LaneInfo, RunInfo
 from amp_core.workshop import (
     EXIT_CANNOT_TELL,
     EXIT_FAILED,
@@ -49,10 +50,11 @@ def recorded(size: str) -> pd.DataFrame:
 def part(times: pd.DataFrame, size: str) -> Part:
     """A finished run of the scenario at `size` whose lanes hold `times` (mode, step, step_ms)."""
     (config,) = [config for config in SCENARIO.configs("cpu") if config.size == size]
-    lanes = [{"lane": lane, "mode": mode, "status": "finished", "error": ""} for lane, mode in enumerate(config.modes)]
+    lanes = tuple(LaneInfo(lane=lane, mode=mode, status="finished") for lane, mode in enumerate(config.modes))
     index = {mode: lane for lane, mode in enumerate(config.modes)}
     steps = times.assign(lane=times["mode"].map(index))[["lane", "step", "step_ms"]].reset_index(drop=True)
-    return Part(f"recorded-{size}", config, {"status": "finished", "live": False, "lanes": lanes}, steps)
+    info = RunInfo(run_id=f"recorded-{size}", config=config.to_dict(), status="finished", lanes=lanes)
+    return Part(info.run_id, config, info, steps)
 
 
 def evidence(*parts: Part) -> Evidence:

@@ -29,6 +29,7 @@ from amp_core import background
 from amp_core.config import RunConfig
 from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
 from amp_core.runner import Run
+from amp_core.runs import PROBE_RUN_PREFIX
 from amp_core.workloads import WORKLOADS, check_launch
 
 SLOW_FACTOR = 1.5
@@ -106,7 +107,7 @@ def _race_once(config: RunConfig, warmup: int, steps: int, time_cap_s: float, on
     # A lane whose loss goes NaN still costs what a step costs: it steps on, as it would with stop_on_divergence off.
     probe = dataclasses.replace(config, modes=race_modes(config), steps=warmup + steps, faults=(), name="cost probe",
                                 stop_on_divergence=False)
-    run = Run(probe, run_id=f"probe-{uuid.uuid4().hex[:8]}").start()
+    run = Run(probe, run_id=f"{PROBE_RUN_PREFIX}{uuid.uuid4().hex[:8]}").start()
     if on_start is not None:
         on_start(run)
     run.join(time_cap_s)

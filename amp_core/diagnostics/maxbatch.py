@@ -5,7 +5,6 @@ two batch sizes (fixed bytes + bytes per sample) against a memory budget, and la
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import dataclass
 
@@ -14,7 +13,6 @@ import torch
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
 from amp_core.measure import held_bytes
-from amp_core.precision import parse_modes
 from amp_core.workloads import WORKLOADS, check_launch
 
 PROBE_BATCHES = (4, 16)
@@ -186,19 +184,3 @@ class MaxBatchJob:
                  "fixed MiB": m.fixed_bytes / 2**20 if m.modelled else None, "budget MiB": m.budget_bytes / 2**20,
                  "found by": "modelled" if m.modelled else "real steps",
                  "samples / s": m.samples_per_s} for m in self.found or ()]
-
-
-def cli_maxbatch(workload: str, modes: str, budget_mib: float | None, size: str, device: str, optimizer: str) -> int:
-    """`amp-lab maxbatch`: one line per recipe; exit 2 with one line for bad input."""
-    try:
-        found = max_batches(workload, parse_modes(modes), size=size,
-                            device=device, budget_mib=budget_mib, optimizer=optimizer)
-    except (ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    for entry in found:
-        print(entry.line())
-    if any(entry.modelled for entry in found):
-        print("modelled: no batch was tried at that size; fixed and per-sample bytes were measured on real steps at "
-              f"batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} (bytes held + bytes saved for backward)")
-    return 0

@@ -43,6 +43,7 @@ from amp_core.precision import (
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.numerics import probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
+from amp_core.runs import RunInfo
 from amp_core.snapshots import ReplayError, StateSnapshot, copy_tree, load_scaler
 from amp_core.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.switches import pin_intra_op_threads
@@ -243,33 +244,33 @@ def _lane_records(steps_frame, lane: int, step: int) -> tuple[list[float], float
     return before, (float(at.iloc[0]) if len(at) else None)
 
 
-def _scales_at(steps_frame, info: dict, lane: int, step: int) -> dict[str, float]:
+def _scales_at(steps_frame, info: RunInfo, lane: int, step: int) -> dict[str, float]:
     """Per mode, the scale the run's lane of that mode (the same seed as `lane`) used at `step`, from the records."""
-    seed = info["lanes"][lane]["meta"].get("seed")
+    seed = info.lanes[lane].meta.get("seed")
     scales = {}
-    for other in info["lanes"]:
-        if other["meta"].get("seed") != seed:
+    for other in info.lanes:
+        if other.meta.get("seed") != seed:
             continue
-        row = steps_frame[(steps_frame["lane"] == other["lane"]) & (steps_frame["step"] == step)]
+        row = steps_frame[(steps_frame["lane"] == other.lane) & (steps_frame["step"] == step)]
         if len(row) and row["scale"].notna().iloc[0]:
-            scales[other["mode"]] = float(row["scale"].iloc[0])
+            scales[other.mode] = float(row["scale"].iloc[0])
     return scales
 
 
-def resolve_lane(info: dict, lane: str | int) -> int:
+def resolve_lane(info: RunInfo, lane: str | int) -> int:
     """A lane by number, or by mode name (its first seed's lane); ReplayError naming the choices."""
-    lanes = info["lanes"]
+    lanes = info.lanes
     text = str(lane).strip()
     if text.isdigit():
         index = int(text)
-        if not any(entry["lane"] == index for entry in lanes):
-            raise ReplayError("lane", f"run {info['run_id']} has lanes 0-{len(lanes) - 1}, not {index}")
+        if info.lane_info(index) is None:
+            raise ReplayError("lane", f"run {info.run_id} has lanes 0-{len(lanes) - 1}, not {index}")
         return index
     for entry in lanes:
-        if entry["mode"] == text:
-            return entry["lane"]
-    raise ReplayError("lane", f"run {info['run_id']} has no lane {text!r}; its lanes: "
-                              f"{', '.join(str(e['lane']) + ' (' + e['mode'] + ')' for e in lanes)}")
+        if entry.mode == text:
+            return entry.lane
+    raise ReplayError("lane", f"run {info.run_id} has no lane {text!r}; its lanes: "
+                              f"{', '.join(f'{e.lane} ({e.mode})' for e in lanes)}")
 
 
 def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: SpikeRule | None = None, *,
@@ -285,16 +286,16 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
     index = resolve_lane(info, lane)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ReplayError("step", f"must be a whole number >= 0, got {step!r}")
-    if info["config"].get("source") == "monitor":  # a Monitor or a trainer callback (amp_core.monitor.SOURCE)
+    if info.attached:
         raise ReplayError("run", f"run {run_id} is an attached run: its model and data live in the process that "
                                  "wrote it, so AMP Lab cannot re-run its steps (its first inf/NaN events name where it "
                                  "broke)")
-    config = RunConfig.from_dict(info["config"])
-    entry = next(e for e in info["lanes"] if e["lane"] == index)
-    done = entry["steps_done"]
+    config = RunConfig.from_dict(info.config)
+    entry = info.lane_info(index)
+    done = entry.steps_done
     if step >= done:
-        raise ReplayError("step", f"lane {index} ({entry['mode']}) has recorded steps 0-{done - 1}, not {step}"
-                          if done else f"lane {index} ({entry['mode']}) has recorded no step yet")
+        raise ReplayError("step", f"lane {index} ({entry.mode}) has recorded steps 0-{done - 1}, not {step}"
+                          if done else f"lane {index} ({entry.mode}) has recorded no step yet")
     if config.workload not in WORKLOADS:
         raise ReplayError("run", f"workload {config.workload!r} is not registered in this process (load its plugin "
                                  "module to replay it)")
@@ -307,7 +308,7 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
         raise ReplayError("run", f"run {run_id} is a torchrun job: each of its steps all-reduces several ranks' "
                                  "batches, which one process cannot replay")
     threads = _run_threads(events)
-    mode, seed = entry["mode"], entry["meta"].get("seed", config.seed)
+    mode, seed = entry.mode, entry.meta.get("seed", config.seed)
     run = manager.get(run_id)
     device = resolve_device(config.device)
     if run is not None:

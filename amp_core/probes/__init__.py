@@ -1,19 +1,3 @@
-"""Probes: measurements beside training, on copies or sampled steps (op traces, gradient statistics, faults,
-format facts, the cost probe, layer numerics)."""
-
-
-def write_csv_for_cli(frame, csv_path: str | None, hint: str, written: str) -> int:
-    """The end of a probe's CLI report: without `csv_path`, print `hint` (how to get the whole table); else write
-    `frame` there and say `written`. The CLI's exit code: 0, or 2 with one line when the file cannot be written."""
-    import sys
-
-    if csv_path is None:
-        print(f"\n{hint}")
-        return 0
-    try:
-        frame.to_csv(csv_path, index=False)
-    except OSError as error:
-        print(f"error: cannot write {csv_path}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    print(f"\n{written} written to {csv_path}")
-    return 0
+"""Probes: the instruments. They measure what they are handed, beside training, on copies or sampled steps (op
+traces, layer numerics, gradient statistics, layer watch, format facts, spikes, faults), and return data: printing
+for the terminal is the CLI's (amp_core/cli.py); the tools that drive the engine are in amp_core/diagnostics."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
+from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.measure import local_tensor
 from amp_core.workloads import check_launch
 
@@ -124,7 +124,7 @@ fault's step can be replayed after the run ends (a small model's snapshot is a f
 
 
 def demo_config(*, workload: str, modes: tuple[str, ...], kind: str, step: int, duration: int = 1,
-                factor: float = 1.0, param: str = "", steps: int = 300,
+                factor: float = 1.0, param: str = "", steps: int = RUN_DEFAULTS.steps,
                 growth_interval: int = DEMO_GROWTH_INTERVAL, gradstats_every: int = 10) -> RunConfig:
     """A RunConfig for a fault demo: one fault (acting on every lane) and a short GradScaler growth interval.
 

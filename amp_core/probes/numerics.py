@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 import struct
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,6 @@ from torch import nn
 
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import BASELINE_MODE, Precision, availability, get_precision
-from amp_core.probes import write_csv_for_cli
 from amp_core.torch_private import foreach_copy_
 from amp_core.workloads import WORKLOADS, Workload, check_launch
 
@@ -841,42 +839,3 @@ def sample_layer_amax(model: nn.Module, precision: Precision, loss: Loss, batch:
                       scale: float | None = None) -> LayerAmax:
     """One sample of `model`'s per-layer abs max (on a copy); a run keeps a LayerAmaxSampler per lane instead."""
     return LayerAmaxSampler(model, precision, loss).sample(batch, scale)
-
-
-# --- CLI -----------------------------------------------------------------------------------------------------------
-
-CLI_COLUMNS = {"module": "module", "dtype": "dtype", "out_abs_max": "out |max|", "out_min_nonzero": "out |min|>0",
-               "out_range_log2": "range log2", "out_fp16_overflow": ">fp16 max", "out_fp16_subnormal": "fp16 subn",
-               "out_bf16_zero": "bf16 ->0", "grad_abs_max": "grad |max|", "output_error": "rel err"}
-
-
-def cli_numerics(workload: str, mode: str, csv_path: str | None, size: str = "small", device: str = "cpu",
-                 batch_size: int = DEFAULT_NUMERICS_BATCH) -> int:
-    """`python -m amp_core numerics`: print the per-module table and the first non-finite line; write the CSV.
-
-    Returns the exit code: 0; 2 with a one-line message on stderr for bad input; 1 if the probe itself failed.
-    """
-    try:
-        report = probe_workload(workload, mode, size=size, device=device, batch_size=batch_size)
-    except (ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except RuntimeError as error:
-        print(f"error: the probe failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    scale = f", loss scale {report.scale:g}" if report.scale else ""
-    print(f"{report.label} on {report.device} (size {size}, batch {batch_size}{scale}): one forward + backward, "
-          f"against {report.reference_mode} on the same weights and batch")
-    print(f"  loss {report.loss:.6g} ({report.reference_mode}: {report.reference_loss:.6g})")
-    print()
-    modules = report.module_frame()
-    table = modules[list(CLI_COLUMNS)].rename(columns=CLI_COLUMNS)
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    print("  out |max|, |min|>0, grad |max|: the mode's tensors; >fp16 max, fp16 subn, bf16 ->0: shares of the fp32 "
-          "values' finite non-zero elements that a real cast overflows, makes subnormal, flushes to 0")
-    print()
-    print(report.first_line())
-    if report.first_nonfinite:
-        print(f"  why: {report.first_nonfinite.why}")
-    return write_csv_for_cli(modules, csv_path, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} "
-                             "columns)", f"per-module table: {len(report.modules)} rows")

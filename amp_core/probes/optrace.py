@@ -9,7 +9,6 @@ hooks sit on the traced copy's modules, so a training thread running at the same
 from __future__ import annotations
 
 import copy
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_core.config import ConfigError, RunConfig
+from amp_core.config import INSPECT_DEFAULTS, RunConfig
 from amp_core.precision import Precision, get_precision
-from amp_core.probes import write_csv_for_cli
 from amp_core.torch_private import ScopedModuleTracker, TorchDispatchMode
 from amp_core.workloads import WORKLOADS, check_launch
 
@@ -39,8 +37,8 @@ STEP = "step"
 FORWARD, BACKWARD = "forward", "backward"
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 """The dtypes FLOP shares are reported in (any other float dtype still appears in the op table)."""
-DEFAULT_TRACE_BATCH = 16
-"""Batch size of a workload trace: dtypes do not depend on it, and a small batch keeps large sizes fast."""
+DEFAULT_TRACE_BATCH = INSPECT_DEFAULTS.trace_batch_size
+"""Batch size of a workload trace (InspectConfig.trace_batch_size)."""
 
 
 _SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -466,30 +464,3 @@ def autocast_demo(device: str = "cpu") -> list[dict[str, str]]:
                     "result": str(result.dtype).removeprefix("torch."), "seed notes (CUDA)": seed_says,
                 })
     return rows
-
-
-def cli_trace(workload: str, mode: str, csv_path: str | None, size: str = "small", device: str = "cpu",
-              batch_size: int = DEFAULT_TRACE_BATCH) -> int:
-    """`python -m amp_core trace`: print the summary and the per-module dtypes, write the op table as CSV.
-
-    Returns the exit code: 0; 2 with a one-line message on stderr for bad input; 1 if the trace itself failed
-    (e.g. out of memory at a large size).
-    """
-    try:
-        trace = trace_workload(workload, mode, size=size, device=device, batch_size=batch_size)
-    except (ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except RuntimeError as error:
-        print(f"error: the trace failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
-    summary = trace.summary()
-    print(f"{trace.label} on {trace.device} (size {size}, batch {batch_size}): one forward + backward")
-    for line in summary.lines():
-        print(f"  {line}")
-    modules = trace.module_frame()
-    modules = modules[modules["ops"] > 0]
-    print()
-    print(modules[["module", "forward_dtype", "backward_dtype", "ops", "casts", "flops"]].to_string(index=False))
-    return write_csv_for_cli(trace.to_frame(), csv_path, f"(pass --csv PATH to write the {summary.ops}-row op table)",
-                             f"op table: {summary.ops} rows")

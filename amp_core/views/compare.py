@@ -38,7 +38,7 @@ from amp_core.views.plots import (
 from amp_core.views.summary import group_key, lane_key, seed_groups, seed_spread
 
 if TYPE_CHECKING:
-    from amp_core.runs import RunReader
+    from amp_core.runs import LaneInfo, RunReader
 
 RUN_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 """Dash style of the i-th run in a comparison (cycled past six runs)."""
@@ -65,37 +65,35 @@ def split_lane_key(key: str) -> tuple[str, int]:
     return run_id, int(lane)
 
 
-def _run_lanes(manager: RunReader, run_id: str) -> tuple[list, bool] | None:
+def _run_lanes(reader: RunReader, run_id: str) -> tuple[list[LaneInfo], bool] | None:
     """The lanes of a run and whether it is live; None if unknown. (Its steps are not counted: cheaper.)"""
-    info = manager.run_info(run_id, count_steps=False)
+    info = reader.run_info(run_id, count_steps=False)
     return (list(info.lanes), is_live(info)) if info is not None else None
 
 
-def lane_name(lane: dict, replicated: bool = False) -> str:
+def lane_name(lane: LaneInfo, replicated: bool = False) -> str:
     """A stored lane (run info's) by its recipe in full, with the FSDP2 policy it trained under where it was sharded
     ("bf16-mixed · FSDP2 param bf16 · reduce fp32"), and its seed in a run of several seeds per mode (`replicated`)."""
-    meta = lane.get("meta") or {}
+    meta = lane.meta
     policy = f" · {meta['policy']}" if meta.get("policy") else ""
     seed = f" · seed {meta['seed']}" if replicated and meta.get("seed") is not None else ""
-    return f"{lane['mode']}{policy}{seed}"
+    return f"{lane.mode}{policy}{seed}"
 
 
-def lane_table(manager: RunReader, run_ids: Iterable[str]) -> pd.DataFrame:
+def lane_table(reader: RunReader, run_ids: Iterable[str]) -> pd.DataFrame:
     """The lanes of `run_ids` (live or stored), in run then lane order: key, run_id, lane, mode, seed (None where the
     run did not record one), status, live, label ("mode · short id", "mode · seed N · short id" in a run with several
-    seeds per mode, the FSDP2 policy after the mode: `lane_name`). Runs the manager does not know are left out."""
+    seeds per mode, the FSDP2 policy after the mode: `lane_name`). Runs the reader does not know are left out."""
     rows = []
     for run_id in dict.fromkeys(run_ids):
-        found = _run_lanes(manager, run_id)
+        found = _run_lanes(reader, run_id)
         if found is None:
             continue
         lanes, live = found
-        seeds = [(lane.get("meta") or {}).get("seed") for lane in lanes]
-        replicated = len({lane["mode"] for lane in lanes}) < len(lanes)
-        rows.extend({"key": lane_key(run_id, int(lane["lane"])), "run_id": run_id, "lane": int(lane["lane"]),
-                     "mode": lane["mode"], "seed": seed, "status": lane["status"], "live": live,
-                     "label": f"{lane_name(lane, replicated)} · {short_run_id(run_id)}"}
-                    for lane, seed in zip(lanes, seeds, strict=True))
+        replicated = len({lane.mode for lane in lanes}) < len(lanes)
+        rows.extend({"key": lane_key(run_id, lane.lane), "run_id": run_id, "lane": lane.lane, "mode": lane.mode,
+                     "seed": lane.meta.get("seed"), "status": lane.status, "live": live,
+                     "label": f"{lane_name(lane, replicated)} · {short_run_id(run_id)}"} for lane in lanes)
     table = pd.DataFrame(rows, columns=list(LANE_TABLE_COLUMNS))
     # Two runs whose ids end alike (or a foreign run id) must still give distinct labels.
     repeated = table["label"].duplicated(keep=False)
@@ -114,10 +112,10 @@ def group_label(run_id: str, mode: str, seeds: int) -> str:
     return f"{mode} · {short_run_id(run_id)} · mean of {seeds} seeds"
 
 
-def live_run_ids(manager: RunReader, run_ids: Iterable[str]) -> list[str]:
-    """Those of `run_ids` whose records still grow: a run this manager holds whose thread is alive, or a run that
-    another process (the CLI) is writing to the store (its stored status is still pending/running/paused)."""
-    return [run_id for run_id in run_ids if is_live(manager.run_info(run_id))]
+def live_run_ids(reader: RunReader, run_ids: Iterable[str]) -> list[str]:
+    """Those of `run_ids` whose records still grow (`is_live`): a run this process trains, or a run that another
+    process (the CLI, a Monitor) is writing to the store."""
+    return [run_id for run_id in run_ids if is_live(reader.run_info(run_id))]
 
 
 def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
@@ -128,14 +126,14 @@ def _wanted(lane_keys: Sequence[str]) -> dict[str, list[int]]:
     return wanted
 
 
-def gather_steps(manager: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
+def gather_steps(reader: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
     """Every step record of the chosen lanes (for downloads and tables that need them all), read column by column
-    through the manager (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
+    through the reader (memory for runs it holds, else the store's chunks of just those lanes); lanes in the order
     given, each ordered by step. The same dtypes whatever the source: floats (None -> NaN), byte counts as nullable
     integers (None -> <NA>), `skipped` as bool."""
     parts = []
     for run_id, lanes in _wanted(lane_keys).items():
-        sources = manager.track_sources(run_id)
+        sources = reader.track_sources(run_id)
         for lane in lanes:
             parts += [(run_id, s.lane, s.mode, s.rank, s.raw_rows(0, np.iinfo(np.int64).max))
                       for s in sources if s.lane == lane]
@@ -151,13 +149,13 @@ def gather_steps(manager: RunReader, lane_keys: Sequence[str]) -> pd.DataFrame:
     return frame[list(STEP_FIELDS)]
 
 
-def gather_lanes(manager: RunReader, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
+def gather_lanes(reader: RunReader, lane_keys: Sequence[str], max_points: int = MAX_POINTS) -> list[LaneSeries]:
     """The chosen lanes read for charts and the summary table (in the order given): exact totals, and an exact
     envelope of about `max_points` points per figure, so a comparison of long runs reads a few thousand points."""
     found: dict[str, list[LaneSeries]] = {}
     for run_id, lanes in _wanted(lane_keys).items():
-        chosen = [s for s in manager.track_sources(run_id) if s.lane in lanes]
-        for series in manager.lane_series(run_id, max_points=max_points, sources=chosen):
+        chosen = [s for s in reader.track_sources(run_id) if s.lane in lanes]
+        for series in reader.lane_series(run_id, max_points=max_points, sources=chosen):
             found.setdefault(series.key, []).append(series)
     return [series for key in dict.fromkeys(lane_keys) for series in found.get(key, [])]
 

@@ -7,7 +7,8 @@ Pure pandas/plotly plus torch.finfo facts (through amp_core.formats); it reads t
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -18,6 +19,9 @@ from amp_core.precision import uses_scaler
 from amp_core.probes import formats
 from amp_core.probes.gradstats import HIST_HI, HIST_LO, GradStats, combine
 from amp_core.views import plots
+
+if TYPE_CHECKING:
+    from amp_core.runs import LaneInfo
 
 BAND_FORMATS: tuple[str, ...] = ("fp16", "bf16")
 REGIONS: tuple[str, ...] = ("flush to zero", "subnormal", "normal", "overflow")
@@ -426,17 +430,17 @@ def scale_text(value: float, mode: str) -> str:
     return f"{value:g}" if math.isfinite(value) else "—"
 
 
-def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: list[dict]) -> pd.DataFrame:
+def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: Sequence[LaneInfo]) -> pd.DataFrame:
     """Per lane (lanes from RunReader.run_info): mode, status, steps, skipped steps, non-finite steps, and the scale
     now / min / max as text ("no scaler" for a lane without a GradScaler)."""
     rows = []
     for lane in lanes:
-        index, mode = lane["lane"], lane["mode"]
+        index, mode = lane.lane, lane.mode
         frame = steps[steps["lane"] == index]
         scale = pd.to_numeric(frame["scale"], errors="coerce").dropna()
         nonfinite = _lane_events(events, index, ("nonfinite_grads",))
         figures = (scale.iloc[-1], scale.min(), scale.max()) if len(scale) else (math.nan,) * 3
-        rows.append({"lane": index, "mode": mode, "status": lane["status"], "steps": len(frame),
+        rows.append({"lane": index, "mode": mode, "status": lane.status, "steps": len(frame),
                      "skipped steps": int(frame["skipped"].astype(bool).sum()),
                      "steps with inf/NaN applied": len(nonfinite),
                      **{name: scale_text(float(v), mode) for name, v in zip(OVERVIEW_SCALES, figures, strict=True)}})
@@ -484,13 +488,13 @@ def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict
             "steps_to_recover": recovered_step - end if recovered_step is not None else None, "outcome": outcome}
 
 
-def fault_effects(steps: pd.DataFrame, config: dict[str, Any], lanes: list[dict]) -> pd.DataFrame:
+def fault_effects(steps: pd.DataFrame, config: dict[str, Any], lanes: Sequence[LaneInfo]) -> pd.DataFrame:
     """fault_recovery for every (fault with a step window, lane it acts on), with the fault's description."""
     rows = []
     for lane in lanes:
-        for window in fault_windows(config, lane["mode"]).itertuples(index=False):
+        for window in fault_windows(config, lane.mode).itertuples(index=False):
             rows.append({"fault": window.description,
-                         **fault_recovery(steps, lane["lane"], int(window.start), int(window.end))})
+                         **fault_recovery(steps, lane.lane, int(window.start), int(window.end))})
     columns = ["fault", "lane", "mode", "skipped_steps", "scale_before", "scale_min", "first_clean_step",
                "recovered_step", "steps_to_recover", "outcome"]
     frame = pd.DataFrame(rows, columns=columns)
@@ -516,9 +520,9 @@ def default_stat_step(stat_steps: list[int], steps: pd.DataFrame, lane: int) -> 
     return next((step for step in stat_steps if step in skipped), stat_steps[-1])
 
 
-def default_lane(lanes: list[dict]) -> int:
+def default_lane(lanes: Sequence[LaneInfo]) -> int:
     """The first lane with a GradScaler (the one that can skip), else the first lane."""
     for lane in lanes:
-        if uses_scaler(lane["mode"]):
-            return int(lane["lane"])
-    return int(lanes[0]["lane"]) if lanes else 0
+        if uses_scaler(lane.mode):
+            return lane.lane
+    return lanes[0].lane if lanes else 0

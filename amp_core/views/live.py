@@ -11,6 +11,7 @@ import pandas as pd
 from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries
 from amp_core.records.schema import WHAT_RAN_EVENTS
+from amp_core.runs import RunInfo, RunReader, SourceKind, is_live
 from amp_core.views.plots import StepTimeBands
 from amp_core.views.summary import default_baseline, summarize
 
@@ -32,10 +33,10 @@ class RecordFollower:
         """The step-time bands of the run's finished buckets, kept between updates."""
         self._sources: list = []
 
-    def update(self, manager) -> list[LaneSeries]:
-        """Read the run through `manager` (a RunReader); returns its lanes (also kept in `series`)."""
-        self._sources = manager.track_sources(self.run_id, reuse=self._sources)
-        self.series = manager.lane_series(self.run_id, max_points=self.max_points, sources=self._sources)
+    def update(self, reader: RunReader) -> list[LaneSeries]:
+        """Read the run through `reader`; returns its lanes (also kept in `series`)."""
+        self._sources = reader.track_sources(self.run_id, reuse=self._sources)
+        self.series = reader.lane_series(self.run_id, max_points=self.max_points, sources=self._sources)
         return self.series
 
 
@@ -73,21 +74,21 @@ def lane_status(run_status: str, lane_status: str) -> str:
     return "paused" if run_status == "paused" and lane_status == "running" else lane_status
 
 
-def lanes_table(info: dict, series: list[LaneSeries]) -> pd.DataFrame:
+def lanes_table(info: RunInfo, series: list[LaneSeries]) -> pd.DataFrame:
     """One row per lane of a run (`RunReader.run_info`), its figures from `series`: every figure of the run's
     headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
-    total = int(info["config"].get("steps") or 0)
-    alone = len(info["lanes"]) == 1
-    replicated = len({lane["mode"] for lane in info["lanes"]}) < len(info["lanes"])
+    total = int(info.config.get("steps") or 0)
+    alone = len(info.lanes) == 1
+    replicated = len({lane.mode for lane in info.lanes}) < len(info.lanes)
     heads = summarize(series).set_index("lane") if series else pd.DataFrame()
     rows = []
-    for lane in info["lanes"]:
-        fraction, done = progress(int(lane["steps_done"]), total)
-        seed = (lane.get("meta") or {}).get("seed")
-        label = f"{lane['mode']} · seed {seed}" if replicated and seed is not None else lane["mode"]
-        row = {"lane": label, "status": lane_status(info["status"], lane["status"]),
+    for lane in info.lanes:
+        fraction, done = progress(lane.steps_done, total)
+        seed = lane.meta.get("seed")
+        label = f"{lane.mode} · seed {seed}" if replicated and seed is not None else lane.mode
+        row = {"lane": label, "status": lane_status(info.status, lane.status),
                "steps": done, "progress": fraction if total > 0 else None}  # an unknown length: no bar
-        head = heads.loc[lane["lane"]] if lane["lane"] in heads.index else None
+        head = heads.loc[lane.lane] if lane.lane in heads.index else None
         row.update({
             "loss now": "–" if head is None else f"{head['latest_loss']:.4g}",
             "ms/step": "–" if head is None else f"{head['median_ms']:.3g}",
@@ -113,30 +114,21 @@ def lane_medians(series: list[LaneSeries]) -> dict[str, tuple[float, int]]:
             if lane.rank == 0}
 
 
-def attached_writer(config: dict) -> str:
-    """What writes an attached run (its saved config), in words: "a Monitor in `train.py`", "the AMP Lab callback of a
-    Hugging Face Trainer in `finetune.py`"."""
-    script = f"`{config['script']}`" if config.get("script") else "a script"
-    integration = config.get("integration")
-    return f"the AMP Lab callback of a {integration} in {script}" if integration else f"a Monitor in {script}"
-
-
-def control_note(info: dict, held_here: bool) -> str:
+def control_note(info: RunInfo) -> str:
     """Why a run that is still going offers no pause or stop on this page ('' when it does, or has ended): another
     process runs it, a Monitor in the user's own script or a CLI run (or a torchrun job of either)."""
-    if held_here or info["status"] not in ("pending", "running", "paused"):
+    if info.controllable or not is_live(info):
         return ""
-    config = info["config"]
-    ranks = config.get("world_size", 1)
+    ranks = info.config.get("world_size", 1)
     job = f" (a torchrun job of {ranks} ranks)" if ranks > 1 else ""
-    if config.get("source") == "monitor":
-        where = f", pid {config['pid']} on {config['host']}" if config.get("pid") else ""
-        integration = config.get("integration")
-        owner = f"that {integration}" if integration else "that script (its own loop decides)"
-        return (f"Watched live: {attached_writer(config)}{where}{job} writes this run. Pause and stop belong to "
-                f"{owner}, so they are not offered here.")
-    return (f"Watched live: another process{job} writes this run (e.g. `amp-lab run`), so pause and stop are not "
-            "offered here: stop it where it runs (Ctrl-C).")
+    where = f", pid {info.pid} on {info.host}" if info.pid else ""
+    if info.attached:
+        owner = f"that {info.config['integration']}" if info.kind is SourceKind.INTEGRATION else \
+            "that script (its own loop decides)"
+        return (f"Watched live: {info.writer}{where}{job} writes this run. Pause and stop belong to {owner}, so they "
+                "are not offered here.")
+    return (f"Watched live: {info.writer}{where}{job} writes this run (e.g. `amp-lab run`), so pause and stop are "
+            "not offered here: stop it where it runs (Ctrl-C).")
 
 
 def what_ran_warnings(events: pd.DataFrame) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -32,7 +33,7 @@ from amp_core.views.summary import (
 
 if TYPE_CHECKING:
     from amp_core.records.store import RunStore
-    from amp_core.runs import RunReader
+    from amp_core.runs import LaneInfo, RunInfo, RunReader
 
 LAST_K = 20
 """The final-loss window of the report's summary (the Compare page's default)."""
@@ -57,18 +58,18 @@ document.querySelectorAll('script[type="application/json"].figure').forEach(func
 """
 
 
-def _manager(source: RunReader | RunStore) -> RunReader:
+def _reader(source: RunReader | RunStore) -> RunReader:
     from amp_core.records.store import RunStore
     from amp_core.runs import RunReader
 
     return RunReader(source) if isinstance(source, RunStore) else source
 
 
-def lane_labels(run_id: str, lanes_info: list[dict]) -> dict[str, str]:
+def lane_labels(run_id: str, lanes_info: Sequence[LaneInfo]) -> dict[str, str]:
     """Lane key -> "mode", or "mode · seed N" in a run with several lanes of one mode (seed replicates); the FSDP2
     policy after the mode of a sharded lane (compare.lane_name)."""
-    replicated = len({lane["mode"] for lane in lanes_info}) < len(lanes_info)
-    return {lane_key(run_id, int(lane["lane"])): compare.lane_name(lane, replicated) for lane in lanes_info}
+    replicated = len({lane.mode for lane in lanes_info}) < len(lanes_info)
+    return {lane_key(run_id, lane.lane): compare.lane_name(lane, replicated) for lane in lanes_info}
 
 
 def _table(frame: pd.DataFrame) -> str:
@@ -83,14 +84,14 @@ def _figure_block(index: int, figure) -> str:
             f'<script type="application/json" class="figure" data-target="{target}">{payload}</script>')
 
 
-def report_figures(manager: RunReader, run_id: str, info: dict) -> list:
+def report_figures(reader: RunReader, run_id: str, info: RunInfo) -> list:
     """The report's charts, in order: the Train page's (loss, step time, memory, scale, LR, ranks when a job had
     several), loss against time at median speed, and loss minus the baseline's when there are several lanes."""
-    series = manager.lane_series(run_id)
+    series = reader.lane_series(run_id)
     if not series:
         return []
-    seeds = lane_seeds(run_id, info["lanes"])
-    labels = lane_labels(run_id, info["lanes"])
+    seeds = lane_seeds(run_id, info.lanes)
+    labels = lane_labels(run_id, info.lanes)
     bands = plots.StepTimeBands()
     train = plots.train_figures(series, bands=bands, seeds=seeds)
     figures = [train[name] for name in ("loss", "step_time", "memory", "scale", "lr", "ranks") if name in train]
@@ -123,31 +124,31 @@ def _events_section(events: pd.DataFrame, labels: dict[str, str], run_id: str) -
 
 def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     """Run `run_id` as one self-contained HTML page (see the module's docstring); ValueError if the run is unknown."""
-    manager = _manager(source)
-    info = manager.run_info(run_id)
+    reader = _reader(source)
+    info = reader.run_info(run_id)
     if info is None:
         raise ValueError(f"no run {run_id!r}")
-    config = info["config"]
-    labels = lane_labels(run_id, info["lanes"])
-    series = manager.lane_series(run_id)
+    config = info.config
+    labels = lane_labels(run_id, info.lanes)
+    series = reader.lane_series(run_id)
     esc = html.escape
     name = config.get("name") or run_id
     parts = [f"<h1>AMP Lab report · {esc(str(name))}</h1>",
              f'<p class="meta">run <code>{esc(run_id)}</code> · {esc(str(config.get("workload", "")))} · modes '
              f'{esc(", ".join(map(str, config.get("modes", []))))}'
              + (f" · {int(config['seeds'])} seeds per mode" if int(config.get("seeds", 1) or 1) > 1 else "")
-             + f" · status <b>{esc(str(info['status']))}</b> · report written "
+             + f" · status <b>{esc(info.status)}</b> · report written "
                f"{esc(time.strftime('%Y-%m-%d %H:%M:%S %Z'))}</p>"]
-    for problem in info.get("problems", []):
+    for problem in info.problems:
         parts.append(f'<p class="warning">{esc(str(problem))}</p>')
-    events = manager.events(run_id)
+    events = reader.events(run_id)
     for message in what_ran_warnings(events):
         parts.append(f'<p class="warning">{esc(message)}</p>')
-    for lane in info["lanes"]:
-        if lane["status"] in ("failed", "diverged", "interrupted"):
-            label = labels.get(lane_key(run_id, int(lane["lane"])), lane["mode"])
-            parts.append(f'<p class="warning">Lane <b>{esc(label)}</b> {esc(lane["status"])}'
-                         + (f": {esc(str(lane['error']))}" if lane["error"] else "") + "</p>")
+    for lane in info.lanes:
+        if lane.status in ("failed", "diverged", "interrupted"):
+            label = labels.get(lane_key(run_id, lane.lane), lane.mode)
+            parts.append(f'<p class="warning">Lane <b>{esc(label)}</b> {esc(lane.status)}'
+                         + (f": {esc(lane.error)}" if lane.error else "") + "</p>")
 
     parts.append("<h2>Summary</h2>")
     if series:
@@ -157,7 +158,7 @@ def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
         parts.append(f'<p class="note">★ baseline. Speedup = baseline median ms/step ÷ the lane\'s (above 1× is '
                      f'faster). Final loss: mean of the last {LAST_K} steps\' losses (inf/NaN left out); latest loss: '
                      f'the last step\'s.</p>')
-        seeds = lane_seeds(run_id, info["lanes"])
+        seeds = lane_seeds(run_id, info.lanes)
         if has_replicates(series, seeds):
             replicates = replicate_table(series, seeds, LAST_K)
             parts.append("<h3>Across seeds</h3>" + _table(compare.format_replicates(replicates, LAST_K)))
@@ -169,7 +170,7 @@ def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     else:
         parts.append("<p>No steps recorded.</p>")
 
-    figures = report_figures(manager, run_id, info)
+    figures = report_figures(reader, run_id, info)
     parts.append("<h2>Charts</h2>")
     parts += [_figure_block(i, figure) for i, figure in enumerate(figures)] or ["<p>No steps to chart.</p>"]
     parts.append("<h2>Events</h2>" + _events_section(events, labels, run_id))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -22,6 +24,9 @@ from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS, typed
 from amp_core.records.tracks import TrackRecords
+
+if TYPE_CHECKING:
+    from amp_core.runs import LaneInfo
 
 MEMORY_COLUMNS = HELD_PARTS
 SUMMARY_COLUMNS = ("run_id", "lane", "mode", "steps", "median_ms", "speedup", "peak_bytes", "peak_mib", "mem_ratio",
@@ -192,11 +197,11 @@ def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = N
 
 
 # --- seed replicates -----------------------------------------------------------------------------------------------
-def lane_seeds(run_id: str, lanes_info: list[dict]) -> dict[str, int]:
+def lane_seeds(run_id: str, lanes_info: Sequence[LaneInfo]) -> dict[str, int]:
     """Lane key -> seed, from a run's lanes as `RunReader.run_info` gives them (`meta["seed"]`); lanes without one
     (runs from before seed replicates, a Monitor's) are left out."""
-    return {lane_key(run_id, int(lane["lane"])): int(lane["meta"]["seed"]) for lane in lanes_info
-            if isinstance(lane.get("meta"), dict) and lane["meta"].get("seed") is not None}
+    return {lane_key(run_id, lane.lane): int(lane.meta["seed"]) for lane in lanes_info
+            if lane.meta.get("seed") is not None}
 
 
 def group_key(run_id: str, mode: str) -> str:

@@ -17,11 +17,13 @@ from amp_core.config import SIZES, ConfigError, RunConfig
 from amp_core.workloads.base import Data, Workload, contract_problems
 from amp_core.workloads.checkerboard_cnn import CheckerboardCNN
 from amp_core.workloads.digits_mlp import DigitsMLP
+from amp_core.workloads.hf import GPT2, Bert, Llama, ViT
 from amp_core.workloads.mlp_regression import MLPRegression
 from amp_core.workloads.tiny_transformer import TinyTransformer
 
 WORKLOADS: dict[str, Workload] = {
-    w.name: w for w in (MLPRegression(), DigitsMLP(), CheckerboardCNN(), TinyTransformer())
+    w.name: w for w in (MLPRegression(), DigitsMLP(), CheckerboardCNN(), TinyTransformer(), GPT2(), Llama(), Bert(),
+                        ViT())
 }
 """Every workload of this process, built-ins first, then plugins in the order they were loaded. Modules that read it
 hold this one dict: plugins are added to it in place."""
@@ -118,8 +120,20 @@ def param_names(workload: str, size: str = "small") -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
+def parameter_count(workload: str, size: str) -> int:
+    """How many parameters a workload's model has at `size`, counted on the meta device (no weights allocated, so
+    a GPU-sized model is counted on a laptop). Tied weights count once."""
+    from amp_core.config import RunConfig
+
+    spec = WORKLOADS[workload]
+    data = spec.load_data(RunConfig(workload=workload, size=size))
+    with torch.device("meta"):
+        model = spec.build_model(size, data)
+    return sum(p.numel() for p in model.parameters())
+
+
 __all__ = ["BUILT_IN", "PLUGINS_ENV", "WORKLOADS", "Data", "PluginProblem", "Workload", "load_plugins",
-           "param_names", "plugin_modules"]
+           "param_names", "parameter_count", "plugin_modules"]
 
 
 def check_launch(config: RunConfig) -> None:

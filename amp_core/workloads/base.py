@@ -42,6 +42,8 @@ class Workload:
     title: str = ""
     description: str = ""
     sizes: dict[str, dict[str, Any]] = {}
+    requires: tuple[str, ...] = ()
+    """The optional extras (pyproject.toml) it needs, e.g. ("hf",); listed without them, refused at launch."""
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse settings this workload cannot use (raise ConfigError)."""

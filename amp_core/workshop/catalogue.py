@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+import amp_core.workshop.architectures as architectures
 import amp_core.workshop.checks as checks
 import amp_core.workshop.speed as speed
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
@@ -266,6 +267,28 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         ),
         expects=lambda device: checks.fp8_expected_here(_fp8_device(device)),
         charts=("loss", "memory"), extras=("recipes",)),
+    Scenario(
+        name="llama-range", title="A real Llama in fp16 and bf16: why bf16's range saves it",
+        watch="transformers' Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention; random init) races in "
+              "16-true, bf16-true and 16-mixed with Adam at torch's defaults. Watch 16-true drop out at once, "
+              "bf16-true (the same pure 16-bit recipe) train, and 16-mixed train with fp32 weights and a scaler.",
+        caveat="16-true does not break in the model: its forward and backward are finite; Adam's update divides by "
+               "an eps and a second moment that fp16 rounds to 0. bf16-true survives by range alone and still "
+               "rounds small updates away (see \"Pure 16-bit weights lose updates\").",
+        build=lambda device: (_config(device, "Llama in fp16 and bf16", workload="llama",
+                                      modes=(architectures.PURE_FP16, architectures.PURE_BF16,
+                                             architectures.MIXED_FP16),
+                                      steps=20, batch_size=16, gradstats_every=0),),
+        checks=(
+            Check("16-true breaks in the optimizer", f"its loss turns inf/NaN within {architectures.FIRST_STEPS} "
+                  "steps after a step whose loss and gradients were finite: the update overflowed, not the model",
+                  architectures.pure_fp16_breaks),
+            Check("bf16's range saves the same recipe", f"bf16-true stays finite and its loss ends "
+                  f"{architectures.LEARNS:.0%} or more below its first", architectures.bf16_range_saves_it),
+            Check("16-mixed trains", f"16-mixed stays finite and its loss ends {architectures.LEARNS:.0%} or more "
+                  "below its first", architectures.mixed_fp16_trains),
+        ),
+        extras=("hf",)),
 )}
 
 

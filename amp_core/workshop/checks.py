@@ -49,7 +49,7 @@ def pure_fp16_fails(evidence: Evidence) -> tuple[bool, str, str]:
     if diverged(part, lane, "16-true"):
         bad = first_nonfinite(lane)
         at = f"its loss became {bad[1]} at step {bad[0]}" if bad else "it stopped"
-        error = part.lane_status("16-true")["error"]
+        error = part.lane_info("16-true").error
         cause = error.split(" — ", 1)[1] if " — " in error else ""
         return True, f"16-true diverged: {at}", (f"Why: {cause}. fp16's tiny range underflows (squared gradients, "
                                                  "eps) where fp32 master weights and optimizer state would not." if
@@ -391,8 +391,8 @@ def replay_the_failures(manager, run_id: str) -> None:
     from amp_core.diagnostics.replay import replay_run
 
     info = manager.run_info(run_id)
-    lane = next(entry["lane"] for entry in info["lanes"] if entry["mode"] == REPLAY_LANE)
-    outlier = fault_of(RunConfig.from_dict(info["config"]), "batch_outlier").step
+    lane = next(entry.lane for entry in info.lanes if entry.mode == REPLAY_LANE)
+    outlier = fault_of(RunConfig.from_dict(info.config), "batch_outlier").step
     steps = manager.steps(run_id)
     mine = steps[(steps["lane"] == lane) & steps["skipped"].astype(bool) & (steps["step"] < outlier)]
     for step in dict.fromkeys([*[int(s) for s in mine["step"].head(1)], outlier]):
@@ -404,7 +404,7 @@ def _replays(evidence: Evidence) -> tuple[Part, dict[int, object]]:
 
     part = evidence.part(0)
     lane = part.lane_index(REPLAY_LANE)
-    reports = {report.step: report for report in recorded_replays(evidence.manager.events(part.run_id), lane)}
+    reports = {report.step: report for report in recorded_replays(evidence.reader.events(part.run_id), lane)}
     if not reports:
         raise Waiting("the replays, made when the run has ended")
     return part, reports

@@ -1,4 +1,4 @@
-"""What a workshop scenario's runs recorded, read through a RunManager (live or stored alike), and the figures its
+"""What a workshop scenario's runs recorded, read through a RunReader (live or stored alike), and the figures its
 checks read from the records (final loss, median step time, the scale at a step, the first non-finite loss)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pandas as pd
 
 from amp_core.config import FaultSpec, RunConfig
 from amp_core.precision import resolve_device
+from amp_core.runs import LaneInfo, RunInfo, RunReader, is_live
 
 FINAL_WINDOW = 20
 """A lane's final loss: the mean of its last this many finite losses."""
@@ -26,25 +27,26 @@ class Part:
 
     run_id: str
     config: RunConfig
-    info: dict
-    """RunManager.run_info: status, lanes (status, error)."""
+    info: RunInfo
+    """What the reader knows of the run: status, lanes (status, error)."""
     steps: pd.DataFrame
     """Every step record of the run so far."""
 
     def lane_index(self, mode: str) -> int:
-        for lane in self.info["lanes"]:
-            if lane["mode"] == mode:
-                return int(lane["lane"])
-        raise KeyError(f"run {self.run_id} has no {mode} lane")
+        return self.lane_info(mode).lane
 
-    def lane_status(self, mode: str) -> dict:
-        return next(lane for lane in self.info["lanes"] if lane["mode"] == mode)
+    def lane_info(self, mode: str) -> LaneInfo:
+        """The run's first lane of `mode` (KeyError when it has none)."""
+        for lane in self.info.lanes:
+            if lane.mode == mode:
+                return lane
+        raise KeyError(f"run {self.run_id} has no {mode} lane")
 
     def lane(self, mode: str, *, at_least: int = 1) -> pd.DataFrame:
         """The lane's step records by step; Waiting until it has `at_least` of them (a lane that diverged or failed
         has what it has: its early end is what a check reads)."""
         frame = self.steps[self.steps["lane"] == self.lane_index(mode)].sort_values("step").reset_index(drop=True)
-        ended_early = self.lane_status(mode)["status"] in ("diverged", "failed")
+        ended_early = self.lane_info(mode).status in ("diverged", "failed")
         if len(frame) < at_least and not (ended_early and len(frame)):
             raise Waiting(f"{at_least} steps of {mode}")
         return frame
@@ -52,10 +54,10 @@ class Part:
 
 @dataclass(slots=True)
 class Evidence:
-    """A scenario's runs read through a RunManager: each part's config, status and step records; gradient statistics
+    """A scenario's runs read through a RunReader: each part's config, status and step records; gradient statistics
     on demand."""
 
-    manager: object
+    reader: RunReader
     parts: list[Part]
     expected_parts: int
     ended: bool
@@ -71,30 +73,29 @@ class Evidence:
     def grad_stats(self, part: Part, mode: str) -> list[tuple[int, list]]:
         """(step, [GradStats per parameter]) of a lane's sampled steps, in step order."""
         lane = part.lane_index(mode)
-        return [(step, self.manager.grad_stats(part.run_id, lane, step))
-                for step in self.manager.grad_stat_steps(part.run_id, lane)]
+        return [(step, self.reader.grad_stats(part.run_id, lane, step))
+                for step in self.reader.grad_stat_steps(part.run_id, lane)]
 
 
-def gather(manager, run_ids: list[str], expected_parts: int | None = None, going: bool | None = None,
+def gather(reader: RunReader, run_ids: list[str], expected_parts: int | None = None, going: bool | None = None,
            device: str | None = None) -> Evidence:
-    """The evidence of runs `run_ids` (a scenario's, in order) as the manager holds them now. `going` says whether
+    """The evidence of runs `run_ids` (a scenario's, in order) as the reader holds them now. `going` says whether
     more is to come (a ScenarioLaunch knows: a run still to start, or none when it was stopped); by default, whether
     any of the runs is still going or fewer than `expected_parts` exist. `device`: where the runs train (default: the
     first run's device, else this machine's)."""
     parts = []
     for run_id in run_ids:
-        info = manager.run_info(run_id)
+        info = reader.run_info(run_id)
         if info is None:
             continue
-        steps = manager.steps(run_id)  # after the status: a run it calls ended has every record here
-        parts.append(Part(run_id, RunConfig.from_dict(info["config"]), info, steps))
+        steps = reader.steps(run_id)  # after the status: a run it calls ended has every record here
+        parts.append(Part(run_id, RunConfig.from_dict(info.config), info, steps))
     expected = len(run_ids) if expected_parts is None else expected_parts
     if going is None:
-        going = len(parts) < expected or any(p.info["live"] or p.info["status"] in ("pending", "running", "paused")
-                                             for p in parts)
+        going = len(parts) < expected or any(is_live(p.info) for p in parts)
     if device is None:
         device = parts[0].config.device if parts else "auto"
-    return Evidence(manager, parts, expected, ended=not going, device=resolve_device(device))
+    return Evidence(reader, parts, expected, ended=not going, device=resolve_device(device))
 
 
 # --- reading figures from records -------------------------------------------------------------------------------
@@ -133,4 +134,4 @@ def first_nonfinite(lane: pd.DataFrame) -> tuple[int, float] | None:
 
 
 def diverged(part: Part, lane: pd.DataFrame, mode: str) -> bool:
-    return part.lane_status(mode)["status"] == "diverged" or first_nonfinite(lane) is not None
+    return part.lane_info(mode).status == "diverged" or first_nonfinite(lane) is not None

@@ -1,0 +1,69 @@
+"""A real browser on the real server picks a transformers architecture (GPT-2) on the Train page, launches it and
+watches its loss chart grow: Debian's Chromium driven by Playwright, as tests/test_browser.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from amp_core.precision import default_modes
+from tests import streamlit_server
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS, LOSS_POINTS_AT_LEAST, SETTLED
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOT = ROOT / "artifacts" / "train_page_gpt2.png"
+STEPS = 12
+GPT2_TITLE = "GPT-2 (transformers, causal LM)"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.timeout(600),  # transformers' import and a GPT-2 race on a busy 2-core machine: past the 300 s guard
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason="Debian's chromium is not installed (apt-get install chromium); .ci/run installs it"),
+]
+
+
+@pytest.fixture
+def server(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
+    with streamlit_server.serving(tmp_path / "runs.sqlite3") as url:
+        yield url
+
+
+def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
+    from playwright.sync_api import sync_playwright
+
+    modes = default_modes("cpu")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 2400})
+            page.goto(server)
+            launch = page.get_by_role("button", name="Launch")
+            launch.wait_for(timeout=90_000)
+            page.get_by_label("Workload").click()  # Streamlit's selectbox: open it, then pick the option
+            page.get_by_role("option", name=GPT2_TITLE).click()
+            page.get_by_text("Parameters: small 118.5K").wait_for(timeout=120_000)  # counted from its config
+            steps = page.get_by_label("Steps", exact=True)
+            steps.fill(str(STEPS))
+            steps.press("Enter")
+            batch = page.get_by_label("Batch size", exact=True)
+            batch.fill("8")
+            batch.press("Enter")
+            page.wait_for_function(SETTLED, timeout=60_000)
+            launch.click()
+            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=180_000)
+            first = page.evaluate(LOSS_POINTS)
+            # The chart grows while the run goes: more points than first drawn, up to every step.
+            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, min(first.values()) + 1], timeout=180_000)
+            page.get_by_text("Run status: finished").wait_for(timeout=180_000)
+            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, STEPS], timeout=60_000)
+            assert page.evaluate(LOSS_POINTS) == dict.fromkeys(modes, STEPS)
+            page.wait_for_function(SETTLED, timeout=60_000)
+            assert page.locator("[data-testid='stException']").count() == 0
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+        finally:
+            browser.close()
+    assert SCREENSHOT.stat().st_size > 10_000
