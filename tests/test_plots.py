@@ -229,3 +229,27 @@ def test_a_band_over_a_very_long_run_is_estimated_from_the_summary_and_agrees_wi
     for name, q in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9)):
         exact = np.array([np.quantile(ms[at == i], q) for i in range(len(estimated["step"]))])
         assert np.nanmedian(np.abs(estimated[name] / exact - 1)) < 0.05, name
+
+
+def test_what_streamlit_sends_of_each_chart_is_what_a_validated_plotly_figure_gives():
+    """The figures skip plotly's validation and deep copies (ChartFigure): the JSON st.plotly_chart makes of each
+    (to_dict, then to_json) must equal plotly's own of the same spec, and making it must leave the figure as it was."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    from plotly.tools import return_figure_from_figure_or_data
+
+    def sent(figure) -> dict:
+        return spec(pio.to_json(return_figure_from_figure_or_data(figure, validate_figure=True), validate=False))
+
+    figures = {**plots.train_figures(records(60, skipped_at=(10,), spike_at=30), loss_axis="log", smoothing=0.5,
+                                     raw_step_times=True),
+               "empty": plots.empty_figure("Loss", "no steps yet")}
+    for name, figure in figures.items():
+        assert isinstance(figure, plots.ChartFigure), name
+        traces_before = [dict(trace) for trace in figure._data]
+        validated = go.Figure({"data": figure._data, "layout": {key: value for key, value in figure._layout.items()
+                                                                if key != "template"}})
+        assert sent(figure) == sent(validated), name
+        assert sent(figure) == sent(figure), name  # a second send finds the arrays where the first left them
+        for trace, before in zip(figure._data, traces_before, strict=True):
+            assert all(trace[key] is value for key, value in before.items()), name

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from _plotly_utils.utils import convert_to_base64
 
 from amp_core.probes.spikes import SpikeRule, band_upper
 from amp_core.records.levels import FIELD_INDEX, LEVEL_BASE
@@ -225,15 +226,52 @@ def chart_layout(title: str, y_title: str, **extra) -> dict:
     return layout
 
 
+def _containers_copied(tree):
+    """A copy of a figure's dicts, lists and tuples that shares their leaves (strings, numbers, arrays)."""
+    if isinstance(tree, dict):
+        return {key: _containers_copied(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_containers_copied(value) for value in tree)
+    return tree
+
+
+class ChartFigure(go.Figure):
+    """A figure built from a spec this module wrote (plotly's own property names; the tests draw every chart), without
+    plotly's validation of each property, whose `to_dict` copies only containers. `st.plotly_chart` calls `to_dict`
+    (plotly's deep-copies every value, the template's too) and serialises the result. A live view rebuilds and
+    serialises its five figures every few seconds beside a training thread that needs the interpreter: validation
+    and deep copies were over half of a redraw's CPU time (cProfile). The default template is applied as plotly
+    applies it, and `to_dict` gives what plotly's gives (the same JSON)."""
+
+    def __init__(self, spec: dict):
+        super().__init__(spec, _validate=False)
+
+    def to_dict(self) -> dict:
+        # convert_to_base64 replaces each array in its (copied) container: the figure's own arrays are left alone.
+        # The template (plotly's default: colours, fonts, axes, no arrays) is copied but not searched for arrays:
+        # it is most of a figure's dicts.
+        layout = {key: value for key, value in self._layout.items() if key != "template"}
+        spec = {"data": _containers_copied(self._data), "layout": _containers_copied(layout)}
+        convert_to_base64(spec)
+        if "template" in self._layout:
+            spec["layout"]["template"] = _containers_copied(self._layout["template"])
+        return spec
+
+
+def chart_figure(spec: dict) -> go.Figure:
+    """The figure of a spec built here (ChartFigure: no per-property validation, a cheap `to_dict`)."""
+    return ChartFigure(spec)
+
+
 def _rank_zero(series: list[LaneSeries]) -> list[LaneSeries]:
     """Each lane's first rank (a DDP job's scale and LR are every rank's)."""
     return [ranks[0] for ranks in by_lane(series).values()]
 
 
 def empty_figure(title: str, why: str) -> go.Figure:
-    return go.Figure({"data": [], "layout": chart_layout(title, "", xaxis={"visible": False}, yaxis={"visible": False},
-                                                     annotations=[{"text": why, "showarrow": False, "xref": "paper",
-                                                                   "yref": "paper", "x": 0.5, "y": 0.5}])})
+    note = {"text": why, "showarrow": False, "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5}
+    return chart_figure({"data": [], "layout": chart_layout(title, "", xaxis={"visible": False},
+                                                            yaxis={"visible": False}, annotations=[note])})
 
 
 LOG_SPAN = 30.0
@@ -491,7 +529,7 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
                                     hovertemplate="step %{x}: spike, loss %{customdata:.4g}<extra>" + mode
                                                   + "</extra>"))
     title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "") + (f" · {why}" if why else "")
-    return go.Figure({"data": data, "layout": chart_layout(title, "loss", yaxis=yaxis)})
+    return chart_figure({"data": data, "layout": chart_layout(title, "loss", yaxis=yaxis)})
 
 
 def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS, *, raw: bool = False,
@@ -525,7 +563,7 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], max_points: int =
     # Several seeds: each mode's line is the mean of its seeds' medians, its band their min-max (not p10-p90).
     title = ("Step time · seeds' mean median · min-max band" if replicated else
              "Step time · median and p10-p90 band") + (" · dots: each step" if raw else "")
-    return go.Figure({"data": data, "layout": chart_layout(title, "ms / step", hovermode="closest", yaxis={
+    return chart_figure({"data": data, "layout": chart_layout(title, "ms / step", hovermode="closest", yaxis={
         "title": {"text": "ms / step"}, "rangemode": "tozero"})})
 
 
@@ -554,7 +592,7 @@ def rank_step_time_figure(records: pd.DataFrame | list[LaneSeries]) -> go.Figure
                      + "</extra>"})
     layout = chart_layout("Step time by rank (median)", "ms / step", barmode="group", hovermode="closest",
                           xaxis={"title": {"text": ""}})
-    return go.Figure({"data": data, "layout": layout})
+    return chart_figure({"data": data, "layout": layout})
 
 
 def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
@@ -572,7 +610,7 @@ def lr_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_PO
     top = max(tops)
     if np.isfinite(top) and top > 0:  # plotly would centre a constant LR on a -1..1 axis, where 1e-3 looks like 0
         yaxis["range"] = [0, top * 1.15]
-    return go.Figure({"data": data, "layout": chart_layout("Learning rate", "LR", yaxis=yaxis)})
+    return chart_figure({"data": data, "layout": chart_layout("Learning rate", "LR", yaxis=yaxis)})
 
 
 def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX_POINTS) -> go.Figure:
@@ -596,7 +634,7 @@ def scale_figure(records: pd.DataFrame | list[LaneSeries], max_points: int = MAX
     ticks = list(range(low, high + 1, every))
     yaxis = {"title": {"text": "scale (log2)"}, "type": "log", "tickvals": [2.0**k for k in ticks],
              "ticktext": [f"2^{k}" for k in ticks]}
-    return go.Figure({"data": data, "layout": chart_layout("GradScaler scale", "scale", yaxis=yaxis)})
+    return chart_figure({"data": data, "layout": chart_layout("GradScaler scale", "scale", yaxis=yaxis)})
 
 
 def memory_unit(max_bytes: float) -> tuple[str, float]:
@@ -640,7 +678,7 @@ def memory_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, st
     per_rank = " per rank" if any(len(ranks) > 1 for ranks in groups) else ""
     layout = chart_layout(f"Memory held{per_rank} (latest step)", unit, barmode="group", hovermode="closest",
                           xaxis={"title": {"text": ""}})
-    return go.Figure({"data": data, "layout": layout})
+    return chart_figure({"data": data, "layout": layout})
 
 
 def train_figures(records: pd.DataFrame | list[LaneSeries], *, loss_axis: str = "auto", smoothing: float = 0.0,
