@@ -24,7 +24,8 @@ class LayerAmaxHook:
         """Per-module abs max on the shadow copy (the lane's weights after this step, this step's batch), after the
         timed step: its cost is reported in the event as sample_ms and never enters step_ms."""
         state = lane.state
-        if step % self.every or state is None or lane.status != "running":
+        # (A lane's last step has made it "finished" by now: the recorder counted that step before this hook.)
+        if step % self.every or state is None or lane.status not in ("running", "finished"):
             return
         start = time.perf_counter()
         try:

@@ -72,8 +72,8 @@ def test_each_architecture_races_three_modes_through_the_cli_and_the_runner(race
     manager = RunManager(open_store(store))
     info = manager.run_info(run_id)
     seeds = 2 if workload == "bert" else 1
-    assert info["status"] == "finished" and len(info["lanes"]) == len(MODES) * seeds
-    assert all((lane["status"], lane["error"]) == ("finished", "") for lane in info["lanes"]), info["lanes"]
+    assert info.status == "finished" and len(info.lanes) == len(MODES) * seeds
+    assert all((lane.status, lane.error) == ("finished", "") for lane in info.lanes), info.lanes
     steps = manager.steps(run_id)
     assert len(steps) == STEPS * len(MODES) * seeds
     assert torch.isfinite(torch.tensor(steps["loss"].to_numpy())).all()

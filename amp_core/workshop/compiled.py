@@ -71,14 +71,14 @@ def drift(evidence: Evidence) -> tuple[bool, str, str]:
 def compile_time_apart(evidence: Evidence) -> tuple[bool, str, str]:
     part = evidence.part(0)
     compiled = part.lane(COMPILED_LANE, at_least=1)
-    if evidence.manager is None:
+    if evidence.reader is None:
         raise Waiting("the run's events")
     lane = part.lane_index(COMPILED_LANE)
-    events = evidence.manager.events(part.run_id)
+    events = evidence.reader.events(part.run_id)
     compiles = events[(events["kind"] == COMPILED_EVENT) & (events["lane"] == lane)] if len(events) else events
     if not len(compiles):
-        if part.lane_status(COMPILED_LANE)["status"] == "failed":
-            return False, f"{COMPILED_LANE} failed: {part.lane_status(COMPILED_LANE)['error']}", ""
+        if part.lane_info(COMPILED_LANE).status == "failed":
+            return False, f"{COMPILED_LANE} failed: {part.lane_info(COMPILED_LANE).error}", ""
         raise Waiting(f"the {COMPILED_LANE} lane's compile")
     data = compiles.iloc[0]["data"]
     compile_ms, slowest = float(data["compile_ms"]), float(compiled["step_ms"].max())
