@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture
 def server(tmp_path):
-    pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
     with streamlit_server.serving(tmp_path / "runs.sqlite3") as url:
         yield url
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]') is not installed")
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
 
 import torch
 
-from amp_core import catalog
+from amp_core import catalog, workloads
 from amp_core.cli import main
 from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
@@ -206,7 +206,19 @@ def test_the_llama_scenarios_checks_fail_when_its_point_does_not_show(tmp_path):
         assert not results[title].held and "did not learn" in results[title].explanation, results[title]
 
 
-def test_the_example_plugin_turns_a_config_and_a_model_class_into_a_workload(monkeypatch, tmp_path):
+@pytest.fixture
+def registry_kept():
+    """The workload registry as it was before the test (a plugin loaded here leaves no trace for later tests)."""
+    saved, origins = dict(WORKLOADS), dict(workloads.PLUGIN_ORIGINS)
+    yield
+    WORKLOADS.clear()
+    WORKLOADS.update(saved)
+    workloads.PLUGIN_ORIGINS.clear()
+    workloads.PLUGIN_ORIGINS.update(origins)
+    sys.modules.pop("hf_workload", None)
+
+
+def test_the_example_plugin_turns_a_config_and_a_model_class_into_a_workload(monkeypatch, tmp_path, registry_kept):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     assert load_plugins(["hf_workload"]) == []
     spec = WORKLOADS["qwen2_tiny"]

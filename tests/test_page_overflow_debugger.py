@@ -241,7 +241,8 @@ def test_inside_the_app(stored_run):
 
 def test_an_attached_run_is_followed_live_with_its_skips_and_first_inf_named(fresh_store):
     """A Monitor script in its own process, an inf planted in its module "1" at steps 12 and 13 (step 12 is not
-    watched: the hooks armed after it name the module in step 13) and an overflow in the fp16 backward at step 8."""
+    watched by the layer watch: the failing step's own device flags name the module in step 12 itself) and an
+    overflow in the fp16 backward at step 8."""
     proc = start_script(fresh_store, "--steps", "30", "--pause-at", "15", "--overflow-at", "8", "--plant-at", "12,13")
     try:
         paused = said(proc)
@@ -256,7 +257,7 @@ def test_an_attached_run_is_followed_live_with_its_skips_and_first_inf_named(fre
         first = frames["dbg_first_nonfinite"]
         named = first[first["step"] == 12]
         assert named["module"].tolist() == ["1"] and named["phase"].tolist() == ["forward"]
-        assert named["watched"].tolist() == [13] and named["after"].tolist() == ["inf"]
+        assert named["watched"].tolist() == [12] and named["after"].tolist() == ["inf"]
         assert any(e.value.startswith("first inf/NaN: 1 (forward output") for e in at.error)
         review = frames["dbg_review"]
         assert {8, 12, 13} <= set(review.loc[review["what"] == "skipped", "step"])  # the spike band's table

@@ -16,6 +16,7 @@ overflows (fp16's usual skip) is left to the layer watch and the replay of the s
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class FirstNonFinite:
     """Its position among the step's leaf forwards (0: the first to finish)."""
     leaves_seen: int
     """Leaf forwards recorded in that step."""
+    held: str
+    """What its output held, read from the sum: "nan", or "inf" (a sum is inf only when an element is, or the sum of
+    finite fp32 values passed 3.4e38)."""
 
 
 class NonfiniteSentinel:
@@ -70,11 +74,11 @@ class NonfiniteSentinel:
         sums = self._steps.get(step)
         if not sums:
             return None
-        finite = torch.isfinite(torch.stack([value for _, value in sums])).tolist()
-        for position, ((index, _), ok) in enumerate(zip(sums, finite, strict=True)):
-            if not ok:
+        values = torch.stack([value for _, value in sums]).tolist()
+        for position, ((index, _), value) in enumerate(zip(sums, values, strict=True)):
+            if not math.isfinite(value):
                 return FirstNonFinite(step=step, module=self.names[index], forward_index=position,
-                                      leaves_seen=len(sums))
+                                      leaves_seen=len(sums), held="nan" if math.isnan(value) else "inf")
         return None
 
     def failed(self, step: int, why: str) -> tuple[str, dict] | None:
@@ -94,7 +98,8 @@ class NonfiniteSentinel:
                    f"leaf forward {found.forward_index + 1} of {found.leaves_seen}, flagged on the device during the "
                    "step)")
         return message, {"failed_step": step, "watched_step": step, "failure": why, "same_step": True,
-                         "module": found.module, "phase": "forward", "source": "device flags"}
+                         "module": found.module, "phase": "forward", "source": "device flags",
+                         "after_amax": found.held}
 
     def held(self, step: int) -> bool:
         """Whether the sums of `step` are still kept."""
