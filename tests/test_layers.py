@@ -202,9 +202,9 @@ def test_only_torch_private_names_private_torch_apis():
     assert not problems, "\n".join(problems)
 
 TRAINERS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
-LAZY_TRAINER_USERS = ("amp_core.workloads.hf",)
-"""Engine modules that import transformers only inside the functions that build a model from it (the `hf` extra's
-workloads): the engine reaches them, never transformers at import time."""
+LAZY_TRAINER_USERS = ("amp_core.integrations.hf_models",)
+"""Modules that import transformers only inside the function that hands it to the `hf` extra's workloads: the engine
+reaches them, never transformers at import time."""
 
 
 def top_level_imports(path: Path) -> set[str]:

@@ -34,17 +34,11 @@ MASK_SHARE, MASK_AS_MASK, MASK_AS_RANDOM = 0.15, 0.8, 0.1
 """BERT's masking: 15 % of positions are predicted; of those 80 % show [MASK], 10 % a random byte, 10 % stay."""
 
 
-@functools.cache
 def _transformers():
-    """The transformers package, imported on first use; a ConfigError naming the extra when it is not installed."""
-    try:
-        import transformers
-    except ImportError as exc:
-        from amp_core.config import ConfigError
+    """The transformers package (amp_core.integrations.hf_models: the one place it is imported, on first use)."""
+    from amp_core.integrations.hf_models import transformers_module
 
-        raise ConfigError("workload", f"needs the hf extra (transformers is not installed: {exc}): "
-                                      f"pip install -e '.[hf]'") from None
-    return transformers
+    return transformers_module()
 
 
 @functools.cache
