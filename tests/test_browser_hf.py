@@ -13,7 +13,9 @@ from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS, LOSS_POINTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "train_page_gpt2.png"
-STEPS = 12
+# Far more steps than any CPU finishes between two redraws, so the chart is seen growing on a fast machine too;
+# the test stops the run once it has seen that.
+STEPS = 2000
 GPT2_TITLE = "GPT-2 (transformers, causal LM)"
 
 pytestmark = [
@@ -55,11 +57,11 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
             launch.click()
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=180_000)
             first = page.evaluate(LOSS_POINTS)
-            # The chart grows while the run goes: more points than first drawn, up to every step.
+            assert max(first.values()) < STEPS, f"the run ended before its chart was first read: {first}"
+            # The chart grows while the run goes: more points than first drawn.
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, min(first.values()) + 1], timeout=180_000)
-            page.get_by_text("Run status: finished").wait_for(timeout=180_000)
-            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, STEPS], timeout=60_000)
-            assert page.evaluate(LOSS_POINTS) == dict.fromkeys(modes, STEPS)
+            page.get_by_role("button", name="Stop", exact=True).click()
+            page.get_by_text("Run status: stopped").wait_for(timeout=120_000)
             page.wait_for_function(SETTLED, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0
             SCREENSHOT.parent.mkdir(exist_ok=True)
