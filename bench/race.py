@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from amp_core.compiled import COMPILED_EVENT, eager_recipe, is_compiled_recipe
+from amp_core.compiled import COMPILED_EVENT, compile_in_place, eager_recipe, is_compiled_recipe
 from amp_core.config import RunConfig
 from amp_core.precision import (
     BASELINE_MODE,
@@ -62,7 +62,7 @@ def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[f
     compiled = compile_option(precision)
     if compiled is not None:  # the bare compiled loop: torch.compile as a user writes it; WARMUP holds its compile
         torch._dynamo.reset()  # compiled afresh, not served by the entries the race's lane left for the same forward
-        model.compile(mode=None if compiled.compile_mode == "default" else compiled.compile_mode)
+        compile_in_place(model, compiled.compile_mode)  # the options the race's lane is compiled with
     eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
     optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
     scaler = precision.make_scaler()
