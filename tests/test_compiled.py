@@ -74,7 +74,8 @@ def test_a_compiled_lane_replays_compiled_and_eagerly_and_says_what_compiling_ch
     # eagerly the same recipe is the eager mode's step; compiled, inductor's fused chain rounds once: another loss
     assert eager.loss == rows["bf16-mixed"].loss != compiled.loss
     said = " ".join(report.notes)
-    assert "replayed compiled (inductor, the lane's compile options) and eagerly" in said and "apart" in said
+    assert "compiled (inductor, the recipe's compile options) and eager replays of bf16-mixed+compile" in said
+    assert "apart (relative)" in said
     assert "judged on the eager rows instead, the verdict would be unclear" in said and report.verdict.kind == "unclear"
     assert "bf16-mixed+compile (eager)" in replay_text(report)
     # from the eager lane, the compiled recipe is replayed compiled too (a copy, compiled with the lane's options)

@@ -324,7 +324,7 @@ def compile_notes(rows: list[ModeReplay], band: LossBand | None, rule: SpikeRule
         else:
             apart = "one of them not finite"
         said = {True: "breaks", False: "holds"}
-        notes.append(f"{row.mode} was replayed compiled (inductor, the lane's compile options) and eagerly: loss "
+        notes.append(f"compiled (inductor, the recipe's compile options) and eager replays of {row.mode}: loss "
                      f"{row.loss:.6g} compiled, {twin.loss:.6g} eager, {apart}; the step {said[row.broke()]} "
                      f"compiled and {said[twin.broke()]} eagerly")
     if notes:
