@@ -86,11 +86,17 @@ class CompileFailed(RuntimeError):
     """A lane's model could not be compiled; the message is one line."""
 
 
-def compile_lane_model(model: torch.nn.Module, mode: str, on_call) -> None:
-    """Compile `model` in place with inductor (`nn.Module.compile`: names and parameters stay the module's own; a
-    deepcopy of it is eager, torch drops the compiled call when copying). `on_call()` runs before each compiled
-    call (it says which lane is calling, for dynamo's callbacks)."""
+def compile_in_place(model: torch.nn.Module, mode: str) -> None:
+    """Compile `model` in place as a compiled lane is (inductor, torch.compile's `mode`, static shapes, autocast left
+    outside the compiled module): `nn.Module.compile`, so names and parameters stay the module's own; a deepcopy of
+    it is eager (torch drops the compiled call when copying). Lazy: dynamo compiles on the first call."""
     model.compile(backend="inductor", mode=None if mode == "default" else mode)
+
+
+def compile_lane_model(model: torch.nn.Module, mode: str, on_call) -> None:
+    """Compile a lane's `model` in place (`compile_in_place`); `on_call()` runs before each compiled call (it says
+    which lane is calling, for dynamo's callbacks)."""
+    compile_in_place(model, mode)
     compiled = torch_private.compiled_call(model)
 
     def call(*args, **kwargs):

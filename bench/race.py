@@ -4,7 +4,7 @@ mode measured alone.
 - Speed: a bare PyTorch loop per mode (the seed notes' loop, GradScaler in 16-mixed) times N steps end to end
   (one sync at the end on CUDA); its speedup is 32-true's time per step over the mode's. The race's speedup is what
   the Train page shows (`summarize`: median step time of the 32-true lane over the lane's). Bare loops and the race
-  alternate for `--rounds` rounds in one process; medians of the rounds.
+  alternate for `--rounds` rounds in one process, taking turns to go first; medians of the rounds.
 - Memory: each lane's figure (`lane_peak_bytes`) in the race against a run of that lane alone.
 
 Lanes are modes or recipes (`--modes 32-true,bf16-mixed,bf16-mixed+fp8-rowwise`): the bare loop builds each from
@@ -14,8 +14,11 @@ the same Precision object the race does (model preparation, optimizer, autocast,
     python3 -m bench.race [--device cuda] [--workload tiny_transformer] [--size large] [--batch-size 32] [--modes M,..]
 Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>;
 with a compiled lane (`--modes bf16-mixed,bf16-mixed+compile`; its eager twin is always raced): its speedup against
-eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<race ms/step of the compiled
-lane / a bare compiled loop's of the same model, measured in the same process> (target <= 1.05 on a CPU).
+eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<the median over rounds of
+(the compiled lane's median step time in the race / the median step time of a bare compiled loop of the same model in
+the same round)>, both timing the span a lane's step window does (batch on the device to optimizer update: the
+batch's sampling is in neither), compiled the same way (inductor, the recipe's mode, static shapes, autocast around
+the compiled module, the recipe's optimizer), each after a dynamo reset (target <= 1.05 on a CPU).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import time
 
 import torch
 
-from amp_core.compiled import COMPILED_EVENT, eager_recipe, is_compiled_recipe
+from amp_core.compiled import COMPILED_EVENT, compile_in_place, eager_recipe, is_compiled_recipe
 from amp_core.config import RunConfig
 from amp_core.precision import (
     BASELINE_MODE,
@@ -46,8 +49,11 @@ FP8_BASELINE = "bf16-mixed"
 """What an FP8 lane's speedup is also given against: the same autocast without FP8 matmuls."""
 
 
-def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
-    """Milliseconds per step of a plain loop in `recipe`, after WARMUP steps, device-synchronised once at the end."""
+def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[float]]:
+    """A plain loop in `recipe`, WARMUP steps then `steps` timed ones: (milliseconds per step end to end, the loop
+    synchronised once at the end on CUDA; each step's milliseconds over the span a race lane's step window times —
+    its batch put on the device through the optimizer's update, not the batch's sampling — on CUDA between events,
+    read after that one sync)."""
     precision = get_precision(recipe, config.device)
     workload = WORKLOADS[config.workload]
     data = workload.load_data(config)
@@ -56,12 +62,13 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
     compiled = compile_option(precision)
     if compiled is not None:  # the bare compiled loop: torch.compile as a user writes it; WARMUP holds its compile
         torch._dynamo.reset()  # compiled afresh, not served by the entries the race's lane left for the same forward
-        model.compile(mode=None if compiled.compile_mode == "default" else compiled.compile_mode)
+        compile_in_place(model, compiled.compile_mode)  # the options the race's lane is compiled with
     eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
     optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
     scaler = precision.make_scaler()
     generator = torch.Generator().manual_seed(config.seed)
     cuda = precision.device_type == "cuda"
+    spans: list[tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event]] = []
     started = 0.0
     with precision.step_context():  # on CUDA the lane's TF32 flags, set once for the whole loop
         for step in range(WARMUP + steps):
@@ -69,16 +76,30 @@ def bare_ms_per_step(config: RunConfig, recipe: str, steps: int) -> float:
                 if cuda:
                     torch.cuda.synchronize()
                 started = time.perf_counter()
-            x, y = (precision.prepare_input(t) for t in data.sample(generator, config.batch_size))
+            batch = data.sample(generator, config.batch_size)
+            if cuda:  # events, read after the one sync at the end (no per-step host sync)
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            else:
+                begin = time.perf_counter()
+            x, y = (precision.prepare_input(t) for t in batch)
             optimizer.zero_grad(set_to_none=True)
             with precision.forward_context():
                 loss = workload.loss(model(x), y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            if step >= WARMUP:
+                if cuda:
+                    end.record()
+                    spans.append((begin, end))
+                else:
+                    spans.append((begin, time.perf_counter()))
         if cuda:
             torch.cuda.synchronize()  # the figure: the steps' wall time
-    return (time.perf_counter() - started) / steps * 1e3
+    total_ms = (time.perf_counter() - started) / steps * 1e3
+    step_ms = [begin.elapsed_time(end) if cuda else (end - begin) * 1e3 for begin, end in spans]
+    return total_ms, step_ms
 
 
 def race(config: RunConfig, compile_s: dict[str, float] | None = None
@@ -108,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--modes", default="", help="comma-separated modes or recipes (MODE[+OPTION...])")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     modes = parse_modes(args.modes) or (
         ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true") if args.device == "cuda"
@@ -137,16 +158,22 @@ def main(argv: list[str] | None = None) -> None:
     bare: dict[str, list[float]] = {mode: [] for mode in modes}
     raced: dict[str, list[float]] = {mode: [] for mode in modes}
     bare_ms: dict[str, list[float]] = {mode: [] for mode in modes}
+    bare_step_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     race_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     compile_s: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(args.rounds):
-        times = {mode: bare_ms_per_step(config, mode, args.steps) for mode in modes}
+    for round_index in range(args.rounds):
+        # Bare loops and the race take turns going first, so a drift of the machine's speed over a round (another
+        # process, the clock) falls on both sides alike over the rounds instead of always on the side that runs last.
         compiles: dict[str, float] = {}
+        if round_index % 2:
+            speedups, race_peaks, medians = race(config, compiles)
+        loops = {mode: bare_loop(config, mode, args.steps) for mode in modes}
+        if not round_index % 2:
+            speedups, race_peaks, medians = race(config, compiles)
         for mode in modes:
-            bare[mode].append(times[BASELINE_MODE] / times[mode])
-            bare_ms[mode].append(times[mode])
-        speedups, race_peaks, medians = race(config, compiles)
-        for mode in modes:
+            bare[mode].append(loops[BASELINE_MODE][0] / loops[mode][0])
+            bare_ms[mode].append(loops[mode][0])
+            bare_step_ms[mode].append(statistics.median(loops[mode][1]))
             raced[mode].append(speedups[mode])
             race_ms[mode].append(medians[mode])
             if mode in compiles:
@@ -174,11 +201,16 @@ def main(argv: list[str] | None = None) -> None:
         eager = eager_recipe(mode)
         race_vs_eager = statistics.median(race_ms[eager]) / statistics.median(race_ms[mode])
         bare_vs_eager = statistics.median(bare_ms[eager]) / statistics.median(bare_ms[mode])
-        overhead = statistics.median(race_ms[mode]) / statistics.median(bare_ms[mode])
+        # The overhead, paired within each round: the race lane's median step over the bare compiled loop's median
+        # step, both timing the same span (batch on the device -> optimizer update) with the same statistic, then the
+        # median of the rounds' ratios (one slow round moves it little; the spread says how noisy the machine was).
+        ratios = sorted(r / b for r, b in zip(race_ms[mode], bare_step_ms[mode], strict=True))
+        overhead = statistics.median(ratios)
         overheads.append(overhead)
-        print(f"{mode}: speedup_vs_eager race={race_vs_eager:.3f} bare={bare_vs_eager:.3f} | ms/step race="
-              f"{statistics.median(race_ms[mode]):.3f} bare_compiled_loop={statistics.median(bare_ms[mode]):.3f} | "
-              f"compile_s={statistics.median(compile_s[mode]) if compile_s[mode] else float('nan'):.2f} "
+        print(f"{mode}: speedup_vs_eager race={race_vs_eager:.3f} bare={bare_vs_eager:.3f} | median ms/step race="
+              f"{statistics.median(race_ms[mode]):.3f} bare_compiled_loop={statistics.median(bare_step_ms[mode]):.3f}"
+              f" | overhead per round {' '.join(f'{r:.3f}' for r in ratios)} | compile_s="
+              f"{statistics.median(compile_s[mode]) if compile_s[mode] else float('nan'):.2f} "
               f"(first compile per round, inductor's caches warm after round 1)", flush=True)
     if overheads:
         print(f"compiled_overhead_ratio={max(overheads):.4f}")

@@ -120,7 +120,8 @@ def compiled_section() -> None:
     st.subheader("Compiled (`+compile`): what inductor made of this step")
     mode = st.session_state.get("opi_mode", "bf16-mixed")
     if not st.toggle(f"Compile {mode} with inductor and show what ran", key="opi_compiled"):
-        st.caption("A compiled lane's layer numerics and replay run on an eager copy with the same weights.")
+        st.caption("A compiled lane's layer numerics run on an eager copy with the same weights; its replay (Overflow "
+                   "debugger) runs the step compiled and eagerly, side by side.")
         return
     recipe = f"{mode}+compile"
     ok, why = availability(recipe, DEVICE)

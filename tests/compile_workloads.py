@@ -48,3 +48,26 @@ class PlantedBreak(MLPRegression):
 
     def build_model(self, size: str, data) -> nn.Module:
         return BreaksAndFails(self.sizes[size]["hidden"])
+
+
+class Chain(nn.Module):
+    """Linear -> a chain of pointwise ops -> Linear: under bf16 autocast eager rounds each op of the chain to bf16,
+    inductor fuses the chain into one kernel that computes in fp32 and rounds once, so the compiled loss differs from
+    eager's in its last bits (the drift pytorch#150638 describes)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.layer1 = nn.Linear(10, hidden)
+        self.layer2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.layer1(x)
+        hidden = hidden * torch.sigmoid(hidden) * 1.7 + torch.tanh(hidden) * 0.3 - hidden * 0.1
+        return self.layer2(hidden)
+
+
+class FusedChain(MLPRegression):
+    name = "fused_chain"
+
+    def build_model(self, size: str, data) -> nn.Module:
+        return Chain(self.sizes[size]["hidden"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_workloads import PlantedBreak
+from compile_workloads import FusedChain, PlantedBreak
 
 from amp_core.compiled import (
     COMPILED_EVENT,
@@ -37,8 +37,15 @@ def finished(config: RunConfig) -> Run:
 
 @pytest.fixture(scope="module")
 def race():
-    return finished(RunConfig(workload="digits_mlp", modes=("32-true", "bf16-mixed", "bf16-mixed+compile"),
-                              steps=STEPS, batch_size=16, gradstats_every=0))
+    """Eager and compiled lanes of a model whose compiled bf16 loss differs from eager's (a fused pointwise chain),
+    with snapshots every 5 steps (what replay starts from)."""
+    workload = FusedChain()
+    WORKLOADS[workload.name] = workload
+    try:
+        yield finished(RunConfig(workload=workload.name, modes=("32-true", "bf16-mixed", "bf16-mixed+compile"),
+                                 steps=STEPS, batch_size=16, snapshot_every=5, gradstats_every=0))
+    finally:
+        WORKLOADS.pop(workload.name)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +58,31 @@ def planted():
                                  gradstats_every=0))
     finally:
         WORKLOADS.pop(workload.name)
+
+
+def test_a_compiled_lane_replays_compiled_and_eagerly_and_says_what_compiling_changed(race):
+    from amp_core.diagnostics.replay import replay_run
+    from amp_core.views.replay import replay_text
+
+    manager = _Reader(race)  # the RunManager of this process, holding the run and its snapshots
+    report = replay_run(manager, race.run_id, "bf16-mixed+compile", 8)
+    rows = {row.mode: row for row in report.rows}
+    compiled, eager = rows["bf16-mixed+compile"], rows["bf16-mixed+compile (eager)"]
+    assert compiled.compiled and not eager.compiled and not rows["bf16-mixed"].compiled
+    # re-trained compiled from the snapshot of step 5, the compiled replay gives the run's (compiled) loss bit for bit
+    assert report.start_step == 5 and report.reproduced, report.reproduction_line()
+    # eagerly the same recipe is the eager mode's step; compiled, inductor's fused chain rounds once: another loss
+    assert eager.loss == rows["bf16-mixed"].loss != compiled.loss
+    said = " ".join(report.notes)
+    assert "compiled (inductor, the recipe's compile options) and eager replays of bf16-mixed+compile" in said
+    assert "apart (relative)" in said
+    assert "judged on the eager rows instead, the verdict would be unclear" in said and report.verdict.kind == "unclear"
+    assert "bf16-mixed+compile (eager)" in replay_text(report)
+    # from the eager lane, the compiled recipe is replayed compiled too (a copy, compiled with the lane's options)
+    other = replay_run(manager, race.run_id, "bf16-mixed", 8)
+    rows = {row.mode: row for row in other.rows}
+    assert other.reproduced and rows["bf16-mixed+compile"].compiled
+    assert rows["bf16-mixed+compile (eager)"].loss == rows["bf16-mixed"].loss != rows["bf16-mixed+compile"].loss
 
 
 def test_recipe_names_and_refusals(monkeypatch):

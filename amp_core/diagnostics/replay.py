@@ -11,6 +11,11 @@ Where the weights before step S come from (said in every report's `source`):
   CPU with the run's intra-op threads (each report says whether the recorded loss of S came back exactly) for models
   that draw no random numbers in their step (every built-in); a model with dropout gets the RNG state of the
   snapshot, which other lanes' interleaved draws moved in the run, and the report says so when its loss differs.
+
+A compiled lane (`+compile...`) re-trains and replays compiled, with its compile options (amp_core.compiled): the
+program the run ran. Every compiled recipe is replayed twice, compiled and as `<recipe> (eager)`, and the report's notes
+say whether compiling changed the loss, whether the step breaks, and the verdict (judged on the compiled rows). Where
+inf/NaN first appears is probed on an eager copy (layer numerics hooks each module; a compiled graph has no modules).
 """
 
 from __future__ import annotations
@@ -22,12 +27,16 @@ from typing import Any
 
 import torch
 
+from amp_core.compiled import compile_in_place
 from amp_core.config import RunConfig
 from amp_core.diagnostics.replay_modes import (
+    EAGER_TWIN,
     REPLAYED_EVENT,
     Fork,
     ReplayReport,
     ReplaySubject,
+    as_run,
+    compile_notes,
     judge,
     named_first,
     replay_modes,
@@ -38,6 +47,7 @@ from amp_core.diagnostics.replay_modes import (
 from amp_core.precision import (
     Precision,
     availability,
+    compile_option,
     resolve_device,
 )
 from amp_core.probes.faults import FaultPlan
@@ -176,6 +186,9 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
     if threads:
         pin_intra_op_threads(threads)  # the run's intra-op threads: reductions then sum in the same order
     devices = [torch.device(device)] if start.state.precision.device_type == "cuda" else []
+    compiled = compile_option(start.state.precision)
+    if compiled is not None:  # a compiled lane re-trains and replays compiled, as it ran (its eager row: a copy)
+        compile_in_place(start.state.model, compiled.compile_mode)
     try:
         with torch.random.fork_rng(devices=devices):  # the replay's draws leave the process's RNG as it was
             set_rng(start.rng, device)
@@ -193,7 +206,8 @@ def replay_step(*, config: RunConfig, run_id: str, lane: int, mode: str, seed: i
         if threads:
             pin_intra_op_threads(own_threads)
     band = loss_band(history, rule)
-    verdict = judge(rows, band, rule, fired)
+    verdict = judge(as_run(rows), band, rule, fired)  # the programs the run ran: a compiled recipe's compiled row
+    notes += compile_notes(rows, band, rule, fired, verdict)
     report = ReplayReport(run_id=run_id, lane=lane, mode=mode, step=step, source=start.source,
                           start_step=start.step, rows=rows, recorded_loss=recorded_loss, band=band, rule=rule,
                           faults=fired, verdict=verdict, notes=notes, replay_s=time.perf_counter() - began)
@@ -211,24 +225,32 @@ class _LaneSubject(ReplaySubject):
     def __init__(self, config: RunConfig, pre: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int,
                  scales: dict[str, float]):
         self.config, self.pre, self.batch, self.step, self.scales = config, pre, batch, step, scales
-        self.device, self.own_mode = pre.precision.device, pre.precision.mode
+        self.device, self.own_mode = pre.precision.device, pre.precision.recipe
         self.fp32_weights = copy.deepcopy(pre.model).float()  # the layer probe's starting point (an exact upcast)
         self.outlier = FaultPlan(pre.faults.faults).perturb_batch(step, batch)
 
     def fork(self, name: str, precision: Precision) -> Fork:
+        """The own recipe steps the lane's own state (compiled when the lane is); any other, and a compiled recipe's
+        `(eager)` row, a copy (a copy of a compiled module is eager), compiled again for a compiled recipe's own
+        row with the recipe's compile options."""
+        option = compile_option(precision)
+        eager_twin = name.endswith(EAGER_TWIN)
         if name == self.own_mode:
             state, source = self.pre, "the lane's own scaler" if precision.uses_scaler else ""
         else:
-            scale = self.scales.get(name) if precision.uses_scaler else None
+            recipe = name.removesuffix(EAGER_TWIN)
+            scale = self.scales.get(recipe) if precision.uses_scaler else None
             source = ("" if not precision.uses_scaler else
                       "the run's lane of this mode at this step" if scale is not None else "the initial scale")
             state = _fork(self.config, self.pre, precision, scale)
+            if option is not None and not eager_twin:
+                compile_in_place(state.model, option.compile_mode)
 
         def step() -> tuple[float, bool, float | None, float | None]:
             result = _step_once(state, self.batch, self.step)
             return result.loss, bool(result.skipped), result.scale, result.scale_after
 
-        return Fork(state.model, state.params, step, source)
+        return Fork(state.model, state.params, step, source, compiled=option is not None and not eager_twin)
 
     def first_nonfinite(self, precision: Precision, scale: float | None) -> tuple[str, str]:
         return named_first(probe_step(self.fp32_weights, precision, self.pre.workload.loss, self.outlier,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from amp_core.precision import (
     FLOAT64_REFERENCE,
     Precision,
     availability,
+    compile_option,
     float64_reference,
     get_precision,
 )
@@ -29,6 +30,9 @@ from amp_core.probes import gradstats
 from amp_core.probes.spikes import LossBand, SpikeRule
 
 VERDICTS = ("precision", "data", "unclear")
+EAGER_TWIN = " (eager)"
+"""A compiled recipe is replayed twice: compiled, under its own name (the program the run ran), and eagerly, as
+`<recipe> (eager)` — the same recipe, its model not compiled — so a report says whether compiling changed the step."""
 # --- the replay ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,8 @@ class ModeReplay:
     """Cosine between this mode's update and the fp32 update (NaN when either is zero or non-finite)."""
     loss_above_band: bool
     """The loss is above the lane's robust band (a spike)."""
+    compiled: bool = False
+    """The step ran compiled (inductor, the recipe's compile options); a compiled recipe's `(eager)` row did not."""
 
     def broke(self) -> bool:
         return not math.isfinite(self.loss) or not self.grads_finite or self.loss_above_band
@@ -205,6 +211,8 @@ class Fork:
     """Runs the step once: (loss, skipped, scale used, scale after)."""
     scale_source: str = ""
     """Where its loss scale came from (empty: the mode has no scaler)."""
+    compiled: bool = False
+    """Its model is compiled (the recipe's `+compile...`), so its step runs compiled."""
 
 
 class ReplaySubject:
@@ -237,7 +245,10 @@ def replay_targets(modes, device: str, notes: list[str]) -> list[tuple[str, Prec
         if not ok:
             notes.append(f"{name} is left out: {reason}")
             continue
-        targets.append((name, get_precision(name, device), name == BASELINE_MODE))
+        precision = get_precision(name, device)
+        targets.append((name, precision, name == BASELINE_MODE))
+        if compile_option(precision) is not None:
+            targets.append((name + EAGER_TWIN, precision, False))
     wide = float64_reference(device)
     if wide is not None:
         targets.append((FLOAT64_REFERENCE, wide, True))
@@ -270,12 +281,12 @@ def replay_modes(subject: ReplaySubject, targets: list[tuple[str, Precision, boo
             first, why = subject.first_nonfinite(precision, scale)
         update = [p.detach().double() - b for p, b in zip(fork.params, before, strict=True)]
         results[name] = (reference, loss, skipped, scale, scale_after, finite, first, why, bad, fork.scale_source,
-                         update)
+                         fork.compiled, update)
     reference_update = results[BASELINE_MODE][-1]
     reference_norm = _norm(reference_update)
     rows = []
     for name, _precision, _reference in targets:
-        reference, loss, skipped, scale, scale_after, finite, first, why, bad, source, update = results[name]
+        reference, loss, skipped, scale, scale_after, finite, first, why, bad, source, compiled, update = results[name]
         norm = _norm(update)
         dot = sum(float(torch.sum(a * b)) for a, b in zip(update, reference_update, strict=True))
         cosine = dot / (norm * reference_norm) if norm > 0 and reference_norm > 0 else math.nan
@@ -284,8 +295,45 @@ def replay_modes(subject: ReplaySubject, targets: list[tuple[str, Precision, boo
             first_nonfinite_why=why, nonfinite_params=bad, scale=scale, scale_after=scale_after, scale_source=source,
             update_norm=norm, update_rel_norm=norm / reference_norm if reference_norm > 0 else math.nan,
             update_cosine=cosine if math.isfinite(cosine) else math.nan,
-            loss_above_band=band is not None and math.isfinite(loss) and loss > band.upper))
+            loss_above_band=band is not None and math.isfinite(loss) and loss > band.upper, compiled=compiled))
     return rows
+
+
+def as_run(rows: list[ModeReplay]) -> list[ModeReplay]:
+    """The rows of the programs the run ran: a compiled recipe's compiled row, not its `(eager)` one."""
+    return [row for row in rows if not row.mode.endswith(EAGER_TWIN)]
+
+
+def compile_notes(rows: list[ModeReplay], band: LossBand | None, rule: SpikeRule, faults: list[str],
+                  verdict: Verdict) -> list[str]:
+    """Per compiled recipe replayed: its compiled and eager losses (bit for bit equal, or how far apart), whether
+    compiling changes if the step breaks, and whether the verdict (`verdict`: judged on the compiled rows) would be
+    another one judged on the eager rows."""
+    by_name = {row.mode: row for row in rows}
+    notes = []
+    swapped = []
+    for row in as_run(rows):
+        twin = by_name.get(row.mode + EAGER_TWIN)
+        swapped.append(twin if row.compiled and twin is not None else row)
+        if not row.compiled or twin is None:
+            continue
+        if row.loss == twin.loss or (math.isnan(row.loss) and math.isnan(twin.loss)):
+            apart = "bit for bit equal"
+        elif math.isfinite(row.loss) and math.isfinite(twin.loss) and twin.loss != 0:
+            apart = f"{abs(row.loss - twin.loss) / abs(twin.loss):.2e} apart (relative)"
+        else:
+            apart = "one of them not finite"
+        said = {True: "breaks", False: "holds"}
+        notes.append(f"compiled (inductor, the recipe's compile options) and eager replays of {row.mode}: loss "
+                     f"{row.loss:.6g} compiled, {twin.loss:.6g} eager, {apart}; the step {said[row.broke()]} "
+                     f"compiled and {said[twin.broke()]} eagerly")
+    if notes:
+        eager_verdict = judge([replace(row, mode=row.mode.removesuffix(EAGER_TWIN)) for row in swapped], band, rule,
+                              faults)
+        notes.append(f"judged on the eager rows instead, the verdict would be {eager_verdict.kind}"
+                     + ("" if eager_verdict.kind == verdict.kind else f" (not {verdict.kind}): compiling changes it")
+                     + "; where inf/NaN first appears is probed on an eager copy (layer numerics)")
+    return notes
 
 
 def recorded_replays(events, lane: int) -> list[ReplayReport]:
