@@ -46,7 +46,7 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
             launch.wait_for(timeout=90_000)
             page.get_by_label("Workload").click()  # Streamlit's selectbox: open it, then pick the option
             page.get_by_role("option", name=GPT2_TITLE).click()
-            page.get_by_text("Parameters: small 118.5K").wait_for(timeout=120_000)  # counted from its config
+            page.get_by_text("Parameters: small 34.2K").wait_for(timeout=120_000)  # counted from its config
             steps = page.get_by_label("Steps", exact=True)
             steps.fill(str(STEPS))
             steps.press("Enter")

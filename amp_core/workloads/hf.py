@@ -153,7 +153,9 @@ class GPT2(HFWorkload):
     config_class, model_class, task = "GPT2Config", "GPT2LMHeadModel", "causal-lm"
     requires = ("hf",)
     fixed = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    sizes = {"small": {"block": 32, "n_embd": 64, "n_layer": 2, "n_head": 4},
+    # small: a CPU step in tens of ms in 32-true at batch 64 (a 32-byte context 64 wide was ~100 ms on a 2-core AVX2
+    # CPU, and 4-5x that in bf16-mixed/16-mixed, whose matmuls the CPU converts).
+    sizes = {"small": {"block": 16, "n_embd": 32, "n_layer": 2, "n_head": 4},
              "medium": {"block": 128, "n_embd": 256, "n_layer": 4, "n_head": 8},
              # For a GPU: GPT-2 small's shape (768 wide, 12 layers, 12 heads) on a 512-byte context.
              "large": {"block": 512, "n_embd": 768, "n_layer": 12, "n_head": 12}}
