@@ -91,7 +91,8 @@ large for a GPU, GPT-2 small's / BERT-base's / ViT-Base's shape."""
 class HFWorkload(Workload):
     """A transformers architecture as a workload: `config_class` and `model_class` (names in the transformers
     package, resolved when a model is built), `task` (causal-lm, masked-lm or image-classification), and `sizes`:
-    each size's config arguments (the config class's own names) plus `block` (the text window, for the LMs).
+    each size's config arguments (the config class's own names) plus `block` (the text window, for the LMs), on top
+    of SHAPES where `shape_names` is set (`size_arguments` merges them).
     Random init; the LMs train on the shipped sonnets as bytes, image classification on the shipped 8x8 digits."""
 
     config_class: str = ""
@@ -99,12 +100,13 @@ class HFWorkload(Workload):
     task: str = "causal-lm"
     requires = ("hf",)
     fixed: dict[str, Any] = {}
+    """Config arguments every size shares (dropout off: every lane then computes the same function of the same
+    weights and batch, so the lanes differ by precision only)."""
     shape_names: tuple[str, str, str] | None = None
     """The config's own names for SHAPES' width, depth and heads: each size is then SHAPES[size] under these names (and
     the MLP 4x the width under `mlp_name`, where named), `sizes[size]` on top. None: `sizes` holds every argument."""
     mlp_name = ""
-    """Config arguments every size shares (dropout off: every lane then computes the same function of the same
-    weights and batch, so the lanes differ by precision only)."""
+    """The config's name for the MLP's width, where it is 4x the model's (BERT's and ViT's intermediate_size)."""
 
     def check_config(self, config) -> None:
         super().check_config(config)
