@@ -8,6 +8,7 @@ import fnmatch
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -63,6 +64,18 @@ def config_flag(parser: argparse.ArgumentParser, name: str, extra: str = "", *, 
     else:
         parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)",
                             **kwargs)
+
+
+def inspect_command(parser: argparse.ArgumentParser, mode_field: str, run_fields: tuple[str, ...], csv_help: str,
+                    handler: Callable[[argparse.Namespace], int]) -> None:
+    """An inspector's command (trace, numerics): `--workload`, `--mode` (InspectConfig's `mode_field`), the RunConfig
+    flags it takes (`run_fields`), `--csv` (`csv_help`), and its handler."""
+    config_flag(parser, "workload")
+    config_flag(parser, mode_field, of=INSPECT_DEFAULTS, flag="--mode")
+    for name in run_fields:
+        config_flag(parser, name)
+    parser.add_argument("--csv", default=None, help=csv_help)
+    parser.set_defaults(handler=handler, uses_workloads=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,22 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--html", default=None, metavar="PATH", help="also write the advice as an HTML report")
     advise.set_defaults(handler=cmd_advise, uses_workloads=True)
 
-    trace = sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and backward")
-    config_flag(trace, "workload")
-    config_flag(trace, "trace_mode", of=INSPECT_DEFAULTS, flag="--mode")
-    for name in ("size", "device"):
-        config_flag(trace, name)
-    trace.add_argument("--csv", default=None, help="write the op table here")
-    trace.set_defaults(handler=cmd_trace, uses_workloads=True)
-
-    numerics = sub.add_parser("numerics", parents=[plugins],
-                              help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
-    config_flag(numerics, "workload")
-    config_flag(numerics, "numerics_mode", of=INSPECT_DEFAULTS, flag="--mode")
-    for name in ("size", "batch_size", "device"):
-        config_flag(numerics, name)
-    numerics.add_argument("--csv", default=None, help="write the per-module table here")
-    numerics.set_defaults(handler=cmd_numerics, uses_workloads=True)
+    inspect_command(sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and "
+                                                                    "backward"),
+                    "trace_mode", ("size", "device"), "write the op table here", cmd_trace)
+    inspect_command(sub.add_parser("numerics", parents=[plugins],
+                                   help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32"),
+                    "numerics_mode", ("size", "batch_size", "device"), "write the per-module table here", cmd_numerics)
 
     replay = sub.add_parser("replay", parents=[plugins],
                             help="why did a step blow up, precision or data? replay it in every mode and in fp32",

@@ -6,8 +6,10 @@ import torch
 
 from amp_core.config import RunConfig
 from amp_core.precision import Precision
+from amp_core.probes.faults import param_by_name
 from amp_core.step import LaneState
 from amp_core.telemetry import LaneTrack
+from amp_core.workloads import Data, Workload
 
 
 class Lane:
@@ -40,9 +42,44 @@ def divergence_hint(config: RunConfig, precision: Precision) -> str:
     return ""
 
 
-def describe_lanes(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Module]) -> tuple[str, str, dict]:
-    """What a run's `started` event says of its lanes once they are built: (the lanes, the FP8 layers of each FP8
-    recipe as clauses, each recipe's report by mode: the replicate-0 lanes whose recipe has options)."""
+def plan_plain_steps(lanes: list[Lane], everies: tuple[int, ...] | None, counts_calls: bool) -> bool:
+    """Whether a race may take plain steps, set on each lane as the loop begins: where every lane-step hook acts every
+    N steps only (`everies`, RunHooks.plain_steps) and the sink's flush needs no call per step (`counts_calls`: a
+    RankSink's does), the steps that sample nothing of a lane that needs nothing else are plain."""
+    plain_run = everies is not None and not counts_calls
+    for lane in lanes:
+        if lane.state is not None:
+            lane.plain = lane.state.driver.plain = plain_run and lane.state.plain
+            lane.state.driver.also_every = everies or ()
+    return plain_run
+
+
+def run_outcome(lanes: list[Lane], failed_whole: bool, stop_asked: bool) -> str:
+    """A run's final status: failed when it failed as a whole or every lane did, else stopped when asked to, else
+    finished."""
+    if failed_whole or (lanes and all(lane.status == "failed" for lane in lanes)):
+        return "failed"
+    return "stopped" if stop_asked else "finished"
+
+
+def build_bases(config: RunConfig, workload: Workload, data: Data) -> list[torch.nn.Module]:
+    """Each seed replicate's initial model: every mode of a seed starts from that seed's weights. A fault naming a
+    parameter the model lacks fails the run here, at setup, not at the fault's step."""
+    bases = []
+    for replicate in range(config.seeds):
+        torch.manual_seed(config.seed + replicate)
+        bases.append(workload.build_model(config.size, data))
+    for fault in config.faults:
+        if fault.kind in ("grad_inf", "grad_nan"):
+            param_by_name(bases[0], fault.param)
+    return bases
+
+
+def started_event(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Module], device: torch.device,
+                  threads: str, described: list[tuple[str, dict]]) -> tuple[str, dict]:
+    """A run's `started` event once its lanes are built, as (message, data): the lanes, where they run and on how many
+    threads, the FP8 layers of each FP8 recipe, each recipe's report by mode (the replicate-0 lanes whose recipe has
+    options), and what the `describe` hooks said (`described`: their clauses and data)."""
     what = f"{config.workload} x {', '.join(config.modes)}"
     if config.seeds > 1:
         what += f" x {config.seeds} seeds ({config.seed}-{config.seed + config.seeds - 1})"
@@ -51,4 +88,6 @@ def describe_lanes(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Mo
     skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
                       f"{', '.join(report['fp8_skipped']) or 'none'}"
                       for recipe, report in recipes.items() if "fp8_layers" in report)
-    return what, skipped, recipes
+    message = f"{what} on {device}; {threads}{skipped}" + "".join(f"; {clause}" for clause, _ in described)
+    data = {"intra_op_threads": torch.get_num_threads(), "recipes": recipes}
+    return message, data | {key: value for _, extra in described for key, value in extra.items()}

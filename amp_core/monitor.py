@@ -50,28 +50,24 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import socket
 import sys
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from amp_core.config import ConfigError, SamplingSettings
 from amp_core.diagnostics.attached_replay import (
-    REPLAY_COST_EVENT,
-    REPLAY_OFF_EVENT,
-    REPLAY_ON_EVENT,
     REPLAY_SETTINGS,
     AttachedReplay,
     LossFn,
     ReplayOnFailure,
 )
 from amp_core.monitor_desk import NOT_SOON, MonitorDesk
+from amp_core.monitor_run import SOURCE, attached_run_config, user_module
 from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
@@ -79,15 +75,13 @@ from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import OptimizerWatch, SamplingSchedule, StepDriver, StepRecorder, StepResult, meter_for
 from amp_core.telemetry.sampled import StepProbes
-from amp_core.torch_private import scale_tensor, scaler_settings
+from amp_core.torch_private import scale_tensor
 
 LANE = 0
 """A Monitor's run has one lane (its mode); under torchrun, one track per rank."""
 MONITOR_FLUSH_EVERY_S = 1.0
 """A Monitor's flush cadence: the dashboard redraws every second, and a flush (a few ms on the loop's own thread) twice
 as often would cost a loop of a few ms per step half a percent."""
-SOURCE = "monitor"
-"""`source` in the config a Monitor saves: how the pages tell a watched script from a run they can control."""
 
 
 def _whole(name: str, value: Any, minimum: int) -> None:
@@ -164,20 +158,6 @@ class MonitorConfig(SamplingSettings):
             raise ConfigError("flush_every_s", f"must be > 0, got {self.flush_every_s!r}")
 
 
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DDP (or DataParallel) wrapper: parameter names as the user wrote them."""
-    return model.module if isinstance(model, (torch.nn.parallel.DistributedDataParallel,
-                                              torch.nn.DataParallel)) else model
-
-
-def _scheduler_name(scheduler) -> str:
-    if scheduler is None:
-        return "none"
-    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-        return "onecycle"
-    return type(scheduler).__name__
-
-
 class Monitor:
     """Records a user's training loop into the AMP Lab store (see the module's docstring).
 
@@ -207,7 +187,7 @@ class Monitor:
         """The loop's gradient clipping (max norm; 0: none), which a replay applies too (the callbacks set it).
         `replay_without`: objects the replay's copy of the model must leave out (a Lightning module's trainer)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.inner_model = _inner(model)
+        self.inner_model = user_module(model)
         """The user's module inside a DDP wrapper (parameter and module names as the user wrote them)."""
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         named = [(n, p) for n, p in self.inner_model.named_parameters() if p.requires_grad]
@@ -377,12 +357,7 @@ class Monitor:
         self._desk.answer()
         if self._driver.track is None:
             self._open()
-        kept = self._replay.kept
-        if kept is not None and kept.copies:
-            self.note(REPLAY_COST_EVENT, f"replay kept the state before each step: {kept.copies} host copies of "
-                                         f"{kept.nbytes() / 2**20:.3g} MiB, {kept.copy_s / kept.copies * 1e3:.3g} ms "
-                                         "each, outside the timed window", copies=kept.copies, kept_bytes=kept.nbytes(),
-                      copy_ms=kept.copy_s / kept.copies * 1e3, replays=self._replay.replays)
+        self._replays.say_cost()
         self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
         self._sink.close(status, [(LANE, status, error)])
 
@@ -415,38 +390,19 @@ class Monitor:
         if not self.mode:
             enabled, dtype = self._autocast_seen or (False, None)
             self.mode = mode_from_dtypes(dtype if enabled else None, self._param_dtype, self.device.type)
-        self._sink.open(self._saved_config(), str(self.device), torch.__version__,
+        saved = attached_run_config(self.config, model=self.inner_model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, scaler=self.scaler, mode=self.mode,
+                                    fused=self._watch.fused, world_size=self.world_size, ddp=self._ddp,
+                                    replay=self._replay.describe())
+        self._sink.open(saved, str(self.device), torch.__version__,
                         [{"source": SOURCE, "ranks": self.world_size}])
         self._driver.attach(self._recorder, self._recorder.track(LANE, self.mode, self._driver.meter))
         self._driver.plain = not (self._sink.counts_calls or self._watch.fused or self._replay.every_step)
-        replay = self._replay
-        data = replay.describe()
-        kept = replay.kept
-        if kept is not None:
-            data |= {"copy_ms": kept.copy_s / max(kept.copies, 1) * 1e3, "kept_bytes": kept.nbytes()}
-        self.note(REPLAY_ON_EVENT if replay.on else REPLAY_OFF_EVENT, replay.why, **data)
+        self._replays.say_setting()
 
     @property
     def _opened_run(self) -> bool:
         return self._driver.track is not None
-
-    def _saved_config(self) -> dict[str, Any]:
-        config, optimizer, scaler = self.config, self.optimizer, self.scaler
-        total = config.total_steps or int(getattr(self.scheduler, "total_steps", 0) or 0)
-        workload = config.workload or type(_inner(self.model)).__name__
-        saved = {"source": SOURCE, "name": config.name, "workload": workload,
-                 "modes": [self.mode], "steps": total, "optimizer": type(optimizer).__name__.lower(),
-                 "lr": float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])),
-                 "scheduler": _scheduler_name(self.scheduler), "fused_optimizer": self._watch.fused,
-                 "grad_norm_every": config.grad_norm_every, "gradstats_every": config.gradstats_every,
-                 "memory_every": config.memory_every, "probe_budget": config.probe_budget,
-                 "world_size": self.world_size, "ddp": self._ddp, "integration": config.integration,
-                 "layers_every": config.layers_every, "replay": self._replay.describe(),
-                 "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "", "host": socket.gethostname(),
-                 "pid": os.getpid(), "faults": []}
-        if scaler is not None:
-            saved["scaler"] = scaler_settings(scaler)
-        return saved
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:

@@ -8,24 +8,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import pandas as pd
 import torch
 
 from amp_core import background
-from amp_core.compiled import compile_hooks
 from amp_core.config import ConfigError, RunConfig
-from amp_core.lanes import Lane, describe_lanes, divergence_hint
-from amp_core.layer_amax import LayerAmaxHook
+from amp_core.lanes import Lane, build_bases, divergence_hint, plan_plain_steps, run_outcome, started_event
 from amp_core.precision import resolve_device
-from amp_core.probes.faults import param_by_name
 from amp_core.records import Event
-from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
+from amp_core.run_hooks import with_engine_hooks
+from amp_core.run_reading import RunReading
 from amp_core.runs import RunReader
-from amp_core.snapshots import LaneSnapshot, SnapshotHook, SnapshotRing, copy_lane
+from amp_core.snapshots import SnapshotRing
 from amp_core.step import LaneState, build_lane_state, plain_step, train_step
 from amp_core.switches import choose_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
@@ -82,13 +79,21 @@ class RunHooks:
         everies = [getattr(hook, "every", None) for hook in (*self.before_lane_step, *self.after_lane_step)]
         return None if None in everies else tuple(everies)
 
+    def lane_meta_of(self, run: Run, lane: Lane) -> dict:
+        """What is stored with `lane` when the run opens: its seed, and what each `lane_meta` hook adds."""
+        meta = {"seed": lane.seed}
+        for hook in self.lane_meta:
+            meta.update(hook(run, lane))
+        return meta
 
-class Run:
+
+class Run(RunReading):
     """A launch: one workload, one lane per mode and seed replicate, driven by one background thread.
 
     Run owns the lifecycle (start, pause, resume, stop, join) and the interleaved loop; a StepRecorder (telemetry)
-    turns each lane step into records through its RecordSink. It is extended through `hooks` (RunHooks), never by
-    overriding its methods. `sink`: where the records go (default a RecordSink on `store`; torchrun: a RankSink).
+    turns each lane step into records through its RecordSink; what can be read of it from any thread is RunReading's
+    (run_reading.py). It is extended through `hooks` (RunHooks, run_hooks.py), never by overriding its methods.
+    `sink`: where the records go (default a RecordSink on `store`; torchrun: a RankSink).
     """
 
     offers_fsdp = False
@@ -124,13 +129,7 @@ class Run:
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
         """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.snapshots, read
         by amp_core.diagnostics.replay; taken by a SnapshotHook, the first before_lane_step hook."""
-        hooks = self.hooks
-        before = [SnapshotHook(self.snapshots)] if self.snapshots.every > 0 else []
-        amax = [LayerAmaxHook(config.amax_every)] if config.amax_every > 0 else []
-        self.hooks = replace(hooks, before_lane_step=[*before, *hooks.before_lane_step],
-                             after_lane_step=[*amax, *hooks.after_lane_step],
-                             lane_end=[*(hook.lane_end for hook in amax), *hooks.lane_end])
-        self.hooks = compile_hooks(self.hooks, config)  # compiled lanes (`+compile`): compile time kept out of steps
+        self.hooks = with_engine_hooks(self.hooks, config, self.snapshots)
 
     # --- control -------------------------------------------------------------------------------------------
     # Status changes from the page (pause, resume) and the thread's own final status are made under `_control`:
@@ -144,17 +143,11 @@ class Run:
             raise ConfigError("fsdp", "FSDP2 shards each lane's model across the ranks of a torchrun job: run it "
                                       "with `amp-lab run --nproc N --fsdp`")
         self.sink.open(self.config.to_dict(), self.device, torch.__version__,
-                       lane_meta=[self._lane_meta(lane) for lane in self.lanes],
+                       lane_meta=[self.hooks.lane_meta_of(self, lane) for lane in self.lanes],
                        lane_modes=[lane.mode for lane in self.lanes])
         self.status = "running"
         self._thread = background.start(self._main, f"amp-run-{self.run_id}", stop=self._ask_to_stop)
         return self
-
-    def _lane_meta(self, lane: Lane) -> dict:
-        meta = {"seed": lane.seed}
-        for hook in self.hooks.lane_meta:
-            meta.update(hook(self, lane))
-        return meta
 
     def pause(self) -> None:
         """Pause before the next lane step (the one under way finishes); a run that is not running is left as it is."""
@@ -195,36 +188,6 @@ class Run:
         """Not over yet: about to start, or its thread still going (what counts against RunManager.max_running)."""
         return self._thread is None or self._thread.is_alive()
 
-    @property
-    def store_error(self) -> str:
-        return self.sink.store_error
-
-    # --- reading (any thread) ------------------------------------------------------------------------------
-    def frame(self, since: int = 0) -> pd.DataFrame:
-        """Step records [since, now) as a DataFrame."""
-        return self.sink.records.frame(since)
-
-    def events(self, since: int = 0) -> list[Event]:
-        return self.sink.events[since:]
-
-    def grad_stats(self) -> list[tuple[str, int, int, GradStats]]:
-        return list(self.sink.grad_stats)
-
-    def batch_of(self, lane: Lane) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch `lane` trains on at the current step (its seed replicate's); for hooks on the run's thread."""
-        return self._batches[lane.replicate]
-
-    def snapshot_lane(self, index: int) -> LaneSnapshot:
-        """Copy lane `index` between two steps: its current weights, and the batch of the current step. ValueError if
-        the lane holds no model (not started yet, or ended: the thread frees a lane's model when it ends)."""
-        lane = self.lanes[index]
-        with self._step_lock:
-            state = lane.state  # read once: the thread may free the lane the moment the lock is let go
-            if state is None or not self._batches:
-                why = "has not started yet" if lane.status == "pending" else f"has ended ({lane.status})"
-                raise ValueError(f"lane {index} ({lane.mode}) {why}")
-            return copy_lane(lane.mode, state, self._batches[lane.replicate], lane.steps_done)
-
     # --- lanes (the run's thread; hooks may call these) ------------------------------------------------------
     def stop_lane(self, lane: Lane, why: str, step: int) -> None:
         """Stop a lane whose loss went non-finite now; its steps still on their way are dropped."""
@@ -255,13 +218,7 @@ class Run:
                 if lane.state is not None:
                     self._free(lane)  # free the models; records stay
             with self._control:
-                if failure or (self.lanes and all(lane.status == "failed" for lane in self.lanes)):
-                    self.status = "failed"
-                elif self._stop.is_set():
-                    self.status = "stopped"
-                else:
-                    self.status = "finished"
-                final = self.status
+                self.status = final = run_outcome(self.lanes, bool(failure), self._stop.is_set())
             self.sink.event(final, f"run {final}")
             self.sink.close(final, [(lane.index, lane.status, lane.error) for lane in self.lanes])
             for hook in self.hooks.run_end:
@@ -270,13 +227,7 @@ class Run:
     def _setup(self) -> None:
         config, workload = self.config, WORKLOADS[self.config.workload]
         self.data = workload.load_data(config)
-        bases = []
-        for replicate in range(config.seeds):  # every mode of a seed starts from that seed's weights
-            torch.manual_seed(config.seed + replicate)
-            bases.append(workload.build_model(config.size, self.data))
-        for fault in config.faults:
-            if fault.kind in ("grad_inf", "grad_nan"):
-                param_by_name(bases[0], fault.param)  # an unknown name fails the run now, not at the fault's step
+        bases = build_bases(config, workload, self.data)
         for lane in self.lanes:
             lane.state = self.hooks.build_lane(config, lane.index, lane.mode, bases[lane.replicate], workload,
                                                self.device)
@@ -290,24 +241,16 @@ class Run:
         for lane in self.lanes:
             for hook in self.hooks.lane_setup:
                 hook(self, lane)
-        lanes, fp8, recipes = describe_lanes(config, self.lanes, bases)
-        described = [hook(self) for hook in self.hooks.describe]
-        self.sink.event("started", f"{lanes} on {self.device}; {threads}{fp8}"
-                        + "".join(f"; {clause}" for clause, _ in described),
-                        intra_op_threads=torch.get_num_threads(), recipes=recipes,
-                        **{key: value for _, data in described for key, value in data.items()})
+        message, data = started_event(config, self.lanes, bases, self.device, threads,
+                                      [hook(self) for hook in self.hooks.describe])
+        self.sink.event("started", message, **data)
         for hook in self.hooks.setup_done:
             hook(self)
 
     def _loop(self) -> None:
         config, recorder, hooks, sink = self.config, self.recorder, self.hooks, self.sink
         # Plain steps where every hook acts every N steps only, and the sink's flush needs no call per step.
-        everies = hooks.plain_steps()
-        plain_run = everies is not None and not sink.counts_calls
-        for lane in self.lanes:
-            if lane.state is not None:
-                lane.plain = lane.state.driver.plain = plain_run and lane.state.plain
-                lane.state.driver.also_every = everies or ()
+        plain_run = plan_plain_steps(self.lanes, hooks.plain_steps(), sink.counts_calls)
         flush_at, workload = 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up is a few hundred ns with the caches holding the model.
         sample, generators, batch_size, lanes = self.data.sample, self.generators, config.batch_size, self.lanes

@@ -4,14 +4,18 @@ mode measured alone.
 - Speed: a bare PyTorch loop per mode (the seed notes' loop, GradScaler in 16-mixed) times N steps end to end
   (one sync at the end on CUDA); its speedup is 32-true's time per step over the mode's. The race's speedup is what
   the Train page shows (`summarize`: median step time of the 32-true lane over the lane's). Bare loops and the race
-  alternate for `--rounds` rounds in one process, taking turns to go first; medians of the rounds.
-- Memory: each lane's figure (`lane_peak_bytes`) in the race against a run of that lane alone.
+  alternate for up to `--rounds` rounds in one process, taking turns to go first; medians of the rounds. The work
+  scales with the workload: a round is as many steps per lane as `--steps` asks (plus a bare loop's warm-up, a
+  tenth of them, at most WARMUP), and no round starts that would end past `--budget-s` (one round always runs; the
+  first line says how many did and how long one took).
+- Memory: each lane's figure (`lane_peak_bytes`) in the race against a run of that lane alone, ALONE_STEPS long.
 
 Lanes are modes or recipes (`--modes 32-true,bf16-mixed,bf16-mixed+fp8-rowwise`): the bare loop builds each from
 the same Precision object the race does (model preparation, optimizer, autocast, scaler). 32-true is always raced
 (the speedups' baseline); an FP8 lane also gets bf16-mixed, and a line with its speedup against bf16-mixed.
 
     python3 -m bench.race [--device cuda] [--workload tiny_transformer] [--size large] [--batch-size 32] [--modes M,..]
+First line: rounds=<run> of <--rounds>.
 Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>;
 with a compiled lane (`--modes bf16-mixed,bf16-mixed+compile`; its eager twin is always raced): its speedup against
 eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<the median over rounds of
@@ -45,12 +49,17 @@ from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
 
 WARMUP = 20
+"""A bare loop's warm-up steps at most: a tenth of its steps, at least 2 (the MLP default's 200 steps keep all 20)."""
+ALONE_STEPS = 3
+"""Steps of a lane raced alone for its memory: memory is measured on steps 0 and 1 (then every memory_every), and a
+step's figure is the same from step 1 on, so a longer run would measure nothing more."""
 FP8_BASELINE = "bf16-mixed"
 """What an FP8 lane's speedup is also given against: the same autocast without FP8 matmuls."""
 
 
 def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[float]]:
-    """A plain loop in `recipe`, WARMUP steps then `steps` timed ones: (milliseconds per step end to end, the loop
+    """A plain loop in `recipe`, its warm-up steps (`warmup_steps`) then `steps` timed ones: (milliseconds per step
+    end to end, the loop
     synchronised once at the end on CUDA; each step's milliseconds over the span a race lane's step window times —
     its batch put on the device through the optimizer's update, not the batch's sampling — on CUDA between events,
     read after that one sync)."""
@@ -70,9 +79,10 @@ def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[f
     cuda = precision.device_type == "cuda"
     spans: list[tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event]] = []
     started = 0.0
+    warmup = warmup_steps(steps)
     with precision.step_context():  # on CUDA the lane's TF32 flags, set once for the whole loop
-        for step in range(WARMUP + steps):
-            if step == WARMUP:
+        for step in range(warmup + steps):
+            if step == warmup:
                 if cuda:
                     torch.cuda.synchronize()
                 started = time.perf_counter()
@@ -89,7 +99,7 @@ def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[f
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            if step >= WARMUP:
+            if step >= warmup:
                 if cuda:
                     end.record()
                     spans.append((begin, end))
@@ -100,6 +110,12 @@ def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[f
     total_ms = (time.perf_counter() - started) / steps * 1e3
     step_ms = [begin.elapsed_time(end) if cuda else (end - begin) * 1e3 for begin, end in spans]
     return total_ms, step_ms
+
+
+def warmup_steps(steps: int) -> int:
+    """A bare loop's warm-up before `steps` timed steps: a tenth of them, at least 2, at most WARMUP (a compiled
+    loop compiles in its first warm-up step)."""
+    return min(WARMUP, max(2, steps // 10))
 
 
 def race(config: RunConfig, compile_s: dict[str, float] | None = None
@@ -129,7 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--modes", default="", help="comma-separated modes or recipes (MODE[+OPTION...])")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds at most (bare loops and a race, taking turns going first)")
+    parser.add_argument("--budget-s", type=float, default=40.0,
+                        help="no round starts that would end past this many seconds (one round always runs)")
     args = parser.parse_args(argv)
     modes = parse_modes(args.modes) or (
         ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true") if args.device == "cuda"
@@ -161,14 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     bare_step_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     race_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     compile_s: dict[str, list[float]] = {mode: [] for mode in modes}
-    for round_index in range(args.rounds):
+    began, round_s, rounds = time.perf_counter(), 0.0, 0
+    while rounds < args.rounds and (rounds == 0 or time.perf_counter() - began + round_s <= args.budget_s):
+        round_began = time.perf_counter()
         # Bare loops and the race take turns going first, so a drift of the machine's speed over a round (another
         # process, the clock) falls on both sides alike over the rounds instead of always on the side that runs last.
         compiles: dict[str, float] = {}
-        if round_index % 2:
+        if rounds % 2:
             speedups, race_peaks, medians = race(config, compiles)
         loops = {mode: bare_loop(config, mode, args.steps) for mode in modes}
-        if not round_index % 2:
+        if not rounds % 2:
             speedups, race_peaks, medians = race(config, compiles)
         for mode in modes:
             bare[mode].append(loops[BASELINE_MODE][0] / loops[mode][0])
@@ -178,7 +199,12 @@ def main(argv: list[str] | None = None) -> None:
             race_ms[mode].append(medians[mode])
             if mode in compiles:
                 compile_s[mode].append(compiles[mode])
-    alone = {mode: race(RunConfig.from_dict({**config.to_dict(), "modes": [mode]}))[1][mode] for mode in modes}
+        rounds += 1
+        round_s = max(round_s, time.perf_counter() - round_began)  # the slowest round: the next one's estimate
+    print(f"rounds={rounds} of {args.rounds} ({args.steps} steps per lane; the slowest round took {round_s:.1f} s, "
+          f"--budget-s {args.budget_s:g})", flush=True)
+    alone = {mode: race(RunConfig.from_dict({**config.to_dict(), "modes": [mode],
+                                             "steps": min(args.steps, ALONE_STEPS)}))[1][mode] for mode in modes}
     errors, changes = [], []
     for mode in modes:
         bare_speedup, race_speedup = statistics.median(bare[mode]), statistics.median(raced[mode])

@@ -262,7 +262,7 @@ from amp_core.views.tables import content_widths, markdown_table  # noqa: E402
 
 @st.cache_data(show_spinner=False)
 def parameter_counts(workload: str, sizes: tuple[str, ...]) -> str:
-    """'small 118.5K · medium 3.3M · ...': each size's parameters, counted on the meta device (nothing allocated)."""
+    """'small 34.2K · medium 3.3M · ...': each size's parameters, counted on the meta device (nothing allocated)."""
     from amp_core.workloads import parameter_count
 
     return " · ".join(f"{size} {format_count(parameter_count(workload, size))}" for size in sizes)

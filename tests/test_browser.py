@@ -56,6 +56,29 @@ SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 
 machine (before, it is the system fallback font's, which differs between machines)."""
 
 
+def open_train_page(page, url: str):
+    """Go to the Train page at `url` and wait for its form to be drawn; returns its Launch button."""
+    page.goto(url)
+    launch = page.get_by_role("button", name="Launch")
+    launch.wait_for(timeout=90_000)
+    return launch
+
+
+def enter_number(page, label: str, value) -> None:
+    """Type `value` into the number input labelled `label` and commit it with Enter, as a user does."""
+    box = page.get_by_label(label, exact=True)
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def settle_and_shoot(page, path: Path) -> None:
+    """Wait until Streamlit has redrawn everything, check that no traceback is drawn, save a full-page screenshot."""
+    page.wait_for_function(SETTLED, timeout=60_000)
+    assert page.locator("[data-testid='stException']").count() == 0
+    path.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+
+
 def test_launch_two_modes_and_watch_the_loss_chart(server):
     from playwright.sync_api import expect, sync_playwright
 
@@ -65,12 +88,8 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 2600})
-            page.goto(server)
-            launch = page.get_by_role("button", name="Launch")
-            launch.wait_for(timeout=90_000)
-            steps = page.get_by_label("Steps", exact=True)
-            steps.fill(str(STEPS))
-            steps.press("Enter")
+            launch = open_train_page(page, server)
+            enter_number(page, "Steps", STEPS)
             page.wait_for_function(SETTLED, timeout=60_000)
             for mode in modes:  # the default selection: 32-true and this machine's best mixed mode
                 page.get_by_text(mode, exact=True).first.wait_for()
@@ -80,10 +99,7 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, STEPS], timeout=60_000)
             assert page.evaluate(LOSS_POINTS) == dict.fromkeys(modes, STEPS)  # the Steps typed took effect
             expect(page.get_by_role("button", name="Pause")).to_have_count(0)
-            page.wait_for_function(SETTLED, timeout=60_000)
-            assert page.locator("[data-testid='stException']").count() == 0
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            settle_and_shoot(page, SCREENSHOT)
         finally:
             browser.close()
     assert SCREENSHOT.stat().st_size > 10_000

@@ -9,7 +9,16 @@ import pytest
 
 from amp_core.precision import default_modes
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, LOSS_POINTS, LOSS_POINTS_AT_LEAST, SETTLED
+from tests.test_browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    LOSS_POINTS,
+    LOSS_POINTS_AT_LEAST,
+    SETTLED,
+    enter_number,
+    open_train_page,
+    settle_and_shoot,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "train_page_gpt2.png"
@@ -41,18 +50,12 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 2400})
-            page.goto(server)
-            launch = page.get_by_role("button", name="Launch")
-            launch.wait_for(timeout=90_000)
+            launch = open_train_page(page, server)
             page.get_by_label("Workload").click()  # Streamlit's selectbox: open it, then pick the option
             page.get_by_role("option", name=GPT2_TITLE).click()
-            page.get_by_text("Parameters: small 118.5K").wait_for(timeout=120_000)  # counted from its config
-            steps = page.get_by_label("Steps", exact=True)
-            steps.fill(str(STEPS))
-            steps.press("Enter")
-            batch = page.get_by_label("Batch size", exact=True)
-            batch.fill("8")
-            batch.press("Enter")
+            page.get_by_text("Parameters: small 34.2K").wait_for(timeout=120_000)  # counted from its config
+            enter_number(page, "Steps", STEPS)
+            enter_number(page, "Batch size", 8)
             page.wait_for_function(SETTLED, timeout=60_000)
             launch.click()
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=180_000)
@@ -62,10 +65,7 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, min(first.values()) + 1], timeout=180_000)
             page.get_by_role("button", name="Stop", exact=True).click()
             page.get_by_text("Run status: stopped").wait_for(timeout=120_000)
-            page.wait_for_function(SETTLED, timeout=60_000)
-            assert page.locator("[data-testid='stException']").count() == 0
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            settle_and_shoot(page, SCREENSHOT)
         finally:
             browser.close()
     assert SCREENSHOT.stat().st_size > 10_000

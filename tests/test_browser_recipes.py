@@ -15,6 +15,8 @@ from tests.test_browser import (  # noqa: F401  (server: the real server fixture
     CHROMIUM_ARGS,
     LOSS_POINTS_AT_LEAST,
     SETTLED,
+    enter_number,
+    open_train_page,
     server,
 )
 
@@ -61,15 +63,12 @@ def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(server)
-            page.get_by_role("button", name="Launch").wait_for(timeout=90_000)
+            open_train_page(page, server)
             page.get_by_label("Workload", exact=True).click()
             page.get_by_role("option", name="Tiny transformer (predicts the next letter)").click()
             page.wait_for_function(SETTLED, timeout=60_000)
             for label, value in (("Steps", STEPS), ("Batch size", 8)):
-                box = page.get_by_label(label, exact=True)
-                box.fill(str(value))
-                box.press("Enter")
+                enter_number(page, label, value)
                 page.wait_for_function(SETTLED, timeout=60_000)
             page.get_by_text("Recipes: FP8 matmuls").click()
             page.get_by_role("button", name="Use preset").wait_for()

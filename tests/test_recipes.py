@@ -216,7 +216,8 @@ def test_bench_race_takes_recipe_lanes_and_gives_fp8_its_speedup_against_bf16_mi
     done = subprocess.run([*command, "--modes", "bf16-mixed+fp8-rowwise"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    rounds, *lines = done.stdout.splitlines()
+    assert rounds.startswith("rounds=1 of 1 (5 steps per lane; ")
     # 32-true (the speedups' baseline) and bf16-mixed (the FP8 lane's) are raced beside the recipe asked for.
     assert [line.split()[2] for line in lines[:3]] == ["32-true", "bf16-mixed", "bf16-mixed+fp8-rowwise"]
     assert lines[3].startswith("bf16-mixed+fp8-rowwise vs bf16-mixed: bare_speedup=")

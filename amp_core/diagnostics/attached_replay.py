@@ -391,6 +391,23 @@ class ReplayOnFailure:
     def before_window(self) -> None:
         self.replay.keep()
 
+    def say_setting(self) -> None:
+        """As the run opens: its `replay_on` or `replay_off` event (the setting, why, what a kept copy costs)."""
+        replay, kept = self.replay, self.replay.kept
+        data = replay.describe()
+        if kept is not None:
+            data |= {"copy_ms": kept.copy_s / max(kept.copies, 1) * 1e3, "kept_bytes": kept.nbytes()}
+        self._event(REPLAY_ON_EVENT if replay.on else REPLAY_OFF_EVENT, replay.why, None, **data)
+
+    def say_cost(self) -> None:
+        """As the run closes, when it kept any copy: what keeping the state before each step cost (`replay_cost`)."""
+        replay, kept = self.replay, self.replay.kept
+        if kept is not None and kept.copies:
+            self._event(REPLAY_COST_EVENT, f"replay kept the state before each step: {kept.copies} host copies of "
+                                           f"{kept.nbytes() / 2**20:.3g} MiB, {kept.copy_s / kept.copies * 1e3:.3g} ms "
+                                           "each, outside the timed window", None, copies=kept.copies,
+                        kept_bytes=kept.nbytes(), copy_ms=kept.copy_s / kept.copies * 1e3, replays=replay.replays)
+
     def recorded(self, track, result) -> None:
         """The recorder's on_record hook: the losses as they are recorded (no read on the training path)."""
         self.replay.recorded(result.step, result.loss)

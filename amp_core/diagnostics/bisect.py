@@ -30,18 +30,17 @@ import torch
 from amp_core.config import ConfigError, RunConfig
 from amp_core.diagnostics.replay import (
     _fork,
-    _from_seed,
     _from_snapshot,
     _run_threads,
     _step_once,
     resolve_lane,
+    start_from_seed,
 )
 from amp_core.diagnostics.replay_modes import set_rng
 from amp_core.measure import held_bytes
 from amp_core.precision import (
     BASELINE_MODE,
     KEEP_PREFIX,
-    availability,
     get_precision,
     low_precision_dtype,
     recipe_mode,
@@ -570,11 +569,7 @@ def bisect_run(manager: Any, run_id: str, lane: str | int, *, step: int | None =
                                       "none: snapshot_every is 0 or the lane has not reached one)")
         start = _from_snapshot(config, index, mode, run.snapshots.nearest(index, first), workload, data, device)
     else:
-        ok, reason = availability(mode, device)
-        if not ok:
-            raise ReplayError("device", f"{mode} cannot run here: {reason}")
-        data = workload.load_data(config)
-        start = _from_seed(config, index, mode, seed, workload, data, device)
+        data, start = start_from_seed(config, index, mode, seed, workload, device)
     threads = _run_threads(manager.events(run_id))
     report = bisect_from(config, start, data, first, stop, check, run_id=run_id, lane=index,
                          warmup=warmup_end(frame, index), threads=threads)

@@ -102,6 +102,17 @@ def _from_snapshot(config: RunConfig, lane: int, mode: str, snapshot: StateSnaps
                   f"snapshot of step {snapshot.step} in this process, then {mode} re-trained to the step")
 
 
+def start_from_seed(config: RunConfig, lane: int, mode: str, seed: int, workload: Workload,
+                    device: str) -> tuple[Data, _Start]:
+    """(the data, the lane's start) re-trained from its seed in this process, for a run not held here (ReplayError if
+    `mode` cannot run on `device`)."""
+    ok, reason = availability(mode, device)
+    if not ok:
+        raise ReplayError("device", f"{mode} cannot run here: {reason}")
+    data = workload.load_data(config)
+    return data, _from_seed(config, lane, mode, seed, workload, data, device)
+
+
 def _from_seed(config: RunConfig, lane: int, mode: str, seed: int, workload: Workload, data: Data,
                device: str) -> _Start:
     state = build_lane_state(config, lane, mode, _fresh_base(workload, config, data, seed), workload, device)
@@ -341,11 +352,7 @@ def replay_run(manager: Any, run_id: str, lane: str | int, step: int, rule: Spik
         with run.snapshots.lease(index, step) as snapshot:
             start = _from_snapshot(config, index, mode, snapshot, workload, data, device)
     else:
-        ok, reason = availability(mode, device)
-        if not ok:
-            raise ReplayError("device", f"{mode} cannot run here: {reason}")
-        data = workload.load_data(config)
-        start = _from_seed(config, index, mode, seed, workload, data, device)
+        data, start = start_from_seed(config, index, mode, seed, workload, device)
     report = replay_step(config=config, run_id=run_id, lane=index, mode=mode, seed=seed, step=step, start=start,
                          data=data, history=history, recorded_loss=recorded, scales=scales, rule=rule,
                          threads=threads)

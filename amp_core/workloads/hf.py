@@ -81,10 +81,18 @@ class MaskedText(Data):
         return masked, labels
 
 
+SHAPES = {"small": {"block": 32, "width": 64, "layers": 2, "heads": 4},
+          "medium": {"block": 128, "width": 256, "layers": 4, "heads": 8},
+          "large": {"block": 512, "width": 768, "layers": 12, "heads": 12}}
+"""Each size's text window, width, depth and attention heads, shared by the architectures: small and medium for a CPU;
+large for a GPU, GPT-2 small's / BERT-base's / ViT-Base's shape."""
+
+
 class HFWorkload(Workload):
     """A transformers architecture as a workload: `config_class` and `model_class` (names in the transformers
     package, resolved when a model is built), `task` (causal-lm, masked-lm or image-classification), and `sizes`:
-    each size's config arguments (the config class's own names) plus `block` (the text window, for the LMs).
+    each size's config arguments (the config class's own names) plus `block` (the text window, for the LMs), on top
+    of SHAPES where `shape_names` is set (`size_arguments` merges them).
     Random init; the LMs train on the shipped sonnets as bytes, image classification on the shipped 8x8 digits."""
 
     config_class: str = ""
@@ -94,6 +102,11 @@ class HFWorkload(Workload):
     fixed: dict[str, Any] = {}
     """Config arguments every size shares (dropout off: every lane then computes the same function of the same
     weights and batch, so the lanes differ by precision only)."""
+    shape_names: tuple[str, str, str] | None = None
+    """The config's own names for SHAPES' width, depth and heads: each size is then SHAPES[size] under these names (and
+    the MLP 4x the width under `mlp_name`, where named), `sizes[size]` on top. None: `sizes` holds every argument."""
+    mlp_name = ""
+    """The config's name for the MLP's width, where it is 4x the model's (BERT's and ViT's intermediate_size)."""
 
     def check_config(self, config) -> None:
         super().check_config(config)
@@ -109,9 +122,19 @@ class HFWorkload(Workload):
                                           f"({', '.join(m for e in missing for m in e.modules)}), not installed "
                                           f"here: {' '.join(e.install for e in missing)}")
 
+    def size_arguments(self, size: str) -> dict[str, Any]:
+        """The config arguments of `size` (and `block`, the text window), from SHAPES where `shape_names` says so."""
+        if self.shape_names is None:
+            return dict(self.sizes[size])
+        shape, (width, layers, heads) = SHAPES[size], self.shape_names
+        arguments = {"block": shape["block"], width: shape["width"], layers: shape["layers"], heads: shape["heads"]}
+        if self.mlp_name:
+            arguments[self.mlp_name] = 4 * shape["width"]
+        return arguments | self.sizes[size]
+
     def load_data(self, config) -> Data:
         self.check_extras()
-        block = self.sizes[config.size].get("block", 0)
+        block = self.size_arguments(config.size).get("block", 0)
         if self.task == "image-classification":
             images, labels = load_shipped_digits()
             x = torch.from_numpy(images).float().div(16.0).unsqueeze(1)  # pixel counts 0..16 -> [0, 1], 1 channel
@@ -126,12 +149,13 @@ class HFWorkload(Workload):
         """The transformers config of `size`: the size's arguments plus what the task and the data fix (vocabulary,
         positions, labels, channels), the attention implementation, no cache, no special tokens outside the bytes."""
         transformers = _transformers()
-        arguments = {**self.fixed, **{key: value for key, value in self.sizes[size].items() if key != "block"}}
+        sized = self.size_arguments(size)
+        arguments = {**self.fixed, **{key: value for key, value in sized.items() if key != "block"}}
         if self.task == "image-classification":
             arguments = {"image_size": 8, "num_channels": 1, "num_labels": 10, **arguments}
         else:
             vocab = BYTE_VOCAB + (1 if self.task == "masked-lm" else 0)
-            arguments = {"vocab_size": vocab, "max_position_embeddings": self.sizes[size]["block"],
+            arguments = {"vocab_size": vocab, "max_position_embeddings": sized["block"],
                          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": False,
                          **arguments}
         return getattr(transformers, self.config_class)(attn_implementation=ATTENTION, **arguments)
@@ -153,10 +177,10 @@ class GPT2(HFWorkload):
     config_class, model_class, task = "GPT2Config", "GPT2LMHeadModel", "causal-lm"
     requires = ("hf",)
     fixed = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    sizes = {"small": {"block": 32, "n_embd": 64, "n_layer": 2, "n_head": 4},
-             "medium": {"block": 128, "n_embd": 256, "n_layer": 4, "n_head": 8},
-             # For a GPU: GPT-2 small's shape (768 wide, 12 layers, 12 heads) on a 512-byte context.
-             "large": {"block": 512, "n_embd": 768, "n_layer": 12, "n_head": 12}}
+    # small: a CPU step in tens of ms in 32-true at batch 64 (a 32-byte context 64 wide was ~100 ms on a 2-core AVX2
+    # CPU, and 4-5x that in bf16-mixed/16-mixed, whose matmuls the CPU converts).
+    shape_names = ("n_embd", "n_layer", "n_head")
+    sizes = {"small": {"block": 16, "n_embd": 32}, "medium": {}, "large": {}}
 
 
 class Llama(HFWorkload):
@@ -167,13 +191,11 @@ class Llama(HFWorkload):
     config_class, model_class, task = "LlamaConfig", "LlamaForCausalLM", "causal-lm"
     requires = ("hf",)
     fixed = {"attention_dropout": 0.0, "tie_word_embeddings": False}
-    sizes = {"small": {"block": 32, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "num_key_value_heads": 2},
-             "medium": {"block": 128, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-                        "num_attention_heads": 8, "num_key_value_heads": 4},
-             # For a GPU: GPT-2 small's order (768 wide, 12 layers, 12 query heads on 4 key/value heads).
-             "large": {"block": 512, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                       "num_attention_heads": 12, "num_key_value_heads": 4}}
+    # GQA: half as many key/value heads (a third at large: 12 query heads on 4), and SwiGLU's width near 8/3 x.
+    shape_names = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+    sizes = {"small": {"intermediate_size": 176, "num_key_value_heads": 2},
+             "medium": {"intermediate_size": 688, "num_key_value_heads": 4},
+             "large": {"intermediate_size": 3072, "num_key_value_heads": 4}}
 
 
 class Bert(HFWorkload):
@@ -185,13 +207,8 @@ class Bert(HFWorkload):
     config_class, model_class, task = "BertConfig", "BertForMaskedLM", "masked-lm"
     requires = ("hf",)
     fixed = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    sizes = {"small": {"block": 32, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-                       "num_attention_heads": 4},
-             "medium": {"block": 128, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-                        "num_attention_heads": 8},
-             # For a GPU: BERT-base's shape.
-             "large": {"block": 512, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                       "num_attention_heads": 12}}
+    shape_names, mlp_name = ("hidden_size", "num_hidden_layers", "num_attention_heads"), "intermediate_size"
+    sizes = {"small": {}, "medium": {}, "large": {}}
 
 
 class ViT(HFWorkload):
@@ -201,11 +218,6 @@ class ViT(HFWorkload):
                    "handwritten digits from 2x2 patches (16 patches + [CLS]). Needs the hf extra.")
     config_class, model_class, task = "ViTConfig", "ViTForImageClassification", "image-classification"
     requires = ("hf",)
-    fixed = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    sizes = {"small": {"patch_size": 2, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-                       "num_attention_heads": 4},
-             "medium": {"patch_size": 2, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-                        "num_attention_heads": 8},
-             # For a GPU: ViT-Base's width and depth on the 8x8 digits.
-             "large": {"patch_size": 2, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                       "num_attention_heads": 12}}
+    fixed = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "patch_size": 2}
+    shape_names, mlp_name = ("hidden_size", "num_hidden_layers", "num_attention_heads"), "intermediate_size"
+    sizes = {"small": {}, "medium": {}, "large": {}}

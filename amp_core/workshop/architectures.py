@@ -58,13 +58,19 @@ def pure_fp16_breaks(evidence: Evidence) -> tuple[bool, str, str]:
     return held, figure, why
 
 
+def _trains(evidence: Evidence, mode: str):
+    """(the part, `mode`'s lane over every step, its first and last loss, whether it stayed finite, whether it also
+    learned: its last loss LEARNS below its first)."""
+    part = evidence.part(0)
+    lane = part.lane(mode, at_least=part.config.steps)
+    first, last = _learned(lane)
+    finite = not diverged(part, lane, mode)
+    return part, lane, first, last, finite, finite and last <= first * (1 - LEARNS)
+
+
 def bf16_range_saves_it(evidence: Evidence) -> tuple[bool, str, str]:
     """bf16-true (the same pure 16-bit recipe, no scaler, no fp32 master weights) stays finite and learns."""
-    part = evidence.part(0)
-    lane = part.lane(PURE_BF16, at_least=part.config.steps)
-    first, last = _learned(lane)
-    finite = not diverged(part, lane, PURE_BF16)
-    held = finite and last <= first * (1 - LEARNS)
+    part, _, first, last, finite, held = _trains(evidence, PURE_BF16)
     eps = part.config.eps
     figure = (f"{PURE_BF16}: loss {first:.4g} -> {last:.4g}" if finite else f"{PURE_BF16} diverged")
     why = (f"bf16 keeps fp32's 8-bit exponent: eps={eps:g} is {_in(eps, torch.bfloat16):.3g} in bf16 (0 in fp16) "
@@ -81,12 +87,8 @@ def bf16_range_saves_it(evidence: Evidence) -> tuple[bool, str, str]:
 
 def mixed_fp16_trains(evidence: Evidence) -> tuple[bool, str, str]:
     """16-mixed (fp16 math, fp32 weights and Adam state, a GradScaler) stays finite and learns."""
-    part = evidence.part(0)
-    lane = part.lane(MIXED_FP16, at_least=part.config.steps)
-    first, last = _learned(lane)
-    finite = not diverged(part, lane, MIXED_FP16)
+    _, lane, first, last, finite, held = _trains(evidence, MIXED_FP16)
     skipped = int(lane["skipped"].sum())
-    held = finite and last <= first * (1 - LEARNS)
     figure = (f"{MIXED_FP16}: loss {first:.4g} -> {last:.4g}, {skipped} skipped steps" if finite
               else f"{MIXED_FP16} diverged")
     why = ("fp16 computes the matmuls, but the weights, eps and Adam's moments are fp32: the division that broke "
