@@ -59,10 +59,9 @@ FP8_BASELINE = "bf16-mixed"
 
 def bare_loop(config: RunConfig, recipe: str, steps: int) -> tuple[float, list[float]]:
     """A plain loop in `recipe`, its warm-up steps (`warmup_steps`) then `steps` timed ones: (milliseconds per step
-    end to end, the loop
-    synchronised once at the end on CUDA; each step's milliseconds over the span a race lane's step window times —
-    its batch put on the device through the optimizer's update, not the batch's sampling — on CUDA between events,
-    read after that one sync)."""
+    end to end, the loop synchronised once at the end on CUDA; each step's milliseconds over the span a race lane's
+    step window times — its batch put on the device through the optimizer's update, not the batch's sampling — on
+    CUDA between events, read after that one sync)."""
     precision = get_precision(recipe, config.device)
     workload = WORKLOADS[config.workload]
     data = workload.load_data(config)
