@@ -222,7 +222,7 @@ def fixable(tmp_path_factory):
     say = lambda message, fraction: None  # noqa: E731
     broken = replay_failures(manager, run, 8, BudgetClock(600), notes, say)
     assert broken == {"16-mixed": (1, 0)}
-    short = keep_fixes(manager, run, broken, BudgetClock(1), notes, say, seeds=2, race_steps=30, reserve_s=0)
+    short = keep_fixes(manager, run, broken, BudgetClock(1), [], say, seeds=2, race_steps=30, reserve_s=0)
     fixes = keep_fixes(manager, run, broken, BudgetClock(600), notes, say, seeds=2, race_steps=30, reserve_s=0)
     assert not notes, notes
     found = [(recipe, True, "") for recipe in modes]

@@ -37,6 +37,7 @@ def keep_fixes(manager, run, broken: dict[str, tuple[int, int]], clock, notes: l
     keeps (one per candidate: what was found, its price, the fix race's run, or why a step was skipped); `reserve_s`
     is kept for what comes after."""
     from amp_core.config import ConfigError
+    from amp_core.diagnostics.advise import MIN_RACE_STEPS
     from amp_core.diagnostics.bisect import BisectConfig, bisect_run
 
     frame = run.frame()
@@ -50,6 +51,7 @@ def keep_fixes(manager, run, broken: dict[str, tuple[int, int]], clock, notes: l
         if left < need:
             record["why"] = (f"not bisected: the budget left {max(left, 0):.0f} s, a bisect of {recipe} here needs "
                              f"about {need:.0f} s (a larger --budget-min runs it)")
+            notes.append(f"the layers to keep for {recipe} were not looked for: {record['why']}")
             continue
         say(f"bisecting {recipe}'s step {step}: the fewest modules to keep in fp32", 0.82)
         try:
@@ -72,20 +74,25 @@ def keep_fixes(manager, run, broken: dict[str, tuple[int, int]], clock, notes: l
             continue
         fixed = rows.get(report.fixed_recipe)
         base = frame.loc[frame["mode"] == BASELINE_MODE, "step_ms"].median()
-        round_s = (float(base) + (fixed.ms_per_step if fixed else ms)) * seeds / 1e3 * 1.5
+        round_s = (float(base) + (fixed.ms_per_step if fixed else ms)) * seeds / 1e3 * 1.5  # 1.5: records, memory
         left = clock.left() - reserve_s
-        if round_s * race_steps > left:
-            record["why"] = (f"the fixed recipe was not raced: {race_steps} steps x {seeds} seeds beside 32-true need "
-                             f"about {round_s * race_steps:.0f} s, the budget left {max(left, 0):.0f} s")
+        steps = min(race_steps, int(left / round_s)) if round_s > 0 else race_steps  # its own 32-true: fewer is fair
+        fewest = min(MIN_RACE_STEPS, race_steps)
+        if steps < fewest:
+            detail = (f"{fewest} steps x {seeds} seeds beside 32-true need about {round_s * fewest:.0f} s, the budget "
+                      f"left {max(left, 0):.0f} s")
+            record["why"] = f"the fixed recipe was not raced: {detail}"
+            notes.append(f"{report.fixed_recipe} (the fix of {recipe}) was not raced ({detail}): whether it trains "
+                         "like fp32 within seed noise is not told here")
             continue
-        say(f"seeded race of the fix: {report.fixed_recipe} beside 32-true", 0.86)
-        fix_config = replace(run.config, modes=(BASELINE_MODE, report.fixed_recipe), seeds=seeds, steps=race_steps,
+        say(f"seeded race of the fix: {report.fixed_recipe} beside 32-true, {steps} steps", 0.86)
+        fix_config = replace(run.config, modes=(BASELINE_MODE, report.fixed_recipe), seeds=seeds, steps=steps,
                              name=f"{run.config.name} · fix of {recipe}")
         fix_run = manager.launch(fix_config)
         fix_run.join(max(left, 1.0))
         if fix_run.alive:
             notes.append(f"the race of {report.fixed_recipe} was cut by the budget after "
-                         f"{min(entry.steps_done for entry in fix_run.lanes)} of {race_steps} steps")
+                         f"{min(entry.steps_done for entry in fix_run.lanes)} of {steps} steps")
             fix_run.stop()
         record["race_run"] = fix_run.run_id
     return fixes
