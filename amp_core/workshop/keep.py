@@ -156,16 +156,17 @@ def keeping_costs(evidence: Evidence) -> tuple[bool, str, str]:
 
 
 def price_table(evidence: Evidence) -> pd.DataFrame:
-    """The price race, one row per lane: ms/step, held memory, last loss, skipped steps."""
+    """The price race, one row per lane: ms/step, held memory, last loss, skipped steps (as text: a scenario table's
+    floats are shares)."""
     report = _report(evidence)
     if not report.price:
         raise Waiting("the price race")
     own = _rows(report).get(report.recipe)
     return pd.DataFrame([{
         "lane": row.recipe,
-        "ms/step": round(row.ms_per_step, 3),
+        "ms/step": f"{row.ms_per_step:.2f}",
         "vs original": f"{row.ms_per_step / own.ms_per_step:.2f}x" if own is not None and own.ms_per_step else "",
-        "held MiB": round(row.memory_bytes / 2**20, 3),
+        "held MiB": f"{row.memory_bytes / 2**20:.3f}",
         "last loss": f"{row.loss:.4g}",
         "skipped": row.skipped,
     } for row in report.price])
