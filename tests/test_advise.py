@@ -281,5 +281,6 @@ def test_a_candidate_failing_in_one_layer_gets_the_layers_to_keep_their_price_an
     assert f"keep · 16-mixed: keep 1 module in fp32: {PLANTED_MODULE}" in text
     assert advice_table(advice).set_index("recipe").loc["16-mixed", "layers to keep"] == \
         f"keep 1 module in fp32: {PLANTED_MODULE}"
-    assert any(line.startswith(f"{fixed_recipe}: fixes 16-mixed: keep 1 module") for line in keep_lines(advice))
+    assert f"{fixed_recipe}: fixes 16-mixed (1 of 18 modules kept in fp32); raced beside 32-true in run " \
+        f"{fixes[0]['race_run']}" in keep_lines(advice)
     assert not any("bisect" in line and "await" in line for line in advice.cannot_tell)

@@ -462,7 +462,8 @@ def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvid
     yardstick = CandidateEvidence(recipe=BASELINE_MODE, runnable=True, note="raced beside the fix",
                                   **figures(BASELINE_MODE))
     return CandidateEvidence(recipe=recipe, runnable=True, note=note, fixes=fix["recipe"], yardstick=yardstick,
-                             keep=f"fixes {fix['recipe']}: {keep_line(fix)}; raced in run {run_id}",
+                             keep=f"fixes {fix['recipe']} ({len(fix['kept'])} of {fix.get('candidates', '?')} "
+                                  f"modules kept in fp32); raced beside 32-true in run {run_id}",
                              **figures(recipe))
 
 
