@@ -692,7 +692,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     broken = replay_failures(manager, run, warmup, clock, notes, say)
     check_stop()
     fixes = keep_fixes(manager, run, broken, clock, notes, say, seeds=config.seeds, race_steps=race_steps,
-                       reserve_s=0.1 * config.budget_s)
+                       reserve_s=0.1 * config.budget_s, min_steps=MIN_RACE_STEPS)
     check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.

@@ -30,14 +30,13 @@ def bisect_estimate_s(ms_per_step: float, snapshot_every: int) -> float:
 
 
 def keep_fixes(manager, run, broken: dict[str, tuple[int, int]], clock, notes: list[str], say, *, seeds: int,
-               race_steps: int, reserve_s: float) -> list[dict]:
+               race_steps: int, reserve_s: float, min_steps: int = 40) -> list[dict]:
     """For each failed candidate (`broken`: recipe -> (lane, first failed step), BISECTS_AT_MOST of them) whose lanes
     lost their loss to inf/NaN or kept skipping: the bisect from its snapshot, then — when the set is a few layers
     and the budget allows — a seeded race of the fixed recipe beside 32-true. Returns the records the `advised` event
     keeps (one per candidate: what was found, its price, the fix race's run, or why a step was skipped); `reserve_s`
-    is kept for what comes after."""
+    is kept for what comes after; a fix race shorter than `min_steps` (the advice's shortest race) is not run."""
     from amp_core.config import ConfigError
-    from amp_core.diagnostics.advise import MIN_RACE_STEPS
     from amp_core.diagnostics.bisect import BisectConfig, bisect_run
 
     frame = run.frame()
@@ -77,7 +76,7 @@ def keep_fixes(manager, run, broken: dict[str, tuple[int, int]], clock, notes: l
         round_s = (float(base) + (fixed.ms_per_step if fixed else ms)) * seeds / 1e3 * 1.5  # 1.5: records, memory
         left = clock.left() - reserve_s
         steps = min(race_steps, int(left / round_s)) if round_s > 0 else race_steps  # its own 32-true: fewer is fair
-        fewest = min(MIN_RACE_STEPS, race_steps)
+        fewest = min(min_steps, race_steps)
         if steps < fewest:
             detail = (f"{fewest} steps x {seeds} seeds beside 32-true need about {round_s * fewest:.0f} s, the budget "
                       f"left {max(left, 0):.0f} s")
