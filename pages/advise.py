@@ -80,7 +80,13 @@ def draw_result(job: AdviceJob) -> None:
     (st.success if advice.decided else st.warning)(f"**{advice.line()}**")
     for line in views.savings(advice):
         st.markdown(f"- {line}")
-    st.dataframe(views.advice_table(advice).drop(columns="figure"), hide_index=True, key="advise_table")
+    # The layers to keep are listed whole below the table (a set and its price do not fit a cell at 1440 px).
+    st.dataframe(views.advice_table(advice).drop(columns=["figure", "layers to keep"]), hide_index=True,
+                 key="advise_table")
+    keep = views.keep_lines(advice)
+    if keep:  # the layer bisect's answer for a candidate that failed in a few layers, and its price
+        st.markdown("**Layers to keep in fp32** (the layer bisect, from the failing step's snapshot)\n"
+                    + "\n".join(f"- {line}" for line in keep))
     with st.expander("The figure that decided each verdict"):
         st.markdown("\n".join(f"- {line}" for line in views.figure_lines(advice)))
     with st.expander("What could not be told here", expanded=True):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from amp_core.config import ConfigError, FaultSpec, RunConfig
+from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.diagnostics.advise import (
     ADVISED_EVENT,
     AdviseConfig,
@@ -108,7 +109,7 @@ def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower
     table = advice_table(advice)
     assert table["recipe"].iloc[0] == expected and set(table["recipe"]) == {
         c.recipe for c in evidence.candidates}
-    assert any("bisect" in line for line in advice.cannot_tell)
+    assert not any("awaits" in line for line in advice.cannot_tell)  # the bisect is wired in: see the tests below
     page = advice_report_html(manager, advice)
     assert f"<b>recommend: {expected} — " in page and run_id in page and "<h2>Every candidate</h2>" in page
 
@@ -198,3 +199,88 @@ def check_error(config: AdviseConfig) -> str:
     with pytest.raises(ConfigError) as refused:
         check(config)
     return refused.value.why
+
+
+# --- step (4)'s layers to keep: the bisect of a candidate that fails in a few layers, its price, the fix raced ------
+@pytest.fixture(scope="module")
+def fixable(tmp_path_factory):
+    """A real race of the workshop's planted workload (one block's gain overflows fp16, three large-but-safe ones
+    beside it): 16-mixed diverges at step 0 in every seed. The advisor's stability step replays it, bisects it and
+    races the fixed recipe beside 32-true, all recorded in the store."""
+    from amp_core.diagnostics.advise_fix import keep_fixes
+    from amp_core.workshop.planted import register
+
+    register()
+    store = open_store(tmp_path_factory.mktemp("advise_keep") / "runs.sqlite3")
+    manager = RunManager(store)
+    modes = ("32-true", "16-mixed")
+    run = manager.launch(RunConfig(workload="workshop_planted_digits", modes=modes, seeds=2, steps=30, device="cpu",
+                                   snapshot_every=10, scaler=ScalerConfig(init_scale=256.0), name="advise keep"))
+    run.join(300)
+    assert run.status == "finished"
+    notes: list[str] = []
+    say = lambda message, fraction: None  # noqa: E731
+    broken = replay_failures(manager, run, 8, BudgetClock(600), notes, say)
+    assert broken == {"16-mixed": (1, 0)}
+    short = keep_fixes(manager, run, broken, BudgetClock(1), [], say, seeds=2, race_steps=30, reserve_s=0)
+    fixes = keep_fixes(manager, run, broken, BudgetClock(600), notes, say, seeds=2, race_steps=30, reserve_s=0)
+    assert not notes, notes
+    found = [(recipe, True, "") for recipe in modes]
+    record_advice(manager, run.run_id, found=found, probe_runs=[], warmup=8, budget_s=600.0, spent_s=30.0, notes=[],
+                  device="cpu", fixes=fixes)
+    return store, manager, run.run_id, short, fixes
+
+
+def test_a_budget_too_short_for_the_bisect_skips_it_saying_why(fixable):
+    *_, short, _ = fixable
+    assert [fix["recipe"] for fix in short] == ["16-mixed"] and not short[0]["kept"]
+    assert re.fullmatch(r"not bisected: the budget left [01] s, a bisect of 16-mixed here needs about \d+ s \(a larger "
+                        r"--budget-min runs it\)", short[0]["why"]), short[0]["why"]
+
+
+def test_a_candidate_failing_in_one_layer_gets_the_layers_to_keep_their_price_and_the_fix_raced(fixable):
+    from amp_core.diagnostics.bisect import recorded_bisects
+    from amp_core.runs import RunReader
+    from amp_core.views.advise import keep_lines
+    from amp_core.workshop.planted import PLANTED_MODULE
+
+    store, _, run_id, _, fixes = fixable
+    fixed_recipe = f"16-mixed+keep:{PLANTED_MODULE}"
+    assert fixes[0]["kept"] == [PLANTED_MODULE] and fixes[0]["fixed_recipe"] == fixed_recipe
+    assert recorded_bisects(store.events(run_id), 1)[0].kept == [PLANTED_MODULE]  # the bisect is in the store
+    evidence = gather(RunReader(store), run_id)  # the store alone
+    advice = decide(evidence)
+    failing = advice.verdict("16-mixed")
+    assert failing.verdict == "rejected" and failing.reason.startswith("unstable")
+    assert failing.keep.startswith(f"keep 1 module in fp32: {PLANTED_MODULE} — price ")
+    assert re.search(r"price [+-]\d+% ms/step against 16-mixed, [+-]\d+\.\d\d MiB held \(against (16-mixed|32-true)"
+                     r"; measured\)", failing.keep), failing.keep
+    fix = evidence.candidate(fixed_recipe)
+    assert fix.fixes == "16-mixed" and fix.raced and fix.seeds == 2 and fix.diverged == 0
+    assert fix.yardstick is not None and fix.yardstick.seeds == 2 and fix.yardstick.diverged == 0
+    assert store.run(fixes[0]["race_run"])["config"]["modes"] == ["32-true", fixed_recipe]
+    # The fixed recipe is decided like any candidate, against the 32-true raced beside it, by the same rule.
+    b = fix.yardstick
+    loss = difference_verdict(b.loss_mean, b.loss_sd, b.loss_n, fix.loss_mean, fix.loss_sd, fix.loss_n)
+    speed = difference_verdict(b.ms_mean, b.ms_sd, b.ms_n, fix.ms_mean, fix.ms_sd, fix.ms_n)
+    worse, slower = loss[0] == "different" and fix.loss_mean > b.loss_mean, speed[0] == "different" and \
+        fix.ms_mean > b.ms_mean
+    verdict = advice.verdict(fixed_recipe)
+    assert (verdict.verdict == "rejected") == (worse or slower), verdict
+    assert (advice.recommended == fixed_recipe) == (not worse and speed[0] == "different" and not slower)
+    # The same records with the fix's step times cut to a third of its 32-true's: recommended when it trains like fp32.
+    quick = dataclasses.replace(fix, ms_mean=b.ms_mean / 3, ms_sd=b.ms_sd / 3)
+    here = decide(dataclasses.replace(evidence, candidates=tuple(quick if c.recipe == fixed_recipe else c
+                                                                 for c in evidence.candidates)))
+    if not worse:
+        assert here.recommended == fixed_recipe and here.verdict(fixed_recipe).verdict == "recommended"
+        assert here.line().startswith(f"recommend: {fixed_recipe} — the fastest candidate that trains like fp32 "
+                                      f"within seed noise (16-mixed with {PLANTED_MODULE} kept in fp32, found by the "
+                                      "layer bisect): x0.33 of 32-true's ms/step over 2 seeds")
+    text = advice_text(advice)
+    assert f"keep · 16-mixed: keep 1 module in fp32: {PLANTED_MODULE}" in text
+    assert advice_table(advice).set_index("recipe").loc["16-mixed", "layers to keep"] == \
+        f"keep 1 module in fp32: {PLANTED_MODULE}"
+    assert f"{fixed_recipe}: fixes 16-mixed (1 of 18 modules kept in fp32); raced beside 32-true in run " \
+        f"{fixes[0]['race_run']}" in keep_lines(advice)
+    assert not any("bisect" in line and "await" in line for line in advice.cannot_tell)

@@ -4,6 +4,7 @@ the stored records, checks that turn ✗ when a run does not show their point, t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -360,3 +361,105 @@ def test_a_stopped_launch_ends_and_its_checks_say_what_never_came(tmp_path, step
     assert all(result.final and not result.held for result in results)
     assert {result.figure for result in results[1:]} == {"the run ended before run 2 of 2 to start"}
     assert manager.run_info(launch.run_ids[0]).status == "stopped"
+
+
+# --- "Find the layer, keep it, pay for it": its checks both ways, from the records the CLI's run stored ------------
+class EditedEvents:
+    """A RunReader whose events pass through `edit(report_data)` (the `bisected` event's report, as stored) first;
+    everything else is the store's."""
+
+    def __init__(self, reader, edit):
+        self.reader, self.edit = reader, edit
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def events(self, run_id):
+        events = self.reader.events(run_id).copy()
+        datas, kept = [], []
+        for kind, data in zip(events["kind"], events["data"], strict=True):
+            if kind == "bisected" and isinstance(data, dict):
+                data = copy.deepcopy(data)
+                kept.append(self.edit(data["report"]) is not False)  # an edit returning False drops the event
+            else:
+                kept.append(True)
+            datas.append(data)
+        events["data"] = datas
+        return events[kept]
+
+
+@pytest.fixture(scope="module")
+def keep_evidence(cli_runs):
+    """The keep-layer scenario's evidence as its CLI run stored it (no run of its own)."""
+    done, store = cli_runs["keep-layer"]
+    manager = RunManager(open_store(store))
+    return manager, run_ids(done.stdout)
+
+
+def keep_results(keep_evidence, edit=None, edit_steps=None) -> dict[str, CheckResult]:
+    manager, ids = keep_evidence
+    evidence = gather(manager, ids)
+    if edit is not None:
+        evidence.reader = EditedEvents(manager, edit)
+    if edit_steps is not None:
+        part = evidence.parts[0]
+        edit_steps(part.steps, {lane.mode: lane.lane for lane in part.info.lanes})
+    return {result.title: result for result in evaluate(SCENARIOS["keep-layer"], evidence)}
+
+
+def test_keep_layer_reads_the_bisect_and_its_price_race_from_the_store(keep_evidence):
+    from amp_core.diagnostics.bisect import recorded_bisects
+    from amp_core.workshop.planted import PLANTED_MODULE
+
+    manager, ids = keep_evidence
+    report = recorded_bisects(manager.events(ids[0]))[-1]
+    results = keep_results(keep_evidence)
+    # What the checks say is what the recorded report holds: the planted module, the fixed lane, the price line.
+    assert report.kept == [PLANTED_MODULE] and report.fixed_recipe == f"16-mixed+keep:{PLANTED_MODULE}"
+    assert results["The bisect finds the planted layer"].figure.startswith(f"keep {PLANTED_MODULE} (1 of ")
+    assert results["Keeping it costs time, not weight memory"].figure == report.price_line()
+    table = SCENARIOS["keep-layer"].table(gather(manager, ids))
+    assert table["lane"].tolist() == ["16-mixed", report.fixed_recipe, "32-true"]
+    assert (table["ms/step"].astype(float) > 0).all() and table["skipped"].tolist()[1:] == [0, 0]
+
+
+def _set_kept(kept):
+    def edit(report):
+        report["kept"] = kept
+    return edit
+
+
+def _fixed_row(**changes):
+    def edit(report):
+        for row in report["price"]:
+            if "+keep:" in row["recipe"]:
+                row.update(changes)
+    return edit
+
+
+def test_keep_layer_checks_fail_when_the_records_do_not_show_their_point(keep_evidence):
+    from amp_core.workshop.planted import PLANTED_MODULE
+
+    other = "blocks.1.gain"
+    wrong = keep_results(keep_evidence, _set_kept([other]))["The bisect finds the planted layer"]
+    assert wrong.verdict is Verdict.FAILED and "the planted module is not in it" in wrong.explanation
+    more = keep_results(keep_evidence, _set_kept([other, PLANTED_MODULE]))["The bisect finds the planted layer"]
+    assert more.verdict is Verdict.FAILED and "more than the planted module" in more.explanation
+    skipping = keep_results(keep_evidence, _fixed_row(skipped=3))["The fixed lane trains"]
+    assert skipping.verdict is Verdict.FAILED and "skipped 3 steps" in skipping.explanation
+    drifted = keep_results(keep_evidence, _fixed_row(loss=9.0))["The fixed lane trains"]
+    assert drifted.verdict is Verdict.FAILED and "away from 32-true's" in drifted.explanation
+    heavier = keep_results(keep_evidence, _fixed_row(memory_bytes=10 * 2**20))
+    assert heavier["Keeping it costs time, not weight memory"].verdict is Verdict.FAILED
+    data = keep_results(keep_evidence, lambda report: report.update(verdict="data", kept=[], why="fp32 too"))
+    assert all(data[title].verdict is Verdict.FAILED and data[title].explanation == "fp32 too"
+               for title in list(data)[1:])
+    none = keep_results(keep_evidence, lambda report: False)  # the bisect never recorded: the run ended without it
+    assert all(none[title].figure == "the run ended before the bisect, made when the run has ended"
+               for title in list(none)[1:])
+
+    def fp32_too(steps, lanes):  # 32-true fails as well: the failure is not the format's
+        steps.loc[(steps["lane"] == lanes["32-true"]) & (steps["step"] == 5), "loss"] = float("nan")
+
+    both = keep_results(keep_evidence, edit_steps=fp32_too)["16-mixed breaks, 32-true trains"]
+    assert both.verdict is Verdict.FAILED and "32-true failed too" in both.explanation

@@ -28,6 +28,7 @@ import numpy as np
 from amp_core import background
 from amp_core.config import RUN_DEFAULTS, ConfigError, RunConfig
 from amp_core.diagnostics import cost
+from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
 from amp_core.precision import (
     BASELINE_MODE,
     RECIPE_OPTIONS,
@@ -112,6 +113,14 @@ class CandidateEvidence:
     """The largest of its lanes' own memory peaks."""
     max_batch: int | None = None
     max_batch_modelled: bool = False
+    keep: str = ""
+    """For a candidate that failed: the layers to keep in fp32 and their price (the bisect), or why none was found or
+    looked for; for a fixed recipe: which candidate it fixes and how."""
+    fixes: str = ""
+    """For a fixed recipe (`MODE+keep:…`, raced because a bisect found a few layers to keep): the recipe it fixes."""
+    yardstick: CandidateEvidence | None = None
+    """For a fixed recipe: the 32-true lanes raced beside it in the fix's own race (its verdicts are held against
+    them: the same machine at the same time)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,6 +167,8 @@ class CandidateVerdict:
     """Its mean final loss − 32-true's."""
     peak_mib: float = math.nan
     max_batch: int | None = None
+    keep: str = ""
+    """The layers to keep in fp32 and their price (CandidateEvidence.keep)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,18 +221,26 @@ def decide(evidence: Evidence) -> Advice:
     base = evidence.candidate(BASELINE_MODE)
     verdicts: dict[str, CandidateVerdict] = {}
     unknowns: list[str] = []
-    acceptable: list[tuple[float, str, bool]] = []  # (ms_mean, recipe, measurably faster)
+    acceptable: list[tuple[float, str, bool]] = []  # (ms/step against its 32-true, recipe, measurably faster)
     raced_told = raced_any = False
     base_raced = base is not None and base.raced and base.loss_n > 0
 
+    def yardstick(c: CandidateEvidence) -> tuple[CandidateEvidence | None, bool]:
+        """The 32-true a candidate is held against (a fixed recipe's own race's), and whether it raced."""
+        if c.yardstick is None:
+            return base, base_raced
+        return c.yardstick, c.yardstick.raced and c.yardstick.loss_n > 0
+
     def ratio(c: CandidateEvidence) -> float:
-        if c.raced and base_raced and base.ms_mean > 0:
-            return c.ms_mean / base.ms_mean
+        b, b_raced = yardstick(c)
+        if c.raced and b_raced and b.ms_mean > 0:
+            return c.ms_mean / b.ms_mean
         return c.probe_ratio
 
     for c in evidence.candidates:
+        b, b_raced = yardstick(c)
         common = {"recipe": c.recipe, "time_ratio": ratio(c), "peak_mib": c.peak_mib, "max_batch": c.max_batch,
-                  "loss_delta": c.loss_mean - base.loss_mean if base_raced and c.raced else math.nan}
+                  "loss_delta": c.loss_mean - b.loss_mean if b_raced and c.raced else math.nan, "keep": c.keep}
         if c.recipe == BASELINE_MODE:
             figure = (f"{c.ms_mean:.3g} ± {c.ms_sd:.2g} ms/step, final loss {c.loss_mean:.4g} ± {c.loss_sd:.2g} over "
                       f"{c.seeds} seeds" if c.raced else "not raced")
@@ -250,28 +269,28 @@ def decide(evidence: Evidence) -> Advice:
             raced_told = True
             verdicts[c.recipe] = CandidateVerdict(verdict="rejected", reason=broke[0], figure=broke[1], **common)
             continue
-        loss_verdict, loss_threshold = (difference_verdict(base.loss_mean, base.loss_sd, base.loss_n, c.loss_mean,
-                                                           c.loss_sd, c.loss_n) if base_raced else ("cannot tell",
+        loss_verdict, loss_threshold = (difference_verdict(b.loss_mean, b.loss_sd, b.loss_n, c.loss_mean,
+                                                           c.loss_sd, c.loss_n) if b_raced else ("cannot tell",
                                                                                                     math.nan))
-        ms_verdict, ms_threshold = (difference_verdict(base.ms_mean, base.ms_sd, base.ms_n, c.ms_mean, c.ms_sd,
-                                                       c.ms_n) if base_raced else ("cannot tell", math.nan))
-        loss_figure = (f"final loss {c.loss_mean:.4g} vs 32-true {base.loss_mean:.4g} ({common['loss_delta']:+.3g}; "
-                       f"seed noise allows ±{loss_threshold:.3g})" if base_raced else "")
+        ms_verdict, ms_threshold = (difference_verdict(b.ms_mean, b.ms_sd, b.ms_n, c.ms_mean, c.ms_sd,
+                                                       c.ms_n) if b_raced else ("cannot tell", math.nan))
+        loss_figure = (f"final loss {c.loss_mean:.4g} vs 32-true {b.loss_mean:.4g} ({common['loss_delta']:+.3g}; "
+                       f"seed noise allows ±{loss_threshold:.3g})" if b_raced else "")
         if loss_verdict == "cannot tell":
             verdicts[c.recipe] = CandidateVerdict(
                 verdict="cannot tell", reason="fewer than 2 seeds with a finite final loss: no seed noise to hold the "
-                                              "loss against", figure=f"{c.loss_n} and {base.loss_n if base else 0} "
+                                              "loss against", figure=f"{c.loss_n} and {b.loss_n if b else 0} "
                                                                      "seeds", **common)
             continue
         raced_told = True
-        if loss_verdict == "different" and c.loss_mean > base.loss_mean:
+        if loss_verdict == "different" and c.loss_mean > b.loss_mean:
             verdicts[c.recipe] = CandidateVerdict(verdict="rejected", reason="trains worse than fp32 beyond seed noise",
                                                   figure=loss_figure, **common)
             continue
-        speed_figure = (f"{c.ms_mean:.3g} vs {base.ms_mean:.3g} ms/step (x{common['time_ratio']:.2f}; seed noise "
+        speed_figure = (f"{c.ms_mean:.3g} vs {b.ms_mean:.3g} ms/step (x{common['time_ratio']:.2f}; seed noise "
                         f"allows ±{ms_threshold:.2g} ms)" if ms_verdict != "cannot tell" else
-                        f"{c.ms_mean:.3g} vs {base.ms_mean:.3g} ms/step (x{common['time_ratio']:.2f})")
-        if ms_verdict == "different" and c.ms_mean > base.ms_mean:
+                        f"{c.ms_mean:.3g} vs {b.ms_mean:.3g} ms/step (x{common['time_ratio']:.2f})")
+        if ms_verdict == "different" and c.ms_mean > b.ms_mean:
             verdicts[c.recipe] = CandidateVerdict(verdict="rejected", reason="slower than 32-true beyond seed noise",
                                                   figure=speed_figure, **common)
             continue
@@ -282,7 +301,7 @@ def decide(evidence: Evidence) -> Advice:
         better = " (lower than fp32's beyond seed noise)" if loss_verdict == "different" else ""
         verdicts[c.recipe] = CandidateVerdict(verdict="trains like fp32", reason="stable; final loss within seed noise"
                                               + better, figure=f"{loss_figure}; {speed_figure}", **common)
-        acceptable.append((c.ms_mean, c.recipe, faster))
+        acceptable.append((ratio(c), c.recipe, faster))
 
     faster = sorted((ms, recipe) for ms, recipe, quick in acceptable if quick)
     runnable = [c for c in evidence.candidates if c.runnable and c.recipe != BASELINE_MODE]
@@ -297,8 +316,10 @@ def decide(evidence: Evidence) -> Advice:
                                                          if recipe != recommended] or [BASELINE_MODE]
         runner_up = rest[0]
         v = verdicts[recommended]
-        why = (f"the fastest candidate that trains like fp32 within seed noise: x{v.time_ratio:.2f} of 32-true's "
-               f"ms/step over {evidence.candidate(recommended).seeds} seeds, {v.figure.split(';')[0]}")
+        chosen = evidence.candidate(recommended)
+        fix = f" ({chosen.note})" if chosen.fixes else ""
+        why = (f"the fastest candidate that trains like fp32 within seed noise{fix}: x{v.time_ratio:.2f} of 32-true's "
+               f"ms/step over {chosen.seeds} seeds, {v.figure.split(';')[0]}")
     else:
         recommended = BASELINE_MODE
         runner_up = sorted(acceptable)[0][1] if acceptable else None
@@ -348,8 +369,6 @@ def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> l
         out.append(f"{', '.join(told)}: the race left fewer than 2 finite seeds, so seed noise could not be measured")
     if any(c.max_batch is not None and c.max_batch_modelled for c in evidence.candidates):
         out.append("the largest batch is modelled on a CPU (bytes measured at two batch sizes), not tried")
-    out.append("the layers to keep for a candidate that fails in a few layers (the layer bisect) are not searched "
-               "here: that step awaits amp_core.diagnostics.bisect")
     out += list(evidence.notes)
     return out
 
@@ -400,6 +419,7 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
     warmup = int(data.get("warmup_steps", max(1, round(WARMUP_SHARE * race_steps))))
     series = {lane.lane: lane for lane in reader.lane_series(race_run) if lane.rank == 0}
     firsts = _first_nonfinite(events)
+    fixes = {fix["recipe"]: fix for fix in data.get("fixes", ()) if isinstance(fix, dict)}
     out = []
     for entry in listed:
         recipe = entry["recipe"]
@@ -412,13 +432,39 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
             fields.update(_race_figures(lanes, series, steps_frame, warmup), first_nonfinite=firsts.get(recipe, ""))
         if recipe in batches:
             fields.update(max_batch=int(batches[recipe]["batch"]), max_batch_modelled=bool(batches[recipe]["modelled"]))
+        if recipe in fixes:
+            fields["keep"] = keep_line(fixes[recipe])
         out.append(CandidateEvidence(**fields))
+    out += [_fixed_candidate(reader, fix, warmup) for fix in fixes.values() if fix.get("race_run")]
     device = str(data.get("device") or resolve_device(config.get("device", "auto")))
     return Evidence(workload=config["workload"], size=config["size"], device=device,
                     device_name=str(data.get("device_name") or device), race_run=race_run, probe_runs=probe_runs,
                     candidates=tuple(out), race_steps=race_steps, warmup_steps=warmup,
                     budget_s=float(data.get("budget_s", math.nan)), spent_s=float(data.get("spent_s", math.nan)),
                     notes=tuple(data.get("notes", ())))
+
+
+def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvidence:
+    """A fixed recipe as a candidate: its lanes and the 32-true lanes beside them in the fix's own seeded race."""
+    recipe, run_id = fix["fixed_recipe"], fix["race_run"]
+    info = reader.run_info(run_id)
+    note = f"{fix['recipe']} with {', '.join(fix['kept'])} kept in fp32, found by the layer bisect"
+    if info is None:
+        return CandidateEvidence(recipe=recipe, runnable=True, note=note, fixes=fix["recipe"],
+                                 keep=f"fixes {fix['recipe']}: its race run {run_id} is not in the store")
+    series = {lane.lane: lane for lane in reader.lane_series(run_id) if lane.rank == 0}
+    frame = reader.steps(run_id)
+
+    def figures(mode: str) -> dict:
+        lanes = [lane for lane in info.lanes if lane.mode == mode]
+        return _race_figures(lanes, series, frame, warmup) if lanes else {}
+
+    yardstick = CandidateEvidence(recipe=BASELINE_MODE, runnable=True, note="raced beside the fix",
+                                  **figures(BASELINE_MODE))
+    return CandidateEvidence(recipe=recipe, runnable=True, note=note, fixes=fix["recipe"], yardstick=yardstick,
+                             keep=f"fixes {fix['recipe']} ({len(fix['kept'])} of {fix.get('candidates', '?')} "
+                                  f"modules kept in fp32); raced beside 32-true in run {run_id}",
+                             **figures(recipe))
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float, int]:
@@ -641,13 +687,17 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     check_stop()
     warmup = max(1, round(WARMUP_SHARE * race_steps))
 
-    # (4) stability: the first inf/NaN module of each candidate that broke (a replay of its first failed step).
-    replay_failures(manager, run, warmup, clock, notes, say)
+    # (4) stability: the first inf/NaN module of each candidate that broke (a replay of its first failed step), and
+    # for one that fails in a few layers the layers to keep, their price and a seeded race of the fix (the bisect).
+    broken = replay_failures(manager, run, warmup, clock, notes, say)
+    check_stop()
+    fixes = keep_fixes(manager, run, broken, clock, notes, say, seeds=config.seeds, race_steps=race_steps,
+                       reserve_s=0.1 * config.budget_s, min_steps=MIN_RACE_STEPS)
     check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.
     record_advice(manager, run.run_id, found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s,
-                  spent_s=clock.spent(), notes=notes, device=base.device)
+                  spent_s=clock.spent(), notes=notes, device=base.device, fixes=fixes)
     advice = decide(gather(manager, run.run_id))
     wanted = [r for r in dict.fromkeys((advice.recommended, advice.runner_up, BASELINE_MODE)) if r]
     batches: dict = {}
@@ -664,7 +714,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     else:
         notes.append("largest batch not searched: the budget ran out")
     record_advice(manager, run.run_id, found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s,
-                  spent_s=clock.spent(), notes=notes, device=base.device, max_batch=batches)
+                  spent_s=clock.spent(), notes=notes, device=base.device, max_batch=batches, fixes=fixes)
     advice = decide(gather(manager, run.run_id))
     say(advice.line(), 1.0)
     return advice
@@ -683,18 +733,20 @@ def _option_picks(options: list[str], figures: dict) -> list[str]:
     return list(picks.values())
 
 
-def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[str], say: Progress) -> None:
+def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[str],
+                    say: Progress) -> dict[str, tuple[int, int]]:
     """(4) For each candidate whose lanes skipped a step or lost its loss to inf/NaN after warm-up (REPLAYS_AT_MOST),
     replay its first failed step in the run's process (from its snapshots) and record the report as the run's
     `replayed` event: its own mode's row names the first module that held inf/NaN. What could not be replayed is a
-    note, not a failure."""
+    note, not a failure. Returns each failed candidate's (lane, first failed step)."""
     from amp_core.diagnostics.replay import replay_run
 
     frame = run.frame()
     broken: dict[str, tuple[int, int]] = {}
     for lane in run.lanes:
-        rows = frame[(frame["lane"] == lane.index) & (frame["step"] >= warmup)]
-        failed = rows[rows["skipped"].astype(bool) | ~np.isfinite(rows["loss"].to_numpy(dtype=float))]
+        rows = frame[frame["lane"] == lane.index]  # a non-finite loss fails at any step; a skip only after warm-up
+        failed = rows[(rows["skipped"].astype(bool) & (rows["step"] >= warmup))
+                      | ~np.isfinite(rows["loss"].to_numpy(dtype=float))]
         if not failed.empty and lane.mode not in broken:
             broken[lane.mode] = (lane.index, int(failed["step"].iloc[0]))
     for mode, (lane, step) in list(broken.items())[:REPLAYS_AT_MOST]:
@@ -706,16 +758,18 @@ def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[s
             replay_run(manager, run.run_id, lane, step, record=True)
         except Exception as error:  # the replay's failure costs one figure, not the advice
             notes.append(f"{mode}'s step {step} could not be replayed: {str(error).splitlines()[0]}")
+    return broken
 
 
 def record_advice(manager, race_run: str, *, found: list[tuple[str, bool, str]], probe_runs: list[str], warmup: int,
                   budget_s: float, spent_s: float, notes: list[str], device: str,
-                  max_batch: dict | None = None) -> None:
-    """The `advised` event on the race run: the links and figures the advice needs beyond the runs' records."""
+                  max_batch: dict | None = None, fixes: list[dict] | None = None) -> None:
+    """The `advised` event on the race run: the links and figures the advice needs beyond the runs' records (`fixes`:
+    advise_fix.keep_fixes's records: the layers to keep, their price, the fix race's run)."""
     data = {"candidates": [{"recipe": recipe, "runnable": ok, "note": note} for recipe, ok, note in found],
             "probe_runs": list(probe_runs), "warmup_steps": warmup, "budget_s": budget_s, "spent_s": spent_s,
             "notes": list(notes), "device": device, "device_name": device_name(device),
-            "max_batch": max_batch or {}}
+            "max_batch": max_batch or {}, "fixes": list(fixes or [])}
     manager.record_event(race_run, ADVISED_EVENT, f"advice evidence: race {race_run}, cost probes "
                                                    f"{', '.join(probe_runs) or 'none'}", **data)
 

@@ -311,6 +311,8 @@ class BisectReport:
             f"runs {-slower:.0%} faster than the failing lane here"
         memory = fixed.memory_bytes - own.memory_bytes
         held = f", {memory / 2**20:+.2f} MiB held" if memory else ""
+        if memory and own.skipped:  # a skipped step never reaches the optimizer, which makes its state on its first
+            held += f", the failing lane skipped {own.skipped} steps and made no optimizer state"
         reference = rows.get(BASELINE_MODE)
         versus = ""
         if reference is not None and reference.ms_per_step > 0:

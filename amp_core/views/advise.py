@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 Advice = Any
 """amp_core.diagnostics.advise.Advice (not imported: that module drives the runner, which views never reach)."""
 TABLE_COLUMNS = ("recipe", "verdict", "time vs 32-true", "final loss − 32-true", "peak MiB", "max batch", "reason",
-                 "figure")
+                 "layers to keep", "figure")
 
 
 def _ratio(value: float) -> str:
@@ -35,8 +35,24 @@ def advice_table(advice: Advice) -> pd.DataFrame:
              "final loss − 32-true": "—" if not math.isfinite(v.loss_delta) else f"{v.loss_delta:+.3g}",
              "peak MiB": "—" if not math.isfinite(v.peak_mib) else f"{v.peak_mib:,.2f}",
              "max batch": "—" if v.max_batch is None else f"{v.max_batch:,}", "reason": v.reason,
-             "figure": v.figure} for v in advice.verdicts]
+             "layers to keep": _keep_cell(v.keep), "figure": v.figure} for v in advice.verdicts]
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+
+
+KEEP_CELL = 60
+"""The table's keep cell is cut to this many characters (a long set is whole in keep_lines)."""
+
+
+def _keep_cell(keep: str) -> str:
+    """The table's short form of a keep line: the set (or 'not bisected'); keep_lines gives it whole."""
+    cell = keep.split(":", 1)[0] if keep.startswith("not ") else keep.split(" — ", 1)[0]
+    return cell if len(cell) <= KEEP_CELL else cell[:KEEP_CELL - 1] + "…"
+
+
+def keep_lines(advice: Advice) -> list[str]:
+    """The layer bisect's answer for each candidate it looked at (`RECIPE: keep N modules in fp32: … — price …`,
+    or why there is none), and for each fixed recipe what it fixes."""
+    return [f"{v.recipe}: {v.keep}" for v in advice.verdicts if v.keep]
 
 
 def figure_lines(advice: Advice) -> list[str]:
@@ -80,6 +96,7 @@ def advice_text(advice: Advice) -> str:
     lines = [f"advice for {evidence.workload} ({evidence.size}) on {evidence.device_name}", "",
              table.to_string(index=False, max_colwidth=70), ""]
     lines += [f"figure · {line}" for line in figure_lines(advice)]
+    lines += [f"keep · {line}" for line in keep_lines(advice)]
     lines += ["", *savings(advice), "", "could not be told here:", *(f"  - {line}" for line in advice.cannot_tell),
               "", "evidence (runs in the store):", *(f"  {line}" for line in evidence_lines(advice)),
               f"  seed noise: {DIFFERENCE_RULE}", "", advice.line()]
@@ -99,6 +116,9 @@ def advice_report_html(reader: RunReader, advice: Advice) -> str:
              f"<h2>Recommendation</h2><p><b>{esc(advice.line())}</b></p>",
              "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in savings(advice)) + "</ul>",
              "<h2>Every candidate</h2>" + report._table(advice_table(advice)),
+             *(["<h2>Layers to keep (the layer bisect)</h2><ul>"
+                + "".join(f"<li>{esc(line)}</li>" for line in keep_lines(advice)) + "</ul>"] if keep_lines(advice)
+               else []),
              "<h2>What could not be told here</h2><ul>"
              + "".join(f"<li>{esc(line)}</li>" for line in advice.cannot_tell) + "</ul>",
              "<h2>Evidence</h2><ul>" + "".join(f"<li><code>{esc(line)}</code></li>" for line in evidence_lines(advice))

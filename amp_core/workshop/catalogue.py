@@ -11,6 +11,8 @@ import pandas as pd
 import amp_core.workshop.architectures as architectures
 import amp_core.workshop.checks as checks
 import amp_core.workshop.compiled as compiled_checks
+import amp_core.workshop.keep as keep
+import amp_core.workshop.planted as planted
 import amp_core.workshop.speed as speed
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import resolve_device
@@ -309,6 +311,30 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                   "below its first", architectures.mixed_fp16_trains),
         ),
         extras=("hf",)),
+    Scenario(
+        name="keep-layer", title="Find the layer, keep it, pay for it",
+        watch="A 16-mixed lane whose one hand-written layer overflows fp16 races 32-true and dies at once; when the "
+              "run ends, the layer bisect replays the failing step with modules kept in fp32 until it finds the "
+              "smallest set that fixes it. Watch the checks: which layer it names, whether the fixed lane trains, "
+              "and the price race's ms/step and memory against the original and 32-true.",
+        caveat="The price is this device's: the fixed lane computes one module in fp32, and on a CPU without native "
+               "fp16 the failing lane's NaN arithmetic and fp16 emulation move its ms/step either way. Kept modules "
+               "cost no weight memory in a mixed mode (the weights are fp32 already); in a true mode they do.",
+        build=keep.runs,
+        checks=(
+            Check("16-mixed breaks, 32-true trains", "the 16-mixed lane's loss turns inf/NaN, 32-true's stays "
+                  "finite: the failure is the format's", keep.lane_fails),
+            Check("The bisect finds the planted layer", f"the smallest set it returns is exactly "
+                  f"{keep.PLANTED_MODULE}, beside {planted.DEPTH - 1} large-but-safe gains", keep.finds_the_layer),
+            Check("The fixed lane trains", f"in the price race it skips no step and ends within "
+                  f"{keep.LOSS_MATCH:.0%} of 32-true's loss, while the original's loss is not finite",
+                  keep.fixed_lane_trains),
+            Check("Keeping it costs time, not weight memory", "the fixed lane holds the same bytes of weights, "
+                  "gradients and optimizer state as 32-true; its ms/step is measured against the original and "
+                  "32-true", keep.keeping_costs),
+        ),
+        table=keep.price_table, table_title="The price race: from the failing step's snapshot, lanes interleaved",
+        charts=("loss",), after_run=keep.bisect_the_failure),
 )}
 
 

@@ -1,0 +1,84 @@
+"""The workload of the workshop's "find the layer" scenario, loaded as a plugin when the scenario builds its runs:
+the shipped 8x8 digits through blocks of Linear -> gain -> LayerNorm -> GELU, where one block's gain overflows fp16
+and the others are large but safe — the kind of hand-written layer (an unscaled logit, a sum of squares) that breaks
+one 16-bit recipe while every other layer would be fine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from amp_core.workloads import Data, Workload
+from amp_core.workloads.digits_mlp import DigitsMLP
+
+PLANTED_BLOCK = 2
+"""The block whose gain overflows fp16."""
+PLANTED_MODULE = f"blocks.{PLANTED_BLOCK}.gain"
+"""Its module name: what the scenario's bisect should find."""
+OVERFLOW = 1e6
+"""The planted gain multiplies by this and divides again: exact in fp32, inf in fp16 (largest 65504) for |x| > 0.07."""
+SAFE = 300.0
+"""The other blocks' gain: a few hundred at most after a Linear, well inside fp16."""
+WIDTH, DEPTH = 32, 4
+
+
+class Gain(nn.Module):
+    """x * factor / factor: the identity in fp32, an overflow in a 16-bit format once |x| * factor passes its range."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.factor) / self.factor
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, factor: float):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.gain = Gain(factor)
+        self.norm = nn.LayerNorm(width)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.gain(self.linear(x))))
+
+
+class PlantedNet(nn.Module):
+    def __init__(self, features: int, classes: int):
+        super().__init__()
+        self.embed = nn.Linear(features, WIDTH)
+        self.blocks = nn.Sequential(*(Block(WIDTH, OVERFLOW if index == PLANTED_BLOCK else SAFE)
+                                      for index in range(DEPTH)))
+        self.head = nn.Linear(WIDTH, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+class WorkshopPlantedDigits(Workload):
+    name = "workshop_planted_digits"
+    title = "Digits through blocks with one planted fp16 overflow (workshop)"
+    description = (f"The shipped 8x8 digits through {DEPTH} blocks of Linear -> gain -> LayerNorm -> GELU; block "
+                   f"{PLANTED_BLOCK}'s gain (x{OVERFLOW:g}, undone at once) overflows fp16, the others (x{SAFE:g}) "
+                   "are large but safe. The workshop's \"find the layer\" scenario bisects it.")
+    sizes = {"small": {}}
+
+    def load_data(self, config) -> Data:
+        return DigitsMLP().load_data(config)
+
+    def build_model(self, size: str, data: Data) -> nn.Module:
+        return PlantedNet(data.inputs.shape[1], 10)
+
+    def loss(self, output, target):
+        return nn.functional.cross_entropy(output.float(), target)
+
+
+def register() -> None:
+    """Load this module as a workload plugin (once; a later call changes nothing)."""
+    from amp_core.workloads import load_plugins
+
+    problems = load_plugins([__name__])
+    if problems:
+        raise RuntimeError(problems[0].message())
