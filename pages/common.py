@@ -39,6 +39,10 @@ OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "am
                  "amp_core.diagnostics.cost", "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live",
                  "amp_core.views.compare", "amp_core.views.tables")
 """The rest of what the Train and Compare pages draw with."""
+PAINT_WAIT_S = 2.0
+"""The longest the warm-up waits for the first page to draw before it imports (a page that fails before it says so)."""
+PAINT_SETTLE_S = 0.5
+"""Then how long it leaves the browser to fetch the code of the page's widgets from this server (a request each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +88,15 @@ class WarmUp:
     """The server's imports and device facts, made on a background thread that the first script run starts: the
     first page is drawn from light data meanwhile. `core` is set once the device facts are read (torch imported),
     `done` once everything is imported. Then the objects imported so far are frozen out of the garbage collector's
-    full passes: each would otherwise walk torch's objects while holding the GIL a training thread needs."""
+    full passes: each would otherwise walk torch's objects while holding the GIL a training thread needs.
+
+    The imports wait until the first page has drawn what it can without them (`painted`, set when a page first waits
+    for them) and the browser has fetched what it needs to show it: importing torch holds the interpreter for
+    seconds (up to a second at a stretch while its libraries load), and the first paint's script run and the
+    server's loop that sends it and serves the browser the widgets' code would get only a share of it meanwhile."""
 
     def __init__(self):
-        self.core, self.done = threading.Event(), threading.Event()
+        self.core, self.done, self.painted = threading.Event(), threading.Event(), threading.Event()
         self.facts: DeviceFacts | None = None
         self.plugin_problems: list = []
         """PluginProblem of each plugin module that did not load (the built-ins and other plugins still work)."""
@@ -95,6 +104,8 @@ class WarmUp:
         background.start(self._work, "amp-warm-up")
 
     def _work(self) -> None:
+        if self.painted.wait(PAINT_WAIT_S):
+            time.sleep(PAINT_SETTLE_S)
         try:
             for name in CORE_MODULES:
                 importlib.import_module(name)
@@ -112,9 +123,14 @@ class WarmUp:
         finally:
             self.done.set()
 
+    def wait_core(self) -> None:
+        """Wait for torch and the device facts (a page that waits has drawn all it can without them)."""
+        self.painted.set()
+        self.core.wait()
+
     def device_facts(self) -> DeviceFacts:
         """The facts, once read (waits for the warm-up's first part; reads them here if it failed, to raise why)."""
-        self.core.wait()
+        self.wait_core()
         return self.facts or read_device_facts()
 
 

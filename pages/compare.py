@@ -120,8 +120,6 @@ if live:
 bands = st.session_state.setdefault("cmp_bands", compare.StepTimeBands())  # finished buckets' step-time figures
 
 
-@st.fragment(run_every=LIVE_REFRESH_S if live else None)
-@store_guarded
 def compiled_lanes_section(series) -> None:
     """Compile time, graph breaks, recompiles and drift against eager for the compiled lanes among those shown."""
     run_ids = list(dict.fromkeys(lane.run_id for lane in series if compiled_views.has_compiled([lane.mode])))
@@ -140,6 +138,9 @@ def compiled_lanes_section(series) -> None:
     st.caption(compiled_views.DRIFT_NOTE)
 
 
+# The comparison redraws itself every LIVE_REFRESH_S while a chosen run trains (the compiled lanes' section with it).
+@st.fragment(run_every=LIVE_REFRESH_S if live else None)
+@store_guarded
 def comparison() -> None:
     # Each redraw reads the lanes through their multi-resolution summary (a few thousand points per figure, whatever
     # their length): every record is gathered only for a download, when it is asked for.

@@ -60,7 +60,7 @@ def workload_entries() -> dict[str, catalog.WorkloadEntry]:
     """Workloads by name, sorted by title: the registry's once torch is imported (plugins too), else the catalog's.
     A server started with plugins waits for them: a first list without the user's own workload would mislead."""
     if warm.core.is_set() or catalog.plugins_named():
-        warm.core.wait()
+        warm.wait_core()
         from amp_core.workloads import WORKLOADS
 
         found = [catalog.WorkloadEntry(name, w.title or name, w.description, tuple(w.sizes), tuple(w.requires))

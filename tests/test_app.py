@@ -78,3 +78,21 @@ def test_what_the_pages_draw_needs_no_emoji_font():
     found = [f"{path.relative_to(ROOT)}:{number}: {match.group()!r}" for path in sources
              for number, line in enumerate(path.read_text().splitlines(), start=1) for match in EMOJI.finditer(line)]
     assert not found, found
+
+
+def test_the_warm_up_imports_once_the_first_page_waits_for_it(monkeypatch):
+    """The server's imports start when a page first waits for them (its light paint is drawn), not before: torch's
+    import would otherwise take the interpreter from the first paint. A page that never asks still gets them."""
+    from pages import common
+
+    monkeypatch.setattr(common, "PAINT_SETTLE_S", 0.0)
+    warm = common.WarmUp()
+    try:
+        assert not warm.core.wait(0.3)  # nobody asked yet (PAINT_WAIT_S is longer)
+        facts = warm.device_facts()  # a page waits: the imports start now
+        assert facts.runnable and warm.painted.is_set() and warm.core.is_set()
+    finally:
+        warm.done.wait()
+    monkeypatch.setattr(common, "PAINT_WAIT_S", 0.2)
+    unasked = common.WarmUp()
+    assert unasked.done.wait(60) and unasked.facts is not None

@@ -356,3 +356,27 @@ def test_chart_html_is_standalone(two_runs):
     assert not re.search(r"<script[^>]*\bsrc=", html)  # nothing fetched: plotly.js is inlined
     assert "plotly.js v" in html
     assert len(html) > 1_000_000
+
+
+def test_what_streamlit_sends_of_each_compare_chart_is_what_a_validated_plotly_figure_gives():
+    """Compare's charts skip plotly's validation and deep copies as the Train page's do (plots.ChartFigure): each
+    redraw of a live comparison builds and sends them beside a training thread. What st.plotly_chart sends of each
+    must equal plotly's own of the same spec."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    from figure_json import spec
+    from plotly.tools import return_figure_from_figure_or_data
+
+    from amp_core.views.plots import ChartFigure
+
+    def sent(figure) -> dict:
+        return spec(pio.to_json(return_figure_from_figure_or_data(figure, validate_figure=True), validate=False))
+
+    frame = pd.concat([long_lane(3_000), long_lane(300, "bf16-mixed", "short")], ignore_index=True)
+    figures = [compare.loss_vs_step_figure(frame, log_y=True), compare.loss_vs_time_figure(frame, time_axis="compute"),
+               compare.step_time_figure(frame, raw=True, log_y=True), compare.loss_difference_figure(frame, "long/0")]
+    for figure in figures:
+        assert isinstance(figure, ChartFigure), figure.layout.title.text
+        validated = go.Figure({"data": figure._data, "layout": {key: value for key, value in figure._layout.items()
+                                                                if key != "template"}})
+        assert sent(figure) == sent(validated), figure.layout.title.text

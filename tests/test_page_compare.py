@@ -186,13 +186,26 @@ def test_zero_lanes_chosen_says_what_to_do(fresh_store):
 
 
 def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_threads, monkeypatch):
+    import streamlit as st
+
     from pages.common import get_manager
 
+    # AppTest runs no timers: which part of the page redraws itself, and how often, is read where it is declared.
+    timers, fragment = {}, st.fragment
+
+    def recorded(func=None, *, run_every=None):
+        if func is None:
+            return lambda inner: recorded(inner, run_every=run_every)
+        timers[func.__name__] = run_every
+        return fragment(func, run_every=run_every)
+
+    monkeypatch.setattr(st, "fragment", recorded)
     monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10}))  # lane steps: two lanes, 2 then 5 steps
     run = get_manager().launch(tiny(("32-true", "16-mixed"), steps=100_000))
     try:
         run.wait_until(stepped_launches.parked)
         at = page()
+        assert timers["comparison"] == 2.0  # the summary, the charts and the compiled lanes redraw while it trains
         assert at.multiselect(key="cmp_runs").value == [run.run_id]
         assert any("still training" in caption.value for caption in at.caption)
         assert summary_table(at)["steps"].tolist() == [2, 2]
@@ -207,6 +220,7 @@ def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_thre
     at.run()  # finished now: the page redraws without the live timer
     assert not at.exception and not any("still training" in caption.value for caption in at.caption)
     assert summary_table(at)["steps"].tolist() == run.frame().groupby("lane").size().tolist()
+    assert timers["comparison"] is None
 
 
 @pytest.mark.parametrize("runs", [0, 1])

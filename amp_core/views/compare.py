@@ -26,6 +26,7 @@ from amp_core.views.plots import (
     StepTimeBands,
     band_traces,
     bulk_range,
+    chart_figure,
     chart_layout,
     decimate_indices,
     edge_markers,
@@ -259,7 +260,7 @@ def _loss_figure(lanes: list[LaneSeries], labels: dict[str, str], time_axis: str
     layout = chart_layout(title, "loss", xaxis={"title": {"text": x_title}}, yaxis=_y_axis("loss", log_y),
                           hovermode="closest", legend={"title": {"text": "lane (colour: mode, dash: run)"}},
                           margin={"t": 50, "b": 40}, height=None)
-    return go.Figure({"data": data, "layout": layout})
+    return chart_figure({"data": data, "layout": layout})
 
 
 def loss_vs_step_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str, str] | None = None,
@@ -318,7 +319,7 @@ def step_time_figure(records: pd.DataFrame | list[LaneSeries], labels: dict[str,
                           + (" · several seeds: mean of their medians, min-max band" if replicates else ""),
                           "ms per step", yaxis=axis, hovermode="closest", margin={"t": 50, "b": 40}, height=None,
                           legend={"title": {"text": "lane (colour: mode, dash: run)"}})
-    return go.Figure({"data": data, "layout": layout})
+    return chart_figure({"data": data, "layout": layout})
 
 
 # --- lanes that hide each other -----------------------------------------------------------------------------------
@@ -458,7 +459,7 @@ def loss_difference_figure(records: pd.DataFrame | list[LaneSeries], baseline: s
     layout = chart_layout(title, "loss − baseline loss", yaxis=axis, hovermode="closest",
                           legend={"title": {"text": "lane (colour: mode, dash: run)"}}, margin={"t": 50, "b": 40},
                           height=None)
-    return go.Figure({"data": data, "layout": layout})
+    return chart_figure({"data": data, "layout": layout})
 
 
 # --- tables and downloads -----------------------------------------------------------------------------------------
