@@ -26,6 +26,11 @@ SCREENSHOT = ROOT / "artifacts" / "train_page_gpt2.png"
 # the test stops the run once it has seen that.
 STEPS = 2000
 GPT2_TITLE = "GPT-2 (transformers, causal LM)"
+DRAWN_POINTS = f"""modes => {{
+    const points = ({LOSS_POINTS})();
+    return modes.every(mode => (points[mode] || 0) >= 1) ? points : null;
+}}"""
+"""Each lane's loss points once every lane has one (null, so Playwright checks again, before that)."""
 
 pytestmark = [
     pytest.mark.browser,
@@ -58,8 +63,9 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
             enter_number(page, "Batch size", 8)
             page.wait_for_function(SETTLED, timeout=60_000)
             launch.click()
-            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=180_000)
-            first = page.evaluate(LOSS_POINTS)
+            # The points per lane, read in the same check that finds every lane drawn (a redraw between a wait and a
+            # second read can find the chart being replaced).
+            first = page.wait_for_function(DRAWN_POINTS, arg=modes, timeout=180_000).json_value()
             assert max(first.values()) < STEPS, f"the run ended before its chart was first read: {first}"
             # The chart grows while the run goes: more points than first drawn.
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, min(first.values()) + 1], timeout=180_000)
