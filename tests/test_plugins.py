@@ -82,7 +82,9 @@ WHY = {
 
 @pytest.fixture
 def plugin_path(tmp_path, monkeypatch) -> Path:
-    """examples/ and a folder of broken plugins on the path; the registry as it was afterwards."""
+    """examples/ and a folder of broken plugins on the path; the registry holds only the built-ins meanwhile (a plugin
+    another test loaded in this process, such as the keep-layer scenario's workload, is set aside) and is as it was
+    afterwards."""
     folder = tmp_path / "plugins"
     folder.mkdir()
     for name, source in BROKEN.items():
@@ -90,6 +92,9 @@ def plugin_path(tmp_path, monkeypatch) -> Path:
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.syspath_prepend(str(folder))
     saved, origins = dict(WORKLOADS), dict(workloads.PLUGIN_ORIGINS)
+    for name in origins:
+        WORKLOADS.pop(name, None)
+    workloads.PLUGIN_ORIGINS.clear()
     yield folder
     WORKLOADS.clear()
     WORKLOADS.update(saved)
