@@ -22,19 +22,9 @@ from amp_core.config import RunConfig, ScalerConfig
 from amp_core.diagnostics.bisect import bisect_run
 from amp_core.runner import RunManager
 from amp_core.workloads import WORKLOADS, Data, Workload
+from amp_core.workshop.planted import Gain
 
 WIDTH, HEADS, CONTEXT, VOCAB = 64, 4, 32, 64
-
-
-class Scale(nn.Module):
-    """x * factor / factor: exact in fp32; inf in fp16 once |x| * factor passes 65504."""
-
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x * self.factor) / self.factor
 
 
 class Block(nn.Module):
@@ -43,7 +33,7 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
         self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
         self.fc1, self.act, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
-        self.scale = Scale(factor)
+        self.scale = Gain(factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape

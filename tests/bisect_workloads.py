@@ -7,24 +7,11 @@ import torch
 from torch import nn
 
 from amp_core.workloads import Data, Workload
+from amp_core.workshop.planted import OVERFLOW, SAFE
+from amp_core.workshop.planted import Gain as Amplify  # x * factor / factor: planted (OVERFLOW) or safe (SAFE)
 
-OVERFLOW = 1e6
-"""A planted `Amplify` multiplies by this and divides again: exact in fp32, inf in fp16 (max 65504) for |x| > 0.07."""
-SAFE = 300.0
-"""The large-but-safe `Amplify` beside it: a few hundred at most, fine in fp16."""
 COARSEN_OFFSET = 64.0
 """A planted `Coarsen` adds and subtracts this: bf16 (8 bits of mantissa) rounds x to steps of 0.5 there."""
-
-
-class Amplify(nn.Module):
-    """x * factor / factor: the identity in fp32; overflows a 16-bit format when x * factor passes its range."""
-
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x * self.factor) / self.factor
 
 
 class Coarsen(nn.Module):
