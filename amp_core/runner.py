@@ -129,6 +129,9 @@ class Run(RunReading):
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
         """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.snapshots, read
         by amp_core.diagnostics.replay; taken by a SnapshotHook, the first before_lane_step hook."""
+        self.compile_captures: dict[int, list] = {}
+        """[compiled lanes] Per lane, what its own compiles produced (amp_core.compiled.LaneCompile: graphs' ops,
+        kernels, casts; the first compile and the latest recompiles), made by the compile hooks while it compiles."""
         self.hooks = with_engine_hooks(self.hooks, config, self.snapshots)
 
     # --- control -------------------------------------------------------------------------------------------

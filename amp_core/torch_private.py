@@ -7,6 +7,8 @@ on a real object, so a torch that changed fails one test that says which API, in
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -19,11 +21,12 @@ except ImportError as exc:  # pragma: no cover - only on a torch that moved it
     raise ImportError(f"torch {torch.__version__}: torch.utils._python_dispatch.TorchDispatchMode is gone "
                       "(the op inspector's dispatch mode needs it)") from exc
 
-__all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "compilation_metrics", "compiled_call",
-           "foreach_copy_", "foreach_norm", "forward_hooks", "found_inf_flag", "graph_break_counts", "has_triton",
-           "inductor_backend", "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit",
-           "remove_forward_hooks", "scale_tensor", "scaler_settings", "scaler_tensors", "set_compiled_call",
-           "supports_amp_scaling", "watch_dynamo_compiles"]
+__all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "aot_autograd_cache_off",
+           "compilation_metrics", "compiled_call", "current_compile_id", "foreach_copy_", "foreach_norm",
+           "forward_hooks", "found_inf_flag", "graph_break_counts", "has_triton", "inductor_backend",
+           "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit", "remove_forward_hooks",
+           "scale_tensor", "scaler_settings", "scaler_tensors", "set_compiled_call", "supports_amp_scaling",
+           "watch_dynamo_compiles"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -245,10 +248,16 @@ def has_triton() -> bool:
     return bool(_attribute(_private_module("torch.utils._triton"), "has_triton", "torch.utils._triton.has_triton")())
 
 
-def inductor_backend(inner, mode: str = "default"):
+def inductor_backend(inner, mode: str = "default", *, bind=None):
     """A torch.compile backend that is inductor with `inner(graph, example_inputs, compile_inner, **kwargs)` in the
     place of its inner compile: handed each post-AOT graph (forward, then backward with is_backward=True) and
-    inductor's own inner compile to call."""
+    inductor's own inner compile to call.
+
+    `bind`: instead of one `inner` for every compile, `bind()` is called each time dynamo hands the backend a graph
+    (on the compiling thread) and returns the inner for that graph's forward and backward (the backward may compile
+    later, on another thread), or None: inductor's own inner compile, its caches as usual. While a graph compiles
+    behind a capturing inner, AOT autograd's cache is off (`aot_autograd_cache_off`): a hit there would hand inductor
+    no graph, so there would be nothing to capture."""
     compile_fx = _private_module("torch._inductor.compile_fx")
     outer = _attribute(compile_fx, "compile_fx", "torch._inductor.compile_fx.compile_fx")
     compile_inner = _attribute(compile_fx, "compile_fx_inner", "torch._inductor.compile_fx.compile_fx_inner")
@@ -256,9 +265,48 @@ def inductor_backend(inner, mode: str = "default"):
     patches = None if mode == "default" else options(mode)
 
     def backend(graph, example_inputs):
-        return outer(graph, example_inputs, config_patches=patches,
-                     inner_compile=lambda g, inputs, **kwargs: inner(g, inputs, compile_inner, **kwargs))
+        chosen = inner if bind is None else bind()
+        if chosen is None:
+            return outer(graph, example_inputs, config_patches=patches)
+        with aot_autograd_cache_off():
+            return outer(graph, example_inputs, config_patches=patches,
+                         inner_compile=lambda g, inputs, **kwargs: chosen(g, inputs, compile_inner, **kwargs))
     return backend
+
+
+_aot_cache_lock = threading.Lock()
+_aot_cache_users = 0
+_aot_cache_was: bool | None = None
+
+
+@contextlib.contextmanager
+def aot_autograd_cache_off():
+    """AOT autograd's local cache off while any caller is inside (a process-wide switch: counted, so that two
+    threads inside at once leave it as they found it)."""
+    global _aot_cache_users, _aot_cache_was
+    config = _private_module("torch._functorch.config")
+    _attribute(config, "enable_autograd_cache", "torch._functorch.config.enable_autograd_cache")
+    with _aot_cache_lock:
+        if _aot_cache_users == 0:
+            _aot_cache_was = config.enable_autograd_cache
+            config.enable_autograd_cache = False
+        _aot_cache_users += 1
+    try:
+        yield
+    finally:
+        with _aot_cache_lock:
+            _aot_cache_users -= 1
+            if _aot_cache_users == 0:
+                config.enable_autograd_cache = _aot_cache_was
+
+
+def current_compile_id() -> str:
+    """The id of the compile dynamo is making on this thread ("frame/attempt", as its logs and callbacks say it), or
+    "" outside one."""
+    guards = _private_module("torch._guards")
+    context = _attribute(guards, "CompileContext", "torch._guards.CompileContext")
+    compile_id = _attribute(context, "current_compile_id", "torch._guards.CompileContext.current_compile_id")()
+    return "" if compile_id is None else str(compile_id)
 
 
 DYNAMO_FRAME_LOGGER = "torch._dynamo.convert_frame"

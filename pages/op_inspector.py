@@ -2,19 +2,29 @@
 
 import streamlit as st
 
+from amp_core.compiled import eager_recipe, lane_compiles
 from amp_core.compiled import one_line as compiled_one_line
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import compiled_ops, optrace
 from amp_core.runs import is_live
+from amp_core.views import compiled as compiled_views
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
-from pages.common import app_frame, attached_request, can_control, get_manager, live_lane_probe, run_picker
+from pages.common import (
+    app_frame,
+    attached_request,
+    can_control,
+    control_note,
+    get_manager,
+    live_lane_probe,
+    run_picker,
+)
 
 DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
-SOURCES = ("One mode", "Two modes side by side", "A live lane", "An attached run")
+SOURCES = ("One mode", "Two modes side by side", "A live lane", "An attached run", "A compiled lane's own compile")
 # The per-module table's columns on the page (the per-dtype FLOP split stays in the trace).
 MODULE_COLUMNS = ("module", "forward_dtype", "backward_dtype", "ops", "casts", "cast_bytes", "flops",
                   "low_precision_share")
@@ -150,6 +160,91 @@ def compiled_section() -> None:
                 st.caption(f"(first 20,000 of {len(code):,} characters of part {index + 1})")
 
 
+def compiled_lane_view() -> list[optrace.OpTrace]:
+    """A compiled lane of a live or finished run: what its own compile made (its graphs' ops and dtypes, its kernels,
+    the casts kept and fused away), beside the eager trace of the same mode; returns that eager trace (drawn below
+    like any other), or []."""
+    manager = get_manager()
+    run_id = run_picker(manager, "opi_compiled_run")
+    info = manager.run_info(run_id, count_steps=False) if run_id is not None else None
+    lanes = compiled_views.compiled_lanes(info)
+    if not lanes:
+        st.info("Pick a run with a compiled lane (a `+compile` recipe, e.g. `bf16-mixed,bf16-mixed+compile` on the "
+                "Train page): what its own compile made is kept while it compiles, and stored with the run.")
+        return []
+    lane = st.selectbox("Compiled lane", list(lanes), key="opi_compiled_lane",
+                        format_func=lambda index: f"lane {index} · {lanes[index]}")
+    captures = lane_compiles(manager, run_id, lane)
+    if not captures:
+        st.info(f"Nothing captured for lane {lane} yet: it is still compiling, its compile failed (the Train page "
+                "says why), or its run was recorded before AMP Lab kept what a lane compiled.")
+        return []
+    index = st.selectbox("Compile", range(len(captures)), key="opi_compiled_capture",
+                         format_func=lambda i: compiled_views.capture_label(captures[i]))
+    capture = captures[min(index, len(captures) - 1)]
+    counts = compiled_views.cast_counts(capture)
+    eager_mode = eager_recipe(capture.recipe)
+    eager, compiled = st.columns(2)
+    eager.markdown(f"**Eager `{eager_mode}`** — the same step on an eager copy of the lane (same weights, same batch)")
+    eager.metric("Casts eager runs as their own ops", "—" if counts["eager"] is None else counts["eager"],
+                 help="`_to_copy` ops that changed a dtype, traced when the lane first compiled")
+    compiled.markdown(f"**`{capture.recipe}`** — what this lane's own compile made ({capture.trigger})")
+    first, second = compiled.columns(2)
+    first.metric("Kernels that only cast (kept)", counts["kept"],
+                 help="Their casts are written to memory, as eager's `_to_copy` is")
+    second.metric("Kernels that fuse casts away", counts["fused"],
+                  help="They cast in registers inside a computing kernel: the cast dtype is never stored")
+    first.metric("Casts in the compiled graphs", counts["graph"])
+    second.metric("Generated kernels", counts["kernels"], help="Matmuls run as extern kernels (listed below)")
+    if capture.reused:
+        st.caption(f"This lane compiled nothing of its own: {capture.reused}.")
+    if capture.reason:
+        st.caption(f"Why dynamo recompiled: {capture.reason}")
+    st.dataframe(capture.summary.kernels, hide_index=True, key="opi_lane_kernels")
+    st.info(compiled_ops.CANNOT_SEE)
+    with st.expander("The post-AOT graphs: ops counted by phase and dtype"):
+        st.dataframe(capture.summary.op_counts, hide_index=True, key="opi_lane_op_counts")
+    if capture.summary.rows_left_out:
+        st.caption(f"{capture.summary.rows_left_out} more rows were not kept (a run keeps a bounded summary).")
+    if capture.code:
+        with st.expander("Inductor's generated code (kept while this process holds the run)"):
+            for code in capture.code:
+                st.code(code[:20000], language="python")
+    else:
+        st.caption("Inductor's generated code is kept only in the memory of the process that ran the lane; the "
+                   "stored run keeps the kernels and ops above.")
+    return eager_lane_trace(run_id, lane, info, eager_mode)
+
+
+def eager_lane_trace(run_id: str, lane: int, info, eager_mode: str) -> list[optrace.OpTrace]:
+    """The eager trace beside a compiled lane: of the lane's eager copy while it runs here (on a click), else of a
+    fresh build of its workload in the same mode."""
+    run = get_manager().get(run_id)
+    if run is not None and run.lanes[lane].status == "running":
+        if not can_control():
+            control_note()
+            return []
+        traces: dict[tuple[str, int], optrace.OpTrace] = st.session_state.setdefault("opi_compiled_eager", {})
+        if st.button("Trace the lane's eager copy now", key="opi_compiled_eager_trace",
+                     help="Copies the lane's current weights (a copy of a compiled module is eager) and traces one "
+                          "forward + backward of its latest batch, op by op; the lane is not touched."):
+            try:
+                traces[(run_id, lane)] = optrace.trace_lane(run, lane)
+            except (ValueError, RuntimeError) as error:
+                st.error(f"Cannot trace this lane: {str(error).splitlines()[0]}")
+        return [traces[(run_id, lane)]] if (run_id, lane) in traces else []
+    config = info.config
+    try:
+        trace = traced(config["workload"], eager_mode, config.get("size", "small"), DEVICE,
+                       optrace.DEFAULT_TRACE_BATCH)
+    except (ConfigError, ValueError, KeyError, RuntimeError) as error:
+        st.caption(f"No eager trace to set beside it here: {str(error).splitlines()[0]}")
+        return []
+    st.caption(f"Below: the eager trace of `{eager_mode}` on a fresh build of {config['workload']} (the lane has "
+               "ended and freed its model).")
+    return [trace]
+
+
 def show_summary(trace: optrace.OpTrace) -> None:
     summary = trace.summary()
     st.markdown(f"**{trace.label}** on {trace.device}")
@@ -170,7 +265,8 @@ st.caption(f"Every row is an aten op that really ran on this machine ({DEVICE}) 
            "autocast rewrote it: the casts it inserted are ops too. No policy table is consulted.")
 
 source = st.radio("Trace", SOURCES, key="opi_source", horizontal=True)
-traces = lane_trace() if source == SOURCES[2] else attached_trace() if source == SOURCES[3] else workload_traces()
+traces = (lane_trace() if source == SOURCES[2] else attached_trace() if source == SOURCES[3]
+          else compiled_lane_view() if source == SOURCES[4] else workload_traces())
 
 if traces:
     for column, trace in zip(st.columns(len(traces)), traces, strict=True):

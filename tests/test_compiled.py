@@ -11,11 +11,16 @@ from compile_workloads import FusedChain, PlantedBreak
 
 from amp_core.compiled import (
     COMPILED_EVENT,
+    COMPILED_OPS_EVENT,
+    FIRST_COMPILE,
     GRAPH_BREAK_EVENT,
+    MAX_CAPTURES_PER_LANE,
+    RECOMPILE,
     RECOMPILE_EVENT,
     RECOMPILE_STORM_EVENT,
     eager_recipe,
     is_compiled_recipe,
+    lane_compiles,
     one_line,
 )
 from amp_core.config import ConfigError, RunConfig
@@ -28,22 +33,30 @@ STEPS = 24
 """Enough for the workshop's speed check (MIN_STEPS 20); a CPU step of this model is about a millisecond."""
 
 
-def finished(config: RunConfig) -> Run:
-    run = Run(config).start()
+def finished(config: RunConfig, store=None) -> Run:
+    run = Run(config, store).start()
     run.join(600)
     assert not run.alive
     return run
 
 
 @pytest.fixture(scope="module")
-def race():
+def race_store(tmp_path_factory):
+    """The race's own SQLite store (what a finished run is read back from)."""
+    from amp_core.records.opening import open_store
+
+    return open_store(tmp_path_factory.mktemp("race") / "runs.sqlite3")
+
+
+@pytest.fixture(scope="module")
+def race(race_store):
     """Eager and compiled lanes of a model whose compiled bf16 loss differs from eager's (a fused pointwise chain),
-    with snapshots every 5 steps (what replay starts from)."""
+    with snapshots every 5 steps (what replay starts from), recorded in `race_store`."""
     workload = FusedChain()
     WORKLOADS[workload.name] = workload
     try:
         yield finished(RunConfig(workload=workload.name, modes=("32-true", "bf16-mixed", "bf16-mixed+compile"),
-                                 steps=STEPS, batch_size=16, snapshot_every=5, gradstats_every=0))
+                                 steps=STEPS, batch_size=16, snapshot_every=5, gradstats_every=0), race_store)
     finally:
         WORKLOADS.pop(workload.name)
 
@@ -83,6 +96,53 @@ def test_a_compiled_lane_replays_compiled_and_eagerly_and_says_what_compiling_ch
     rows = {row.mode: row for row in other.rows}
     assert other.reproduced and rows["bf16-mixed+compile"].compiled
     assert rows["bf16-mixed+compile (eager)"].loss == rows["bf16-mixed"].loss != rows["bf16-mixed+compile"].loss
+
+
+def test_a_compiled_lanes_own_compile_is_captured_and_stored(race, race_store):
+    from amp_core.runs import RunReader
+
+    [capture] = race.compile_captures[2]  # one compile, captured as the lane compiled before step 0
+    assert capture.trigger == FIRST_COMPILE and capture.recipe == "bf16-mixed+compile" and not capture.reused
+    kernels = capture.summary.kernels
+    generated = kernels[kernels["kernel"].str.startswith("cpp_fused_")]
+    assert set(generated["phase"]) == {"forward", "backward"}
+    # inductor fused the pointwise chain with its casts into one kernel; the matmuls are extern kernels
+    assert generated["built from"].str.contains("sigmoid").any() and (generated["casts"] == "fused").any()
+    assert kernels["kernel"].str.startswith("extern_kernels.").any()
+    assert any("cpp_fused_" in code for code in capture.code)
+    counts = capture.summary.op_counts
+    assert {"bf16", "fp32"} <= set(counts["dtype"]) and set(counts["phase"]) == {"forward", "backward"}
+    # fewer standalone casts than eager runs for the same step (the lane's eager copy, traced as it compiled)
+    assert capture.summary.fusing_kernels >= 1 and capture.summary.kept_cast_kernels < capture.eager_casts
+    assert not race.compile_captures.get(1)  # the eager lane compiles nothing
+    events = [e for e in race.events() if e.kind == COMPILED_OPS_EVENT]
+    assert [e.lane for e in events] == [2] and "generated kernel(s)" in events[0].message
+    # the finished run, read from its store (no memory of it): the same summary, without inductor's code
+    [stored] = lane_compiles(RunReader(race_store), race.run_id, 2)
+    assert stored.summary.kernels.equals(kernels) and stored.summary.op_counts.equals(counts)
+    assert stored.eager_casts == capture.eager_casts and stored.code == ()
+
+
+def test_the_op_inspector_shows_a_stored_compiled_lanes_own_compile(race, race_store, monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("AMP_LAB_STORE", str(race_store.path))
+    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "op_inspector.py"),
+                            default_timeout=120).run()
+    app.radio(key="opi_source").set_value("A compiled lane's own compile").run()
+    assert app.selectbox(key="opi_compiled_run").value == race.run_id
+    assert app.selectbox(key="opi_compiled_lane").value == 2 and not app.exception and not app.error
+    metrics = {m.label: m.value for m in app.metric}
+    capture = race.compile_captures[2][0]
+    assert metrics["Casts eager runs as their own ops"] == str(capture.eager_casts)
+    assert metrics["Kernels that only cast (kept)"] == str(capture.summary.kept_cast_kernels)
+    kernels = next(df.value for df in app.dataframe if "built from" in df.value.columns)
+    assert kernels["kernel"].str.startswith("cpp_fused_").any()
+    assert any("Inside a fused kernel" in info.value for info in app.info)
+    assert any("bf16-mixed" in m.value and "fresh build" in m.value for m in app.caption)
+    assert any("inputs" in df.value.columns for df in app.dataframe)  # the eager trace of the same mode, below
 
 
 def test_recipe_names_and_refusals(monkeypatch):
@@ -160,6 +220,12 @@ def test_recompile_named_with_its_guard_and_the_storm_is_an_event(planted):
                                            _Reader(planted).run_info(planted.run_id).lanes)
     row = table.set_index("recipe").loc["32-true+compile"]
     assert row["recompiles"] >= 1 and row["storm"] == "yes" and "graph_break()" in row["break reasons"]
+    # each recompile's own graphs and kernels were captured with dynamo's reason (the first compile kept, bounded)
+    captures = planted.compile_captures[1]
+    assert captures[0].trigger == FIRST_COMPILE and len(captures) <= MAX_CAPTURES_PER_LANE
+    recaptured = [c for c in captures if c.trigger == RECOMPILE]
+    assert recaptured and any("self.calls ==" in c.reason for c in recaptured)
+    assert all(len(c.summary.kernels) for c in recaptured)
 
 
 def test_one_line_keeps_the_first_line():

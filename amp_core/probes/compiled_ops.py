@@ -92,6 +92,88 @@ class CompiledTrace:
                                                        for phase, name in self.extern])
 
 
+    def summary(self, max_rows: int = 400) -> CompiledSummary:
+        """The step in a few rows (what a run keeps of a lane's compile): ops counted by phase, op and dtype, and the
+        kernels; at most `max_rows` of each (the rest counted in `rows_left_out`)."""
+        counts = (self.ops.groupby(["phase", "op", "dtype"], sort=False).size().reset_index(name="count")
+                  if len(self.ops) else pd.DataFrame(columns=list(SUMMARY_OP_COLUMNS)))
+        kernels = self.kernel_frame()
+        left_out = max(0, len(counts) - max_rows) + max(0, len(kernels) - max_rows)
+        return CompiledSummary(op_counts=counts.head(max_rows).reset_index(drop=True),
+                               kernels=kernels.head(max_rows).reset_index(drop=True), graph_casts=self.graph_casts,
+                               kept_cast_kernels=self.kept_cast_kernels, fusing_kernels=self.fusing_kernels,
+                               rows_left_out=left_out)
+
+
+SUMMARY_OP_COLUMNS = ("phase", "op", "dtype", "count")
+KERNEL_COLUMNS = ("phase", "kernel", "built from", "argument dtypes", "casts")
+
+
+@dataclass(slots=True)
+class CompiledSummary:
+    """A compiled step in a few rows, small enough to keep as a run's event (CompiledTrace.summary)."""
+
+    op_counts: pd.DataFrame
+    """The post-AOT graphs' ops counted by phase, op and dtype (SUMMARY_OP_COLUMNS)."""
+    kernels: pd.DataFrame
+    """The generated kernels and the extern calls, with the ops each was built from (KERNEL_COLUMNS)."""
+    graph_casts: int
+    """Casts in the compiled graphs (convert_element_type / _to_copy nodes)."""
+    kept_cast_kernels: int
+    """Kernels that only cast: those casts are kept (written to memory)."""
+    fusing_kernels: int
+    """Kernels that cast and compute: those casts are fused away."""
+    rows_left_out: int = 0
+    """Rows beyond the summary's bound, not kept."""
+
+    @property
+    def generated_kernels(self) -> int:
+        return int((~self.kernels["kernel"].astype(str).str.startswith("extern_kernels.")).sum()) \
+            if len(self.kernels) else 0
+
+    def to_dict(self) -> dict:
+        return {"op_counts": self.op_counts.to_dict("split")["data"], "kernels": self.kernels.to_dict("split")["data"],
+                "graph_casts": self.graph_casts, "kept_cast_kernels": self.kept_cast_kernels,
+                "fusing_kernels": self.fusing_kernels, "rows_left_out": self.rows_left_out}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CompiledSummary:
+        counts = pd.DataFrame(data.get("op_counts") or [], columns=list(SUMMARY_OP_COLUMNS))
+        return cls(op_counts=counts.astype({"count": int}),
+                   kernels=pd.DataFrame(data.get("kernels") or [], columns=list(KERNEL_COLUMNS)),
+                   graph_casts=int(data.get("graph_casts", 0)), kept_cast_kernels=int(data.get("kept_cast_kernels", 0)),
+                   fusing_kernels=int(data.get("fusing_kernels", 0)), rows_left_out=int(data.get("rows_left_out", 0)))
+
+
+class GraphCapture:
+    """What inductor's inner compile is handed and makes, kept while it compiles: `inner` is the inner compile for
+    torch_private.inductor_backend (every post-AOT graph, forward and backward, passes through it)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[str, pd.DataFrame, str]] = []
+        """(phase, the graph's ops, inductor's output code), in the order compiled."""
+
+    def inner(self, graph, example_inputs, compile_inner, **kwargs):
+        phase = "backward" if kwargs.get("is_backward") else "forward"
+        rows = pd.DataFrame(_graph_rows(graph, phase))
+        compiled = compile_inner(graph, example_inputs, **kwargs)
+        self.parts.append((phase, rows, getattr(compiled, "source_code", "") or ""))
+        return compiled
+
+    def trace(self, recipe: str) -> CompiledTrace:
+        """What was captured, as a CompiledTrace (ops, kernels found in the code, extern calls, the code)."""
+        kernels, extern = [], []
+        for phase, _, code in self.parts:
+            found, calls = _kernels(code, phase)
+            kernels += found
+            extern += calls
+        frames = [rows for _, rows, _ in self.parts if len(rows)]
+        ops = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+            columns=["phase", "node", "op", "dtype", "input dtypes", "is_cast"])
+        return CompiledTrace(recipe=recipe, ops=ops, kernels=kernels, extern=extern,
+                             code=[code for _, _, code in self.parts])
+
+
 def _graph_rows(graph: torch.fx.GraphModule, phase: str) -> list[dict]:
     rows = []
     for node in graph.graph.nodes:
@@ -135,17 +217,7 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
     work = precision.prepare_module(copy.deepcopy(model))  # a deepcopy is eager: torch drops the compiled call
     for parameter in work.parameters():
         parameter.grad = None
-    graphs: list[pd.DataFrame] = []
-    codes: list[str] = []
-    phases: list[str] = []
-
-    def inner(graph, example_inputs, compile_inner, **kwargs):
-        phase = "backward" if kwargs.get("is_backward") else "forward"
-        phases.append(phase)
-        graphs.append(pd.DataFrame(_graph_rows(graph, phase)))
-        compiled = compile_inner(graph, example_inputs, **kwargs)
-        codes.append(getattr(compiled, "source_code", "") or "")
-        return compiled
+    capture = GraphCapture()
 
     # The recipe's autocast, entered inside the compiled function (so its casts are in the graph), built from plain
     # values: dynamo traces torch.autocast itself, not the Precision object's helpers.
@@ -156,17 +228,10 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
             return loss(work(inputs), targets)
 
     inputs, targets = (precision.prepare_input(t) for t in batch)
-    compiled_step = torch.compile(step, backend=inductor_backend(inner, mode))
+    compiled_step = torch.compile(step, backend=inductor_backend(capture.inner, mode))
     with torch.random.fork_rng(devices=[torch.device(precision.device)] if precision.device_type == "cuda" else []):
         compiled_step(inputs, targets).backward()
-    kernels, extern = [], []
-    for phase, code in zip(phases, codes, strict=True):
-        found, calls = _kernels(code, phase)
-        kernels += found
-        extern += calls
-    ops = pd.concat(graphs, ignore_index=True) if graphs else pd.DataFrame(
-        columns=["phase", "node", "op", "dtype", "input dtypes", "is_cast"])
-    return CompiledTrace(recipe=precision.recipe, ops=ops, kernels=kernels, extern=extern, code=codes)
+    return capture.trace(precision.recipe)
 
 
 def trace_workload_compiled(workload: str, mode: str, size: str = "small", device: str = "cpu", *, seed: int = 0,

@@ -181,3 +181,26 @@ def compiled_view(reader: RunReader, run_ids: Sequence[str]) -> tuple[pd.DataFra
     steps = gather_steps(reader, keys)
     drift = drift_frame(steps, seeds)
     return pd.concat(tables, ignore_index=True), drift, drift_summary(drift, steps, seeds)
+
+
+# --- a compiled lane's own compile, as the op inspector shows it (amp_core.compiled.LaneCompile) ----------------------
+def compiled_lanes(info) -> dict[int, str]:
+    """A run's compiled lanes (RunInfo): lane -> recipe."""
+    return {lane.lane: lane.mode for lane in info.lanes if is_compiled_recipe(lane.mode)} if info else {}
+
+
+def capture_label(capture) -> str:
+    """One compile of a lane as a picker lists it."""
+    ids = ", ".join(capture.compile_ids)
+    if capture.trigger == "recompile":
+        reason = " ".join((capture.reason or "no guard failed").splitlines()[0].split())
+        return f"recompile at step {capture.step} ({ids}): {reason[:120]}"
+    return f"{capture.trigger} ({ids})" + (" · reused" if capture.reused else "")
+
+
+def cast_counts(capture) -> dict[str, int | None]:
+    """The casts of one compile against eager's: eager's cast ops (same step, eager copy), casts in the compiled
+    graphs, kernels that only cast (kept), kernels that cast and compute (fused away)."""
+    summary = capture.summary
+    return {"eager": capture.eager_casts, "graph": summary.graph_casts, "kept": summary.kept_cast_kernels,
+            "fused": summary.fusing_kernels, "kernels": summary.generated_kernels}
