@@ -484,8 +484,7 @@ def _record_first_capture(run: Run, lane: Lane, watch: CompileWatch, batch) -> N
         origin, earlier = _LAST_CAPTURE[key]
         capture = copy.copy(earlier)
         capture.lane, capture.eager_casts = lane.index, eager_casts
-        capture.reused = (f"dynamo ran the code compiled for {origin} (same model class, recipe and batch shape); "
-                          "this lane compiled nothing of its own")
+        capture.reused = f"dynamo ran the code compiled for {origin} (same model class, recipe and batch shape)"
     else:
         return
     record_capture(run, capture)

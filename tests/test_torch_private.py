@@ -132,6 +132,14 @@ def test_torch_compile_accounting_wrappers_answer_on_this_torch():
     assert torch_private.inductor_cxx_names()
     assert isinstance(torch_private.has_triton(), bool)
     assert callable(torch_private.inductor_backend(lambda *args, **kwargs: None, "max-autotune"))
+    assert callable(torch_private.inductor_backend(None, "default", bind=lambda: None))
+    assert torch_private.current_compile_id() == ""  # outside a compile
+    from torch._functorch import config as functorch_config
+
+    before = functorch_config.enable_autograd_cache
+    with torch_private.aot_autograd_cache_off(), torch_private.aot_autograd_cache_off():
+        assert functorch_config.enable_autograd_cache is False
+    assert functorch_config.enable_autograd_cache == before
     record = logging.LogRecord(torch_private.DYNAMO_FRAME_LOGGER, logging.WARNING, "", 0,
                                "torch._dynamo hit config.%s (%s)", ("recompile_limit", 8), None)
     assert torch_private.is_recompile_limit_warning(record)
