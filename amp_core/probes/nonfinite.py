@@ -154,6 +154,9 @@ class NonfiniteSentinel(_Sentinel):
         self._steps.clear()
 
 
+_rng_state = torch.get_rng_state
+
+
 def _finite_on_host(output) -> bool:
     """Whether every floating tensor in a forward's output (a tensor, or tuples, lists and dicts of them: a Hugging
     Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). fp16
@@ -189,41 +192,49 @@ class ForwardReplaySentinel(_Sentinel):
         self.stopped = self._unsaid = ""
         """Why replaying stopped (empty while it goes on)."""
         self._depth = 0
-        self._depth_step = -1
-        self._learning = True
-        """During the first step every module is hooked, to learn which are called outermost (the model itself, or
-        the modules a Lightning training_step calls); from the next, only those."""
+        """Module calls under way (a forward hook that always runs, even when the forward raises, keeps it)."""
+        self._first_step: int | None = None
         self._tops: set[int] = set()
+        """The modules the loop calls outermost, learnt during the first step (every module hooked meanwhile): the
+        model itself, or the modules a Lightning training_step calls; from the next step only they are hooked."""
         self._replaying = False
         self._pending: tuple | None = None
-        self._handles = self._hook_all(model.modules())
+        self._handles = self._hook(model.modules(), self._learn)
 
-    def _hook_all(self, modules) -> list:
+    def _hook(self, modules, before) -> list:
         handles = []
         for module in modules:
-            handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
-            handles.append(module.register_forward_hook(self._after, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._after, with_kwargs=True, always_call=True))
         return handles
 
-    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying:
-            return
-        step = self._step_of()
-        if step != self._depth_step:  # a forward that raised left its depth behind: a new step starts from the top
-            self._depth, self._depth_step = 0, step
-            if self._learning and step > 0:
-                self._settle()
-        if self._depth == 0:
+    def _learn(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first step's pre-hook, on every module: which are called outermost."""
+        if self._depth == 0 and not self._replaying:
+            step = self._step_of()
+            if self._first_step is None:
+                self._first_step = step
             self._tops.add(id(module))
+            if step != self._first_step:
+                self._settle()
+        self._before(module, args, kwargs)
+
+    def _settle(self) -> None:
+        """After the first step: hooks on the outermost modules only. (Called from a pre-hook of one of them: its
+        new post-hook runs at the end of this very call, so `_learn` goes on into `_before`.)"""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = self._hook((m for m in self._model.modules() if id(m) in self._tops), self._before)
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth == 0 and not self._replaying:
             # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
-            self._pending = (args, kwargs, torch.get_rng_state())
+            self._pending = (args, kwargs, _rng_state())
         self._depth += 1
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        if self._replaying:
-            return
         self._depth -= 1
-        if self._depth != 0 or self._pending is None:
+        if self._depth or self._replaying or self._pending is None:
             return
         pending, self._pending = self._pending, None
         if self.stopped or _finite_on_host(output):
@@ -236,13 +247,6 @@ class ForwardReplaySentinel(_Sentinel):
             self._false_alarm()
         while len(self._found) > self._keep:
             self._found.popitem(last=False)
-
-    def _settle(self) -> None:
-        """After the first step: hooks on the outermost modules only."""
-        for handle in self._handles:
-            handle.remove()
-        self._learning = False
-        self._handles = self._hook_all(m for m in self._model.modules() if id(m) in self._tops)
 
     def _replay(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> FirstNonFinite | None:
         """`module`'s forward again, as it ran (inputs, RNG, the autocast still around it), no graph, with a hook on
