@@ -194,3 +194,20 @@ def test_an_output_that_holds_inf_by_design_stops_the_replays_and_says_so(fresh_
     off = events[events["kind"] == "failing_step_off"]
     assert len(off) == 1 and "held inf/NaN in 3 steps where no module's did" in off["message"].iloc[0]
     assert events[events["kind"] == FIRST_NONFINITE_EVENT].empty
+
+
+@pytest.mark.extra("lightning")
+@pytest.mark.timeout(900)  # a Trainer in a process of its own
+def test_a_lightning_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store):
+    from test_integrations import ENV, SCRIPT
+
+    proc = subprocess.run([sys.executable, str(SCRIPT), "lightning", "--precision", "bf16-mixed", "--steps", "6",
+                           "--overflow-at", "3", "--store", str(fresh_store)], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = open_store(fresh_store).runs()["run_id"].iloc[0]
+    events = RunManager(open_store(fresh_store)).events(run_id)
+    named = events[events["kind"] == FIRST_NONFINITE_EVENT]
+    assert len(named) >= 1, events["message"].tolist()
+    data = named["data"].iloc[0]
+    assert data["failed_step"] == 3 and data["same_step"] and data["module"] == "net.1", named["message"].tolist()
