@@ -228,6 +228,8 @@ class Monitor:
         probes = StepProbes(meter, self.inner_model, [n for n, _ in named], params, optimizer,
                             SamplingSchedule.of(config, probe_budget=config.probe_budget), lost_updates=False)
         self._driver = StepDriver(meter, probes, self._watch, self.scaler)
+        self.host_reads_free = meter.at_once
+        """The step's figures are on the host as soon as they exist (a CPU): reading one waits for nothing."""
         self._recorder = StepRecorder(self._sink)
         self._replay = AttachedReplay(self.inner_model, optimizer, self.scaler, config.replay, config.replay_max,
                                       without=replay_without, has_loss_fn=loss_fn is not None)

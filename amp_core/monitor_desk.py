@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
-from amp_core.probes.nonfinite import NonfiniteSentinel
+from amp_core.probes.nonfinite import sentinel_for
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, StepResult
@@ -34,9 +34,10 @@ class MonitorDesk:
         """When (`time.monotonic()`) the watched steps' figures are read and the requests taken next."""
         self.trace_asked: list[int] = []
         self.trace = None
-        self.sentinel = NonfiniteSentinel(monitor.inner_model, lambda: monitor.steps_done) \
+        self.sentinel = sentinel_for(monitor.inner_model, lambda: monitor.steps_done,
+                                     host_reads_free=monitor.host_reads_free, ranks=monitor.world_size) \
             if config.failing_step else None
-        """Per-module device-side inf/NaN flags of every step (MonitorConfig.failing_step), read when one fails."""
+        """What names a failed step's first inf/NaN module in that step (MonitorConfig.failing_step)."""
 
     def full_at(self, step: int) -> int:
         """The driver's FullStepAt: the first step from `step` on that is watched or arms the watch for the next
@@ -56,12 +57,20 @@ class MonitorDesk:
         failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
                    else "gradient norm not finite" if result.grad_norm is not None
                    and not math.isfinite(result.grad_norm) else "")
-        named = self.sentinel.failed(result.step, failure) if failure and self.sentinel is not None \
+        if self.sentinel is not None:
+            if not failure:
+                self.sentinel.did_not_fail(result.step)
+            stopped = self.sentinel.take_stopped()
+            if stopped:
+                self.monitor.note("failing_step_off", stopped, at_step=result.step)
+        if not failure:
+            return
+        named = self.sentinel.failed(result.step, failure) if self.sentinel is not None \
             and not self.layers.watches(result.step) else None
         if named is not None:
             if named[0]:
                 self.monitor.note(FIRST_NONFINITE_EVENT, named[0], at_step=result.step, **named[1])
-        elif failure:
+        else:
             self.layers.failed(result.step, failure)
 
     def after_step(self, result: StepResult) -> None:

@@ -118,6 +118,8 @@ class Run(RunReading):
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
+        self._parked = threading.Event()
+        """Set while a paused run's thread waits for `resume`, every step it made recorded (`wait_paused`)."""
         self._step_lock = threading.RLock()
         self._control = threading.Lock()
         """Held while the status changes (see the control methods)."""
@@ -161,10 +163,16 @@ class Run(RunReading):
             self._resume.clear()
             self.sink.event("paused", "paused by the user")
 
+    def wait_paused(self, timeout: float | None = None) -> bool:
+        """Wait until a paused run's thread has stopped stepping (every step it made recorded and flushed); False if
+        it did not within `timeout` (a run that ended, or was never paused, never does)."""
+        return self._parked.wait(timeout)
+
     def resume(self) -> None:
         with self._control:
             if self.status != "paused":
                 return
+            self._parked.clear()  # before the thread wakes: a `wait_paused` after the next `pause` waits for it
             self.status = "running"
             self.sink.event("resumed", "resumed by the user")
             self._resume.set()
@@ -268,7 +276,9 @@ class Run(RunReading):
                     self._drain()
                     recorder.resolve(wait=True)  # a paused run shows every step it made
                     sink.flush()
+                    self._parked.set()
                     self._resume.wait()
+                    self._parked.clear()
                 if stop_asked():
                     break
                 if lane.status == "running":

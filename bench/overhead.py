@@ -1,13 +1,17 @@
 """Harness overhead: the runner (every per-step figure on, store writing) vs a bare PyTorch loop of the same model,
-data, batch order, mode and optimizer, interleaved in one process (bare, runner, bare, runner ...) so machine noise
-hits both alike.
+data, batch order, mode and optimizer, interleaved in one process in short chunks so machine noise hits both alike.
 
-Each round runs the runner, then the bare loop, with the same intra-op threads (the run's measured choice; the bare
-loop runs on a background thread too). A round's ratio is the median time between consecutive steps of the runner
-(between consecutive records, so it holds everything the harness does between two steps: records, events,
-contexts, flushes) over the bare loop's; the figure is the median of the rounds' ratios. Medians leave out the
-sampled probes (memory every 25 steps, gradient statistics every 50), whose cost the runner reports apart
-(`probe_ms`); the means that include them are printed too, and so are the medians of all rounds pooled.
+On a shared VM the same bare loop's median step moves by tens of percent from one second to the next (measured here:
+0.81 to 1.51 ms between 0.3 s stretches of one process), so runs of whole loops one after the other compare different
+machines. Here one runner and one bare loop (each on its own thread, with the intra-op threads the run chose) take
+turns in chunks of `--chunk` steps (~0.1 s): the runner steps until it has made a chunk, is paused (Run.pause, then
+Run.wait_paused: every step it made recorded), the bare loop makes a chunk, the runner resumes, and so on, the order
+of each pair alternating. A pair's ratio is the median interval between consecutive steps of the runner's chunk
+(between consecutive records: everything the harness does between two steps) over the bare chunk's median; the first
+intervals of each chunk (caches warming after the other loop ran) are left out on both sides. The figure is the median
+of the pairs' ratios. Medians leave out the sampled probes (memory every 25 steps, gradient statistics every 50,
+snapshots) and the store's flushes (a pause flushes), whose cost the runner reports apart (`probe_ms`); the means
+that include the sampled probes are printed too.
 
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
@@ -19,10 +23,11 @@ sampled probes (memory every 25 steps, gradient statistics every 50), whose cost
   must sync) fails the bench with exit status 1 after the figures are printed.
 
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
-                              [--snapshot-every N]
+                              [--snapshot-every N] [--pairs 40] [--chunk 60]
     (from the repository root)
-Second-to-last line: added_us_per_step=<number> (the largest over the cases of the runner's median step interval
-minus the bare loop's, in microseconds: what the harness adds per step). Last line: overhead_ratio_max=<number>
+Second-to-last line: added_us_per_step=<number> (the largest over the cases of the median over pairs of the runner's
+median step interval minus the bare loop's, in microseconds: what the harness adds per step). Last line:
+overhead_ratio_max=<number>
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import contextlib
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -44,10 +48,13 @@ from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
-from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
+from amp_core.switches import process_intra_op_threads
 from amp_core.workloads import WORKLOADS
+from bench.turns import TurnTaker, paused_start, run_threads, take_turns
 
 WARMUP = 50
+SKIP = 3
+"""Intervals left out at the start of each chunk, on both sides: the caches warm again after the other loop ran."""
 AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DEFAULTS = {"cpu": ("digits_mlp:small:64", "32-true,bf16-mixed"),
             "cuda": ("tiny_transformer:large:32,digits_mlp:small:64", "32-true,bf16-mixed,16-mixed")}
@@ -57,47 +64,70 @@ SYNC_STEPS = 100
 """Syncs per step = (syncs of a 2N-step loop - syncs of an N-step loop) / N: set-up and first-step syncs cancel."""
 
 
+class BareLoop:
+    """The seed notes' loop, nothing else (plus GradScaler in 16-mixed), steps made on request: `steps(n)` returns
+    perf_counter after each step."""
+
+    def __init__(self, config: RunConfig, mode: str):
+        self.device = device = torch.device(config.device)
+        self.workload = WORKLOADS[config.workload]
+        self.data = self.workload.load_data(config)
+        torch.manual_seed(config.seed)
+        self.model = self.workload.build_model(config.size, self.data).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr,
+                                          fused=True if config.fused_optimizer else None)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "16-mixed")
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.dtype = AUTOCAST[mode]
+        self.batch_size = config.batch_size
+
+    def steps(self, count: int) -> list[float]:
+        device, model, optimizer, scaler, workload = self.device, self.model, self.optimizer, self.scaler, self.workload
+        stamps = []
+        for _ in range(count):
+            x, y = self.data.sample(self.generator, self.batch_size)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext():
+                loss = workload.loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if device.type == "cpu":
+                loss.item()  # the seed prints it; the runner records it (on a CPU there is nothing to wait for)
+            stamps.append(time.perf_counter())
+        return stamps
+
+
 def bare_loop(config: RunConfig, mode: str, steps: int) -> list[float]:
-    """The seed notes' loop, nothing else (plus GradScaler in 16-mixed): perf_counter after each step."""
-    device = torch.device(config.device)
-    workload = WORKLOADS[config.workload]
-    data = workload.load_data(config)
-    torch.manual_seed(config.seed)
-    model = workload.build_model(config.size, data).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, fused=True if config.fused_optimizer else None)
-    scaler = torch.amp.GradScaler(device.type, enabled=mode == "16-mixed")
-    generator = torch.Generator().manual_seed(config.seed)
-    dtype = AUTOCAST[mode]
-    stamps = []
-    for _ in range(steps):
-        x, y = data.sample(generator, config.batch_size)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
-            loss = workload.loss(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if device.type == "cpu":
-            loss.item()  # the seed prints it; the runner records it (on a CPU there is nothing to wait for)
-        stamps.append(time.perf_counter())
-    if device.type == "cuda":
+    """A fresh BareLoop's `steps` steps, then (CUDA) everything it launched finished."""
+    stamps = BareLoop(config, mode).steps(steps)
+    if config.device == "cuda":
         torch.cuda.synchronize()
     return stamps
 
 
-def on_a_thread(function, threads: int, *args):
-    """Run `function(*args)` on a fresh thread with `threads` intra-op threads (the runner's conditions)."""
-    out = []
-
-    def target() -> None:
-        pin_intra_op_threads(threads)
-        out.append(function(*args))
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    return out[0]
+def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: int) -> dict:
+    """One case, its runner and bare loop taking turns (see the module's docstring)."""
+    config = RunConfig.from_dict({**config.to_dict(), "steps": WARMUP + (pairs + 2) * chunk})
+    run = paused_start(Run(config, store))
+    threads = run_threads(run)
+    turns = take_turns(run, TurnTaker(lambda: BareLoop(config, mode), threads), pairs, chunk, WARMUP)
+    frame = run.frame()
+    stamps = dict(zip(frame["step"], frame["t_wall_s"], strict=True))
+    runner_intervals = [[(stamps[s] - stamps[s - 1]) * 1e3 for s in range(start + 1 + SKIP, end)]
+                        for start, end in turns.run_chunks]
+    bare_intervals = [list(np.diff(stamps)[SKIP:] * 1e3) for stamps in turns.bare_chunks]
+    pairs_of = list(zip(runner_intervals, bare_intervals, strict=True))
+    pair_ratios = [statistics.median(r) / statistics.median(b) for r, b in pairs_of]
+    added = [(statistics.median(r) - statistics.median(b)) * 1e3 for r, b in pairs_of]
+    measured = frame[frame["step"] >= WARMUP]
+    return {"ratio": statistics.median(pair_ratios), "ratios": pair_ratios, "added_us": statistics.median(added),
+            "runner_ms": statistics.median([statistics.median(r) for r in runner_intervals]),
+            "bare_ms": statistics.median([statistics.median(b) for b in bare_intervals]),
+            "runner_mean_ms": statistics.fmean(v for r in runner_intervals for v in r),
+            "bare_mean_ms": statistics.fmean(v for b in bare_intervals for v in b),
+            "probe_ms": float(measured["probe_ms"].mean()), "threads": threads}
 
 
 def run_steps(config: RunConfig, store: RunStore | None) -> tuple[list[float], int, float]:
@@ -109,10 +139,6 @@ def run_steps(config: RunConfig, store: RunStore | None) -> tuple[list[float], i
                          f"{[e.message for e in run.events() if e.kind == 'error']}")
     frame = run.frame()
     return list(frame["t_wall_s"]), run.events()[0].data["intra_op_threads"], float(frame["probe_ms"].mean())
-
-
-def intervals_ms(stamps: list[float]) -> list[float]:
-    return list(np.diff(stamps)[WARMUP:] * 1e3)
 
 
 @contextlib.contextmanager
@@ -155,8 +181,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--workloads", help="workload:size:batch,... (default: the device's)")
     parser.add_argument("--modes", help="comma-separated (default: the device's)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--pairs", type=int, default=40, help="chunks of each loop per case")
+    parser.add_argument("--chunk", type=int, default=60, help="steps per chunk")
     parser.add_argument("--fused", action="store_true", help="fused Adam in the runner and the bare loop")
     parser.add_argument("--snapshot-every", type=int, default=RunConfig().snapshot_every,
                         help="the runner's replay snapshots every N steps (default: RunConfig's; 0 = off)")
@@ -172,37 +198,21 @@ def main() -> None:
         store = open_store(Path(tmp) / "bench.sqlite3")
         for workload, size, batch_size in workloads:
             for mode in modes:
-                config = RunConfig(workload=workload, modes=(mode,), steps=args.steps, batch_size=int(batch_size),
+                config = RunConfig(workload=workload, modes=(mode,), batch_size=int(batch_size),
                                    size=size, device=args.device, fused_optimizer=args.fused,
                                    snapshot_every=args.snapshot_every)
-                bare, harness, chosen, probe_ms, round_ratios = [], [], [], [], []
-                bare_means, harness_means = [], []
-                for _ in range(args.rounds):
-                    stamps, threads, probe = run_steps(config, store)
-                    runner_round = intervals_ms(stamps)
-                    harness_means.append((stamps[-1] - stamps[WARMUP]) * 1e3 / (len(stamps) - 1 - WARMUP))
-                    chosen.append(threads)
-                    probe_ms.append(probe)
-                    stamps = on_a_thread(bare_loop, threads, config, mode, args.steps)
-                    bare_round = intervals_ms(stamps)
-                    bare_means.append((stamps[-1] - stamps[WARMUP]) * 1e3 / (len(stamps) - 1 - WARMUP))
-                    # A round is a pair run back to back with the same intra-op threads (the run's measured choice,
-                    # which can differ between rounds on a busy machine): its ratio compares like with like.
-                    round_ratios.append(statistics.median(runner_round) / statistics.median(bare_round))
-                    harness += runner_round
-                    bare += bare_round
-                runner_ms, bare_ms = statistics.median(harness), statistics.median(bare)
+                result = measure(config, mode, store, args.pairs, args.chunk)
                 key = f"{workload}/{size}/b{batch_size}/{mode}"
-                ratios[key] = statistics.median(round_ratios)
-                added_us[key] = (runner_ms - bare_ms) * 1e3
-                line = (f"{key:<34} ratio={ratios[key]:.4f} (median of rounds {min(round_ratios):.3f}.."
-                        f"{max(round_ratios):.3f}) | pooled medians: runner_ms={runner_ms:.4f} bare_ms={bare_ms:.4f} "
-                        f"ratio={runner_ms / bare_ms:.4f} added_us={added_us[key]:.1f} | means incl. sampled probes: "
-                        f"runner "
-                        f"{statistics.fmean(harness_means):.4f} ms, bare {statistics.fmean(bare_means):.4f} ms, "
-                        f"ratio={statistics.fmean(harness_means) / statistics.fmean(bare_means):.4f} | "
-                        f"probe_ms_per_step={statistics.fmean(probe_ms):.4f} | run threads chosen "
-                        f"{sorted(set(chosen))} (process: {process_threads})")
+                ratios[key], added_us[key] = result["ratio"], result["added_us"]
+                pair_ratios = result["ratios"]
+                line = (f"{key:<34} ratio={ratios[key]:.4f} (median of {len(pair_ratios)} pairs, "
+                        f"{min(pair_ratios):.3f}..{max(pair_ratios):.3f}) | medians: runner_ms="
+                        f"{result['runner_ms']:.4f} bare_ms={result['bare_ms']:.4f} added_us={added_us[key]:.1f} | "
+                        f"means incl. sampled probes: runner {result['runner_mean_ms']:.4f} ms, bare "
+                        f"{result['bare_mean_ms']:.4f} ms, "
+                        f"ratio={result['runner_mean_ms'] / result['bare_mean_ms']:.4f}"
+                        f" | probe_ms_per_step={result['probe_ms']:.4f} | run threads {result['threads']} "
+                        f"(process: {process_threads})")
                 if args.device == "cuda":
                     quiet = RunConfig.from_dict({**config.to_dict(), "gradstats_every": 0, "memory_every": 10**9})
                     runner_syncs = syncs_per_step(lambda c: run_steps(c, None), quiet)
@@ -222,7 +232,8 @@ def main() -> None:
     for failure in failures:
         print(f"FAIL: {failure}", file=sys.stderr)
     largest = max(added_us, key=added_us.get)
-    print(f"added_us_per_step={added_us[largest]:.1f} ({largest}: the pooled median step interval, runner minus bare)")
+    print(f"added_us_per_step={added_us[largest]:.1f} ({largest}: the median over pairs of the median step interval, "
+          "runner minus bare)")
     print(f"overhead_ratio_max={max(ratios.values()):.4f}")
     if failures:
         sys.exit(1)

@@ -18,16 +18,20 @@ the same Precision object the race does (model preparation, optimizer, autocast,
 First line: rounds=<run> of <--rounds>.
 Last lines: speedup_error_max=<max |race speedup / bare speedup - 1|>, memory_change_max=<max |race / alone - 1|>;
 with a compiled lane (`--modes bf16-mixed,bf16-mixed+compile`; its eager twin is always raced): its speedup against
-eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<the median over rounds of
-(the compiled lane's median step time in the race / the median step time of a bare compiled loop of the same model in
-the same round)>, both timing the span a lane's step window does (batch on the device to optimizer update: the
-batch's sampling is in neither), compiled the same way (inductor, the recipe's mode, static shapes, autocast around
-the compiled module, the recipe's optimizer), each after a dynamo reset (target <= 1.05 on a CPU).
+eager in the race and in bare loops, its compile time, and last compiled_overhead_ratio=<the harness overhead on the
+compiled lane: the median over `--pairs` pairs of (the lane's median step time in a chunk of a race / the same
+recipe's median step time in a chunk of a bare race)>. A bare race (BareRace) is the race's lanes as bare loops
+taking turns step by step as the race's lanes do, so both sides see the same caches; the race (paused between its
+chunks) and the bare race take turns in chunks of `--chunk` steps (bench.turns: a shared machine's speed moves by
+tens of percent from one second to the next). Both time the span a lane's step window does (batch on the device to
+optimizer update), compiled the same way (inductor, the recipe's mode, static shapes, autocast around the compiled
+module, the recipe's optimizer). Target <= 1.05 on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -47,8 +51,11 @@ from amp_core.precision import (
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
+from bench.turns import TurnTaker, paused_start, run_threads, take_turns
 
 WARMUP = 20
+SKIP = 3
+"""Steps left out at the start of each chunk of the compiled overhead's turns (the caches warm again)."""
 """A bare loop's warm-up steps at most: a tenth of its steps, at least 2 (the MLP default's 200 steps keep all 20)."""
 ALONE_STEPS = 3
 """Steps of a lane raced alone for its memory: memory is measured on steps 0 and 1 (then every memory_every), and a
@@ -117,6 +124,67 @@ def warmup_steps(steps: int) -> int:
     return min(WARMUP, max(2, steps // 10))
 
 
+class BareRace:
+    """The race's lanes as bare loops taking turns step by step as the race's lanes do, each built as `bare_loop`
+    builds it (a compiled recipe compiled the same way), every lane on the same batch; `steps(n)` returns each
+    recipe's step times (ms, the span a race lane's step window times: batch on the device to optimizer update)."""
+
+    def __init__(self, config: RunConfig, recipes: tuple[str, ...]):
+        self.workload = workload = WORKLOADS[config.workload]
+        self.data = workload.load_data(config)
+        self.batch_size = config.batch_size
+        self.generator = torch.Generator().manual_seed(config.seed)
+        torch.manual_seed(config.seed)
+        base = workload.build_model(config.size, self.data)
+        self.lanes = []
+        for recipe in recipes:
+            precision = get_precision(recipe, config.device)
+            model = precision.prepare_module(copy.deepcopy(base))
+            compiled = compile_option(precision)
+            if compiled is not None:
+                compile_in_place(model, compiled.compile_mode)  # compiles at its first step, in the warm-up
+            eps = 1e-8 if precision.param_dtype == torch.float32 else 1e-4
+            optimizer = precision.build_optimizer(model.parameters(), config.optimizer, lr=config.lr, eps=eps)
+            self.lanes.append((recipe, precision, model, optimizer, precision.make_scaler()))
+
+    def steps(self, count: int) -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {recipe: [] for recipe, *_ in self.lanes}
+        for _ in range(count):
+            batch = self.data.sample(self.generator, self.batch_size)
+            for recipe, precision, model, optimizer, scaler in self.lanes:
+                began = time.perf_counter()
+                x, y = (precision.prepare_input(t) for t in batch)
+                optimizer.zero_grad(set_to_none=True)
+                with precision.forward_context():
+                    loss = self.workload.loss(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                times[recipe].append((time.perf_counter() - began) * 1e3)
+        return times
+
+
+def compiled_overhead(config: RunConfig, pairs: int, chunk: int) -> dict[str, list[float]]:
+    """Per compiled lane, the ratios of pairs of chunks (bench.turns): the lane's median step time in a chunk of the
+    race over the same recipe's median step time in the next (or previous) chunk of a BareRace of the same lanes.
+    CPU only (its step times are the host's)."""
+    config = RunConfig.from_dict({**config.to_dict(), "steps": WARMUP + (pairs + 2) * chunk})
+    torch._dynamo.reset()
+    run = paused_start(Run(config))
+    taker = TurnTaker(lambda: BareRace(config, config.modes), run_threads(run))
+    turns = take_turns(run, taker, pairs, chunk, WARMUP)
+    frame = run.frame()
+    ratios: dict[str, list[float]] = {}
+    for recipe in (m for m in config.modes if is_compiled_recipe(m)):
+        lane = frame[frame["mode"] == recipe]
+        step_ms = dict(zip(lane["step"], lane["step_ms"], strict=True))
+        # A pause lands between lanes: a later lane's last step of a chunk may be made in the next one.
+        ratios[recipe] = [statistics.median(step_ms[s] for s in range(start + SKIP, end - 1))
+                          / statistics.median(bare[recipe][SKIP:])
+                          for (start, end), bare in zip(turns.run_chunks, turns.bare_chunks, strict=True)]
+    return ratios
+
+
 def race(config: RunConfig, compile_s: dict[str, float] | None = None
          ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(speedup vs 32-true, lane_peak_bytes, median ms/step) per mode, from a real race through the runner; fills
@@ -146,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds at most (bare loops and a race, taking turns going first)")
+    parser.add_argument("--pairs", type=int, default=20,
+                        help="a compiled lane's overhead: pairs of chunks of the race and a bare race taking turns")
+    parser.add_argument("--chunk", type=int, default=30, help="steps per chunk (the compiled overhead)")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="no round starts that would end past this many seconds (one round always runs)")
     args = parser.parse_args(argv)
@@ -221,22 +292,24 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode} vs {FP8_BASELINE}: bare_speedup={bare_fp8:.3f} race_speedup={race_fp8:.3f}", flush=True)
     print(f"speedup_error_max={max(errors):.4f}")
     print(f"memory_change_max={max(changes):.4f}")
+    compiled = [m for m in modes if is_compiled_recipe(m)]
+    pair_ratios = compiled_overhead(config, args.pairs, args.chunk) if compiled and args.device == "cpu" else {}
     overheads = []
-    for mode in (m for m in modes if is_compiled_recipe(m)):
+    for mode in compiled:
         eager = eager_recipe(mode)
         race_vs_eager = statistics.median(race_ms[eager]) / statistics.median(race_ms[mode])
         bare_vs_eager = statistics.median(bare_ms[eager]) / statistics.median(bare_ms[mode])
-        # The overhead, paired within each round: the race lane's median step over the bare compiled loop's median
-        # step, both timing the same span (batch on the device -> optimizer update) with the same statistic, then the
-        # median of the rounds' ratios (one slow round moves it little; the spread says how noisy the machine was).
-        ratios = sorted(r / b for r, b in zip(race_ms[mode], bare_step_ms[mode], strict=True))
-        overhead = statistics.median(ratios)
-        overheads.append(overhead)
-        print(f"{mode}: speedup_vs_eager race={race_vs_eager:.3f} bare={bare_vs_eager:.3f} | median ms/step race="
-              f"{statistics.median(race_ms[mode]):.3f} bare_compiled_loop={statistics.median(bare_step_ms[mode]):.3f}"
-              f" | overhead per round {' '.join(f'{r:.3f}' for r in ratios)} | compile_s="
-              f"{statistics.median(compile_s[mode]) if compile_s[mode] else float('nan'):.2f} "
-              f"(first compile per round, inductor's caches warm after round 1)", flush=True)
+        line = (f"{mode}: speedup_vs_eager race={race_vs_eager:.3f} bare={bare_vs_eager:.3f} | median ms/step race="
+                f"{statistics.median(race_ms[mode]):.3f} bare_compiled_loop={statistics.median(bare_step_ms[mode]):.3f}"
+                f" | compile_s={statistics.median(compile_s[mode]) if compile_s[mode] else float('nan'):.2f} "
+                f"(first compile per round, inductor's caches warm after round 1)")
+        if mode in pair_ratios:
+            # The overhead: the race lane's median step over a bare race's, in pairs of chunks taking turns.
+            ratios = pair_ratios[mode]
+            overheads.append(statistics.median(ratios))
+            line += (f" | overhead {overheads[-1]:.4f} (median of {len(ratios)} pairs, {min(ratios):.3f}.."
+                     f"{max(ratios):.3f})")
+        print(line, flush=True)
     if overheads:
         print(f"compiled_overhead_ratio={max(overheads):.4f}")
 

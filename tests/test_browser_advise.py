@@ -47,7 +47,12 @@ def test_the_advise_page_shows_progress_then_the_recommendation_and_its_evidence
         page.wait_for_function(SETTLED, timeout=30_000)
         assert page.get_by_test_id("stException").count() == 0
         assert recommendation.inner_text().startswith("recommend: ")
-        expect(page.get_by_test_id("stDataFrame")).to_be_visible()
+        table = page.get_by_test_id("stTable").first
+        expect(table).to_be_visible()
+        reason = table.get_by_text("the yardstick", exact=False)  # 32-true's reason, whole: the cells wrap
+        expect(reason).to_be_visible()
+        box, cell = table.bounding_box(), reason.bounding_box()
+        assert cell["x"] + cell["width"] <= box["x"] + box["width"] + 1  # nothing runs past the table's edge
         expect(page.get_by_text("What could not be told here")).to_be_visible()
         evidence = page.get_by_text("race run ", exact=False).first
         expect(evidence).to_be_visible()

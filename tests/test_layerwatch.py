@@ -62,7 +62,7 @@ def fp16_loop(store: RunStore, steps: int, plant_at: set[int], **settings) -> tu
             if step not in (0, steps - 1):  # no hook stays on the model between steps unless the next is watched
                 watched = monitor._layers.current is not None  # (the failing-step flags' hooks stay: their own)
                 layer_hooks = [hook for hook in model.fc1._forward_hooks.values()
-                               if "NonfiniteSentinel" not in hook.__qualname__]
+                               if "Sentinel" not in hook.__qualname__]
                 assert bool(layer_hooks) == watched
     return monitor, model
 
@@ -147,7 +147,7 @@ def test_a_planted_inf_in_an_unwatched_step_is_named_at_the_next_step_without_th
     assert int(sample.step) == 6 and sample.data["why"].startswith("after step 5 failed")
 
 
-def test_the_device_flags_name_an_unwatched_failing_step_itself(store):
+def test_the_failing_step_sentinel_names_an_unwatched_failing_step_itself(store):
     monitor, _ = fp16_loop(store, 10, {5, 6}, layers_every=0)  # failing_step is on by default
     (event,) = events_of(store, monitor.run_id, FIRST_NONFINITE_EVENT).itertuples()
     assert event.data["module"] == "blow" and event.data["failed_step"] == 5 and int(event.step) == 5

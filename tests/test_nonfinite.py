@@ -1,8 +1,10 @@
-"""The failing step itself in attach mode: the Monitor names the first inf/NaN module of the step that failed (device
-flags read only on failure), in bf16 and fp16 loops and in a Hugging Face Trainer bf16 job."""
+"""The failing step itself in attach mode: the Monitor names the first inf/NaN module of the step that failed (on a CPU
+by replaying the step's forward before the update when its output was not finite; elsewhere by device flags read only
+on failure), in bf16 and fp16 loops, a training_step that calls a submodule, and a Hugging Face Trainer bf16 job."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ from torch import nn
 
 from amp_core.monitor import Monitor
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT
-from amp_core.probes.nonfinite import NonfiniteSentinel
+from amp_core.probes.nonfinite import ForwardReplaySentinel, NonfiniteSentinel, sentinel_for
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 
@@ -86,3 +88,126 @@ def test_an_hf_trainer_bf16_job_names_the_planted_module_at_the_failing_step(fre
     data = named["data"].iloc[0]
     assert data["failed_step"] == 3 and data["same_step"], named["message"].tolist()
     assert data["module"] == "transformer.h.1.mlp.act", named["message"].tolist()
+
+
+def test_the_replay_way_on_a_cpu_and_the_device_flags_where_a_read_syncs_or_ranks_are_several():
+    model = nn.Sequential(nn.Linear(4, 4))
+    for reads_free, ranks, kind in ((True, 1, ForwardReplaySentinel), (False, 1, NonfiniteSentinel),
+                                    (True, 2, NonfiniteSentinel)):
+        sentinel = sentinel_for(model, lambda: 0, host_reads_free=reads_free, ranks=ranks)
+        assert type(sentinel) is kind
+        sentinel.close()
+
+
+class WithDropoutAndNorm(nn.Module):
+    """Dropout (draws from the RNG) and BatchNorm (running statistics): what a replay must leave as it found."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 1))
+        self.planted = PlantedAt(4)
+
+    def forward(self, x):
+        return self.planted(self.body(x))
+
+
+def test_a_replay_leaves_training_as_it_found_it(fresh_store):
+    """The same seeded loop with dropout and BatchNorm, a planted overflow at step 4 (replayed), watched with and
+    without the failing-step sentinel: equal losses, weights and running statistics at every step."""
+    results = []
+    for failing_step in (True, False):
+        torch.manual_seed(0)
+        model = WithDropoutAndNorm()
+        model.planted.planted.factor = 1e39
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 1)
+        losses = []
+        with Monitor(model, optimizer, store=fresh_store, layers_every=0, replay=False,
+                     failing_step=failing_step) as monitor:
+            for _ in range(7):
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                loss.backward()
+                optimizer.step()
+                monitor.step(loss)
+                losses.append(loss.item())
+        named = RunManager(open_store(fresh_store)).events(monitor.run_id)
+        named = named[named["kind"] == FIRST_NONFINITE_EVENT]
+        results.append((losses, [t.clone() for t in model.state_dict().values()], named))
+    (on_losses, on_state, on_named), (off_losses, off_state, _) = results
+    assert on_losses[:4] == off_losses[:4] and all(math.isnan(v) for v in on_losses[4:] + off_losses[4:])
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+               for a, b in zip(on_state, off_state, strict=True))  # the weights are NaN after step 4 in both
+    assert on_named["data"].iloc[0]["failed_step"] == 4 and on_named["data"].iloc[0]["module"] == "planted.planted"
+    assert "replayed in the step, before the update" in on_named["message"].iloc[0]
+
+
+class Wrapper(nn.Module):
+    """A training_step-like module that calls its child, never itself (a LightningModule's usual shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), PlantedAt(2), nn.Linear(8, 1))
+
+    def step_loss(self, x):
+        return self.net(x).float().pow(2).mean()
+
+
+def test_the_outermost_module_a_step_calls_is_learnt_and_named_with_its_path():
+    model, step = Wrapper(), [0]
+    model.net[1].planted.factor = 1e39
+    sentinel = ForwardReplaySentinel(model, lambda: step[0])
+    for _ in range(4):
+        model.step_loss(torch.randn(2, 4))
+        step[0] += 1
+    assert sentinel.first(0) is None and sentinel.first(1) is None
+    assert sentinel.first(2).module == "net.1.planted" and sentinel.first(2).step == 2
+    hooked = [name for name, module in model.named_modules() if module._forward_pre_hooks]
+    assert hooked == ["net"]  # after the first step, only what the loop calls outermost
+    sentinel.close()
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+class MaskedLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(x).masked_fill(torch.tensor([False, False, True]), float("-inf"))
+
+
+def test_an_output_that_holds_inf_by_design_stops_the_replays_and_says_so(fresh_store):
+    torch.manual_seed(0)
+    model = MaskedLogits()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with Monitor(model, optimizer, store=fresh_store, layers_every=0, replay=False) as monitor:
+        for _ in range(6):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)  # finite: the masked class is never the target
+            loss.backward()
+            optimizer.step()
+            monitor.step(loss)
+    events = RunManager(open_store(fresh_store)).events(monitor.run_id)
+    off = events[events["kind"] == "failing_step_off"]
+    assert len(off) == 1 and "held inf/NaN in 3 steps where no module's did" in off["message"].iloc[0]
+    assert events[events["kind"] == FIRST_NONFINITE_EVENT].empty
+
+
+@pytest.mark.extra("lightning")
+@pytest.mark.timeout(900)  # a Trainer in a process of its own
+def test_a_lightning_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store):
+    from test_integrations import ENV, SCRIPT
+
+    proc = subprocess.run([sys.executable, str(SCRIPT), "lightning", "--precision", "bf16-mixed", "--steps", "6",
+                           "--overflow-at", "3", "--store", str(fresh_store)], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = open_store(fresh_store).runs()["run_id"].iloc[0]
+    events = RunManager(open_store(fresh_store)).events(run_id)
+    named = events[events["kind"] == FIRST_NONFINITE_EVENT]
+    assert len(named) >= 1, events["message"].tolist()
+    data = named["data"].iloc[0]
+    assert data["failed_step"] == 3 and data["same_step"] and data["module"] == "net.1", named["message"].tolist()

@@ -179,6 +179,24 @@ def test_pause_resume_stop(no_leaked_threads):
     assert control == ["paused", "resumed", "stopped"]
 
 
+def test_wait_paused_returns_once_the_thread_stands_with_every_step_recorded(no_leaked_threads):
+    config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000, snapshot_every=0)
+    run = Run(config).start()
+    assert not run.wait_paused(0.05)  # running: it never stands
+    for _ in range(3):  # pause and resume in quick turns, as bench.turns does
+        run.pause()
+        assert run.wait_paused(60.0)
+        made = run.lanes[0].steps_done
+        assert len(run.frame()) == made and run.status == "paused"
+        run.resume()
+        deadline = time.monotonic() + 60
+        while run.lanes[0].steps_done < made + 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert run.lanes[0].steps_done >= made + 5  # it went on: the last wait did not answer for an older pause
+    run.stop()
+    assert run.status == "stopped"
+
+
 def test_stop_ends_the_run_within_a_step(no_leaked_threads):
     run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
     run.wait_until(lambda r: r.lane_steps >= 3)

@@ -7,6 +7,7 @@ the trainer itself logged (HF, logging_steps=1) or its training_step returned (L
     python tests/trainer_script.py lightning --store S --steps 8 --precision 16-true --pause-at 3
     python tests/trainer_script.py hf --store S --steps 5 --replay --nan-at 3
     python tests/trainer_script.py hf --store S --steps 6 --bf16 --overflow-at 3
+    python tests/trainer_script.py lightning --store S --steps 6 --precision bf16-mixed --overflow-at 3
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def lightning(args) -> dict:
         x[32 * args.nan_at * args.accumulate] = float("nan")
     data = torch.utils.data.TensorDataset(x, torch.sin(x))
     module = SineFit()
+    if args.overflow_at >= 0:  # its training_step calls module.net, not module: the Monitor learns which it calls
+        module.net[1] = OverflowAt(args.overflow_at * args.accumulate)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=args.precision, max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[amp_lab, Pause()])
@@ -131,7 +134,7 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="replay failed steps (MonitorConfig.replay=True)")
     parser.add_argument("--nan-at", type=int, default=-1, help="the batch of this step makes the loss NaN")
     parser.add_argument("--overflow-at", type=int, default=-1,
-                        help="hf: transformer.h.1.mlp.act overflows from this optimizer step on")
+                        help="transformer.h.1.mlp.act (hf) or net.1 (lightning) overflows from this optimizer step on")
     args = parser.parse_args()
     print("AMPLAB " + json.dumps(hf(args) if args.trainer == "hf" else lightning(args)), flush=True)
 

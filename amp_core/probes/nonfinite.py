@@ -1,17 +1,26 @@
-"""The failing step itself, in attach mode: per-module non-finite flags written on the device during every step
-(without a host sync) and read only when the step failed, so the first inf/NaN module is named in the step that
-failed, not the next one (in bf16 the failed step has already poisoned the weights, so the next one is useless).
+"""The failing step itself, in attach mode: the first inf/NaN module of the step that failed is named in that step, not
+the next one (in bf16 the failed step has already poisoned the weights, so the next one is useless). Two ways, chosen
+by cost (`sentinel_for`):
 
-How, and what it costs: a forward hook on each leaf module (one with no children: the modules that compute) reduces its
-floating output to one fp32 sum on the device (`torch.sum(out, dtype=float32)`: a sum holding inf or NaN is not
-finite) and appends the 0-d tensor to the step's list: one reduction kernel and a Python call per leaf per forward,
-no sync, no copy. Nothing is read until a step is known to have failed (a loss or gradient norm that is not finite, or
-a step the scaler skipped); then that step's sums are stacked and copied to the host once (a sync on CUDA, at the
-moment the Monitor reads its figures anyway). The sums of the last `keep_steps` steps are kept (0-d tensors: a few
-hundred bytes per leaf and step, so a CUDA run whose records resolve at a flush still finds them).
-A false alarm needs a finite output whose fp32 sum overflows (|sum| > 3.4e38), which only a step that failed anyway
-reads. Gradients are not hooked (that would double the cost): a module whose forward stays finite while its gradient
-overflows (fp16's usual skip) is left to the layer watch and the replay of the skipped step, which keep the state.
+- **Replayed before the update** (ForwardReplaySentinel: a device whose figures are on the host at once, a CPU, and
+  one process). Only the outermost module calls of a step are hooked (the model as the loop calls it; learnt during
+  the first step): before each, the inputs are kept by reference and the RNG state copied; after it, its floating
+  outputs are summed and read (on a CPU a read waits for nothing). Only when an output holds inf/NaN is that forward
+  run again at once, still inside the user's step, before backward and the optimizer change anything, with the same
+  inputs, RNG state and autocast, under no_grad, with a hook on every leaf module (one with no children: the modules
+  that compute) that finds the first whose output is not finite; it updates copies of the module buffers. A step
+  costs two hook calls, an RNG copy and a sum of the model's output, not a reduction per leaf. A model whose output
+  holds inf/NaN on steps that do not fail (a masked logit) stops being replayed after a few such steps, and says so.
+- **Device flags** (NonfiniteSentinel: CUDA, where a read is a sync, or a job of several ranks, whose forwards hold
+  collectives a rank cannot replay alone). A forward hook on each leaf module reduces its floating output to one fp32
+  sum on the device and keeps the 0-d tensor: one reduction kernel and a Python call per leaf per forward, no sync,
+  no copy. Nothing is read until a step is known to have failed; then that step's sums are stacked and copied to the
+  host once (a sync on CUDA, when the Monitor reads its figures anyway). The sums of the last `keep_steps` steps are
+  kept (0-d tensors: a few hundred bytes per leaf and step). A false alarm needs a finite output whose fp32 sum
+  overflows (|sum| > 3.4e38), which only a step that failed anyway reads.
+
+Both check forward outputs only: a module whose forward stays finite while its gradient overflows (fp16's usual
+skip) is left to the layer watch and the replay of the skipped step, which keep the state.
 """
 
 from __future__ import annotations
@@ -40,20 +49,73 @@ class FirstNonFinite:
     finite fp32 values passed 3.4e38)."""
 
 
-class NonfiniteSentinel:
-    """Per-leaf non-finite flags of the last few steps of `model`. `step_of()` says which step a forward belongs to
-    (a Monitor's steps_done); `close()` takes the hooks off."""
+def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module with no children (the modules that compute), in registration order."""
+    return [(name or "(root)", module) for name, module in model.named_modules()
+            if not any(True for _ in module.children())]
+
+
+def _held(value: float) -> str:
+    return "nan" if math.isnan(value) else "inf"
+
+
+class _Sentinel:
+    """What both ways share: naming a failed step's first inf/NaN leaf once per streak of failed steps."""
+
+    source = ""
+    """How the module was found, for the event's data."""
+
+    def __init__(self) -> None:
+        self._last_failed: int | None = None
+        self._streak_named = False
+
+    def first(self, step: int) -> FirstNonFinite | None:
+        raise NotImplementedError
+
+    def failed(self, step: int, why: str) -> tuple[str, dict] | None:
+        """Step `step` failed (`why`): (message, data) of the `first_nonfinite` event naming its first inf/NaN leaf;
+        ("", {}) when it continues a run of failed steps already named (a model whose weights went NaN fails every
+        step); None when nothing of that step is kept or no leaf's output held inf/NaN (the layer watch takes over)."""
+        consecutive = self._last_failed is not None and step == self._last_failed + 1
+        self._last_failed = step
+        if consecutive and self._streak_named:
+            return "", {}
+        found = self.first(step)
+        if found is None:
+            self._streak_named = False
+            return None
+        self._streak_named = True
+        message = (f"first inf/NaN: {found.module} (forward output) in the failing step itself (step {step}: {why}; "
+                   f"leaf forward {found.forward_index + 1} of {found.leaves_seen}, {self.source})")
+        return message, {"failed_step": step, "watched_step": step, "failure": why, "same_step": True,
+                         "module": found.module, "phase": "forward", "source": self.source,
+                         "after_amax": found.held}
+
+    def did_not_fail(self, step: int) -> None:
+        """Step `step` ended well."""
+
+    def take_stopped(self) -> str:
+        """Why the sentinel stopped looking, once (then ""); "" while it looks."""
+        return ""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class NonfiniteSentinel(_Sentinel):
+    """Per-leaf non-finite flags of the last few steps of `model` (the device flags: see the module's docstring).
+    `step_of()` says which step a forward belongs to (a Monitor's steps_done); `close()` takes the hooks off."""
+
+    source = "flagged on the device during the step"
 
     def __init__(self, model: nn.Module, step_of: Callable[[], int], keep_steps: int = 64):
+        super().__init__()
         self._step_of = step_of
         self._keep = keep_steps
         self._steps: OrderedDict[int, list[tuple[int, torch.Tensor]]] = OrderedDict()
-        self._last_failed: int | None = None
-        self._streak_named = False
-        self.names = [name or "(root)" for name, module in model.named_modules()
-                      if not any(True for _ in module.children())]
-        leaves = [module for module in model.modules() if not any(True for _ in module.children())]
-        self._handles = [module.register_forward_hook(self._hook(index)) for index, module in enumerate(leaves)]
+        leaves = leaf_modules(model)
+        self.names = [name for name, _ in leaves]
+        self._handles = [module.register_forward_hook(self._hook(index)) for index, (_, module) in enumerate(leaves)]
 
     def _hook(self, index: int):
         def record(module: nn.Module, args: tuple, output) -> None:
@@ -78,28 +140,8 @@ class NonfiniteSentinel:
         for position, ((index, _), value) in enumerate(zip(sums, values, strict=True)):
             if not math.isfinite(value):
                 return FirstNonFinite(step=step, module=self.names[index], forward_index=position,
-                                      leaves_seen=len(sums), held="nan" if math.isnan(value) else "inf")
+                                      leaves_seen=len(sums), held=_held(value))
         return None
-
-    def failed(self, step: int, why: str) -> tuple[str, dict] | None:
-        """Step `step` failed (`why`): (message, data) of the `first_nonfinite` event naming its first inf/NaN leaf;
-        ("", {}) when it continues a run of failed steps already named (a model whose weights went NaN fails every
-        step); None when its sums are not kept or no leaf's output held inf/NaN (the layer watch takes over)."""
-        consecutive = self._last_failed is not None and step == self._last_failed + 1
-        self._last_failed = step
-        if consecutive and self._streak_named:
-            return "", {}
-        found = self.first(step)
-        if found is None:
-            self._streak_named = False
-            return None
-        self._streak_named = True
-        message = (f"first inf/NaN: {found.module} (forward output) in the failing step itself (step {step}: {why}; "
-                   f"leaf forward {found.forward_index + 1} of {found.leaves_seen}, flagged on the device during the "
-                   "step)")
-        return message, {"failed_step": step, "watched_step": step, "failure": why, "same_step": True,
-                         "module": found.module, "phase": "forward", "source": "device flags",
-                         "after_amax": found.held}
 
     def held(self, step: int) -> bool:
         """Whether the sums of `step` are still kept."""
@@ -110,3 +152,188 @@ class NonfiniteSentinel:
             handle.remove()
         self._handles = []
         self._steps.clear()
+
+
+_rng_state = torch.get_rng_state
+
+
+def _finite_on_host(output) -> bool:
+    """Whether every floating tensor in a forward's output (a tensor, or tuples, lists and dicts of them: a Hugging
+    Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). fp16
+    is summed in fp32, where a sum of finite values cannot overflow."""
+    if isinstance(output, torch.Tensor):
+        if not output.is_floating_point():
+            return True
+        total = output.detach().sum(dtype=torch.float32) if output.dtype == torch.float16 else output.detach().sum()
+        return math.isfinite(total)
+    if isinstance(output, (tuple, list)):
+        return all(_finite_on_host(item) for item in output)
+    if isinstance(output, dict):
+        return all(_finite_on_host(item) for item in output.values())
+    return True
+
+
+class ForwardReplaySentinel(_Sentinel):
+    """The first inf/NaN leaf of a failed step, found by running the step's forward again, before the update, when
+    its output was not finite (see the module's docstring). `step_of()`: which step a forward belongs to."""
+
+    source = "its forward replayed in the step, before the update"
+    FALSE_ALARMS = 3
+    """False alarms (replays that named no module, or of steps that did not fail) before replaying stops: a model
+    whose output holds inf/NaN by design."""
+
+    def __init__(self, model: nn.Module, step_of: Callable[[], int], keep_steps: int = 64):
+        super().__init__()
+        self._step_of, self._keep, self._model = step_of, keep_steps, model
+        self._found: OrderedDict[int, FirstNonFinite | None] = OrderedDict()
+        """The replays' answers by step (None: the output was not finite, but no leaf's was)."""
+        self.false_alarms = 0
+        """Replays that named no module, or of steps that did not fail."""
+        self.stopped = self._unsaid = ""
+        """Why replaying stopped (empty while it goes on)."""
+        self._depth = 0
+        """Module calls under way (a forward hook that always runs, even when the forward raises, keeps it)."""
+        self._first_step: int | None = None
+        self._tops: set[int] = set()
+        """The modules the loop calls outermost, learnt during the first step (every module hooked meanwhile): the
+        model itself, or the modules a Lightning training_step calls; from the next step only they are hooked."""
+        self._replaying = False
+        self._pending: tuple | None = None
+        self._handles = self._hook(model.modules(), self._learn)
+
+    def _hook(self, modules, before) -> list:
+        handles = []
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._after, with_kwargs=True, always_call=True))
+        return handles
+
+    def _learn(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first step's pre-hook, on every module: which are called outermost."""
+        if self._depth == 0 and not self._replaying:
+            step = self._step_of()
+            if self._first_step is None:
+                self._first_step = step
+            self._tops.add(id(module))
+            if step != self._first_step:
+                self._settle()
+        self._before(module, args, kwargs)
+
+    def _settle(self) -> None:
+        """After the first step: hooks on the outermost modules only. (Called from a pre-hook of one of them: its
+        new post-hook runs at the end of this very call, so `_learn` goes on into `_before`.)"""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = self._hook((m for m in self._model.modules() if id(m) in self._tops), self._before)
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth == 0 and not self._replaying:
+            # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
+            self._pending = (args, kwargs, _rng_state())
+        self._depth += 1
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        self._depth -= 1
+        if self._depth or self._replaying or self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        if self.stopped or _finite_on_host(output):
+            return
+        step = self._step_of()
+        if step in self._found:  # a later forward of the same step (gradient accumulation): the first one counts
+            return
+        found = self._found[step] = self._replay(module, *pending)
+        if found is None:
+            self._false_alarm()
+        while len(self._found) > self._keep:
+            self._found.popitem(last=False)
+
+    def _replay(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> FirstNonFinite | None:
+        """`module`'s forward again, as it ran (inputs, RNG, the autocast still around it), no graph, with a hook on
+        each leaf: the first leaf whose output is not finite. The RNG and module buffers are put back afterwards."""
+        leaves = leaf_modules(module)
+        seen: list[tuple[int, float]] = []
+
+        def watch(index: int):
+            def record(_module: nn.Module, _args: tuple, output) -> None:
+                if isinstance(output, torch.Tensor) and output.is_floating_point():
+                    seen.append((index, output.detach().sum(dtype=torch.float32).item()))
+            return record
+
+        handles = [leaf.register_forward_hook(watch(index)) for index, (_, leaf) in enumerate(leaves)]
+        # The replay updates copies of the buffers (BatchNorm's statistics): the originals are not even written to,
+        # since the step's backward may still need them at the version it saved.
+        buffers = [(owner, name, buffer) for owner in module.modules() for name, buffer in
+                   owner.named_buffers(recurse=False)]
+        after = torch.get_rng_state()
+        self._replaying = True
+        try:
+            for owner, name, buffer in buffers:
+                setattr(owner, name, buffer.clone())
+            torch.set_rng_state(rng)
+            with torch.no_grad():
+                module(*args, **kwargs)
+        finally:
+            self._replaying = False
+            torch.set_rng_state(after)
+            for owner, name, buffer in buffers:
+                setattr(owner, name, buffer)
+            for handle in handles:
+                handle.remove()
+        prefix = self._prefix(module)
+        for position, (index, value) in enumerate(seen):
+            if not math.isfinite(value):
+                name = leaves[index][0]
+                return FirstNonFinite(step=self._step_of(), module=prefix + name if name != "(root)" else
+                                      (prefix.rstrip(".") or "(root)"), forward_index=position,
+                                      leaves_seen=len(seen), held=_held(value))
+        return None
+
+    def _prefix(self, module: nn.Module) -> str:
+        """`module`'s name in the model, with a dot ("" for the model itself)."""
+        for name, candidate in self._model.named_modules():
+            if candidate is module:
+                return f"{name}." if name else ""
+        return ""
+
+    def first(self, step: int) -> FirstNonFinite | None:
+        """The first leaf whose output held inf/NaN in `step`, if its forward's output did (None otherwise, or the
+        step is no longer kept)."""
+        return self._found.get(step)
+
+    def did_not_fail(self, step: int) -> None:
+        """Step `step` ended well: a replay of it that named a module was a false alarm (one that named none is
+        counted when it ran)."""
+        if self._found.get(step) is not None:
+            self._false_alarm()
+
+    def _false_alarm(self) -> None:
+        self.false_alarms += 1
+        if self.false_alarms == self.FALSE_ALARMS:
+            self.stopped = self._unsaid = (
+                f"the model's output held inf/NaN in {self.false_alarms} steps where no module's did or that did not "
+                "fail (a masked value?): the failing step's first inf/NaN module is no longer looked for in the step "
+                "itself; the layer watch names it at the next step")
+
+    def take_stopped(self) -> str:
+        said, self._unsaid = self._unsaid, ""
+        return said
+
+    def held(self, step: int) -> bool:
+        """Whether a replay's answer for `step` is kept."""
+        return step in self._found
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._found.clear()
+
+
+def sentinel_for(model: nn.Module, step_of: Callable[[], int], *, host_reads_free: bool,
+                 ranks: int) -> _Sentinel:
+    """The cheaper way for this loop (the module's docstring): replayed before the update where reading a sum costs
+    no sync and one process can run a forward alone, else device flags."""
+    if host_reads_free and ranks == 1:
+        return ForwardReplaySentinel(model, step_of)
+    return NonfiniteSentinel(model, step_of)
