@@ -18,7 +18,9 @@ backend per torch.compile mode (`lane_backend`: inductor, its inner compile hand
 inductor's generated kernels of the first compile and of every recompile are kept on the Run (`compile_captures`,
 bounded) and as a small `compiled_ops` event (ops counted by dtype, kernels with the ops fused into each, casts kept
 and fused away, and the casts eager runs for the same step), so a finished or stored run shows them too. That work is
-done inside the compile (seconds of it already), never on a step that does not compile.
+done inside the compile, never on a step that does not compile; it costs compile time: AOT autograd's cache is off
+while a lane's graphs compile (a hit there hands inductor no graph to capture), so `compile_ms` is that of a compile
+without it (inductor's own FX graph cache still serves).
 """
 
 from __future__ import annotations
