@@ -521,6 +521,12 @@ def compile_hooks(hooks: RunHooks, config) -> RunHooks:
         if watch is not None:
             watch.detach()
 
+    def lane_ended(run: Run, lane: Lane) -> None:
+        """A recompile in a lane's last step: its events (and captured graphs) before the run's records close."""
+        watch = watches.get(id(run))
+        if watch is not None:
+            watch.resolve_pending()
+
     return replace(hooks, lane_setup=[*hooks.lane_setup, compile_lane], setup_done=[*hooks.setup_done,
                                                                                    first_compiles],
-                   run_end=[detach, *hooks.run_end])
+                   lane_end=[*hooks.lane_end, lane_ended], run_end=[detach, *hooks.run_end])
