@@ -4,7 +4,7 @@ data, batch order, mode and optimizer, interleaved in one process in short chunk
 On a shared VM the same bare loop's median step moves by tens of percent from one second to the next (measured here:
 0.81 to 1.51 ms between 0.3 s stretches of one process), so runs of whole loops one after the other compare different
 machines. Here one runner and one bare loop (each on its own thread, with the intra-op threads the run chose) take
-turns in chunks of `--chunk` steps (~0.1 s): the runner steps until it has made a chunk, is paused (Run.pause, then
+turns in chunks of `--chunk` steps (tens of ms): the runner steps until it has made a chunk, is paused (Run.pause, then
 Run.wait_paused: every step it made recorded), the bare loop makes a chunk, the runner resumes, and so on, the order
 of each pair alternating. A pair's ratio is the median interval between consecutive steps of the runner's chunk
 (between consecutive records: everything the harness does between two steps) over the bare chunk's median; the first
@@ -23,7 +23,7 @@ that include the sampled probes are printed too.
   must sync) fails the bench with exit status 1 after the figures are printed.
 
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
-                              [--snapshot-every N] [--pairs 40] [--chunk 60]
+                              [--snapshot-every N] [--pairs 80] [--chunk 30]
     (from the repository root)
 Second-to-last line: added_us_per_step=<number> (the largest over the cases of the median over pairs of the runner's
 median step interval minus the bare loop's, in microseconds: what the harness adds per step). Last line:
@@ -181,8 +181,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--workloads", help="workload:size:batch,... (default: the device's)")
     parser.add_argument("--modes", help="comma-separated (default: the device's)")
-    parser.add_argument("--pairs", type=int, default=40, help="chunks of each loop per case")
-    parser.add_argument("--chunk", type=int, default=60, help="steps per chunk")
+    parser.add_argument("--pairs", type=int, default=80, help="chunks of each loop per case")
+    parser.add_argument("--chunk", type=int, default=30, help="steps per chunk")
     parser.add_argument("--fused", action="store_true", help="fused Adam in the runner and the bare loop")
     parser.add_argument("--snapshot-every", type=int, default=RunConfig().snapshot_every,
                         help="the runner's replay snapshots every N steps (default: RunConfig's; 0 = off)")
