@@ -29,6 +29,15 @@ GRID_CELLS = """() => Array.from(document.querySelectorAll('[data-testid="stData
     .map(cell => cell.textContent.trim()).filter(text => text)"""
 
 
+def cells_once(page, names: list[str]) -> list[str]:
+    """The grid cells, read in the same call that finds every one of `names` among them: the live page redraws every
+    few seconds (on a busy machine a redraw can land between a wait and a second read, showing another table)."""
+    found = page.wait_for_function(f"(names) => {{ const cells = ({GRID_CELLS})(); "
+                                   "return names.every(name => cells.includes(name)) ? cells : null; }",
+                                   arg=names, timeout=60_000)
+    return found.json_value()
+
+
 def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -56,8 +65,7 @@ def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_
                 inspector.get_by_text(ANSWERED_TRACE).wait_for(timeout=60_000)
                 inspector.get_by_text("Every op", exact=True).wait_for(timeout=60_000)
                 inspector.wait_for_function(SETTLED, timeout=60_000)
-                inspector.wait_for_function(f"() => ({GRID_CELLS})().includes('addmm')", timeout=60_000)
-                cells = set(inspector.evaluate(GRID_CELLS))
+                cells = set(cells_once(inspector, ["addmm"]))
                 # The aten ops of the script's fp16 step: autocast's casts, its Linear layers' matmuls, its ReLU.
                 assert {"_to_copy", "addmm", "relu"} <= cells, sorted(cells)
                 assert inspector.locator("[data-testid='stException']").count() == 0
@@ -77,11 +85,9 @@ def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_
                 answered.wait_for(timeout=60_000)
                 numerics.wait_for_function(SETTLED, timeout=60_000)
                 answered.scroll_into_view_if_needed()  # the grid draws the cells it shows
-                # The answer's table names the script's modules (the page's other tables name other models').
-                numerics.wait_for_function(f"() => ['0', '1', '2', '(root)'].every(name => ({GRID_CELLS})()"
-                                           ".includes(name))", timeout=60_000)
-                cells = numerics.evaluate(GRID_CELLS)
-                assert {"0", "1", "2", "(root)"} <= set(cells), cells  # the script's modules, by name
+                # The answer's table names the script's modules, by name (the page's other tables name other models'):
+                # a timeout here if it never shows them.
+                cells_once(numerics, ["0", "1", "2", "(root)"])
                 assert numerics.locator("[data-testid='stException']").count() == 0
                 numerics.mouse.move(0, 0)
                 screenshot(numerics, "requests_layers")
