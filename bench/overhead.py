@@ -50,7 +50,7 @@ from amp_core.records.store import RunStore
 from amp_core.runner import Run
 from amp_core.switches import process_intra_op_threads
 from amp_core.workloads import WORKLOADS
-from bench.turns import TurnTaker, paused_start, run_threads, take_turns
+from bench.turns import TurnTaker, paused_start, run_threads, steps_for, take_turns
 
 WARMUP = 50
 SKIP = 3
@@ -109,7 +109,7 @@ def bare_loop(config: RunConfig, mode: str, steps: int) -> list[float]:
 
 def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: int) -> dict:
     """One case, its runner and bare loop taking turns (see the module's docstring)."""
-    config = RunConfig.from_dict({**config.to_dict(), "steps": WARMUP + (pairs + 2) * chunk})
+    config = RunConfig.from_dict({**config.to_dict(), "steps": steps_for(pairs, chunk, WARMUP)})
     run = paused_start(Run(config, store))
     threads = run_threads(run)
     turns = take_turns(run, TurnTaker(lambda: BareLoop(config, mode), threads), pairs, chunk, WARMUP)

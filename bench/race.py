@@ -51,7 +51,7 @@ from amp_core.precision import (
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
-from bench.turns import TurnTaker, paused_start, run_threads, take_turns
+from bench.turns import TurnTaker, paused_start, run_threads, steps_for, take_turns
 
 WARMUP = 20
 SKIP = 3
@@ -168,7 +168,7 @@ def compiled_overhead(config: RunConfig, pairs: int, chunk: int) -> dict[str, li
     """Per compiled lane, the ratios of pairs of chunks (bench.turns): the lane's median step time in a chunk of the
     race over the same recipe's median step time in the next (or previous) chunk of a BareRace of the same lanes.
     CPU only (its step times are the host's)."""
-    config = RunConfig.from_dict({**config.to_dict(), "steps": WARMUP + (pairs + 2) * chunk})
+    config = RunConfig.from_dict({**config.to_dict(), "steps": steps_for(pairs, chunk, WARMUP)})
     torch._dynamo.reset()
     run = paused_start(Run(config))
     taker = TurnTaker(lambda: BareRace(config, config.modes), run_threads(run))
