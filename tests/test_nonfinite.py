@@ -73,12 +73,17 @@ def test_the_sentinel_reads_nothing_until_asked_and_forgets_old_steps():
     assert not sentinel.held(3)
 
 
-@pytest.mark.timeout(900)  # a Trainer in a process of its own: imports transformers, slow on a loaded machine
-def test_an_hf_trainer_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store):
-    pytest.importorskip("transformers")
+@pytest.mark.timeout(900)  # a Trainer in a process of its own: imports its framework, slow on a loaded machine
+@pytest.mark.parametrize(("trainer", "arguments", "planted"), [
+    pytest.param("hf", ["--bf16"], "transformer.h.1.mlp.act", marks=pytest.mark.extra("hf"), id="hf"),
+    # Its training_step calls module.net, not the module: the Monitor learns which module the step calls outermost.
+    pytest.param("lightning", ["--precision", "bf16-mixed"], "net.1", marks=pytest.mark.extra("lightning"),
+                 id="lightning"),
+])
+def test_a_trainer_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store, trainer, arguments, planted):
     from test_integrations import ENV, SCRIPT
 
-    proc = subprocess.run([sys.executable, str(SCRIPT), "hf", "--bf16", "--steps", "6", "--overflow-at", "3",
+    proc = subprocess.run([sys.executable, str(SCRIPT), trainer, *arguments, "--steps", "6", "--overflow-at", "3",
                            "--store", str(fresh_store)], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id = open_store(fresh_store).runs()["run_id"].iloc[0]
@@ -86,8 +91,7 @@ def test_an_hf_trainer_bf16_job_names_the_planted_module_at_the_failing_step(fre
     named = events[events["kind"] == FIRST_NONFINITE_EVENT]
     assert len(named) >= 1, events["message"].tolist()
     data = named["data"].iloc[0]
-    assert data["failed_step"] == 3 and data["same_step"], named["message"].tolist()
-    assert data["module"] == "transformer.h.1.mlp.act", named["message"].tolist()
+    assert data["failed_step"] == 3 and data["same_step"] and data["module"] == planted, named["message"].tolist()
 
 
 def test_the_replay_way_on_a_cpu_and_the_device_flags_where_a_read_syncs_or_ranks_are_several():
@@ -194,20 +198,3 @@ def test_an_output_that_holds_inf_by_design_stops_the_replays_and_says_so(fresh_
     off = events[events["kind"] == "failing_step_off"]
     assert len(off) == 1 and "held inf/NaN in 3 steps where no module's did" in off["message"].iloc[0]
     assert events[events["kind"] == FIRST_NONFINITE_EVENT].empty
-
-
-@pytest.mark.extra("lightning")
-@pytest.mark.timeout(900)  # a Trainer in a process of its own
-def test_a_lightning_bf16_job_names_the_planted_module_at_the_failing_step(fresh_store):
-    from test_integrations import ENV, SCRIPT
-
-    proc = subprocess.run([sys.executable, str(SCRIPT), "lightning", "--precision", "bf16-mixed", "--steps", "6",
-                           "--overflow-at", "3", "--store", str(fresh_store)], env=ENV, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_id = open_store(fresh_store).runs()["run_id"].iloc[0]
-    events = RunManager(open_store(fresh_store)).events(run_id)
-    named = events[events["kind"] == FIRST_NONFINITE_EVENT]
-    assert len(named) >= 1, events["message"].tolist()
-    data = named["data"].iloc[0]
-    assert data["failed_step"] == 3 and data["same_step"] and data["module"] == "net.1", named["message"].tolist()
