@@ -97,6 +97,10 @@ def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
         first = page.evaluate(LAST_STEP)
         page.wait_for_function(f"({LAST_STEP})() > {first}", timeout=60_000)
         seen["last_step"] = [first, page.evaluate(LAST_STEP)]
+    if role == "presenter" and name == "overflow_debugger":
+        # Its replay panel is drawn below the fold after the page's other parts: a page whose script is still
+        # running has no stale element yet (SETTLED holds), so wait for the control itself before reading them.
+        page.get_by_role("button", name="Replay", exact=True).wait_for(timeout=120_000)
     page.wait_for_function(SETTLED, timeout=60_000)
     seen.update(buttons=page.evaluate(BUTTONS), notes=page.locator("[data-testid='stMain']").get_by_text(NOTE).count(),
                 sidebar=page.locator("[data-testid='stSidebar']").inner_text(),
