@@ -22,7 +22,7 @@ eager in the race and in bare loops, its compile time, and last compiled_overhea
 compiled lane: the median over `--pairs` pairs of (the lane's median step time in a chunk of a race / the same
 recipe's median step time in a chunk of a bare race)>. A bare race (BareRace) is the race's lanes as bare loops
 taking turns step by step as the race's lanes do, so both sides see the same caches; the race (paused between its
-chunks) and the bare race take turns in chunks of `--chunk` steps (bench.turns: a shared machine's speed moves by
+chunks) and the bare race take turns in chunks of `--chunk` steps (bench.overhead's turns: a machine's speed moves by
 tens of percent from one second to the next). Both time the span a lane's step window does (batch on the device to
 optimizer update), compiled the same way (inductor, the recipe's mode, static shapes, autocast around the compiled
 module, the recipe's optimizer). Target <= 1.05 on a CPU.
@@ -51,7 +51,7 @@ from amp_core.precision import (
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
-from bench.turns import TurnTaker, paused_start, run_threads, steps_for, take_turns
+from bench.overhead import TurnTaker, paused_start, run_threads, steps_for, take_turns
 
 WARMUP = 20
 SKIP = 3
@@ -165,7 +165,7 @@ class BareRace:
 
 
 def compiled_overhead(config: RunConfig, pairs: int, chunk: int) -> dict[str, list[float]]:
-    """Per compiled lane, the ratios of pairs of chunks (bench.turns): the lane's median step time in a chunk of the
+    """Per compiled lane, the ratios of pairs of chunks (bench.overhead's turns): the lane's median step in a chunk of a
     race over the same recipe's median step time in the next (or previous) chunk of a BareRace of the same lanes.
     CPU only (its step times are the host's)."""
     config = RunConfig.from_dict({**config.to_dict(), "steps": steps_for(pairs, chunk, WARMUP)})

@@ -183,7 +183,7 @@ def test_wait_paused_returns_once_the_thread_stands_with_every_step_recorded(no_
     config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000, snapshot_every=0)
     run = Run(config).start()
     assert not run.wait_paused(0.05)  # running: it never stands
-    for _ in range(3):  # pause and resume in quick turns, as bench.turns does
+    for _ in range(3):  # pause and resume in quick turns, as bench.overhead's turns do
         run.pause()
         assert run.wait_paused(60.0)
         made = run.lanes[0].steps_done
