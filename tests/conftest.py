@@ -26,13 +26,19 @@ os.environ.pop(CPU_NATIVE_ENV, None)
 
 def pytest_collection_modifyitems(items):
     """A test marked `extra("recipes", ...)` skips where one of those extras is not installed, saying which and the
-    line that installs it (the README's promise: the suite passes with any set of extras)."""
+    line that installs it (the README's promise: the suite passes with any set of extras).
+
+    The files that take minutes (a test marked `browser` or `slow`) are collected first: pytest-xdist hands whole
+    files to its two workers in collection order (`--dist loadfile --no-loadscope-reorder`, pyproject.toml), so the
+    long ones start at once and the short ones fill the gaps, instead of one long file running alone at the end."""
     for item in items:
         for marker in item.iter_markers("extra"):
             missing = missing_extras(marker.args)
             if missing:
                 item.add_marker(pytest.mark.skip(reason="; ".join(
                     f"the {extra.name} extra is not installed ({extra.install})" for extra in missing)))
+    long_files = {item.path for item in items if item.get_closest_marker("browser") or item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in long_files)  # a stable sort: files and tests keep their order
 
 
 def pytest_generate_tests(metafunc):

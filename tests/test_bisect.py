@@ -23,6 +23,8 @@ from amp_core.runner import RunManager
 from amp_core.snapshots import ReplayError
 from amp_core.workloads import WORKLOADS
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 TESTS = Path(__file__).resolve().parent
 
 

@@ -21,6 +21,8 @@ import pytest
 from amp_core import cli
 from tests import streamlit_server
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 RUN = ["-m", "amp_core", "run", "--workload", "mlp_regression", "--modes", "32-true", "--steps", "300"]
 
 

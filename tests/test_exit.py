@@ -16,7 +16,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from render_every_page import navigation_pages
+
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSIONS = 8

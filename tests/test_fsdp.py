@@ -18,6 +18,8 @@ from amp_core.views.report import lane_labels
 from amp_core.workloads import WORKLOADS
 from tests.test_torchrun import amp_lab, only_run
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 STEPS = 4
 
 

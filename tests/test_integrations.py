@@ -21,6 +21,8 @@ from amp_core.views.live import RecordFollower
 from amp_core.views.numerics import amax_samples
 from amp_core.views.report import run_report_html
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "trainer_script.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}

@@ -36,6 +36,8 @@ from amp_core.runner import Run, RunManager
 from amp_core.views import compare
 from amp_core.views.live import RecordFollower
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=10, device="cpu")
 

@@ -26,6 +26,8 @@ from amp_core.runner import RunManager
 from amp_core.runs import SourceKind
 from amp_core.views.live import RecordFollower
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "monitor_script.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

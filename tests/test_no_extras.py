@@ -42,8 +42,9 @@ def without_extras(tmp_path_factory) -> dict[str, str]:
 def test_every_module_imports_and_each_test_needing_an_extra_skips_saying_how_to_install_it(without_extras):
     """Collects the whole suite (every module imported without the extras) and runs the tests marked as needing an
     extra: each one skips, none fails or errors."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "extra",
-                           "tests"], cwd=ROOT, env=without_extras, capture_output=True, text=True, timeout=300)
+    # One process (-n 0): the marked tests only skip, and two workers would each collect the whole suite again.
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0", "-m",
+                           "extra", "tests"], cwd=ROOT, env=without_extras, capture_output=True, text=True, timeout=300)
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not re.search(r"\d+ (failed|errors?)\b", summary) and "passed" not in summary, summary

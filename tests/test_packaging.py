@@ -31,7 +31,8 @@ def test_runtime_requirements_are_pinned_and_need_no_scikit_learn():
 def test_dev_requirements_add_the_test_tools_to_the_runtime_ones():
     dev = requirement_lines("requirements-dev.txt")
     assert dev[0] == "-r requirements.txt"
-    assert {line.split("==")[0] for line in dev[1:]} == {"pytest", "pytest-timeout", "playwright", "ruff"}
+    assert {line.split("==")[0] for line in dev[1:]} == {"pytest", "pytest-timeout", "pytest-xdist", "execnet",
+                                                         "playwright", "ruff"}
 
 
 def test_pyproject_reads_its_dependencies_from_requirements_txt():

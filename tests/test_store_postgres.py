@@ -21,6 +21,8 @@ from amp_core.records.sink import RecordSink
 from amp_core.records.store import SCHEMA_VERSION, StoreError, StoreUnreachable
 from amp_core.runner import Run
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 CONFIG = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=10)
 
 

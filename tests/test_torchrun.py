@@ -18,6 +18,8 @@ from streamlit.testing.v1 import AppTest
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 
+pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

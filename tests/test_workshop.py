@@ -41,7 +41,7 @@ from amp_core.workshop.checks import no_skips
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 240
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 """The first test sets up every scenario in real processes (minutes on a slow or busy machine): pyproject's 300 s
 hang guard is too tight for that set-up."""
 
