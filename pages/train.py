@@ -35,11 +35,11 @@ from pages.common import (
 )
 from pages.common import control_note as presenter_note
 
-# The live view's redraw period while a run goes. A redraw (read the new records, build and serialise five figures)
-# holds the interpreter that the run's training thread needs for ~0.1-0.2 s on a 2-core CPU (cProfile: most of it
-# plotly building and validating figures): every 2 s halves what a viewer takes from a run launched here, and the
-# charts still move while one watches (Compare redraws as often).
-REFRESH_S = 2.0
+# The live view's redraw period while a run goes. What a viewer costs a run is mostly the browser redrawing the
+# charts on the same cores (Chromium, headless, 1440x900, a CLI run watched: ~22 CPU s per minute at a 2 s period, of
+# which ~3/4 the plotly charts, whatever their points; the server's own part ~6 s, beside it, notes/h41): every 3 s
+# takes a third of both off a run, and the charts still move while one watches (Compare redraws every 5 s).
+REFRESH_S = 3.0
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
 DEFAULT_WORKLOAD = DEFAULTS.workload
@@ -472,7 +472,8 @@ if run_id is None:
 
 
 followers: dict[str, RecordFollower] = st.session_state.setdefault("train_followers", {})
-live_at_start = is_live(manager.run_info(run_id))
+info_at_start = manager.run_info(run_id)
+live_at_start = is_live(info_at_start)
 
 
 def controls(info: RunInfo) -> None:
@@ -637,8 +638,6 @@ def live_view() -> None:
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
                    "behind each other and that host time is hidden: compare such a lane with a run of it alone.")
-    with st.expander("Run configuration"):
-        st.json(info.config, expanded=False)
     if not is_live(info) and info.status in ("finished", "stopped") and info.kind is SourceKind.RACE:
         # The run's own medians correct a remembered cost probe that disagrees with them (a run of the runner's;
         # a Monitor's run trained the user's own loop, which the probe does not measure).
@@ -648,3 +647,6 @@ def live_view() -> None:
 
 
 live_view()
+if info_at_start is not None:  # a run's configuration never changes: drawn once, not at every redraw of the view
+    with st.expander("Run configuration"):
+        st.json(info_at_start.config, expanded=False)
