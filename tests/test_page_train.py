@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -118,6 +119,9 @@ def test_launch_creates_one_lane_per_mode_and_charts_every_lane(app, modes):
     assert table["progress"].tolist() == [1.0] * len(modes) and table["steps"].tolist() == ["12 / 12"] * len(modes)
     assert all(table[column].str.len().gt(0).all() for column in ("loss now", "ms/step", "speed", "memory"))
     assert app.selectbox(key="train_run_pick").value == run.run_id
+    # The run's configuration, drawn once per script run below the live view (not at each of its redraws).
+    assert [expander.label for expander in app.expander][-1] == "Run configuration"
+    assert json.loads(app.json[-1].value)["modes"] == modes
 
 
 def test_lr_zero_is_an_error_naming_the_field_and_creates_no_run(app):
