@@ -205,7 +205,7 @@ def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_thre
     try:
         run.wait_until(stepped_launches.parked)
         at = page()
-        assert timers["comparison"] == 5.0  # the summary, the charts and the compiled lanes redraw while it trains
+        assert timers["comparison"] == 10.0  # the summary, the charts and the compiled lanes redraw while it trains
         assert at.multiselect(key="cmp_runs").value == [run.run_id]
         assert any("still training" in caption.value for caption in at.caption)
         assert summary_table(at)["steps"].tolist() == [2, 2]
