@@ -257,7 +257,8 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
         runner_intervals.append([(stamps[s] - stamps[s - 1]) * 1e3 for s in steps
                                  if s < start + chunk and s not in sampled and s - 1 not in sampled])
         if not runner_intervals[-1]:
-            raise SystemExit(f"FAIL: --chunk {chunk} leaves no plain step in a chunk of the run")
+            raise SystemExit(f"FAIL: a chunk of the run ({chunk} steps) holds no plain step to compare: a larger "
+                             "--chunk, or a lane-step hook that acts on every step")
     bare_intervals = [list(np.diff(stamps)[SKIP:] * 1e3) for stamps in turns.bare_chunks]
     pairs_of = list(zip(runner_intervals, bare_intervals, strict=True))
     pair_ratios = [statistics.median(r) / statistics.median(b) for r, b in pairs_of]
