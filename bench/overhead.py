@@ -9,9 +9,13 @@ Run.wait_paused: every step it made recorded), the bare loop makes a chunk, the 
 of each pair alternating. A pair's ratio is the median interval between consecutive steps of the runner's chunk
 (between consecutive records: everything the harness does between two steps) over the bare chunk's median; the first
 intervals of each chunk (caches warming after the other loop ran) are left out on both sides. The figure is the median
-of the pairs' ratios. Medians leave out the sampled probes (memory every 25 steps, gradient statistics every 50,
-snapshots) and the store's flushes (a pause flushes), whose cost the runner reports apart (`probe_ms`); the means
-that include the sampled probes are printed too.
+of the pairs' ratios. The runner's medians are of its plain steps: a sampled step's interval and the next one (memory
+and gradient norm every 25 steps, gradient statistics every 50, snapshots every 25: their probes and records, whose
+cost the runner reports apart as `probe_ms`) are left out by the run's own schedule, and so are the steps made past
+the chunk asked while the bench pauses the run (the pause's flush falls outside every chunk). Two such intervals in a
+chunk of ~26 are not "left out" by a median: they move it up by a rank or two, tens of microseconds where steps
+spread as here (measured under load: 136 -> 76 us). The means that include the sampled probes are printed too, and
+`added_us` over every interval of the run's chunks beside the figure.
 
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
@@ -51,6 +55,7 @@ from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.runner import Run
+from amp_core.step import sampling_schedule
 from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.workloads import WORKLOADS
 
@@ -241,19 +246,43 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
     turns = take_turns(run, TurnTaker(lambda: BareLoop(config, mode), threads), pairs, chunk, WARMUP)
     frame = run.frame()
     stamps = dict(zip(frame["step"], frame["t_wall_s"], strict=True))
-    runner_intervals = [[(stamps[s] - stamps[s - 1]) * 1e3 for s in range(start + 1 + SKIP, end)]
-                        for start, end in turns.run_chunks]
+    sampled = sampled_steps(run, len(frame))
+    runner_all, runner_intervals = [], []
+    for start, end in turns.run_chunks:
+        steps = range(start + 1 + SKIP, end)
+        runner_all.append([(stamps[s] - stamps[s - 1]) * 1e3 for s in steps])
+        # What the medians compare is a plain step of each loop: left out are a sampled step's interval and the next
+        # (its probes, before and after its window, and its record: `probe_ms`) and the steps past the chunk asked,
+        # made while this thread was pausing the run (its own control traffic beside them; the bare chunk has none).
+        runner_intervals.append([(stamps[s] - stamps[s - 1]) * 1e3 for s in steps
+                                 if s < start + chunk and s not in sampled and s - 1 not in sampled])
+        if not runner_intervals[-1]:
+            raise SystemExit(f"FAIL: a chunk of the run ({chunk} steps) holds no plain step to compare: a larger "
+                             "--chunk, or a lane-step hook that acts on every step")
     bare_intervals = [list(np.diff(stamps)[SKIP:] * 1e3) for stamps in turns.bare_chunks]
     pairs_of = list(zip(runner_intervals, bare_intervals, strict=True))
     pair_ratios = [statistics.median(r) / statistics.median(b) for r, b in pairs_of]
     added = [(statistics.median(r) - statistics.median(b)) * 1e3 for r, b in pairs_of]
+    added_all = [(statistics.median(r) - statistics.median(b)) * 1e3
+                 for r, b in zip(runner_all, bare_intervals, strict=True)]
     measured = frame[frame["step"] >= WARMUP]
     return {"ratio": statistics.median(pair_ratios), "ratios": pair_ratios, "added_us": statistics.median(added),
+            "added_us_all": statistics.median(added_all),
             "runner_ms": statistics.median([statistics.median(r) for r in runner_intervals]),
             "bare_ms": statistics.median([statistics.median(b) for b in bare_intervals]),
-            "runner_mean_ms": statistics.fmean(v for r in runner_intervals for v in r),
+            "runner_mean_ms": statistics.fmean(v for r in runner_all for v in r),
             "bare_mean_ms": statistics.fmean(v for b in bare_intervals for v in b),
             "probe_ms": float(measured["probe_ms"].mean()), "threads": threads}
+
+
+def sampled_steps(run: Run, steps: int) -> set[int]:
+    """The steps of `run` (of `steps`) that sampled a figure or that a lane-step hook acted on (replay snapshots), by
+    the run's own schedule (SamplingSchedule.next_full_step); every step when a hook watches every step."""
+    everies = run.hooks.plain_steps()
+    if everies is None:
+        return set(range(steps))
+    schedule = sampling_schedule(run.config)
+    return {step for step in range(steps) if schedule.next_full_step(step, everies) == step}
 
 
 def run_steps(config: RunConfig, store: RunStore | None) -> tuple[list[float], int, float]:
@@ -333,7 +362,8 @@ def main() -> None:
                 pair_ratios = result["ratios"]
                 line = (f"{key:<34} ratio={ratios[key]:.4f} (median of {len(pair_ratios)} pairs, "
                         f"{min(pair_ratios):.3f}..{max(pair_ratios):.3f}) | medians: runner_ms="
-                        f"{result['runner_ms']:.4f} bare_ms={result['bare_ms']:.4f} added_us={added_us[key]:.1f} | "
+                        f"{result['runner_ms']:.4f} bare_ms={result['bare_ms']:.4f} added_us={added_us[key]:.1f} "
+                        f"(every interval of the run's chunks: {result['added_us_all']:.1f}) | "
                         f"means incl. sampled probes: runner {result['runner_mean_ms']:.4f} ms, bare "
                         f"{result['bare_mean_ms']:.4f} ms, "
                         f"ratio={result['runner_mean_ms'] / result['bare_mean_ms']:.4f}"

@@ -214,7 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds at most (bare loops and a race, taking turns going first)")
-    parser.add_argument("--pairs", type=int, default=20,
+    parser.add_argument("--pairs", type=int, default=60,
                         help="a compiled lane's overhead: pairs of chunks of the race and a bare race taking turns")
     parser.add_argument("--chunk", type=int, default=30, help="steps per chunk (the compiled overhead)")
     parser.add_argument("--budget-s", type=float, default=40.0,
