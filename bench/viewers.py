@@ -191,7 +191,8 @@ def launch_in_server(browser, url: str) -> None:
     page.get_by_label("Steps", exact=True).press("Enter")
     page.wait_for_function("() => document.querySelectorAll('[data-stale=\"true\"]').length === 0")
     launch.click()
-    page.get_by_role("button", name="Stop").wait_for(timeout=120_000)
+    # The page's own Stop (the run's control): Streamlit's header shows a "Stop" of its own while a script runs.
+    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop").wait_for(timeout=120_000)
     context.close()
 
 

@@ -115,7 +115,8 @@ def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
 def stop_run(page, url: str) -> None:
     """The presenter's Stop, on the Train page: the control works from this machine (and the run ends)."""
     open_page(page, url, "train")
-    page.get_by_role("button", name="Stop", exact=True).click()
+    # The page's own Stop: Streamlit's header shows a "Stop" of its own while a script runs.
+    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop", exact=True).click()
     page.get_by_text("Run status: stopped").wait_for(timeout=60_000)
 
 

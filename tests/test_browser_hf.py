@@ -69,7 +69,8 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
             assert max(first.values()) < STEPS, f"the run ended before its chart was first read: {first}"
             # The chart grows while the run goes: more points than first drawn.
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, min(first.values()) + 1], timeout=180_000)
-            page.get_by_role("button", name="Stop", exact=True).click()
+            # The page's own Stop (Streamlit's header shows a "Stop" of its own while a script runs).
+            page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop", exact=True).click()
             page.get_by_text("Run status: stopped").wait_for(timeout=120_000)
             settle_and_shoot(page, SCREENSHOT)
         finally:
