@@ -249,12 +249,12 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
     sampled = sampled_steps(run, len(frame))
     runner_all, runner_intervals = [], []
     for start, end in turns.run_chunks:
-        steps = range(start + 1 + SKIP, end)
-        runner_all.append([(stamps[s] - stamps[s - 1]) * 1e3 for s in steps])
+        intervals = {s: (stamps[s] - stamps[s - 1]) * 1e3 for s in range(start + 1 + SKIP, end)}
+        runner_all.append(list(intervals.values()))
         # What the medians compare is a plain step of each loop: left out are a sampled step's interval and the next
         # (its probes, before and after its window, and its record: `probe_ms`) and the steps past the chunk asked,
         # made while this thread was pausing the run (its own control traffic beside them; the bare chunk has none).
-        runner_intervals.append([(stamps[s] - stamps[s - 1]) * 1e3 for s in steps
+        runner_intervals.append([ms for s, ms in intervals.items()
                                  if s < start + chunk and s not in sampled and s - 1 not in sampled])
         if not runner_intervals[-1]:
             raise SystemExit(f"FAIL: a chunk of the run ({chunk} steps) holds no plain step to compare: a larger "

@@ -26,7 +26,7 @@ from pages.common import LIVE_MARK, app_frame, get_manager, run_label, store_gua
 # While a chosen run trains, the comparison redraws this often. Compare is for reading runs side by side; the Train
 # page is the live view (every 3 s). Each redraw re-plots Compare's wide charts in the browser, about 1.2 Chromium
 # CPU s, which a run training on the same machine pays (2 cores; Train + Compare watching a CLI run: Chromium 33 CPU s
-# a minute with Compare at 5 s, 26 at 10 s; notes/h41).
+# a minute with Compare at 5 s, 26 at 10 s).
 LIVE_REFRESH_S = 10.0
 # Short headers (and their full meaning on hover) for the summary's widest columns: the table fits 1440 px.
 SUMMARY_HEADERS = {

@@ -37,8 +37,8 @@ from pages.common import control_note as presenter_note
 
 # The live view's redraw period while a run goes. What a viewer costs a run is mostly the browser redrawing the
 # charts on the same cores (Chromium, headless, 1440x900, a CLI run watched: ~22 CPU s per minute at a 2 s period, of
-# which ~3/4 the plotly charts, whatever their points; the server's own part ~6 s, beside it, notes/h41): every 3 s
-# takes a third of both off a run, and the charts still move while one watches (Compare redraws every 5 s).
+# which ~3/4 the plotly charts, whatever their points; the server's own part ~6 s beside it): every 3 s takes a third
+# of both off a run, and the charts still move while one watches (Compare redraws every 10 s).
 REFRESH_S = 3.0
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
