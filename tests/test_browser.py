@@ -54,6 +54,11 @@ SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 
            "&& document.fonts.status === 'loaded'")
 """Streamlit has redrawn everything, and its own web fonts have loaded: a width measured then is the same on every
 machine (before, it is the system fallback font's, which differs between machines)."""
+DRAWN = ("() => (" + SETTLED + ")() && Array.from(document.querySelectorAll('.js-plotly-plot'))"
+         ".filter(chart => chart.getClientRects().length).every(chart => chart.querySelector('.main-svg'))")
+"""SETTLED, and every chart shown has drawn (plotly draws a moment after Streamlit settles; a chart in a closed expander
+draws nothing): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
+reads a grid through a locator inside it, which waits for it.)"""
 
 
 def open_train_page(page, url: str):

@@ -15,7 +15,7 @@ from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -87,7 +87,7 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             assert radio.get_by_label("fp8 e5m2", exact=True).count() == 1
             assert page.locator("[data-testid='stException']").count() == 0
             page.get_by_text("What a cast does to each module's outputs").scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)  # the data grid draws a moment after Streamlit settles
+            page.wait_for_function(DRAWN, timeout=60_000)  # the charts draw a moment after Streamlit settles
             shoot(page, "fp8_layer_numerics")
             # The gradients: a plain cast to e4m3fn flushes the small ones to 0; torchao's scaled cast keeps them.
             page.get_by_role("radiogroup", name="Tensor").last.get_by_text("output gradients").click()
@@ -95,7 +95,7 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             page.get_by_role("radiogroup", name="Cast to").get_by_text("fp8 e4m3fn", exact=True).click()
             page.wait_for_function(SETTLED, timeout=60_000)
             page.get_by_text("What a cast does to each module's output gradients").scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)
+            page.wait_for_function(DRAWN, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0
             shoot(page, "fp8_layer_numerics_grads")
             page.close()
@@ -118,7 +118,7 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             assert page.locator("[data-testid='stException']").count() == 0
             table = page.locator("[data-testid='stDataFrame']").filter(has_text="max batch")
             table.scroll_into_view_if_needed()
-            page.wait_for_timeout(1000)
+            table.locator(".dvn-scroller").wait_for(timeout=60_000)  # the grid draws a moment after Streamlit settles
             shoot(page, "maxbatch")
         finally:
             browser.close()

@@ -17,7 +17,7 @@ from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -63,6 +63,8 @@ TEXT_BOXES = """(prefixes) => {
 # Glide's scroller inside each st.dataframe: wider content than box means a column is off screen.
 TABLE_OVERFLOW = """() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller'))
     .map(s => [s.scrollWidth, s.clientWidth])"""
+NEXT_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
+"""Resolves after the browser has drawn two more frames."""
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "m": 1e-3, "μ": 1e-6, "n": 1e-9}
 
 
@@ -95,9 +97,7 @@ def open_page(browser, url: str):
     page = browser.new_page(viewport=VIEWPORT)
     page.goto(url)
     page.get_by_role("heading").first.wait_for(timeout=90_000)
-    page.wait_for_timeout(1000)
-    page.wait_for_function(SETTLED, timeout=90_000)
-    page.wait_for_timeout(1500)  # plotly draws after Streamlit settles
+    page.wait_for_function(DRAWN, timeout=90_000)  # plotly and the data grid draw after Streamlit settles
     assert page.locator("[data-testid='stException']").count() == 0
     return page
 
@@ -106,7 +106,8 @@ def screenshot(page, name: str) -> None:
     """The whole page: Streamlit scrolls inside its main block, so the window grows to its height first."""
     height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
     page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)})
-    page.wait_for_timeout(1500)
+    page.wait_for_function(DRAWN, timeout=60_000)
+    page.evaluate(NEXT_FRAMES)  # the charts' own redraw for the new size
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
     page.set_viewport_size(VIEWPORT)
@@ -168,10 +169,10 @@ def test_my_pages_read_whole_at_1440(server):
                 runs.locator("input").click()
                 page.locator("[role='option']").first.click(timeout=10_000)
                 page.keyboard.press("Escape")
-                page.wait_for_timeout(1500)
                 page.wait_for_function(SETTLED, timeout=90_000)
+            runs.locator("[data-tag-index='2']").wait_for(timeout=60_000)  # three runs picked
             page.get_by_text("Loss minus the baseline's").first.wait_for(timeout=60_000)
-            page.wait_for_timeout(1500)
+            page.wait_for_function(DRAWN, timeout=60_000)
             page.get_by_text("recorded the same loss, bit for bit").first.wait_for()
             eventually(assert_log_ticks_carry_their_power, page)
             eventually(assert_tables_fit, page)

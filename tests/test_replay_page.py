@@ -85,7 +85,6 @@ def test_the_replay_button_works_in_chromium(tmp_path):
         assert page.locator("[data-testid='stException']").count() == 0
         page.get_by_text("fp32 breaks too on this batch", exact=False).first.wait_for()
         verdict.evaluate("heading => heading.scrollIntoView({block: 'start'})")
-        page.wait_for_timeout(1000)  # the data grid draws a moment after Streamlit settles
         table = page.locator("[data-testid='stDataFrame']", has_text="update vs fp32")
         fit = table.locator(".dvn-scroller").evaluate("s => [s.scrollWidth, s.clientWidth]")
         assert fit[0] <= fit[1] + 1, fit  # every column of the replay's table shows

@@ -46,18 +46,22 @@ def columns(start: int, count: int, skipped_every: int = 0) -> dict[str, np.ndar
 
 def test_a_cli_run_outlives_its_server_going_away_and_writes_every_record(pg_cluster, database):
     """The server stops for a few seconds mid-run (a real CLI process): the run trains on, says once in its log and
-    as an event that it waited, and afterwards the store holds every record of every lane."""
-    steps = 8000
+    as an event that it waited, and once the server is back writes what it made meanwhile; stopped (Ctrl-C) after
+    that, the store holds every step of every lane that the run made. (A run long enough for any machine, stopped when
+    the records show it went on: a fixed step count either outlives the outage on a slow machine only or trains for
+    a minute on this one.)"""
     proc = subprocess.Popen([sys.executable, "-m", "amp_core", "--store", database, "run", "--workload",
-                             "mlp_regression", "--modes", "32-true,16-mixed", "--steps", str(steps)],
+                             "mlp_regression", "--modes", "32-true,16-mixed", "--steps", "10000000"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_stored_steps(database, proc, more_than=0)
+        stored = wait_for_stored_steps(database, proc, more_than=0)
         pg_cluster.stop()
         time.sleep(3)  # the outage itself (what the test is about), not a wait for something to happen
         assert proc.poll() is None, "the run ended while its server was away"
         pg_cluster.start()
-        out, err = proc.communicate(timeout=240)
+        wait_for_stored_steps(database, proc, more_than=stored)  # what it made meanwhile, written once it is back
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -65,12 +69,13 @@ def test_a_cli_run_outlives_its_server_going_away_and_writes_every_record(pg_clu
     assert proc.returncode == 0, err
     store = open_store(database)
     (run_id,) = store.runs()["run_id"]
-    assert f"run {run_id}: finished" in out
-    assert store.run(run_id)["status"] == "finished"
+    assert f"run {run_id}: stopped" in out
+    assert store.run(run_id)["status"] == "stopped"
     frame = store.steps(run_id)
-    assert len(frame) == 2 * steps
-    for lane in (0, 1):
-        assert frame[frame["lane"] == lane]["step"].tolist() == list(range(steps))
+    made = [frame[frame["lane"] == lane]["step"].tolist() for lane in (0, 1)]
+    for steps in made:  # every step made, none lost in the outage
+        assert steps == list(range(len(steps)))
+    assert len(made[0]) - len(made[1]) in (0, 1)  # lanes step in turn: the stop may come between them
     events = store.events(run_id)
     kinds = events["kind"].tolist()
     assert kinds.count("store_unreachable") == 1 and kinds.count("store_waited") == 1

@@ -159,7 +159,9 @@ class RecordSink:
                 for track, blocks in sealed:  # completed blocks wait in their writer for the flush that commits
                     self._writer(track).due(blocks)
                 self._keep_backlog_bound()
-                if time.monotonic() < self._retry_at or not self.store.reachable():
+                if time.monotonic() < self._retry_at:  # not yet: the next try stays where it was
+                    return False
+                if not self.store.reachable():
                     self._retry_later()
                     return False
                 sealed = [(track, []) for track, _ in sealed]
