@@ -158,7 +158,8 @@ class NonfiniteSentinel(_Sentinel):
         self._steps.clear()
 
 
-_rng_state = torch.get_rng_state
+_rng_state = torch.default_generator.get_state
+"""torch.get_rng_state without its Python frame (it returns this): the CPU generator's state, copied."""
 _NONE = object()
 """A module with no instance `forward` (its class's runs)."""
 
