@@ -221,6 +221,20 @@ def test_the_wrapped_forward_keeps_signature_copies_errors_and_whatever_forward_
     assert vars(model)["forward"] is theirs
 
 
+def test_a_forward_that_is_not_bound_to_its_module_is_hooked_instead_and_left_as_it_was():
+    """An instance forward that is a plain function (as torch.compile's wrapper module has): no wrapper around it."""
+    model, step = Scaled(), [0]
+    theirs = model.forward = functools.partial(Scaled.forward, model)
+    sentinel = ForwardReplaySentinel(model, lambda: step[0])
+    for batch in (torch.ones(2, 4), torch.ones(2, 4), torch.full((2, 4), float("inf"))):
+        model(batch)
+        step[0] += 1
+    assert vars(model)["forward"] is theirs and model._forward_hooks and model._forward_pre_hooks
+    assert sentinel.first(2).module == "linear"
+    sentinel.close()
+    assert vars(model)["forward"] is theirs and not model._forward_hooks and not model._forward_pre_hooks
+
+
 class MaskedLogits(nn.Module):
     def __init__(self):
         super().__init__()

@@ -4,15 +4,16 @@ by cost (`sentinel_for`):
 
 - **Replayed before the update** (ForwardReplaySentinel: a device whose figures are on the host at once, a CPU, and
   one process). Only the outermost module calls of a step are watched (the model as the loop calls it; learnt during
-  the first step, with hooks on every module; from then on by a wrapper of each outermost module's `forward`): before
-  each, the inputs are kept by reference and the RNG state copied; after it, its floating outputs are summed and read
-  (on a CPU a read waits for nothing). Only when an output holds inf/NaN is that forward
-  run again at once, still inside the user's step, before backward and the optimizer change anything, with the same
-  inputs, RNG state and autocast, under no_grad, with a hook on every leaf module (one with no children: the modules
-  that compute) that finds the first whose output is not finite; it updates copies of the module buffers. A step
-  costs one wrapper call (the two hook calls' work, with no hook on the module), an RNG copy and a sum of the model's
-  output, not a reduction per leaf. A model whose output
-  holds inf/NaN on steps that do not fail (a masked logit) stops being replayed after a few such steps, and says so.
+  the first step, with hooks on every module; from then on by a wrapper of each outermost module's `forward`, or by
+  two hooks where that forward is an instance attribute not bound to the module, as torch.compile's wrapper's is):
+  before each, the inputs are kept by reference and the RNG state copied; after it, its floating outputs are summed
+  and read (on a CPU a read waits for nothing). Only when an output holds inf/NaN is that forward run again at once,
+  still inside the user's step, before backward and the optimizer change anything, with the same inputs, RNG state
+  and autocast, under no_grad, with a hook on every leaf module (one with no children: the modules that compute) that
+  finds the first whose output is not finite; it updates copies of the module buffers. A step costs one wrapper call
+  (what two hook calls did, with no hook on the module, so `nn.Module.__call__` keeps its fast path), an RNG copy and
+  a sum of the model's output, not a reduction per leaf. A model whose output holds inf/NaN on steps that do not fail
+  (a masked logit) stops being replayed after a few such steps, and says so.
 - **Device flags** (NonfiniteSentinel: CUDA, where a read is a sync, or a job of several ranks, whose forwards hold
   collectives a rank cannot replay alone). A forward hook on each leaf module reduces its floating output to one fp32
   sum on the device and keeps the 0-d tensor: one reduction kernel and a Python call per leaf per forward, no sync,
