@@ -29,6 +29,7 @@ skip) is left to the layer watch and the replay of the skipped step, which keep 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 from collections import OrderedDict
@@ -254,11 +255,13 @@ class ForwardReplaySentinel(_Sentinel):
         plain step. Bound with types.MethodType, so `copy.deepcopy` binds the copy's to the copy, which then runs its
         own forward and reports nothing (the attached replay and the bisect copy the user's model)."""
         previous = module.__dict__.get("forward", _NONE)
-        if previous is _NONE:
-            inner = type(module).forward
+        if previous is _NONE:  # the class's own function (not a staticmethod, a property or a callable object)
+            inner = inspect.getattr_static(type(module), "forward", None)
         elif isinstance(previous, types.MethodType) and previous.__self__ is module:
             inner = previous.__func__
         else:
+            return False
+        if not isinstance(inner, types.FunctionType):
             return False
         sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
         fp32, fp64 = torch.float32, torch.float64
