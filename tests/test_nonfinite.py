@@ -4,9 +4,13 @@ on failure), in bf16 and fp16 loops, a training_step that calls a submodule, and
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import math
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -167,10 +171,68 @@ def test_the_outermost_module_a_step_calls_is_learnt_and_named_with_its_path():
         step[0] += 1
     assert sentinel.first(0) is None and sentinel.first(1) is None
     assert sentinel.first(2).module == "net.1.planted" and sentinel.first(2).step == 2
-    hooked = [name for name, module in model.named_modules() if module._forward_pre_hooks]
-    assert hooked == ["net"]  # after the first step, only what the loop calls outermost
-    sentinel.close()
+    # After the first step only what the loop calls outermost is watched, by a wrapper of its forward: no hook left.
     assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    assert [name for name, module in model.named_modules() if "forward" in vars(module)] == ["net"]
+    sentinel.close()
+    assert not any(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
+                   for module in model.modules())
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.linear(x) * scale
+
+
+def doubled(forward):
+    """An instance forward of the kind accelerate puts on a model (a function bound to it, `__wrapped__` kept)."""
+    @functools.wraps(forward)
+    def twice(self, *args, **kwargs):
+        return 2 * forward(self, *args, **kwargs)
+    return twice
+
+
+def test_the_wrapped_forward_keeps_signature_copies_errors_and_whatever_forward_the_module_had():
+    torch.manual_seed(0)
+    model, step = Scaled(), [0]
+    theirs = model.forward = types.MethodType(doubled(Scaled.forward), model)
+    sentinel = ForwardReplaySentinel(model, lambda: step[0])
+    ones, infs = torch.ones(2, 4), torch.full((2, 4), float("inf"))
+    for _ in range(2):
+        model(ones)
+        step[0] += 1
+    assert vars(model)["forward"] is not theirs and not model._forward_hooks  # wrapped, not hooked
+    assert list(inspect.signature(model.forward).parameters) == ["x", "scale"]  # what HF Trainer reads
+    assert torch.equal(model(ones, scale=3.0), 6 * model.linear(ones))  # their forward still runs
+    with pytest.raises(RuntimeError):
+        model(torch.ones(2, 3))  # a forward that raises leaves the depth count as it was
+    copied = copy.deepcopy(model)
+    nn.init.zeros_(copied.linear.weight)
+    assert torch.equal(copied(ones), 2 * copied.linear.bias.expand(2, 4))  # the copy's own forward, theirs around it
+    copied(infs)
+    assert not sentinel.held(step[0])  # a copy reports nothing
+    model(infs)
+    assert sentinel.first(step[0]).module == "linear"
+    sentinel.close()
+    assert vars(model)["forward"] is theirs
+
+
+def test_a_forward_that_is_not_bound_to_its_module_is_hooked_instead_and_left_as_it_was():
+    """An instance forward that is a plain function (as torch.compile's wrapper module has): no wrapper around it."""
+    model, step = Scaled(), [0]
+    theirs = model.forward = functools.partial(Scaled.forward, model)
+    sentinel = ForwardReplaySentinel(model, lambda: step[0])
+    for batch in (torch.ones(2, 4), torch.ones(2, 4), torch.full((2, 4), float("inf"))):
+        model(batch)
+        step[0] += 1
+    assert vars(model)["forward"] is theirs and model._forward_hooks and model._forward_pre_hooks
+    assert sentinel.first(2).module == "linear"
+    sentinel.close()
+    assert vars(model)["forward"] is theirs and not model._forward_hooks and not model._forward_pre_hooks
 
 
 class MaskedLogits(nn.Module):

@@ -3,14 +3,17 @@ the next one (in bf16 the failed step has already poisoned the weights, so the n
 by cost (`sentinel_for`):
 
 - **Replayed before the update** (ForwardReplaySentinel: a device whose figures are on the host at once, a CPU, and
-  one process). Only the outermost module calls of a step are hooked (the model as the loop calls it; learnt during
-  the first step): before each, the inputs are kept by reference and the RNG state copied; after it, its floating
-  outputs are summed and read (on a CPU a read waits for nothing). Only when an output holds inf/NaN is that forward
-  run again at once, still inside the user's step, before backward and the optimizer change anything, with the same
-  inputs, RNG state and autocast, under no_grad, with a hook on every leaf module (one with no children: the modules
-  that compute) that finds the first whose output is not finite; it updates copies of the module buffers. A step
-  costs two hook calls, an RNG copy and a sum of the model's output, not a reduction per leaf. A model whose output
-  holds inf/NaN on steps that do not fail (a masked logit) stops being replayed after a few such steps, and says so.
+  one process). Only the outermost module calls of a step are watched (the model as the loop calls it; learnt during
+  the first step, with hooks on every module; from then on by a wrapper of each outermost module's `forward`, or by
+  two hooks where that forward is an instance attribute not bound to the module, as torch.compile's wrapper's is):
+  before each, the inputs are kept by reference and the RNG state copied; after it, its floating outputs are summed
+  and read (on a CPU a read waits for nothing). Only when an output holds inf/NaN is that forward run again at once,
+  still inside the user's step, before backward and the optimizer change anything, with the same inputs, RNG state
+  and autocast, under no_grad, with a hook on every leaf module (one with no children: the modules that compute) that
+  finds the first whose output is not finite; it updates copies of the module buffers. A step costs one wrapper call
+  (what two hook calls did, with no hook on the module, so `nn.Module.__call__` keeps its fast path), an RNG copy and
+  a sum of the model's output, not a reduction per leaf. A model whose output holds inf/NaN on steps that do not fail
+  (a masked logit) stops being replayed after a few such steps, and says so.
 - **Device flags** (NonfiniteSentinel: CUDA, where a read is a sync, or a job of several ranks, whose forwards hold
   collectives a rank cannot replay alone). A forward hook on each leaf module reduces its floating output to one fp32
   sum on the device and keeps the 0-d tensor: one reduction kernel and a Python call per leaf per forward, no sync,
@@ -25,7 +28,10 @@ skip) is left to the layer watch and the replay of the skipped step, which keep 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,18 +160,21 @@ class NonfiniteSentinel(_Sentinel):
         self._steps.clear()
 
 
-_rng_state = torch.get_rng_state
+_rng_state = torch.default_generator.get_state
+"""torch.get_rng_state without its Python frame (it returns this): the CPU generator's state, copied."""
+_NONE = object()
+"""A module with no instance `forward` (its class's runs)."""
 
 
 def _finite_on_host(output) -> bool:
     """Whether every floating tensor in a forward's output (a tensor, or tuples, lists and dicts of them: a Hugging
-    Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). fp16
-    is summed in fp32, where a sum of finite values cannot overflow."""
+    Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). Summed
+    in fp32 (fp64 in fp64), where a sum of finite fp16 or bf16 values cannot overflow."""
     if isinstance(output, torch.Tensor):
         if not output.is_floating_point():
             return True
-        total = output.detach().sum(dtype=torch.float32) if output.dtype == torch.float16 else output.detach().sum()
-        return math.isfinite(total)
+        return math.isfinite(output.detach().sum(dtype=torch.float64 if output.dtype is torch.float64 else
+                                                 torch.float32))
     if isinstance(output, (tuple, list)):
         return all(_finite_on_host(item) for item in output)
     if isinstance(output, dict):
@@ -192,13 +201,18 @@ class ForwardReplaySentinel(_Sentinel):
         self.stopped = self._unsaid = ""
         """Why replaying stopped (empty while it goes on)."""
         self._depth = 0
-        """Module calls under way (a forward hook that always runs, even when the forward raises, keeps it)."""
+        """Watched module calls under way (the wrapper's try/finally, or a forward hook that always runs even when
+        the forward raises, keeps it)."""
         self._first_step: int | None = None
         self._tops: set[int] = set()
         """The modules the loop calls outermost, learnt during the first step (every module hooked meanwhile): the
-        model itself, or the modules a Lightning training_step calls; from the next step only they are hooked."""
+        model itself, or the modules a Lightning training_step calls; from the next step only they are watched."""
         self._replaying = False
         self._pending: tuple | None = None
+        self._wrapped: list[tuple[nn.Module, object, types.MethodType]] = []
+        """(module, the instance `forward` it had before, or _NONE, the wrapper) of every wrapped module."""
+        self._leftover = None
+        """The post-hook of the call during which the wrappers were put on (`_settle`), until that call ends."""
         self._handles = self._hook(model.modules(), self._learn)
 
     def _hook(self, modules, before) -> list:
@@ -216,15 +230,63 @@ class ForwardReplaySentinel(_Sentinel):
                 self._first_step = step
             self._tops.add(id(module))
             if step != self._first_step:
-                self._settle()
+                self._settle(module)
         self._before(module, args, kwargs)
 
-    def _settle(self) -> None:
-        """After the first step: hooks on the outermost modules only. (Called from a pre-hook of one of them: its
-        new post-hook runs at the end of this very call, so `_learn` goes on into `_before`.)"""
+    def _settle(self, calling: nn.Module) -> None:
+        """After the first step: the outermost modules only, each through a wrapper of its `forward` (`_wrap`), or
+        hooked where its forward cannot be wrapped. Called from the pre-hook of `calling`, one of them, whose call has
+        already taken its forward: a wrapped `calling` gets back a post-hook for the end of this call (a post-hook
+        registered now runs then), which `_after` removes."""
         for handle in self._handles:
             handle.remove()
-        self._handles = self._hook((m for m in self._model.modules() if id(m) in self._tops), self._before)
+        self._handles = []
+        for module in self._model.modules():
+            if id(module) in self._tops and not self._wrap(module):
+                self._handles += self._hook((module,), self._before)
+        if any(owner is calling for owner, _, _ in self._wrapped):
+            self._leftover = calling.register_forward_hook(self._after, with_kwargs=True, always_call=True)
+
+    def _wrap(self, module: nn.Module) -> bool:
+        """Watch `module`'s calls by an instance `forward` that calls the one it had (the class's, or an instance
+        forward bound to it, as accelerate's fp32-output wrapper is); False, wrapping nothing, for any other instance
+        forward. Why not hooks: a module with a forward hook leaves `nn.Module.__call__`'s fast path for ~60 lines of
+        Python per call, run with cold caches right after the last step's work: most of what the sentinel cost a
+        plain step. Bound with types.MethodType, so `copy.deepcopy` binds the copy's to the copy, which then runs its
+        own forward and reports nothing (the attached replay and the bisect copy the user's model)."""
+        previous = module.__dict__.get("forward", _NONE)
+        if previous is _NONE:  # the class's own function (not a staticmethod, a property or a callable object)
+            inner = inspect.getattr_static(type(module), "forward", None)
+        elif isinstance(previous, types.MethodType) and previous.__self__ is module:
+            inner = previous.__func__
+        else:
+            return False
+        if not isinstance(inner, types.FunctionType):
+            return False
+        sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
+        fp32, fp64 = torch.float32, torch.float64
+
+        @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer reads it)
+        def forward(self, *args, **kwargs):
+            if self is not module or sentinel._depth or sentinel._replaying:  # a copy, a nested call, a replay
+                return inner(self, *args, **kwargs)
+            # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
+            rng = rng_state()
+            sentinel._depth = 1
+            try:
+                output = inner(self, *args, **kwargs)
+            finally:
+                sentinel._depth = 0
+            # `_finite_on_host`, its usual case (one floating tensor) inline: a call less per step.
+            if not (sentinel.stopped or (
+                    isfinite(output.detach().sum(dtype=fp64 if output.dtype is fp64 else fp32))
+                    if isinstance(output, tensor) and output.is_floating_point() else finite(output))):
+                sentinel._nonfinite(self, args, kwargs, rng)
+            return output
+
+        module.forward = wrapper = types.MethodType(forward, module)
+        self._wrapped.append((module, previous, wrapper))
+        return True
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._depth == 0 and not self._replaying:
@@ -234,15 +296,24 @@ class ForwardReplaySentinel(_Sentinel):
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
-        if self._depth or self._replaying or self._pending is None:
+        if self._depth or self._replaying:
+            return
+        if self._leftover is not None:
+            self._leftover.remove()
+            self._leftover = None
+        if self._pending is None:
             return
         pending, self._pending = self._pending, None
         if self.stopped or _finite_on_host(output):
             return
+        self._nonfinite(module, *pending)
+
+    def _nonfinite(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> None:
+        """A watched call's output held inf/NaN: replay it (once per step) to find the first leaf that did."""
         step = self._step_of()
         if step in self._found:  # a later forward of the same step (gradient accumulation): the first one counts
             return
-        found = self._found[step] = self._replay(module, *pending)
+        found = self._found[step] = self._replay(module, args, kwargs, rng)
         if found is None:
             self._false_alarm()
         while len(self._found) > self._keep:
@@ -327,6 +398,16 @@ class ForwardReplaySentinel(_Sentinel):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._leftover is not None:
+            self._leftover.remove()
+            self._leftover = None
+        for module, previous, wrapper in self._wrapped:
+            if module.__dict__.get("forward") is wrapper:  # not replaced since by someone else: theirs stays
+                if previous is _NONE:
+                    del module.forward
+                else:
+                    module.forward = previous
+        self._wrapped = []
         self._found.clear()
 
 

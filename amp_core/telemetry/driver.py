@@ -34,8 +34,8 @@ class StepDriver:
     may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
-    __slots__ = ("also_every", "always_norm", "end", "kept", "meter", "opened", "plain", "plain_until", "probes",
-                 "recorder", "scaler", "schedule", "track", "watch", "watchers")
+    __slots__ = ("also_every", "always_norm", "end", "kept", "meter", "open_plain", "opened", "plain", "plain_until",
+                 "probes", "recorder", "scaler", "schedule", "track", "watch", "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -58,6 +58,9 @@ class StepDriver:
         self.end: Callable[[Window], None] = meter.close
         """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
         bound here: a plain step's window makes one call less)."""
+        self.open_plain: Callable[[torch.Tensor | float | None], Window] = meter.open
+        """`open_plain(scale)`: `begin(step, scale, plain=True)` with one call less (the meter's own open, bound here):
+        a plain step's Python runs with cold caches right after the training work, where each call counts."""
 
     def attach(self, recorder: StepRecorder, track: LaneTrack) -> None:
         """Where the steps' records go."""
