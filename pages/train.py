@@ -94,8 +94,9 @@ with st.container(border=True):
     c1.caption(entries[workload].description)
     parameters_slot = c2.empty()  # each size's parameter count, once torch is imported
     missing = missing_extras(entries[workload].requires)
-    # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings.
-    c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.9, 1.1, 1.2])
+    # The LR box is widest: "1.00e-3" must show whole at 1440 px beside six other settings, and so must the toggle's
+    # label (a toggle's label is cut with an ellipsis, not wrapped).
+    c1, c2, c3, c4, c5, c6, c7 = st.columns([1.1, 1.1, 1.1, 1.5, 0.8, 1.1, 1.3])
     # Defaults and help are RunConfig's own (config.py: one source for the form and the CLI).
     steps = c1.number_input("Steps", value=DEFAULTS.steps, step=50, key="train_steps", help=DOCS["steps"])
     batch_size = c2.number_input("Batch size", value=DEFAULTS.batch_size, step=16, key="train_batch",
@@ -121,7 +122,7 @@ with st.container(border=True):
         growth_interval = g4.number_input("Growth interval (steps)", value=scaler_defaults.growth_interval, step=100,
                                           key="train_interval", help=scaler_docs["growth_interval"])
     with st.expander("More: Adam eps, fused Adam, gradient clipping, faults, name"):
-        m0, m1, m2, m3 = st.columns([1, 1, 3, 2])
+        m0, m1, m2, m3 = st.columns([1.6, 1.4, 2.2, 1.6])  # the toggle's label and the clip label on one line
         eps = m0.number_input("Adam/AdamW eps", value=DEFAULTS.eps, format="%.1e", key="train_eps", help=DOCS["eps"])
         fused = m0.toggle("Fused Adam/AdamW", value=DEFAULTS.fused_optimizer, key="train_fused",
                           help=DOCS["fused_optimizer"])

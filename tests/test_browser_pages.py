@@ -63,6 +63,11 @@ TEXT_BOXES = """(prefixes) => {
 # Glide's scroller inside each st.dataframe: wider content than box means a column is off screen.
 TABLE_OVERFLOW = """() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller'))
     .map(s => [s.scrollWidth, s.clientWidth])"""
+CUT_SHORT = """() => Array.from(document.querySelectorAll('[data-testid="stMain"] *'))
+    .filter(e => e.textContent.trim() && getComputedStyle(e).textOverflow === 'ellipsis'
+            && e.scrollWidth > e.clientWidth + 1)
+    .map(e => e.textContent.trim())"""
+"""Text the page draws cut short with an ellipsis (a label wider than its column)."""
 NEXT_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
 """Resolves after the browser has drawn two more frames."""
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "m": 1e-3, "μ": 1e-6, "n": 1e-9}
@@ -157,8 +162,12 @@ def test_my_pages_read_whole_at_1440(server):
             page = open_page(browser, server)  # Train: the newest run's lanes table and charts
             page.get_by_text("Run status: finished").wait_for(timeout=90_000)
             page.get_by_text("What each mode costs here").wait_for()
+            for title in ("GradScaler settings", "More: Adam eps"):  # the form's folded settings too
+                page.get_by_text(title).first.click()
+            page.get_by_label("Adam/AdamW eps", exact=True).wait_for()
             for field in page.locator("[data-testid='stNumberInputField']").all():  # every setting shows whole
                 assert field.evaluate("e => e.scrollWidth <= e.clientWidth"), field.input_value()
+            assert page.evaluate(CUT_SHORT) == []  # and every label (a toggle's is cut with an ellipsis)
             eventually(assert_tables_fit, page)
             screenshot(page, "train")
             page.close()
