@@ -102,7 +102,7 @@ def open_page(browser, url: str):
     page = browser.new_page(viewport=VIEWPORT)
     page.goto(url)
     page.get_by_role("heading").first.wait_for(timeout=90_000)
-    page.wait_for_function(DRAWN, timeout=90_000)  # plotly and the data grid draw after Streamlit settles
+    page.wait_for_function(DRAWN, timeout=90_000)  # plotly draws after Streamlit settles
     assert page.locator("[data-testid='stException']").count() == 0
     return page
 
