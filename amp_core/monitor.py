@@ -271,14 +271,11 @@ class Monitor:
         lr = watch.lr_used if watch.stepped else self._lr_next
         # A plain step (decided when its window opened) keeps its figures for the next drain, unless the scaler
         # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
-        # (`step < driver.plain_until` is `is_plain`'s own first test, made here: this path runs with cold caches
-        # right after the user's step, where each call costs microseconds.)
-        if ((step < driver.plain_until or driver.is_plain(step)) and (watch.stepped or not watch.scaled)
-                and time.monotonic() < self._due
+        if (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
                 and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
             self._lr_next = float(self.optimizer.param_groups[0]["lr"])
             self.steps_done = step = step + 1
-            if step < driver.plain_until or driver.is_plain(step):  # the next window as `_begin` opens it, plain
+            if driver.is_plain(step):  # the next window as `_begin` opens it, with nothing sampled on it
                 watch.stepped = False
                 self._window_host = time.perf_counter()
                 self._window = driver.open_plain(scale_tensor(self.scaler) if watch.scaled else None)
