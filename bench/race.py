@@ -25,7 +25,8 @@ taking turns step by step as the race's lanes do, so both sides see the same cac
 chunks) and the bare race take turns in chunks of `--chunk` steps (bench.overhead's turns: a machine's speed moves by
 tens of percent from one second to the next). Both time the span a lane's step window does (batch on the device to
 optimizer update), compiled the same way (inductor, the recipe's mode, static shapes, autocast around the compiled
-module, the recipe's optimizer). Target <= 1.05 on a CPU.
+module, the recipe's optimizer). Target <= 1.05 on a CPU, <= 1.02 at the large size on CUDA (both sides timed
+by CUDA events there).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class BareRace:
         self.workload = workload = WORKLOADS[config.workload]
         self.data = workload.load_data(config)
         self.batch_size = config.batch_size
+        self.cuda = torch.device(config.device).type == "cuda"
         self.generator = torch.Generator().manual_seed(config.seed)
         torch.manual_seed(config.seed)
         base = workload.build_model(config.size, self.data)
@@ -149,10 +151,15 @@ class BareRace:
 
     def steps(self, count: int) -> dict[str, list[float]]:
         times: dict[str, list[float]] = {recipe: [] for recipe, *_ in self.lanes}
+        spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {recipe: [] for recipe in times}
         for _ in range(count):
             batch = self.data.sample(self.generator, self.batch_size)
             for recipe, precision, model, optimizer, scaler in self.lanes:
-                began = time.perf_counter()
+                if self.cuda:  # events, as a race lane's step window times on CUDA: read after the chunk
+                    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    began.record()
+                else:
+                    began = time.perf_counter()
                 x, y = (precision.prepare_input(t) for t in batch)
                 optimizer.zero_grad(set_to_none=True)
                 with precision.forward_context():
@@ -160,14 +167,21 @@ class BareRace:
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
-                times[recipe].append((time.perf_counter() - began) * 1e3)
+                if self.cuda:
+                    ended.record()
+                    spans[recipe].append((began, ended))
+                else:
+                    times[recipe].append((time.perf_counter() - began) * 1e3)
+        if self.cuda:
+            torch.cuda.synchronize()  # after the chunk, outside every timed span: the events' times are ready
+            times = {recipe: [began.elapsed_time(ended) for began, ended in pairs] for recipe, pairs in spans.items()}
         return times
 
 
 def compiled_overhead(config: RunConfig, pairs: int, chunk: int) -> dict[str, list[float]]:
     """Per compiled lane, the ratios of pairs of chunks (bench.overhead's turns): the lane's median step in a chunk of a
-    race over the same recipe's median step time in the next (or previous) chunk of a BareRace of the same lanes.
-    CPU only (its step times are the host's)."""
+    race over the same recipe's median step time in the next (or previous) chunk of a BareRace of the same lanes (on
+    CUDA both sides' step times are CUDA events around the same span)."""
     config = RunConfig.from_dict({**config.to_dict(), "steps": steps_for(pairs, chunk, WARMUP)})
     torch._dynamo.reset()
     run = paused_start(Run(config))
@@ -293,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"speedup_error_max={max(errors):.4f}")
     print(f"memory_change_max={max(changes):.4f}")
     compiled = [m for m in modes if is_compiled_recipe(m)]
-    pair_ratios = compiled_overhead(config, args.pairs, args.chunk) if compiled and args.device == "cpu" else {}
+    pair_ratios = compiled_overhead(config, args.pairs, args.chunk) if compiled else {}
     overheads = []
     for mode in compiled:
         eager = eager_recipe(mode)

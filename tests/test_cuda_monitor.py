@@ -58,7 +58,9 @@ def test_a_monitored_loop_makes_the_same_host_syncs_per_step_as_the_bare_loop(tm
     store = open_store(tmp_path / "runs.sqlite3")
     bare = per_step_syncs(lambda steps: cuda_loop(steps, fused=fused, scaled=scaled))
     monitored = per_step_syncs(lambda steps: cuda_loop(steps, fused=fused, scaled=scaled, store=store, **QUIET))
-    assert monitored == bare
+    # A loop's one-off sync (the allocator growing, say) moves a count by 1/SYNC_STEPS: test_cuda's tolerance.
+    assert bare == pytest.approx(1 if scaled and not fused else 0, abs=0.05)  # GradScaler.step's found-inf read
+    assert monitored == pytest.approx(bare, abs=0.05)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
