@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from cli_process import start_cli_run, store_sql, stored_steps, wait_for_stored_steps
+from cli_process import is_url, start_cli_run, store_sql, stored_steps, wait_for_stored_steps
 from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
@@ -130,26 +130,44 @@ def brute_force_check(series, raw: dict[str, np.ndarray]) -> None:
 RANGES = [(None, None), (0, 1500), (123, 7000), (4097, 60_001), (33_333, 250_000), (250_000, 251_000)]
 
 
-@pytest.mark.parametrize(("start", "stop"), RANGES)
-def test_envelope_is_exact_in_memory(start, stop):
+@pytest.fixture(scope="module")
+def sealed_track() -> tuple[TrackRecords, dict[str, np.ndarray]]:
+    """250,001 records appended in bulk, each append sealed as a flush would, and the records themselves: built once
+    for every range the in-memory test reads (reading never changes a track)."""
     raw = synthetic(0, 250_001, seed=1)
     track = TrackRecords("r", 0, "16-mixed")
-    for at in range(0, 250_001, 30_000):  # bulk appends, each sealed as a flush would
+    for at in range(0, 250_001, 30_000):
         track.extend({name: values[at:at + 30_000] for name, values in raw.items()})
         track.seal()
+    return track, raw
+
+
+@pytest.mark.parametrize(("start", "stop"), RANGES)
+def test_envelope_is_exact_in_memory(sealed_track, start, stop):
+    track, raw = sealed_track
     series = read_lane(track, start, stop, max_points=2000)
     brute_force_check(series, raw)
     assert len(series.points("loss")[0]) <= 2000 + len(series.marks["step"]) + 10
 
 
+@pytest.fixture(scope="module")
+def envelope_runs() -> dict[tuple[bool, int], tuple[Path | str, dict[str, np.ndarray]]]:
+    """The run each (PostgreSQL?, steps apart) case of the store test wrote, and its lane 1's records: the first range
+    read writes it, the module's other ranges read the same stored records (reading never changes a store)."""
+    return {}
+
+
 @pytest.mark.both_stores
 @pytest.mark.parametrize(("start", "stop"), [*RANGES, (1, 2)])
 @pytest.mark.parametrize("every", [1, 3])
-def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
+def test_envelope_is_exact_from_the_store(fresh_store, envelope_runs, start, stop, every):
     """Flushes of every size (small ones coalesced into one chunk, big ones split), steps 1 or 3 apart."""
-    pieces = [7, 100, 300, 50, 9000, 2, 20_000, 4000, 1, 30_000, 17_000]
-    raw = write_run(fresh_store, "r", pieces, every=every)
-    store = open_store(fresh_store)
+    key = (is_url(fresh_store), every)
+    if key not in envelope_runs:
+        pieces = [7, 100, 300, 50, 9000, 2, 20_000, 4000, 1, 30_000, 17_000]
+        envelope_runs[key] = (fresh_store, write_run(fresh_store, "r", pieces, every=every))
+    written, raw = envelope_runs[key]
+    store = open_store(written)
     with store.snapshot():
         (source,) = [s for s in store.track_sources("r") if s.lane == 1]
         series = read_lane(source, start, stop, max_points=2000)
@@ -157,7 +175,7 @@ def test_envelope_is_exact_from_the_store(fresh_store, start, stop, every):
     assert series.stats.records == len(raw["step"]) and series.stats.skipped_steps == raw["skipped"].sum()
     assert series.stats.median_step_ms == np.median(raw["step_ms"])
     assert not series.problems
-    sizes = [r[0] for r in store_sql(fresh_store, "SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
+    sizes = [r[0] for r in store_sql(written, "SELECT records FROM chunks WHERE lane = 1 ORDER BY first_step")]
     assert max(sizes) <= CHUNK_MAX and all(size >= CHUNK_MIN for size in sizes[:-1])
 
 
