@@ -74,16 +74,28 @@ def test_ranks_that_skip_different_steps_are_said(fresh_store):
     assert skip.message.startswith("rank 1: optimizer step skipped: inf/NaN gradients in 0.weight")
 
 
-def test_the_lane_race_runs_under_torchrun_with_nproc_2(fresh_store):
-    proc = amp_lab(fresh_store, "run", "--workload", "mlp_regression", "--modes", "32-true,16-mixed",
-                   "--steps", "40", "--nproc", "2")
+RANKED_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def ranked_run(tmp_path_factory) -> tuple[Path, str]:
+    """One `amp-lab run --nproc 2` race (its store, its run id), read by the race test and by the pages: three
+    processes of torch and a rendezvous, made once for both."""
+    store = tmp_path_factory.mktemp("ranked") / "runs.sqlite3"
+    proc = amp_lab(store, "run", "--workload", "mlp_regression", "--modes", "32-true,16-mixed",
+                   "--steps", str(RANKED_STEPS), "--nproc", "2", "--scheduler", "onecycle")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished (mlp_regression, cpu, 2 ranks)" in proc.stdout
-    store, run_id = only_run(fresh_store)
+    return store, only_run(store)[1]
+
+
+def test_the_lane_race_runs_under_torchrun_with_nproc_2(ranked_run):
+    path, run_id = ranked_run
+    store = open_store(path)
     run = store.run(run_id)
     assert run["status"] == "finished" and [lane["status"] for lane in run["lanes"]] == ["finished"] * 2
     assert [(t["lane"], t["rank"], t["records"]) for t in store.tracks(run_id)] == \
-        [(0, 0, 40), (0, 1, 40), (1, 0, 40), (1, 1, 40)]
+        [(0, 0, RANKED_STEPS), (0, 1, RANKED_STEPS), (1, 0, RANKED_STEPS), (1, 1, RANKED_STEPS)]
     frame = store.steps(run_id)
     for _, lane in frame.groupby("lane"):
         ranks = {rank: part.set_index("step") for rank, part in lane.groupby("rank")}
@@ -107,17 +119,11 @@ def test_a_lane_that_diverges_under_nproc_stops_on_every_rank(fresh_store):
     assert sorted(diverged["lane"].astype(int)) == [0, 1] and diverged["message"].str.contains("on rank").all()
 
 
-@pytest.fixture
-def ranked_run(fresh_store) -> str:
-    proc = amp_lab(fresh_store, "run", "--workload", "mlp_regression", "--modes", "32-true,16-mixed",
-                   "--steps", "30", "--nproc", "2", "--scheduler", "onecycle")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return only_run(fresh_store)[1]
-
-
-def test_train_and_compare_pages_show_each_rank(ranked_run):
+def test_train_and_compare_pages_show_each_rank(ranked_run, monkeypatch):
+    store, run_id = ranked_run
+    monkeypatch.setenv("AMP_LAB_STORE", str(store))  # the pages open the race's store
     at = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=180).run()
-    assert not at.exception and at.selectbox(key="train_run_pick").value == ranked_run
+    assert not at.exception and at.selectbox(key="train_run_pick").value == run_id
     figures = {chart.key: spec(chart.proto.spec) for chart in at.get("plotly_chart")}
     bars = figures["train_chart_ranks"]["data"]
     assert [(bar["name"], bar["x"]) for bar in bars] == [("32-true", ["rank 0", "rank 1"]),
@@ -137,8 +143,9 @@ def test_train_and_compare_pages_show_each_rank(ranked_run):
     (ranks,) = [frame.value for frame in at.dataframe if "vs_fastest" in frame.value]
     (summary,) = [frame.value for frame in at.dataframe if "speedup" in frame.value]
     assert ranks["rank"].tolist() == [0, 1, 0, 1] and ranks["lane"].str.startswith(("32-true", "16-mixed")).all()
-    assert summary["steps"].tolist() == [30, 30]  # one row per lane, its ranks together
+    assert summary["steps"].tolist() == [RANKED_STEPS] * 2  # one row per lane, its ranks together
     figures = {chart.key: spec(chart.proto.spec) for chart in at.get("plotly_chart")}
     assert "cmp_chart_ranks" in figures
     lines = [values(trace["x"]) for trace in figures["cmp_chart_loss_vs_step"]["data"] if trace["mode"] == "lines"]
-    assert [line.tolist() for line in lines] == [list(range(30))] * 2  # a lane's first rank, not ranks zig-zagging
+    # a lane's first rank, not ranks zig-zagging
+    assert [line.tolist() for line in lines] == [list(range(RANKED_STEPS))] * 2
