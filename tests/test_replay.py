@@ -13,6 +13,7 @@ from cli_process import ROOT
 from replay_workloads import AmplifiedNorm
 from test_monitor import fp16_loop
 
+from amp_core.cli import main
 from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.diagnostics.replay import ReplayError, replay_run
 from amp_core.probes.faults import FaultPlan
@@ -149,7 +150,17 @@ def test_spikes_against_the_rolling_band_and_the_steps_to_review():
         SpikeRule(window=0)
 
 
-def test_cli_replay_of_a_stored_run_prints_the_table_and_the_verdict(tmp_path):
+def cli_exit_code(argv: list[str]) -> int:
+    """The CLI's exit code in this process: main()'s, or argparse's SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_cli_replay_of_a_stored_run_prints_the_table_and_the_verdict(tmp_path, capsys):
+    """The run and the replay in processes of their own; the refusals (parsed and checked before any replay) through
+    the same main() in this one, a torch import each spared."""
     store = tmp_path / "cli.sqlite3"
     base = [sys.executable, "-m", "amp_core", "--store", str(store)]
     made = subprocess.run([*base, "run", "--workload", "mlp_regression", "--modes", ",".join(MIXED), "--steps", "45",
@@ -164,12 +175,12 @@ def test_cli_replay_of_a_stored_run_prints_the_table_and_the_verdict(tmp_path):
     assert "re-trained alone from its seed" in proc.stdout and "equals the recorded one bit for bit" in proc.stdout
     refusals = ((["--lane", "9", "--step", "40"], "error: lane: "), (["--lane", "0", "--step", "45"], "error: step"),
                 (["--lane", "0", "--step", "-x"], "error: argument --step"))
-    for bad, why in refusals:
-        proc = subprocess.run([*base, "replay", run_id, *bad], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and proc.stderr.startswith(why) and len(proc.stderr.strip().splitlines()) == 1
-    proc = subprocess.run([*base, "replay", "no-such-run", "--lane", "0", "--step", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: run: no run 'no-such-run'")
+    capsys.readouterr()
+    for argv, why in [*(([run_id, *bad], why) for bad, why in refusals),
+                      (["no-such-run", "--lane", "0", "--step", "1"], "error: run: no run 'no-such-run'")]:
+        assert cli_exit_code(["--store", str(store), "replay", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(why) and len(err.strip().splitlines()) == 1, err
 
 
 def test_replay_table_and_text():
