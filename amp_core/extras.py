@@ -4,6 +4,7 @@ line that installs them. Asks the import path only (importlib.util.find_spec): n
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 
@@ -28,11 +29,23 @@ class Extra:
         return all(_importable(module) for module in self.modules)
 
 
+_FOUND: set[str] = set()
+"""Modules found importable in this process: found once, they stay (a page asks for every extra on each of its runs,
+and a search of the import path for a module not imported yet is a few hundred stat calls)."""
+
+
 def _importable(module: str) -> bool:
+    if module in sys.modules:  # imported, or set to None (an import that must fail): no search, no cache
+        return sys.modules[module] is not None
+    if module in _FOUND:
+        return True
     try:
-        return importlib.util.find_spec(module) is not None
+        found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package that cannot be imported; a module set to None
         return False
+    if found:
+        _FOUND.add(module)
+    return found
 
 
 EXTRAS: dict[str, Extra] = {extra.name: extra for extra in (
