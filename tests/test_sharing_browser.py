@@ -96,6 +96,7 @@ def namespace(request):
 
 
 def test_a_visitor_from_another_address_watches_and_this_machine_controls(namespace, tmp_path):
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     ns, host_address = namespace
@@ -110,6 +111,8 @@ def test_a_visitor_from_another_address_watches_and_this_machine_controls(namesp
                         for executable in (CHROMIUM, chromium_in(ns, tmp_path))]
             try:
                 presenter_page, visitor_page = (browser.new_page(viewport=VIEWPORT) for browser in browsers)
+                with pytest.raises(PlaywrightError, match="ERR_CONNECTION_REFUSED"):
+                    visitor_page.goto(presenter_url)  # its browser is in the namespace: its loopback has no server
                 # The presenter launches a long run first, so that every page has a live run to follow (and to
                 # control); each browser watches it train, then the presenter pauses it (it stays live: its lanes
                 # are listed, its controls drawn) while both tour the other pages, and stops it at the end.
