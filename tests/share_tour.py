@@ -1,22 +1,19 @@
-"""One browser's tour of a shared dashboard, run as its own process so that it can run inside a network namespace
-(tests/test_sharing_browser.py: a visitor from another address) or on this machine (the presenter, over loopback).
+"""The browsers' tour of a shared dashboard (tests/test_sharing_browser.py): the presenter's Chromium on this machine
+(over loopback) and a visitor's Chromium inside a network namespace, both driven from the test's own process.
 
-`python -m tests.share_tour URL ROLE OUT`: ROLE "launch" launches a long run from the Train page (the presenter's, so
-that every page has a live run); "visitor" and "presenter" open every page at 1440x900 in headless Chromium and write
-OUT/ROLE.json: per page, the text of every button drawn (st.button, form and download buttons), how many times the
-presenter's note is drawn, the sidebar's text, tracebacks drawn, and for the Train page the loss chart's points at
-two moments (a live run followed draws later steps); plus a screenshot of each page, OUT/ROLE_PAGE.png. The
-presenter's tour ends by pressing Stop.
+`launch_run` launches a long run from the Train page (the presenter's, so that every page has a live run); `visit`
+opens one page at 1440x900 and reads, per page, the text of every button drawn (st.button, form and download buttons),
+how many times the presenter's note is drawn, the sidebar's text, tracebacks drawn, and for the Train page the loss
+chart's last step at two moments (a live run followed draws later steps); plus a screenshot, OUT/ROLE_PAGE.png.
+`pause_run` and `stop_run` press the presenter's Pause and Stop.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
+import os
 from pathlib import Path
 
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from tests.test_browser import CHROMIUM, SETTLED
 
 VIEWPORT = {"width": 1440, "height": 900}
 PAGES = {"train": ("", "Train"), "workshop": ("workshop", "Workshop"), "compare": ("compare", "Compare runs"),
@@ -29,7 +26,8 @@ LIVE_LANE_PAGES = {"op_inspector": "A live lane", "layer_numerics": "A live lane
 """Pages whose live-lane probe is behind a radio choice: the tour picks it."""
 NOTE = "This machine's presenter controls the runs"
 LAUNCH_STEPS = 200_000
-"""The launched run's steps: it trains through the whole test (the presenter's tour stops it at its end)."""
+"""The launched run's steps: it lasts the whole test (paused once both browsers have watched it train, stopped at the
+end)."""
 LAUNCH_BATCH = 8
 """A small batch: the run shares a busy machine with both browsers."""
 BUTTONS = """() => Array.from(document.querySelectorAll(['stMain', 'stSidebarUserContent']
@@ -47,6 +45,15 @@ LAST_STEP = """() => {
     return Math.max(0, ...drawn.map(trace => Number(trace.x[trace.x.length - 1])));
 }"""
 """The last step the first chart (the loss) draws: a long run's chart is decimated, so its point count stops growing."""
+
+
+def chromium_in(namespace: str, folder: Path) -> Path:
+    """An executable that starts Chromium inside network `namespace` (`ip netns exec` keeps the pipe Playwright
+    drives it through): a browser launched with it reaches nothing but the namespace's own addresses."""
+    wrapper = folder / "chromium-in-namespace"
+    wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {namespace} {CHROMIUM} "$@"\n')
+    os.chmod(wrapper, 0o755)
+    return wrapper
 
 
 def open_page(page, url: str, name: str) -> None:
@@ -89,6 +96,16 @@ def launch_run(page, url: str) -> None:
 
 
 def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
+    """What `role`'s browser sees on page `name` (a screenshot of it in `shots`; one of what it drew instead if this
+    fails)."""
+    try:
+        return read_page(page, url, name, shots, role)
+    except Exception:
+        page.screenshot(path=str(shots / f"{role}_{name}_failed.png"))
+        raise
+
+
+def read_page(page, url: str, name: str, shots: Path, role: str) -> dict:
     open_page(page, url, name)
     seen: dict = {}
     if name == "train":  # the run followed live: its chart grows while this browser watches
@@ -112,40 +129,20 @@ def visit(page, url: str, name: str, shots: Path, role: str) -> dict:
     return seen
 
 
-def stop_run(page, url: str) -> None:
-    """The presenter's Stop, on the Train page: the control works from this machine (and the run ends)."""
+def press_on_train_page(page, url: str, button: str, status: str) -> None:
+    """The presenter's `button` (Pause, Stop) on the Train page, until the run's status reads `status`."""
     open_page(page, url, "train")
-    # The page's own Stop: Streamlit's header shows a "Stop" of its own while a script runs.
-    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name="Stop", exact=True).click()
-    page.get_by_text("Run status: stopped").wait_for(timeout=60_000)
+    # The page's own button: Streamlit's header shows a "Stop" of its own while a script runs.
+    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name=button, exact=True).click()
+    page.get_by_text(f"Run status: {status}").wait_for(timeout=60_000)
 
 
-def main(url: str, role: str, out: Path) -> None:
-    """`role`: "launch" (the presenter launches the run), "visitor" (a tour), "presenter" (a tour, then Stop)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport=VIEWPORT)
-            if role == "launch":
-                launch_run(page, url)
-                return
-            seen = {}
-            for name in PAGES if role == "visitor" else PRESENTER_PAGES:
-                began = time.monotonic()
-                try:
-                    seen[name] = visit(page, url, name, out, role)
-                except Exception:
-                    page.screenshot(path=str(out / f"{role}_{name}_failed.png"))  # what the page showed instead
-                    raise
-                seen[name]["seconds"] = round(time.monotonic() - began, 1)
-                (out / f"{role}.json").write_text(json.dumps(seen, indent=1))  # (so far: a failure shows the rest)
-            if role == "presenter":
-                stop_run(page, url)
-        finally:
-            browser.close()
+def pause_run(page, url: str) -> None:
+    """The presenter's Pause: the run stays live (its thread waits, its lanes keep their models) and stops using the
+    CPU while the browsers tour the other pages."""
+    press_on_train_page(page, url, "Pause", "paused")
 
 
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+def stop_run(page, url: str) -> None:
+    """The presenter's Stop: the control works from this machine (and the run ends)."""
+    press_on_train_page(page, url, "Stop", "stopped")

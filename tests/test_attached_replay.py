@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -42,15 +44,34 @@ def run_script(store: Path, script: str, *args: str) -> tuple[dict, RunManager]:
     return json.loads(last.removeprefix("AMPLAB ")), RunManager(open_store(store))
 
 
+AMPLIFIED_OVERFLOW = ("--model", "amplified", "--outlier-at", "30", "--factor", "1000", "--replay", "true")
+"""The loop with a planted fp16 overflow in one layer, replay=True: three tests read the one run it makes."""
+
+
+@pytest.fixture(scope="module")
+def amplified_overflow(tmp_path_factory) -> tuple[Path, dict]:
+    """A store holding one AMPLIFIED_OVERFLOW run, made once for this module (its store and the script's last line):
+    a test copies it (`copy_store`) rather than train the same loop again."""
+    store = tmp_path_factory.mktemp("amplified_overflow") / "runs.sqlite3"
+    last, _ = run_script(store, "replay_monitor_script.py", *AMPLIFIED_OVERFLOW)
+    return store, last
+
+
+def copy_store(source: Path, target: Path) -> None:
+    """`source`'s runs into a new SQLite store at `target` (SQLite's own backup: whole, whatever its journal holds)."""
+    with closing(sqlite3.connect(source)) as db, closing(sqlite3.connect(target)) as copy:
+        db.backup(copy)
+
+
 def events_of(manager: RunManager, run_id: str, kind: str) -> list[tuple[int | None, str, dict]]:
     events = manager.events(run_id)
     mine = events[events["kind"] == kind]
     return list(zip(mine["step"], mine["message"], mine["data"], strict=True))
 
 
-def test_a_planted_fp16_overflow_in_one_layer_is_replayed_and_judged_precision_naming_it(fresh_store):
-    last, manager = run_script(fresh_store, "replay_monitor_script.py", "--model", "amplified", "--outlier-at", "30",
-                               "--factor", "1000", "--replay", "true")
+def test_a_planted_fp16_overflow_in_one_layer_is_replayed_and_judged_precision_naming_it(amplified_overflow):
+    store, last = amplified_overflow
+    manager = RunManager(open_store(store))
     assert last["skipped"] == [30]
     (report,) = recorded_replays(manager.events(last["run_id"]), 0)
     assert report.step == 30 and report.mode == "16-mixed" and report.verdict.kind == "precision"
@@ -132,9 +153,9 @@ def test_the_trainer_callbacks_replay_a_planted_non_finite_step(fresh_store, tra
     assert math.isnan(manager.steps(last["run_id"])["loss"].iloc[3])
 
 
-def test_the_overflow_debugger_shows_an_attached_runs_replays(fresh_store):
-    last, _ = run_script(fresh_store, "replay_monitor_script.py", "--model", "amplified", "--outlier-at", "30",
-                         "--factor", "1000", "--replay", "true")
+def test_the_overflow_debugger_shows_an_attached_runs_replays(amplified_overflow, fresh_store):
+    store, last = amplified_overflow
+    copy_store(store, fresh_store)  # the page's store (AMP_LAB_STORE)
     at = AppTest.from_file(str(ROOT / "pages" / "overflow_debugger.py"), default_timeout=120).run()
     assert not at.exception, at.exception
     assert at.selectbox(key="dbg_run").value == last["run_id"]
@@ -180,10 +201,9 @@ def test_a_loop_without_a_loss_closure_keeps_nothing_by_default_and_a_failed_ste
 
 @pytest.mark.browser
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
-def test_an_attached_runs_replay_in_chromium(tmp_path):
+def test_an_attached_runs_replay_in_chromium(amplified_overflow, tmp_path):
     store = tmp_path / "runs.sqlite3"
-    run_script(store, "replay_monitor_script.py", "--model", "amplified", "--outlier-at", "30", "--factor", "1000",
-               "--replay", "true")
+    copy_store(amplified_overflow[0], store)
     with served_page(store, "overflow_debugger") as page:
         verdict = page.get_by_role("heading", name="verdict: precision")
         verdict.wait_for(timeout=120_000)

@@ -86,16 +86,30 @@ def spike_race(store: Path, modes: tuple[str, ...]) -> None:
     Run(config, open_store(store)).start().join(120)
 
 
-@pytest.fixture
-def server(tmp_path):
-    store = tmp_path / "runs.sqlite3"
-    # Two runs for Compare (their 32-true lanes train identically), then the debugger's spike run, newest.
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for this module's tests, on a store made beforehand: two runs for Compare (their 32-true lanes train
+    identically), then the debugger's spike race of three lanes, newest."""
+    store = tmp_path_factory.mktemp("pages") / "runs.sqlite3"
     for modes in (("32-true", "bf16-mixed"), ("32-true",)):
         config = RunConfig(workload="mlp_regression", modes=modes, steps=40, batch_size=16)
         Run(config, open_store(store)).start().join()
-    spike_race(store, ("16-mixed", "bf16-mixed"))
+    spike_race(store, ("16-mixed", "bf16-mixed", "32-true"))
     with streamlit_server.serving(store) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One Chromium for this module's tests (each opens its pages in tabs of its own)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def open_page(browser, url: str):
@@ -153,111 +167,91 @@ def assert_tables_fit(page) -> None:
         assert scroll_width <= client_width + 1, "a table column is off screen"
 
 
-def test_my_pages_read_whole_at_1440(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = open_page(browser, server)  # Train: the newest run's lanes table and charts
-            page.get_by_text("Run status: finished").wait_for(timeout=90_000)
-            page.get_by_text("What each mode costs here").wait_for()
-            for title in ("GradScaler settings", "More: Adam eps"):  # the form's folded settings too
-                page.get_by_text(title).first.click()
-            page.get_by_label("Adam/AdamW eps", exact=True).wait_for()
-            for field in page.locator("[data-testid='stNumberInputField']").all():  # every setting shows whole
-                assert field.evaluate("e => e.scrollWidth <= e.clientWidth"), field.input_value()
-            assert page.evaluate(CUT_SHORT) == []  # and every label (a toggle's is cut with an ellipsis)
-            eventually(assert_tables_fit, page)
-            screenshot(page, "train")
-            page.close()
-
-            page = open_page(browser, f"{server}/compare")
-            runs = page.locator("[data-testid='stMultiSelect']").first
-            for _ in range(2):  # add the two older runs to the newest one
-                runs.locator("input").click()
-                page.locator("[role='option']").first.click(timeout=10_000)
-                page.keyboard.press("Escape")
-                page.wait_for_function(SETTLED, timeout=90_000)
-            runs.locator("[data-tag-index='2']").wait_for(timeout=60_000)  # three runs picked
-            page.get_by_text("Loss minus the baseline's").first.wait_for(timeout=60_000)
-            page.wait_for_function(DRAWN, timeout=60_000)
-            page.get_by_text("recorded the same loss, bit for bit").first.wait_for()
-            eventually(assert_log_ticks_carry_their_power, page)
-            eventually(assert_tables_fit, page)
-            screenshot(page, "compare")
-            page.close()
-
-            page = open_page(browser, f"{server}/op_inspector")
-            eventually(assert_tables_fit, page)
-            screenshot(page, "op_inspector")
-            page.close()
-
-            page = open_page(browser, f"{server}/overflow_debugger")
-            step = page.locator("[data-testid='stSelectbox']", has_text="Step").locator("input")
-            assert step.input_value() == "step 20 · skipped"  # opens on the first skipped step
-            page.get_by_role("button", name="Launch demo run").wait_for()  # the fault panel is open
-            eventually(assert_log_ticks_carry_their_power, page)
-            labels = text_boxes(page, ["fp16 smallest", "fp16 max"], 3)
-            assert len(labels) == 3
-            for label in labels:  # horizontal, above the bars, inside the chart
-                assert label["bottom"] <= label["areaTop"] + 1 and label["right"] - label["left"] > 40, label
-                assert label["plotLeft"] <= label["left"] and label["right"] <= label["plotRight"], label
-            for a, b in itertools.pairwise(labels):
-                assert a["right"] <= b["left"] or b["right"] <= a["left"], (a, b)
-            eventually(assert_tables_fit, page)
-            screenshot(page, "overflow_debugger")
-            page.close()
-
-            page = open_page(browser, f"{server}/layer_numerics")
-            page.locator(".js-plotly-plot").first.wait_for(timeout=90_000)
-            screenshot(page, "layer_numerics")
-            eventually(assert_tables_fit, page)
-            page.close()
-
-            page = open_page(browser, f"{server}/formats")
-            maxima = text_boxes(page, ["max "], 6)
-            assert len(maxima) == 6
-            for label in maxima:  # the whole label, exponent included, inside the chart
-                assert label["right"] <= label["plotRight"], label
-            texts = [label["text"].replace("\u200b", "") for label in maxima]  # plotly wraps <sup> in zero-widths
-            assert "max 3.403×1038" in texts and "max 65504" in texts, texts
-            eventually(assert_tables_fit, page)
-            screenshot(page, "formats")
-            page.close()
-        finally:
-            browser.close()
+def test_the_overflow_debugger_of_three_lanes_opened_by_its_url_fits(server, browser):
+    """The page's URL is the server's first visit (a bookmark, a reload after a restart; this module's first test):
+    it is still drawn inside the app (sidebar, wide layout), and no table of the three lanes runs past its column,
+    before and after a replay (recorded in the run: the next test's debugger shows it too)."""
+    page = open_page(browser, f"{server}/overflow_debugger")
+    page.locator("[data-testid='stSidebar']").get_by_text("Overflow debugger").wait_for(timeout=60_000)
+    assert "AMP Lab" in page.title(), page.title()  # the app's page config, not the file's name alone
+    page.get_by_text("Gradient magnitudes against fp16 and bf16").wait_for(timeout=60_000)
+    overview = page.locator("[data-testid='stDataFrame'] table").first
+    assert overview.get_attribute("aria-rowcount") == "4"  # the header and the three lanes
+    eventually(assert_tables_fit, page)
+    page.get_by_role("button", name="Replay", exact=True).click()
+    page.get_by_text("Replay of step 20").wait_for(timeout=120_000)
+    page.wait_for_function(SETTLED, timeout=60_000)
+    eventually(assert_tables_fit, page)
+    screenshot(page, "overflow_debugger_3_lanes")
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.close()
 
 
-@pytest.fixture
-def three_lane_server(tmp_path):
-    """A fresh server on a store holding one finished race of three lanes with a loss spike that overflows fp16."""
-    store = tmp_path / "runs.sqlite3"
-    spike_race(store, ("16-mixed", "bf16-mixed", "32-true"))
-    with streamlit_server.serving(store) as url:
-        yield url
+def test_my_pages_read_whole_at_1440(server, browser):
+    page = open_page(browser, server)  # Train: the newest run's lanes table and charts
+    page.get_by_text("Run status: finished").wait_for(timeout=90_000)
+    page.get_by_text("What each mode costs here").wait_for()
+    for title in ("GradScaler settings", "More: Adam eps"):  # the form's folded settings too
+        page.get_by_text(title).first.click()
+    page.get_by_label("Adam/AdamW eps", exact=True).wait_for()
+    for field in page.locator("[data-testid='stNumberInputField']").all():  # every setting shows whole
+        assert field.evaluate("e => e.scrollWidth <= e.clientWidth"), field.input_value()
+    assert page.evaluate(CUT_SHORT) == []  # and every label (a toggle's is cut with an ellipsis)
+    eventually(assert_tables_fit, page)
+    screenshot(page, "train")
+    page.close()
 
+    page = open_page(browser, f"{server}/compare")
+    runs = page.locator("[data-testid='stMultiSelect']").first
+    for _ in range(2):  # add the two older runs to the newest one
+        runs.locator("input").click()
+        page.locator("[role='option']").first.click(timeout=10_000)
+        page.keyboard.press("Escape")
+        page.wait_for_function(SETTLED, timeout=90_000)
+    runs.locator("[data-tag-index='2']").wait_for(timeout=60_000)  # three runs picked
+    page.get_by_text("Loss minus the baseline's").first.wait_for(timeout=60_000)
+    page.wait_for_function(DRAWN, timeout=60_000)
+    page.get_by_text("recorded the same loss, bit for bit").first.wait_for()
+    eventually(assert_log_ticks_carry_their_power, page)
+    eventually(assert_tables_fit, page)
+    screenshot(page, "compare")
+    page.close()
 
-def test_the_overflow_debugger_of_three_lanes_opened_by_its_url_fits(three_lane_server):
-    """The page's URL is the server's first visit (a bookmark, a reload after a restart): it is still drawn inside the
-    app (sidebar, wide layout), and no table of the three lanes runs past its column, before and after a replay."""
-    from playwright.sync_api import sync_playwright
+    page = open_page(browser, f"{server}/op_inspector")
+    eventually(assert_tables_fit, page)
+    screenshot(page, "op_inspector")
+    page.close()
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = open_page(browser, f"{three_lane_server}/overflow_debugger")
-            page.locator("[data-testid='stSidebar']").get_by_text("Overflow debugger").wait_for(timeout=60_000)
-            assert "AMP Lab" in page.title(), page.title()  # the app's page config, not the file's name alone
-            page.get_by_text("Gradient magnitudes against fp16 and bf16").wait_for(timeout=60_000)
-            overview = page.locator("[data-testid='stDataFrame'] table").first
-            assert overview.get_attribute("aria-rowcount") == "4"  # the header and the three lanes
-            eventually(assert_tables_fit, page)
-            page.get_by_role("button", name="Replay", exact=True).click()
-            page.get_by_text("Replay of step 20").wait_for(timeout=120_000)
-            page.wait_for_function(SETTLED, timeout=60_000)
-            eventually(assert_tables_fit, page)
-            screenshot(page, "overflow_debugger_3_lanes")
-            assert page.locator("[data-testid='stException']").count() == 0
-        finally:
-            browser.close()
+    page = open_page(browser, f"{server}/overflow_debugger")
+    step = page.locator("[data-testid='stSelectbox']", has_text="Step").locator("input")
+    assert step.input_value() == "step 20 · skipped"  # opens on the first skipped step
+    page.get_by_role("button", name="Launch demo run").wait_for()  # the fault panel is open
+    eventually(assert_log_ticks_carry_their_power, page)
+    labels = text_boxes(page, ["fp16 smallest", "fp16 max"], 3)
+    assert len(labels) == 3
+    for label in labels:  # horizontal, above the bars, inside the chart
+        assert label["bottom"] <= label["areaTop"] + 1 and label["right"] - label["left"] > 40, label
+        assert label["plotLeft"] <= label["left"] and label["right"] <= label["plotRight"], label
+    for a, b in itertools.pairwise(labels):
+        assert a["right"] <= b["left"] or b["right"] <= a["left"], (a, b)
+    eventually(assert_tables_fit, page)
+    screenshot(page, "overflow_debugger")
+    page.close()
+
+    page = open_page(browser, f"{server}/layer_numerics")
+    page.locator(".js-plotly-plot").first.wait_for(timeout=90_000)
+    screenshot(page, "layer_numerics")
+    eventually(assert_tables_fit, page)
+    page.close()
+
+    page = open_page(browser, f"{server}/formats")
+    maxima = text_boxes(page, ["max "], 6)
+    assert len(maxima) == 6
+    for label in maxima:  # the whole label, exponent included, inside the chart
+        assert label["right"] <= label["plotRight"], label
+    texts = [label["text"].replace("\u200b", "") for label in maxima]  # plotly wraps <sup> in zero-widths
+    assert "max 3.403×1038" in texts and "max 65504" in texts, texts
+    eventually(assert_tables_fit, page)
+    screenshot(page, "formats")
+    page.close()
+

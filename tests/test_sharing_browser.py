@@ -1,6 +1,7 @@
 """`amp-lab ui --share` seen from another address: a real Chromium in a network namespace (a veth pair on a /30 of
 TEST-NET-2) watches the presenter's live run on every page and finds no control that starts or changes work; the same
-pages from 127.0.0.1 have them. Traffic goes only between the two ends of the veth pair (the namespace has no other
+pages from 127.0.0.1 have them. Both browsers run in this test's process; the visitor's Chromium is started inside
+the namespace. Traffic goes only between the two ends of the veth pair (the namespace has no other
 route), and the namespace and the pair are removed whatever happens."""
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests import streamlit_server
-from tests.share_tour import PAGES
-from tests.test_browser import CHROMIUM
+from tests.share_tour import PAGES, PRESENTER_PAGES, VIEWPORT, chromium_in, launch_run, pause_run, stop_run, visit
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -26,7 +26,7 @@ TEST_NET_2 = ipaddress.ip_network("198.51.100.0/24")
 CONTROLS = {"train": {"Launch", "Pause", "Stop", "Find the largest batch"}, "workshop": {"Launch"},
             "op_inspector": {"Trace this lane now"}, "layer_numerics": {"Launch", "Probe this lane now"},
             "overflow_debugger": {"Launch demo run", "Replay"}}
-"""The controls each page draws for the presenter while a run of this server trains."""
+"""The controls each page draws for the presenter while a run of this server is live (training, or paused)."""
 READ_ONLY_BUTTONS = {"Use preset", "Add lane"}
 """Buttons a visitor may press: they fill the Train page's form in the visitor's own session (no Launch there)."""
 
@@ -37,7 +37,7 @@ machine, and took up to 6 minutes on one shared by eight busy test sessions (pag
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.timeout(2 * TOUR_TIMEOUT_S + 120),  # launch + visitor + presenter: far below two caps in all
+    pytest.mark.timeout(2 * TOUR_TIMEOUT_S + 120),  # the visitor's tour and the presenter's: far below
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
                        reason="Debian's chromium is not installed (apt-get install chromium); .ci/run installs it"),
 ]
@@ -95,29 +95,41 @@ def namespace(request):
         remove()
 
 
-def tour(url: str, role: str, out: Path, *, namespace: str | None = None) -> dict:
-    """tests/share_tour.py as `role` (launch, visitor, presenter), inside `namespace` if given: what it saw."""
-    command = [sys.executable, "-m", "tests.share_tour", url, role, str(out)]
-    if namespace is not None:
-        command = ["ip", "netns", "exec", namespace, *command]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TOUR_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout + done.stderr
-    answer = out / f"{role}.json"
-    return json.loads(answer.read_text()) if answer.exists() else {}
-
-
 def test_a_visitor_from_another_address_watches_and_this_machine_controls(namespace, tmp_path):
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
     ns, host_address = namespace
     port = streamlit_server.free_port()
     server = streamlit_server.start_command(["-m", "amp_core", "ui", "--share", "--port", str(port),
                                              "--server.fileWatcherType", "none"], tmp_path / "runs.sqlite3")
     try:
         streamlit_server.wait_healthy(port, server)
-        presenter_url = f"http://127.0.0.1:{port}"
-        # The presenter launches a long run first, so that every page has a live run to follow (and to control).
-        tour(presenter_url, "launch", tmp_path)
-        visitor = tour(f"http://{host_address}:{port}", "visitor", tmp_path, namespace=ns)
-        presenter = tour(presenter_url, "presenter", tmp_path)  # (ends by pressing Stop: the control works here)
+        presenter_url, visitor_url = f"http://127.0.0.1:{port}", f"http://{host_address}:{port}"
+        with sync_playwright() as playwright:
+            browsers = [playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+                        for executable in (CHROMIUM, chromium_in(ns, tmp_path))]
+            try:
+                presenter_page, visitor_page = (browser.new_page(viewport=VIEWPORT) for browser in browsers)
+                with pytest.raises(PlaywrightError, match="ERR_CONNECTION_REFUSED"):
+                    visitor_page.goto(presenter_url)  # its browser is in the namespace: its loopback has no server
+                # The presenter launches a long run first, so that every page has a live run to follow (and to
+                # control); each browser watches it train, then the presenter pauses it (it stays live: its lanes
+                # are listed, its controls drawn) while both tour the other pages, and stops it at the end.
+                launch_run(presenter_page, presenter_url)
+                visitor = {"train": visit(visitor_page, visitor_url, "train", tmp_path, "visitor")}
+                presenter = {"train": visit(presenter_page, presenter_url, "train", tmp_path, "presenter")}
+                pause_run(presenter_page, presenter_url)
+                for name in PAGES:
+                    if name != "train":
+                        visitor[name] = visit(visitor_page, visitor_url, name, tmp_path, "visitor")
+                for name in PRESENTER_PAGES:
+                    if name != "train":
+                        presenter[name] = visit(presenter_page, presenter_url, name, tmp_path, "presenter")
+                stop_run(presenter_page, presenter_url)  # the control works here
+            finally:
+                for browser in browsers:
+                    browser.close()
     finally:
         streamlit_server.stop(server)
     ARTIFACTS.mkdir(exist_ok=True)
