@@ -42,11 +42,11 @@ from pages.common import control_note as presenter_note
 REFRESH_S = 3.0
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS, SCALER_DOCS = RUN_DEFAULTS, field_docs(RunConfig), field_docs(ScalerConfig)
+# The settings in the form's folded sections, as the form starts (RunConfig's defaults).
 FOLDED_DEFAULTS = {"init_scale": DEFAULTS.scaler.init_scale, "growth_factor": DEFAULTS.scaler.growth_factor,
                    "backoff_factor": DEFAULTS.scaler.backoff_factor, "growth_interval": DEFAULTS.scaler.growth_interval,
                    "eps": DEFAULTS.eps, "fused_optimizer": DEFAULTS.fused_optimizer, "grad_clip": DEFAULTS.grad_clip,
                    "faults": "", "name": ""}
-"""The settings in the form's folded sections, as the form starts (RunConfig's defaults)."""
 DEFAULT_WORKLOAD = DEFAULTS.workload
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
 RECIPE_OPTION_HELP, RECIPE_PRESETS = catalog.recipes()
