@@ -133,8 +133,10 @@ class MonitorConfig(SamplingSettings):
     replay_max: int = 3
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
     failing_step: bool = True
-    """Name the first inf/NaN module of the step that failed, not the next one: device-side flags per leaf module,
-    written on every forward without a sync and read only when a step fails (amp_core.probes.nonfinite)."""
+    """Name the first inf/NaN module of the step that failed, not the next one (amp_core.probes.nonfinite): on a CPU
+    the step's forward replayed with a hook on each leaf (before the update when its output was not finite; after a
+    step the scaler skipped, with nothing summed on the others); elsewhere device-side flags per leaf module, written
+    on every forward without a sync and read only when a step fails."""
 
     def __post_init__(self) -> None:
         SamplingSettings.__post_init__(self)

@@ -14,6 +14,12 @@ by cost (`sentinel_for`):
   (what two hook calls did, with no hook on the module, so `nn.Module.__call__` keeps its fast path), an RNG copy and
   a sum of the model's output, not a reduction per leaf. A model whose output holds inf/NaN on steps that do not fail
   (a masked logit) stops being replayed after a few such steps, and says so.
+  Where the loop skips its failed steps (a GradScaler: `skips_failed_steps`), nothing is summed or read at all: a
+  failed step is skipped, so the weights stay as its forward saw them, and each watched call is only kept as it began
+  (inputs by reference, RNG state, autocast); when the Monitor records a skipped step, its calls are replayed in order,
+  each under its autocast, and the first whose output is not finite is searched as above (a step whose outputs were
+  all finite is left to the layer watch, as it would have got no replay). A step the optimizer took is not replayed
+  there (the update changed the weights): a scaled step whose loss is not finite but whose gradients were is rare.
 - **Device flags** (NonfiniteSentinel: CUDA, where a read is a sync, or a job of several ranks, whose forwards hold
   collectives a rank cannot replay alone). A forward hook on each leaf module reduces its floating output to one fp32
   sum on the device and keeps the 0-d tensor: one reduction kernel and a Python call per leaf per forward, no sync,
