@@ -60,8 +60,8 @@ class StepDriver:
         """Steps before this one are plain (`plan`)."""
         self.kept: list[PlainStep] = []
         self.host_kept: list[tuple] = []
-        """`host_plain`'s kept steps, as (step, lr, t_wall_s, window start, window end, loss, samples): made into
-        PlainSteps at the drain, where the caches hold this code."""
+        """`host_plain`'s kept steps (and a Monitor's on a CPU without a scaler), as (step, lr, t_wall_s, window start,
+        window end, loss, samples, probe_s): made into PlainSteps at the drain, where the caches hold this code."""
         self.opened = NOTHING_OPENED
         self.end: Callable[[Window], None] = meter.close
         """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
@@ -137,7 +137,7 @@ class StepDriver:
             end = clock()
             value = loss.item()
             if isfinite(value):
-                kept.append((step, lr, now(), start, end, value, samples))
+                kept.append((step, lr, now(), start, end, value, samples, 0.0))
                 return None
             return Window(start, end, values=[value]), lr, loss
 
@@ -171,8 +171,8 @@ class StepDriver:
     def drain(self) -> None:
         """The kept plain steps become records (StepRecorder.add_plain), oldest first."""
         if self.host_kept:
-            host = [PlainStep(step, lr, t_wall_s, Window(start, end, values=[value]), samples)
-                    for step, lr, t_wall_s, start, end, value, samples in self.host_kept]
+            host = [PlainStep(step, lr, t_wall_s, Window(start, end, values=[value]), samples, probe_s)
+                    for step, lr, t_wall_s, start, end, value, samples, probe_s in self.host_kept]
             self.host_kept.clear()  # in place: `host_plain`'s steps append to this list
             self.kept = sorted(self.kept + host, key=lambda kept: kept.step) if self.kept else host
         if self.kept:
