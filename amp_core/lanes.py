@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from amp_core.config import RunConfig
@@ -30,7 +32,10 @@ class Lane:
         self.track: LaneTrack | None = None
         """Its records and carried memory figures (telemetry), from the run's setup."""
         self.plain = False
-        """Its steps that sample nothing may be plain ones (step.plain_step), decided when the loop begins."""
+        """Its steps that sample nothing may be plain ones, decided when the loop begins."""
+        self.plain_step: Callable[[int, tuple, int | None], tuple | None] | None = None
+        """A plain lane's plain step (its driver's `host_plain` around `step.plain_work`), made when the loop
+        begins."""
 
 
 def divergence_hint(config: RunConfig, precision: Precision) -> str:

@@ -74,6 +74,7 @@ from amp_core.records.ranks import RankSink
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import OptimizerWatch, SamplingSchedule, StepDriver, StepRecorder, StepResult, meter_for
+from amp_core.telemetry.meters import Window
 from amp_core.telemetry.sampled import StepProbes
 from amp_core.torch_private import scale_tensor
 
@@ -132,8 +133,10 @@ class MonitorConfig(SamplingSettings):
     replay_max: int = 3
     """Replays per run at most (each runs the step in five formats); one per run of consecutive failed steps."""
     failing_step: bool = True
-    """Name the first inf/NaN module of the step that failed, not the next one: device-side flags per leaf module,
-    written on every forward without a sync and read only when a step fails (amp_core.probes.nonfinite)."""
+    """Name the first inf/NaN module of the step that failed, not the next one (amp_core.probes.nonfinite): on a CPU
+    the step's forward replayed with a hook on each leaf (before the update when its output was not finite; after a
+    step the scaler skipped, with nothing summed on the others); elsewhere device-side flags per leaf module, written
+    on every forward without a sync and read only when a step fails."""
 
     def __post_init__(self) -> None:
         SamplingSettings.__post_init__(self)
@@ -230,6 +233,13 @@ class Monitor:
         self._driver = StepDriver(meter, probes, self._watch, self.scaler)
         self.host_reads_free = meter.at_once
         """The step's figures are on the host as soon as they exist (a CPU): reading one waits for nothing."""
+        self._host_plain = meter.at_once and self.scaler is None
+        """Plain steps are timed and kept inline (`step`), as StepDriver.host_plain keeps a race lane's: a CPU, no
+        scaler (whose scale each step would send)."""
+        self._clock = meter.clock if self._host_plain else None
+        """The host meter's clock, which a host plain window is read from."""
+        self._host_start: float | None = None
+        """The open window's start when it is a host plain one (None: `_window` is the open window)."""
         self._recorder = StepRecorder(self._sink)
         self._replay = AttachedReplay(self.inner_model, optimizer, self.scaler, config.replay, config.replay_max,
                                       without=replay_without, has_loss_fn=loss_fn is not None)
@@ -263,15 +273,38 @@ class Monitor:
         the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
         if self.closed:
             raise RuntimeError("Monitor.step() after close()")
-        driver, window, watch = self._driver, self._window, self._watch
-        driver.end(window)
-        began = time.perf_counter()
-        self.loop_s += began - self._window_host
+        driver, watch, start = self._driver, self._watch, self._host_start
+        if start is None:
+            window = self._window
+            driver.end(window)
+            began = time.perf_counter()
+            self.loop_s += began - self._window_host
+        else:  # a host plain window (`_host_plain`): its end is this read of the meter's clock
+            began = self._clock()
+            self.loop_s += began - start
         step = self.steps_done
         lr = watch.lr_used if watch.stepped else self._lr_next
         # A plain step (decided when its window opened) keeps its figures for the next drain, unless the scaler
         # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
-        if (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
+        if start is not None:
+            # What `end`, `keep` and `open_plain` do, inline: the step kept as StepDriver.host_plain keeps a race
+            # lane's (a plain step's Python runs with cold caches right after the loop's work: each call counts).
+            self._host_start = None
+            if driver.is_plain(step) and time.monotonic() < self._due:
+                probe_s = self._clock() - began
+                value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU: waits for nothing
+                if math.isfinite(value):
+                    driver.host_kept.append((step, lr, time.time(), start, began, value, samples, probe_s))
+                    self._lr_next = float(self.optimizer.param_groups[0]["lr"])
+                    self.steps_done = step = step + 1
+                    if driver.is_plain(step):
+                        watch.stepped = False
+                        self._host_start = self._window_host = self._clock()
+                    else:
+                        self._begin(step)
+                    return
+            window = Window(start, began)
+        elif (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
                 and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
             self._lr_next = float(self.optimizer.param_groups[0]["lr"])
             self.steps_done = step = step + 1
@@ -312,10 +345,13 @@ class Monitor:
         self._replays.before_window()
         self._watch.begin()
         plain = self._driver.replan(step)  # what the last step recorded (a failure) may watch this one
-        if not self._driver.kept:
+        if not (self._driver.kept or self._driver.host_kept):
             self._due = self._due_at()
-        self._window_host = time.perf_counter()
-        self._window = self._driver.begin(step, scale_tensor(self.scaler), plain=plain)
+        if plain and self._host_plain:  # `begin(plain=True)` is the meter's open alone: its clock read, kept here
+            self._host_start = self._window_host = self._clock()
+        else:
+            self._window_host = time.perf_counter()
+            self._window = self._driver.begin(step, scale_tensor(self.scaler), plain=plain)
 
     def _due_at(self) -> float:
         """When a plain step must give way to the full path: the layer watch's read or the store's flush is due."""

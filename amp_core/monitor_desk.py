@@ -35,7 +35,8 @@ class MonitorDesk:
         self.trace_asked: list[int] = []
         self.trace = None
         self.sentinel = sentinel_for(monitor.inner_model, lambda: monitor.steps_done,
-                                     host_reads_free=monitor.host_reads_free, ranks=monitor.world_size) \
+                                     host_reads_free=monitor.host_reads_free, ranks=monitor.world_size,
+                                     skips_failed_steps=monitor.scaler is not None) \
             if config.failing_step else None
         """What names a failed step's first inf/NaN module in that step (MonitorConfig.failing_step)."""
 
@@ -65,7 +66,7 @@ class MonitorDesk:
                 self.monitor.note("failing_step_off", stopped, at_step=result.step)
         if not failure:
             return
-        named = self.sentinel.failed(result.step, failure) if self.sentinel is not None \
+        named = self.sentinel.failed(result.step, failure, bool(result.skipped)) if self.sentinel is not None \
             and not self.layers.watches(result.step) else None
         if named is not None:
             if named[0]:

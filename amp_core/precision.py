@@ -25,7 +25,7 @@ from amp_core.torchao_logs import drop_expected_torchao_lines
 
 drop_expected_torchao_lines()  # before any (lazy) torchao import below: its loader lines are expected on a CPU
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable; one less object per step
+NO_CONTEXT = contextlib.nullcontext()  # reusable; one less object per step
 
 # Lightning's vocabulary, in the order the UI lists them.
 MODES: tuple[str, ...] = ("32-true", "tf32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -102,7 +102,7 @@ class Precision:
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
         if self.autocast_dtype is None:
-            return _NO_CONTEXT
+            return NO_CONTEXT
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
     def step_context(self) -> contextlib.AbstractContextManager:
@@ -110,7 +110,7 @@ class Precision:
         set for this lane and put back afterwards. On a CPU, nothing: TF32 is a CUDA format, and intra-op threads
         are each thread's own (see switches.pin_intra_op_threads)."""
         if self.device_type != "cuda":
-            return _NO_CONTEXT
+            return NO_CONTEXT
         return lane_step_switches(self.tf32)
 
     def make_scaler(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,

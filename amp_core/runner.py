@@ -23,7 +23,7 @@ from amp_core.run_hooks import with_engine_hooks
 from amp_core.run_reading import RunReading
 from amp_core.runs import RunReader
 from amp_core.snapshots import SnapshotRing
-from amp_core.step import LaneState, build_lane_state, plain_step, train_step
+from amp_core.step import LaneState, build_lane_state, plain_work, train_step
 from amp_core.switches import choose_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
 from amp_core.workloads import WORKLOADS, Data, check_launch
@@ -118,6 +118,9 @@ class Run(RunReading):
         self._stop = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
+        self._asked = False
+        """A pause or a stop was asked: the loop looks at the two events above only when this is set (an attribute
+        read, where `Event.is_set` would be a Python call on every lane step)."""
         self._parked = threading.Event()
         """Set while a paused run's thread waits for `resume`, every step it made recorded (`wait_paused`)."""
         self._step_lock = threading.RLock()
@@ -161,6 +164,7 @@ class Run(RunReading):
                 return
             self.status = "paused"
             self._resume.clear()
+            self._asked = True
             self.sink.event("paused", "paused by the user")
 
     def wait_paused(self, timeout: float | None = None) -> bool:
@@ -175,6 +179,7 @@ class Run(RunReading):
             self._parked.clear()  # before the thread wakes: a `wait_paused` after the next `pause` waits for it
             self.status = "running"
             self.sink.event("resumed", "resumed by the user")
+            self._asked = self._stop.is_set()
             self._resume.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -184,6 +189,7 @@ class Run(RunReading):
 
     def _ask_to_stop(self) -> None:
         self._stop.set()
+        self._asked = True
         self._resume.set()
 
     def join(self, timeout: float | None = None) -> None:
@@ -262,28 +268,39 @@ class Run(RunReading):
         config, recorder, hooks, sink = self.config, self.recorder, self.hooks, self.sink
         # Plain steps where every hook acts every N steps only, and the sink's flush needs no call per step.
         plain_run = plan_plain_steps(self.lanes, hooks.plain_steps(), sink.counts_calls)
+        for lane in self.lanes:
+            # Made now that every lane-setup hook has bound the model the lane trains (a DDP wrapper, say).
+            lane.plain_step = lane.state.driver.host_plain(plain_work(lane.state)) if lane.plain else None
         flush_at, workload = 0.0, WORKLOADS[config.workload]
-        # Bound once: on a plain step each attribute looked up is a few hundred ns with the caches holding the model.
-        sample, generators, batch_size, lanes = self.data.sample, self.generators, config.batch_size, self.lanes
-        resumed, stop_asked, monotonic = self._resume.is_set, self._stop.is_set, time.monotonic
+        # Bound once: on a plain step each attribute looked up or Python call made is a few hundred ns to a
+        # microsecond with the caches holding the model.
+        sample, generators, lanes = self.data.sample, self.generators, self.lanes
+        sizes, step_lock, monotonic = [config.batch_size] * len(generators), self._step_lock, time.monotonic
         for step in range(config.steps):
             # Every lane of a seed sees this same batch, in the same order.
-            self._batches = [sample(generator, batch_size) for generator in generators]
-            self._samples = workload.samples_in(self._batches[0])
+            self._batches = batches = list(map(sample, generators, sizes))
+            self._samples = samples = workload.samples_in(batches[0])
             stepped = False
             for lane in lanes:
-                if not resumed():
-                    self._drain()
-                    recorder.resolve(wait=True)  # a paused run shows every step it made
-                    sink.flush()
-                    self._parked.set()
-                    self._resume.wait()
-                    self._parked.clear()
-                if stop_asked():
-                    break
+                if self._asked:
+                    if not self._resume.is_set():
+                        self._park()
+                    if self._stop.is_set():
+                        break
                 if lane.status == "running":
-                    if lane.state.driver.is_plain(step):
-                        self._plain_lane_step(lane, step)
+                    driver = lane.state.driver
+                    if driver.is_plain(step):
+                        try:
+                            with step_lock:
+                                failed = lane.plain_step(step, batches[lane.replicate], samples)
+                        except Exception as exc:
+                            self._lane_failed(lane, step, exc)
+                        else:
+                            lane.steps_done = step + 1
+                            if failed is not None:  # a loss known not to be finite: recorded at once, the lane
+                                self._drain()       # stops on it as on a full step
+                                window, lr, loss = failed
+                                driver.record(driver.finish(window, step, lr, loss, skipped=False), samples)
                     else:
                         self._drain()  # the plain steps before this one are recorded first, in step order
                         probe_s = 0.0  # what the before hooks measured, outside the step's timed window
@@ -297,7 +314,7 @@ class Run(RunReading):
                     self._drain()  # what the flush writes holds every step made
                     sink.flush_if_due()
                     flush_at = sink.flush_due_at if plain_run else 0.0
-            if stop_asked() or not stepped:
+            if (self._asked and self._stop.is_set()) or not stepped:
                 break
         self._drain()
         recorder.resolve(wait=True)
@@ -305,6 +322,15 @@ class Run(RunReading):
         for lane in self.lanes:
             if lane.status == "running":
                 lane.status = "stopped" if stopped and lane.steps_done < config.steps else "finished"
+
+    def _park(self) -> None:
+        """A paused run's thread: every step it made recorded and flushed, it waits for `resume` (or a stop)."""
+        self._drain()
+        self.recorder.resolve(wait=True)  # a paused run shows every step it made
+        self.sink.flush()
+        self._parked.set()
+        self._resume.wait()
+        self._parked.clear()
 
     def _lane_step(self, lane: Lane, step: int, probe_s: float) -> None:
         state, schedule = lane.state, lane.state.schedule
@@ -317,23 +343,6 @@ class Run(RunReading):
             self._lane_failed(lane, step, exc)
             return
         state.driver.record(result, self._samples)
-
-    def _plain_lane_step(self, lane: Lane, step: int) -> None:
-        """A step that samples nothing, of a lane that needs nothing else (`LaneState.plain`): its training work
-        (`plain_step`), kept by the lane's driver and made a record with the others at the next drain (a flush, a full
-        step, a pause, the end: `_drain`). A loss known not to be finite is recorded at once, so the lane stops on it
-        as on a full step."""
-        driver = lane.state.driver
-        try:
-            with self._step_lock:
-                window, lr, loss = plain_step(lane.state, self._batches[lane.replicate], step)
-        except Exception as exc:
-            self._lane_failed(lane, step, exc)
-            return
-        lane.steps_done = step + 1
-        if not driver.keep(window, step, lr, loss, self._samples):
-            self._drain()
-            driver.record(driver.finish(window, step, lr, loss, skipped=False), self._samples)
 
     def _drain(self) -> None:
         """Every lane's kept plain steps become records, oldest first (lane by lane: each lane's are in step order)."""

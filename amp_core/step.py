@@ -25,10 +25,10 @@ import torch
 
 from amp_core.config import RunConfig
 from amp_core.measure import SavedTensorsProbe
-from amp_core.precision import Precision, get_precision
+from amp_core.precision import NO_CONTEXT, Precision, get_precision
 from amp_core.probes.faults import FaultPlan, init_scale_override
 from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepDriver, StepResult, meter_for
-from amp_core.telemetry.meters import Window
+from amp_core.telemetry.driver import PlainWork
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms
 from amp_core.torch_private import scale_tensor
 from amp_core.workloads import Workload
@@ -99,7 +99,7 @@ class LaneState:
 
     @property
     def plain(self) -> bool:
-        """Whether the lane's steps that sample nothing may be plain ones (`plain_step`): a step of it needs nothing
+        """Whether the lane's steps that sample nothing may be plain ones (`plain_work`): a step of it needs nothing
         but the training work and its loss (no scaler, fault, clipping, LR schedule or per-step gradient norm), and
         its meter has the figures on the host at once (a CPU: a non-finite loss is known when the step ends)."""
         return not (self.scaler.is_enabled() or self.always_norm or self.has_scheduler) and self.meter.at_once
@@ -179,24 +179,40 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
         return _step(lane, batch, step, measure_memory, collect_grad_stats)
 
 
-def plain_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int
-               ) -> tuple[Window, float, torch.Tensor]:
-    """One step of a `LaneState.plain` lane on a step that samples nothing: `_step`'s training work between the
-    driver's `begin` and `end`, without the calls that do nothing on such a lane (faults, scaler, clipping, schedule,
-    probes). Returns (window, lr, loss) for the driver to keep (`StepDriver.keep`); the records are those of
-    `train_step` (tests/test_runner.py holds them equal)."""
-    precision, optimizer, driver = lane.precision, lane.optimizer, lane.driver
-    with precision.step_context():
-        window = driver.begin(step, plain=True)
-        inputs, targets = precision.prepare_input(batch[0]), precision.prepare_input(batch[1])
+def plain_work(lane: LaneState) -> PlainWork:
+    """The training work of a `LaneState.plain` lane's steps that sample nothing, for the driver's `host_plain`:
+    `_step`'s work without the calls that do nothing on such a lane (faults, scaler, clipping, schedule, probes) and
+    with what does not change from step to step decided once: the step context (none on a host-metered lane), the
+    forward's context (one autocast object, entered and left each step: a new one is three Python calls more), the
+    model, the loss and the optimizer; an input the device already holds in its dtype is not passed through
+    `prepare_input` (a call with cold caches). Returns work(batch) -> (lr, loss); the records are those of
+    `train_step` (tests/test_runner.py holds them equal). Made when the loop begins, after every lane-setup hook has
+    bound the model it trains (`bind_model`)."""
+    precision, model, optimizer, loss_of = lane.precision, lane.model, lane.optimizer, lane.workload.loss
+    if precision.step_context() is not NO_CONTEXT:
+        raise ValueError(f"plain_work: a {precision.device_type} lane's step holds a context; it takes full steps")
+    prepare, dtype, here = precision.prepare_input, precision.param_dtype, precision.device == "cpu"
+    forward = precision.forward_context()
+    autocast = None if forward is NO_CONTEXT else forward
+
+    def work(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, torch.Tensor]:
+        inputs, targets = batch
+        if not (here and inputs.is_cpu and inputs.dtype is dtype):
+            inputs = prepare(inputs)
+        if not (here and targets.is_cpu and not targets.is_floating_point()):
+            targets = prepare(targets)
         optimizer.zero_grad(set_to_none=True)
-        with precision.forward_context():
-            loss = lane.workload.loss(lane.model(inputs), targets)
+        if autocast is None:
+            loss = loss_of(model(inputs), targets)
+        else:
+            with autocast:
+                loss = loss_of(model(inputs), targets)
         loss.backward()
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        driver.end(window)
-    return window, lr, loss
+        return lr, loss
+
+    return work
 
 
 def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, measure_memory: bool,

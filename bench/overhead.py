@@ -17,6 +17,12 @@ chunk of ~26 are not "left out" by a median: they move it up by a rank or two, t
 spread as here (measured under load: 136 -> 76 us). The means that include the sampled probes are printed too, and
 `added_us` over every interval of the run's chunks beside the figure.
 
+How finely this resolves a ratio on a shared VM is itself measured: `--control` also takes turns between two identical
+bare loops, exactly as between the runner and the bare loop, and prints their ratio (`control_ratio=`: an exact
+harness reads 1). On the 2-core AVX2 VM of this project: 0.977–1.058 over 9 runs of 80 pairs (a pair's ratio
+0.57–1.74), 0.992–1.020 over 3 runs of 320 pairs — hence 320 pairs by default, where a 5 % target is not lost in the
+bench's own noise.
+
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
   targets <= 1.02 and <= 1.10. The bare loop reads no loss per step (a per-step .item() is a sync the runner does
@@ -27,7 +33,7 @@ spread as here (measured under load: 136 -> 76 us). The means that include the s
   must sync) fails the bench with exit status 1 after the figures are printed.
 
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
-                              [--snapshot-every N] [--pairs 80] [--chunk 30]
+                              [--snapshot-every N] [--pairs 320] [--chunk 30] [--control]
     (from the repository root)
 Second-to-last line: added_us_per_step=<number> (the largest over the cases of the median over pairs of the runner's
 median step interval minus the bare loop's, in microseconds: what the harness adds per step). Last line:
@@ -275,6 +281,25 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
             "probe_ms": float(measured["probe_ms"].mean()), "threads": threads}
 
 
+def control(config: RunConfig, mode: str, pairs: int, chunk: int, threads: int) -> list[float]:
+    """The bench's resolution where it runs: two identical bare loops of a case taking turns as the runner and the
+    bare loop do (warm-up, then `pairs` pairs of chunks, the order alternating); the pairs' ratios of median step
+    intervals, which an exact bench would read as 1."""
+    loops = [TurnTaker(lambda: BareLoop(config, mode), threads) for _ in range(2)]
+    chunks: tuple[list, list] = ([], [])
+    try:
+        for loop in loops:
+            loop.chunk(WARMUP)
+        for pair in range(pairs):
+            for side in ((0, 1) if pair % 2 == 0 else (1, 0)):
+                chunks[side].append(loops[side].chunk(chunk))
+    finally:
+        for loop in loops:
+            loop.close()
+    medians = [[statistics.median(np.diff(stamps)[SKIP:]) for stamps in side] for side in chunks]
+    return [a / b for a, b in zip(*medians, strict=True)]
+
+
 def sampled_steps(run: Run, steps: int) -> set[int]:
     """The steps of `run` (of `steps`) that sampled a figure or that a lane-step hook acted on (replay snapshots), by
     the run's own schedule (SamplingSchedule.next_full_step); every step when a hook watches every step."""
@@ -336,9 +361,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--workloads", help="workload:size:batch,... (default: the device's)")
     parser.add_argument("--modes", help="comma-separated (default: the device's)")
-    parser.add_argument("--pairs", type=int, default=80, help="chunks of each loop per case")
+    parser.add_argument("--pairs", type=int, default=320, help="chunks of each loop per case")
     parser.add_argument("--chunk", type=int, default=30, help="steps per chunk")
     parser.add_argument("--fused", action="store_true", help="fused Adam in the runner and the bare loop")
+    parser.add_argument("--control", action="store_true",
+                        help="also two identical bare loops taking turns the same way: the bench's own resolution")
     parser.add_argument("--snapshot-every", type=int, default=RunConfig().snapshot_every,
                         help="the runner's replay snapshots every N steps (default: RunConfig's; 0 = off)")
     args = parser.parse_args()
@@ -369,6 +396,10 @@ def main() -> None:
                         f"ratio={result['runner_mean_ms'] / result['bare_mean_ms']:.4f}"
                         f" | probe_ms_per_step={result['probe_ms']:.4f} | run threads {result['threads']} "
                         f"(process: {process_threads})")
+                if args.control:
+                    control_ratios = control(config, mode, args.pairs, args.chunk, result["threads"])
+                    line += (f" | control_ratio={statistics.median(control_ratios):.4f} "
+                             f"({min(control_ratios):.3f}..{max(control_ratios):.3f})")
                 if args.device == "cuda":
                     quiet = RunConfig.from_dict({**config.to_dict(), "gradstats_every": 0, "memory_every": 10**9})
                     runner_syncs = syncs_per_step(lambda c: run_steps(c, None), quiet)

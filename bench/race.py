@@ -228,8 +228,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds at most (bare loops and a race, taking turns going first)")
-    parser.add_argument("--pairs", type=int, default=60,
-                        help="a compiled lane's overhead: pairs of chunks of the race and a bare race taking turns")
+    parser.add_argument("--pairs", type=int, default=240,
+                        help="a compiled lane's overhead: pairs of chunks of the race and a bare race taking turns "
+                             "(bench.overhead --control: at 60 pairs a shared VM's noise alone moves the ratio by "
+                             "about 5 %%)")
     parser.add_argument("--chunk", type=int, default=30, help="steps per chunk (the compiled overhead)")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="no round starts that would end past this many seconds (one round always runs)")

@@ -41,7 +41,12 @@ from pages.common import control_note as presenter_note
 # of both off a run, and the charts still move while one watches (Compare redraws every 10 s).
 REFRESH_S = 3.0
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
-DEFAULTS, DOCS = RUN_DEFAULTS, field_docs(RunConfig)
+DEFAULTS, DOCS, SCALER_DOCS = RUN_DEFAULTS, field_docs(RunConfig), field_docs(ScalerConfig)
+# The settings in the form's folded sections, as the form starts (RunConfig's defaults).
+FOLDED_DEFAULTS = {"init_scale": DEFAULTS.scaler.init_scale, "growth_factor": DEFAULTS.scaler.growth_factor,
+                   "backoff_factor": DEFAULTS.scaler.backoff_factor, "growth_interval": DEFAULTS.scaler.growth_interval,
+                   "eps": DEFAULTS.eps, "fused_optimizer": DEFAULTS.fused_optimizer, "grad_clip": DEFAULTS.grad_clip,
+                   "faults": "", "name": ""}
 DEFAULT_WORKLOAD = DEFAULTS.workload
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
 RECIPE_OPTION_HELP, RECIPE_PRESETS = catalog.recipes()
@@ -110,27 +115,36 @@ with st.container(border=True):
                             key="train_seeds", help=DOCS["seeds"])
     onecycle = c7.toggle("OneCycleLR", value=DEFAULTS.scheduler == "onecycle", key="train_onecycle",
                          help=DOCS["scheduler"])
-    with st.expander("GradScaler settings (16-mixed only)"):
-        g1, g2, g3, g4 = st.columns(4)
-        scaler_defaults, scaler_docs = DEFAULTS.scaler, field_docs(ScalerConfig)
-        init_scale = g1.number_input("Initial scale", value=scaler_defaults.init_scale, format="%g",
-                                     key="train_init_scale", help=scaler_docs["init_scale"])
-        growth_factor = g2.number_input("Growth factor", value=scaler_defaults.growth_factor, key="train_growth",
-                                        help=scaler_docs["growth_factor"])
-        backoff_factor = g3.number_input("Backoff factor", value=scaler_defaults.backoff_factor, key="train_backoff",
-                                         help=scaler_docs["backoff_factor"])
-        growth_interval = g4.number_input("Growth interval (steps)", value=scaler_defaults.growth_interval, step=100,
-                                          key="train_interval", help=scaler_docs["growth_interval"])
-    with st.expander("More: Adam eps, fused Adam, gradient clipping, faults, name"):
-        m0, m1, m2, m3 = st.columns([1.6, 1.4, 2.2, 1.6])  # the toggle's label and the clip label on one line
-        eps = m0.number_input("Adam/AdamW eps", value=DEFAULTS.eps, format="%.1e", key="train_eps", help=DOCS["eps"])
-        fused = m0.toggle("Fused Adam/AdamW", value=DEFAULTS.fused_optimizer, key="train_fused",
-                          help=DOCS["fused_optimizer"])
-        grad_clip = m1.number_input("Clip grad norm (0 = off)", value=DEFAULTS.grad_clip, key="train_clip",
-                                    help=DOCS["grad_clip"])
-        faults_text = m2.text_input("Faults to inject (demos)", key="train_faults", placeholder="loss_scale:1e6@50+10",
-                                    help=f"Comma-separated, each {FAULT_GRAMMAR}.")
-        name = m3.text_input("Run name", key="train_name")
+    # The folded settings draw their widgets only while open (a closed expander's widgets would cost a fresh
+    # browser session its first paint: each is drawn, and a widget kind not seen yet loads its code first); their
+    # values are kept in `folded` meanwhile (a widget not drawn in a run loses its own state).
+    folded = st.session_state.setdefault("train_folded", dict(FOLDED_DEFAULTS))
+    scaler_box = st.expander("GradScaler settings (16-mixed only)", key="train_scaler_open", on_change="rerun")
+    if scaler_box.open:
+        g1, g2, g3, g4 = scaler_box.columns(4)
+        folded["init_scale"] = g1.number_input("Initial scale", value=folded["init_scale"], format="%g",
+                                               key="train_init_scale", help=SCALER_DOCS["init_scale"])
+        folded["growth_factor"] = g2.number_input("Growth factor", value=folded["growth_factor"], key="train_growth",
+                                                  help=SCALER_DOCS["growth_factor"])
+        folded["backoff_factor"] = g3.number_input("Backoff factor", value=folded["backoff_factor"],
+                                                   key="train_backoff", help=SCALER_DOCS["backoff_factor"])
+        folded["growth_interval"] = g4.number_input("Growth interval (steps)", value=folded["growth_interval"],
+                                                    step=100, key="train_interval",
+                                                    help=SCALER_DOCS["growth_interval"])
+    more_box = st.expander("More: Adam eps, fused Adam, gradient clipping, faults, name", key="train_more_open",
+                           on_change="rerun")
+    if more_box.open:
+        m0, m1, m2, m3 = more_box.columns([1.6, 1.4, 2.2, 1.6])  # the toggle's label and the clip label on one line
+        folded["eps"] = m0.number_input("Adam/AdamW eps", value=folded["eps"], format="%.1e", key="train_eps",
+                                        help=DOCS["eps"])
+        folded["fused_optimizer"] = m0.toggle("Fused Adam/AdamW", value=folded["fused_optimizer"], key="train_fused",
+                                              help=DOCS["fused_optimizer"])
+        folded["grad_clip"] = m1.number_input("Clip grad norm (0 = off)", value=folded["grad_clip"],
+                                              key="train_clip", help=DOCS["grad_clip"])
+        folded["faults"] = m2.text_input("Faults to inject (demos)", value=folded["faults"], key="train_faults",
+                                         placeholder="loss_scale:1e6@50+10",
+                                         help=f"Comma-separated, each {FAULT_GRAMMAR}.")
+        folded["name"] = m3.text_input("Run name", value=folded["name"], key="train_name")
 errors_slot = st.empty()
 
 launch_now = launch_drawn = False
@@ -176,34 +190,39 @@ recipe_lanes = st.session_state.setdefault("train_recipe_lanes", [])
 modes = modes_slot.multiselect("Precision modes or recipes (one lane each)", facts.runnable + recipe_lanes,
                                default=facts.defaults, key="train_modes",
                                help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in facts.runnable))
-with st.expander("Recipes: FP8 matmuls, low-bit optimizer states, bf16 stochastic rounding"):
-    r1, r2, r3 = st.columns([2, 1, 4])
-    preset = r1.selectbox("Preset race", list(RECIPE_PRESETS), key="train_recipe_preset",
-                          help="A named race of recipes: its lanes replace the chosen modes.")
-    r2.button("Use preset", key="train_recipe_use", on_click=lambda: add_recipe_lanes(RECIPE_PRESETS[preset], True),
-              help=" vs ".join(RECIPE_PRESETS[preset]))
-    r3.caption(f"**{preset}**: " + " vs ".join(f"`{lane}`" for lane in RECIPE_PRESETS[preset]))
-    b1, b2, b3 = st.columns([1, 3, 1])
-    b1.selectbox("Mode", facts.runnable, key="train_recipe_mode")
-    b2.multiselect("Options", list(RECIPE_OPTION_HELP), key="train_recipe_options",
-                   help="\n\n".join(f"**+{name}**: {text}" for name, text in RECIPE_OPTION_HELP.items()))
-    b3.button("Add lane", key="train_recipe_add", on_click=build_recipe,
-              help="Adds MODE+OPTION... to the lanes, or says why this device cannot run it.")
-    if st.session_state.get("train_recipe_error"):
-        st.error(st.session_state["train_recipe_error"])
-    st.markdown("\n".join(f"- `+{name}` {text}" for name, text in RECIPE_OPTION_HELP.items()))
-    maxbatch_slot = st.container()  # filled once torch is imported: the largest batch of each chosen lane
+recipes_box = st.expander("Recipes: FP8 matmuls, low-bit optimizer states, bf16 stochastic rounding",
+                          key="train_recipes_open", on_change="rerun")
+maxbatch_slot = None  # the largest-batch search lives in the recipes section: drawn while it is open
+if recipes_box.open:
+    with recipes_box:
+        r1, r2, r3 = st.columns([2, 1, 4])
+        preset = r1.selectbox("Preset race", list(RECIPE_PRESETS), key="train_recipe_preset",
+                              help="A named race of recipes: its lanes replace the chosen modes.")
+        r2.button("Use preset", key="train_recipe_use", on_click=lambda: add_recipe_lanes(RECIPE_PRESETS[preset], True),
+                  help=" vs ".join(RECIPE_PRESETS[preset]))
+        r3.caption(f"**{preset}**: " + " vs ".join(f"`{lane}`" for lane in RECIPE_PRESETS[preset]))
+        b1, b2, b3 = st.columns([1, 3, 1])
+        b1.selectbox("Mode", facts.runnable, key="train_recipe_mode")
+        b2.multiselect("Options", list(RECIPE_OPTION_HELP), key="train_recipe_options",
+                       help="\n\n".join(f"**+{name}**: {text}" for name, text in RECIPE_OPTION_HELP.items()))
+        b3.button("Add lane", key="train_recipe_add", on_click=build_recipe,
+                  help="Adds MODE+OPTION... to the lanes, or says why this device cannot run it.")
+        if st.session_state.get("train_recipe_error"):
+            st.error(st.session_state["train_recipe_error"])
+        st.markdown("\n".join(f"- `+{name}` {text}" for name, text in RECIPE_OPTION_HELP.items()))
+        maxbatch_slot = st.container()  # filled once torch is imported: the largest batch of each chosen lane
 
 config: RunConfig | None = None
 try:
     config = RunConfig(
         workload=workload, size=size, modes=tuple(modes), steps=int(steps), batch_size=int(batch_size),
-        optimizer=optimizer, lr=float(lr), eps=float(eps), fused_optimizer=bool(fused),
+        optimizer=optimizer, lr=float(lr), eps=float(folded["eps"]), fused_optimizer=bool(folded["fused_optimizer"]),
         scheduler="onecycle" if onecycle else "none", seed=int(seed), seeds=int(seeds),
-        grad_clip=float(grad_clip), name=name.strip(),
-        scaler=ScalerConfig(init_scale=float(init_scale), growth_factor=float(growth_factor),
-                            backoff_factor=float(backoff_factor), growth_interval=int(growth_interval)),
-        faults=tuple(FaultSpec.parse(text) for text in faults_text.split(",") if text.strip()))
+        grad_clip=float(folded["grad_clip"]), name=folded["name"].strip(),
+        scaler=ScalerConfig(init_scale=float(folded["init_scale"]), growth_factor=float(folded["growth_factor"]),
+                            backoff_factor=float(folded["backoff_factor"]),
+                            growth_interval=int(folded["growth_interval"])),
+        faults=tuple(FaultSpec.parse(text) for text in folded["faults"].split(",") if text.strip()))
 except ConfigError as error:
     errors_slot.error(f"**{error.field}** — {error.why}. Nothing was launched.")
 if missing:
@@ -385,22 +404,23 @@ def maxbatch_result(polling: bool) -> None:
                    "allocator emptied; the throughput is timed at the batch found.")
 
 
-with maxbatch_slot:
-    st.markdown("**Largest batch each lane allows**")
-    m1, m2 = st.columns([2, 3], vertical_alignment="bottom")
-    budget_mib = m1.number_input("Memory budget (MiB, 0 = what is free now)", min_value=0.0, value=0.0, step=256.0,
-                                 key="train_maxbatch_budget",
-                                 help="0: the free GPU memory on CUDA, the machine's available memory on a CPU.")
-    if not can_control():
-        with m2:
-            presenter_note()
-    elif m2.button("Find the largest batch", key="train_maxbatch_go",
-                 help="For the chosen workload, size, optimizer and lanes — the same search as `amp-lab maxbatch`. "
-                      "On a CPU it is modelled from measured bytes (seconds); on CUDA it tries real steps."):
-        start_maxbatch(float(budget_mib))
-    job = st.session_state.get("train_maxbatch")
-    polling = job is not None and not job.done
-    st.fragment(maxbatch_result, run_every=0.5 if polling else None)(polling)
+if maxbatch_slot is not None:
+    with maxbatch_slot:
+        st.markdown("**Largest batch each lane allows**")
+        m1, m2 = st.columns([2, 3], vertical_alignment="bottom")
+        budget_mib = m1.number_input("Memory budget (MiB, 0 = what is free now)", min_value=0.0, value=0.0, step=256.0,
+                                     key="train_maxbatch_budget",
+                                     help="0: the free GPU memory on CUDA, the machine's available memory on a CPU.")
+        if not can_control():
+            with m2:
+                presenter_note()
+        elif m2.button("Find the largest batch", key="train_maxbatch_go",
+                     help="For the chosen workload, size, optimizer and lanes — the same search as `amp-lab maxbatch`. "
+                          "On a CPU it is modelled from measured bytes (seconds); on CUDA it tries real steps."):
+            start_maxbatch(float(budget_mib))
+        job = st.session_state.get("train_maxbatch")
+        polling = job is not None and not job.done
+        st.fragment(maxbatch_result, run_every=0.5 if polling else None)(polling)
 
 
 if config is not None:

@@ -94,8 +94,21 @@ def test_the_fault_grammar_is_written_once_and_quoted():
         assert FaultSpec.parse(example).kind == example.split(":")[0].split("@")[0]
 
 
+FOLDED = ("train_scaler_open", "train_more_open")
+"""The Train form's folded sections (drawn only while open: `on_change="rerun"` expanders)."""
+
+
+def open_folded(at: AppTest, is_open: bool = True) -> AppTest:
+    for key in FOLDED:
+        at.session_state[key] = is_open
+    return at.run()
+
+
 def test_the_train_form_starts_from_the_run_config_defaults_and_says_their_docstrings():
     at = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run()
+    assert not at.exception
+    assert not any(w.key == "train_eps" for w in at.number_input)  # folded: not drawn on the first paint
+    open_folded(at)
     assert not at.exception
     for key, name in {"train_steps": "steps", "train_batch": "batch_size", "train_lr": "lr", "train_seed": "seed",
                       "train_seeds": "seeds", "train_eps": "eps", "train_clip": "grad_clip"}.items():
@@ -110,6 +123,23 @@ def test_the_train_form_starts_from_the_run_config_defaults_and_says_their_docst
     assert at.toggle(key="train_fused").value == RUN_DEFAULTS.fused_optimizer
     assert at.toggle(key="train_onecycle").value == (RUN_DEFAULTS.scheduler == "onecycle")
     assert FAULT_GRAMMAR in at.text_input(key="train_faults").help
+
+
+def test_the_folded_settings_keep_their_values_while_closed_and_the_form_uses_them():
+    at = open_folded(AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run())
+    at.number_input(key="train_init_scale").set_value(1024.0)
+    at.text_input(key="train_name").set_value("my fine-tune")
+    at.text_input(key="train_faults").set_value("loss_scale:1e6@50+oops").run()
+    assert any("faults" in error.value for error in at.error), [error.value for error in at.error]
+    open_folded(at, False)
+    assert not any(w.key == "train_init_scale" for w in at.number_input)
+    # Still the form's: the bad fault is still refused with the section closed, and reopening shows every value.
+    assert any("faults" in error.value for error in at.error), [error.value for error in at.error]
+    open_folded(at)
+    assert not at.exception
+    assert at.number_input(key="train_init_scale").value == 1024.0
+    assert at.text_input(key="train_name").value == "my fine-tune"
+    assert at.text_input(key="train_faults").value == "loss_scale:1e6@50+oops"
 
 
 def test_the_fault_demo_starts_from_the_run_config_steps():

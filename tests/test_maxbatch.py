@@ -55,7 +55,9 @@ def test_the_train_page_finds_each_lanes_largest_batch_off_its_thread():
     from streamlit.testing.v1 import AppTest
 
     at = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=120).run()
-    at.selectbox(key="train_workload").set_value("tiny_transformer").run()
+    at.selectbox(key="train_workload").set_value("tiny_transformer")
+    at.session_state["train_recipes_open"] = True  # the folded recipes section, where the search lives
+    at.run()
     at.selectbox(key="train_recipe_mode").set_value("bf16-mixed")
     at.multiselect(key="train_recipe_options").set_value(["fp8-rowwise"])
     at.button(key="train_recipe_add").click().run()

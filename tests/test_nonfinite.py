@@ -4,6 +4,7 @@ on failure), in bf16 and fp16 loops, a training_step that calls a submodule, and
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -16,6 +17,7 @@ import pytest
 import torch
 from bisect_workloads import OVERFLOW, SAFE, Amplify
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_core.monitor import Monitor
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT
@@ -260,3 +262,56 @@ def test_an_output_that_holds_inf_by_design_stops_the_replays_and_says_so(fresh_
     off = events[events["kind"] == "failing_step_off"]
     assert len(off) == 1 and "held inf/NaN in 3 steps where no module's did" in off["message"].iloc[0]
     assert events[events["kind"] == FIRST_NONFINITE_EVENT].empty
+
+
+class Spiky(nn.Module):
+    """Overflows fp16 on the steps whose RNG draw is below `share`: a replay reproduces that only from the RNG state
+    its step's forward began with."""
+
+    def __init__(self, share: float):
+        super().__init__()
+        self.share = share
+
+    def forward(self, x):
+        return x * (1e6 if torch.rand(()) < self.share else 1.0)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_scaled_loop_sums_nothing_per_step_and_replays_a_skipped_step_from_its_own_rng_state(fresh_store):
+    """With a GradScaler a failed step is skipped, so the sentinel keeps each step's call and replays it after the
+    skip (weights untouched): no reduction on a step that does not fail, and the replay draws what the step drew."""
+    def loop(share: float, failing_step: bool, steps: int):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), Spiky(share), nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0, growth_interval=1000)
+        x, y = torch.ones(4, 8), torch.zeros(4, 2)
+        with CountOps() as ops, Monitor(model, optimizer, scaler, store=fresh_store, layers_every=0, replay=False,
+                                        failing_step=failing_step) as monitor:
+            for _ in range(steps):
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                monitor.step(loss)
+        frame = open_store(fresh_store).steps(monitor.run_id)
+        return ops.counts["aten.sum"], RunManager(open_store(fresh_store)).events(monitor.run_id), frame
+
+    assert loop(0.0, True, 8)[0] == loop(0.0, False, 8)[0]  # the sentinel on adds no sum to a loop that never fails
+    _, events, frame = loop(0.3, True, 16)
+    skipped = set(frame.loc[frame["skipped"].astype(bool), "step"])
+    streaks = sorted(step for step in skipped if step - 1 not in skipped)  # a run of failed steps is named once
+    named = events[events["kind"] == FIRST_NONFINITE_EVENT]
+    assert len(streaks) >= 2 and named["step"].tolist() == streaks, (streaks, named["message"].tolist())
+    assert all(d["same_step"] and d["module"] == "1" for d in named["data"]), named["message"].tolist()

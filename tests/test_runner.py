@@ -363,3 +363,50 @@ def test_a_paused_plain_run_shows_every_step_it_made(no_leaked_threads):
     assert len(run.frame()) == run.lanes[0].steps_done >= 40
     run.stop()
     assert run.status == "stopped" and len(run.frame()) == run.lanes[0].steps_done
+
+
+class CallCounter:
+    """Python-level calls (sys.setprofile's 'call' events) between consecutive reads of `mark` (a C function the
+    loop calls once per step) in frames named `frame`, on every thread started while it counts."""
+
+    def __init__(self, mark: str, frame: str):
+        self.mark, self.frame, self.steps, self.calls = mark, frame, [], 0
+
+    def __call__(self, frame, event, arg) -> None:
+        if event == "call":
+            self.calls += 1
+        elif event == "c_call" and getattr(arg, "__name__", "") == self.mark and frame.f_code.co_name == self.frame:
+            self.steps.append(self.calls)
+            self.calls = 0
+
+    def typical(self) -> float:
+        return float(np.median(self.steps[5:]))
+
+
+@pytest.mark.parametrize("mode", ["32-true", "bf16-mixed"])
+def test_a_plain_step_makes_no_more_python_calls_than_the_bare_loop(mode):
+    # What the harness adds between two steps on a CPU is mostly cold Python (a call ~1 us right after the training
+    # work): a race lane's plain step calls its driver's host_plain once, which calls the training work once; the
+    # bare loop (bench.overhead's) calls GradScaler's three no-op methods and a null context instead.
+    import sys
+    import threading
+
+    from bench.overhead import BareLoop
+
+    config = RunConfig(workload="digits_mlp", size="small", batch_size=16, modes=(mode,), steps=120,
+                       intra_op_threads=1, device="cpu")
+    runner = CallCounter("time", "plain")  # host_plain's step reads the wall clock once, as it keeps the step
+    threading.setprofile(runner)
+    try:
+        run = finished(config)
+    finally:
+        threading.setprofile(None)
+    assert run.status == "finished" and run.lanes[0].plain
+    bare, loop = CallCounter("perf_counter", "steps"), BareLoop(config, mode)
+    sys.setprofile(bare)
+    try:
+        loop.steps(60)
+    finally:
+        sys.setprofile(None)
+    assert len(runner.steps) > 60 and len(bare.steps) == 60
+    assert runner.typical() <= bare.typical(), (runner.typical(), bare.typical())

@@ -124,6 +124,7 @@ def test_every_control_is_drawn_for_the_presenter_only(paused_run, monkeypatch, 
     every_control = set().union(*CONTROLS.values(), {name for _, name in LIVE_LANE.values()})
     for page in ("pages/train.py", "pages/workshop.py", "pages/compare.py", "pages/op_inspector.py",
                  "pages/layer_numerics.py", "pages/overflow_debugger.py", "pages/formats.py"):
+        at.session_state["train_recipes_open"] = True  # Train's folded recipes section holds a control
         at.switch_page(page).run()
         assert not at.exception, (page, [e.value for e in at.exception])
         found = labels(at)

@@ -14,6 +14,12 @@ by cost (`sentinel_for`):
   (what two hook calls did, with no hook on the module, so `nn.Module.__call__` keeps its fast path), an RNG copy and
   a sum of the model's output, not a reduction per leaf. A model whose output holds inf/NaN on steps that do not fail
   (a masked logit) stops being replayed after a few such steps, and says so.
+  Where the loop skips its failed steps (a GradScaler: `skips_failed_steps`), nothing is summed or read at all: a
+  failed step is skipped, so the weights stay as its forward saw them, and each watched call is only kept as it began
+  (inputs by reference, RNG state, autocast); when the Monitor records a skipped step, its calls are replayed in order,
+  each under its autocast, and the first whose output is not finite is searched as above (a step whose outputs were
+  all finite is left to the layer watch, as it would have got no replay). A step the optimizer took is not replayed
+  there (the update changed the weights): a scaled step whose loss is not finite but whose gradients were is rare.
 - **Device flags** (NonfiniteSentinel: CUDA, where a read is a sync, or a job of several ranks, whose forwards hold
   collectives a rank cannot replay alone). A forward hook on each leaf module reduces its floating output to one fp32
   sum on the device and keeps the 0-d tensor: one reduction kernel and a Python call per leaf per forward, no sync,
@@ -75,18 +81,19 @@ class _Sentinel:
         self._last_failed: int | None = None
         self._streak_named = False
 
-    def first(self, step: int) -> FirstNonFinite | None:
+    def first(self, step: int, skipped: bool = False) -> FirstNonFinite | None:
         raise NotImplementedError
 
-    def failed(self, step: int, why: str) -> tuple[str, dict] | None:
-        """Step `step` failed (`why`): (message, data) of the `first_nonfinite` event naming its first inf/NaN leaf;
-        ("", {}) when it continues a run of failed steps already named (a model whose weights went NaN fails every
-        step); None when nothing of that step is kept or no leaf's output held inf/NaN (the layer watch takes over)."""
+    def failed(self, step: int, why: str, skipped: bool = False) -> tuple[str, dict] | None:
+        """Step `step` failed (`why`; `skipped`: the optimizer did not step, so the weights are as its forward saw
+        them): (message, data) of the `first_nonfinite` event naming its first inf/NaN leaf; ("", {}) when it
+        continues a run of failed steps already named (a model whose weights went NaN fails every step); None when
+        nothing of that step is kept or no leaf's output held inf/NaN (the layer watch takes over)."""
         consecutive = self._last_failed is not None and step == self._last_failed + 1
         self._last_failed = step
         if consecutive and self._streak_named:
             return "", {}
-        found = self.first(step)
+        found = self.first(step, skipped)
         if found is None:
             self._streak_named = False
             return None
@@ -136,7 +143,7 @@ class NonfiniteSentinel(_Sentinel):
                 sums.append((index, torch.sum(output.detach(), dtype=torch.float32)))
         return record
 
-    def first(self, step: int) -> FirstNonFinite | None:
+    def first(self, step: int, skipped: bool = False) -> FirstNonFinite | None:
         """The first leaf whose output held inf/NaN in `step` (None: none did, or the step is no longer kept). One
         host copy of the step's sums (a sync on CUDA): call it only for a step that failed."""
         sums = self._steps.get(step)
@@ -168,13 +175,16 @@ _NONE = object()
 
 def _finite_on_host(output) -> bool:
     """Whether every floating tensor in a forward's output (a tensor, or tuples, lists and dicts of them: a Hugging
-    Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). Summed
-    in fp32 (fp64 in fp64), where a sum of finite fp16 or bf16 values cannot overflow."""
+    Face ModelOutput is a dict) holds only finite values: one sum each, read at once (a CPU waits for nothing). An
+    fp16 output is summed in fp32, where a sum of finite fp16 values cannot overflow; any other in its own dtype (bf16
+    has fp32's range: a cast to fp32 first would be a copy and two more ops each step, for sums within 0.4 % of the
+    largest float; those read as a false alarm). `.data`: the alias a sum needs, made without the dispatcher (a
+    `detach()` is an op of its own)."""
     if isinstance(output, torch.Tensor):
         if not output.is_floating_point():
             return True
-        return math.isfinite(output.detach().sum(dtype=torch.float64 if output.dtype is torch.float64 else
-                                                 torch.float32))
+        return math.isfinite(output.data.sum(dtype=torch.float32) if output.dtype is torch.float16 else
+                             output.data.sum())
     if isinstance(output, (tuple, list)):
         return all(_finite_on_host(item) for item in output)
     if isinstance(output, dict):
@@ -191,9 +201,22 @@ class ForwardReplaySentinel(_Sentinel):
     """False alarms (replays that named no module, or of steps that did not fail) before replaying stops: a model
     whose output holds inf/NaN by design."""
 
-    def __init__(self, model: nn.Module, step_of: Callable[[], int], keep_steps: int = 64):
+    def __init__(self, model: nn.Module, step_of: Callable[[], int], keep_steps: int = 64, *,
+                 skips_failed_steps: bool = False):
         super().__init__()
         self._step_of, self._keep, self._model = step_of, keep_steps, model
+        self.skips_failed_steps = skips_failed_steps
+        """The loop skips its failed steps (a GradScaler's: the optimizer does not step), so after one the weights
+        are still those its forward saw: each watched call is only kept as it began (inputs by reference, RNG state,
+        autocast) and replayed when the step is known to have been skipped (`first(step, skipped=True)`); nothing is
+        summed or read on a step. False: each watched call's output is summed and read at once, and replayed before
+        the update when it is not finite (in bf16 or fp32 a failed step updates the weights with NaN)."""
+        self._kept_step: int | None = None
+        self._kept: list[tuple] = []
+        """With skips_failed_steps, the watched calls of step `_kept_step` as they began: (module, args, kwargs, RNG
+        state, autocast on, autocast dtype); dropped at the next step's first call, or by its replay."""
+        self._device_type = next((p.device.type for p in model.parameters()), "cpu")
+        """Whose autocast state a kept call takes (a replay after the step runs outside the loop's autocast)."""
         self._found: OrderedDict[int, FirstNonFinite | None] = OrderedDict()
         """The replays' answers by step (None: the output was not finite, but no leaf's was)."""
         self.false_alarms = 0
@@ -264,25 +287,43 @@ class ForwardReplaySentinel(_Sentinel):
         if not isinstance(inner, types.FunctionType):
             return False
         sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
-        fp32, fp64 = torch.float32, torch.float64
+        fp16, fp32, step_of, device_type = torch.float16, torch.float32, self._step_of, self._device_type
+        autocast_on, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
-        @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer reads it)
-        def forward(self, *args, **kwargs):
-            if self is not module or sentinel._depth or sentinel._replaying:  # a copy, a nested call, a replay
-                return inner(self, *args, **kwargs)
-            # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
-            rng = rng_state()
-            sentinel._depth = 1
-            try:
-                output = inner(self, *args, **kwargs)
-            finally:
-                sentinel._depth = 0
-            # `_finite_on_host`, its usual case (one floating tensor) inline: a call less per step.
-            if not (sentinel.stopped or (
-                    isfinite(output.detach().sum(dtype=fp64 if output.dtype is fp64 else fp32))
-                    if isinstance(output, tensor) and output.is_floating_point() else finite(output))):
-                sentinel._nonfinite(self, args, kwargs, rng)
-            return output
+        if self.skips_failed_steps:
+            @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer)
+            def forward(self, *args, **kwargs):
+                if self is not module or sentinel._depth or sentinel._replaying or sentinel.stopped:
+                    return inner(self, *args, **kwargs)
+                # `_keep_call` inline (a call less per step): the call as it began, nothing summed or read.
+                step = step_of()
+                if step != sentinel._kept_step:
+                    sentinel._kept_step, sentinel._kept = step, []
+                sentinel._kept.append((self, args, kwargs, rng_state(), autocast_on(device_type),
+                                       autocast_dtype(device_type)))
+                sentinel._depth = 1
+                try:
+                    return inner(self, *args, **kwargs)
+                finally:
+                    sentinel._depth = 0
+        else:
+            @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer)
+            def forward(self, *args, **kwargs):
+                if self is not module or sentinel._depth or sentinel._replaying:  # a copy, a nested call, a replay
+                    return inner(self, *args, **kwargs)
+                # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
+                rng = rng_state()
+                sentinel._depth = 1
+                try:
+                    output = inner(self, *args, **kwargs)
+                finally:
+                    sentinel._depth = 0
+                # `_finite_on_host`, its usual case (one floating tensor) inline: a call less per step.
+                if not (sentinel.stopped or (
+                        isfinite(output.data.sum(dtype=fp32) if output.dtype is fp16 else output.data.sum())
+                        if isinstance(output, tensor) and output.is_floating_point() else finite(output))):
+                    sentinel._nonfinite(self, args, kwargs, rng)
+                return output
 
         module.forward = wrapper = types.MethodType(forward, module)
         self._wrapped.append((module, previous, wrapper))
@@ -290,9 +331,25 @@ class ForwardReplaySentinel(_Sentinel):
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._depth == 0 and not self._replaying:
-            # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
-            self._pending = (args, kwargs, _rng_state())
+            if self.skips_failed_steps:
+                self._keep_call(module, args, kwargs)
+            else:
+                # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
+                self._pending = (args, kwargs, _rng_state())
         self._depth += 1
+
+    def _keep_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A watched call as it begins, for a replay after a skipped step (skips_failed_steps): its inputs by
+        reference (held until the next step's first call: the loop holds its batch for the step anyway), the RNG
+        state (what dropout draws from) and the autocast around it."""
+        if self.stopped:
+            return
+        step = self._step_of()
+        if step != self._kept_step:
+            self._kept_step, self._kept = step, []
+        device_type = self._device_type
+        self._kept.append((module, args, kwargs, _rng_state(), torch.is_autocast_enabled(device_type),
+                           torch.get_autocast_dtype(device_type)))
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
@@ -313,15 +370,34 @@ class ForwardReplaySentinel(_Sentinel):
         step = self._step_of()
         if step in self._found:  # a later forward of the same step (gradient accumulation): the first one counts
             return
-        found = self._found[step] = self._replay(module, args, kwargs, rng)
+        self._answer(step, self._replay(module, args, kwargs, rng)[0])
+
+    def _answer(self, step: int, found: FirstNonFinite | None) -> None:
+        """What the replay of `step`'s first non-finite call found (None: no leaf's output was not finite)."""
+        self._found[step] = found
         if found is None:
             self._false_alarm()
         while len(self._found) > self._keep:
             self._found.popitem(last=False)
 
-    def _replay(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> FirstNonFinite | None:
-        """`module`'s forward again, as it ran (inputs, RNG, the autocast still around it), no graph, with a hook on
-        each leaf: the first leaf whose output is not finite. The RNG and module buffers are put back afterwards."""
+    def _replay_kept(self, step: int) -> None:
+        """A skipped step's kept calls replayed in order, each under the autocast it ran in (the Monitor calls this
+        outside the loop's), up to the first whose output is not finite, which is answered as `_nonfinite` would
+        have at once; a step whose outputs were all finite gets no answer (the layer watch takes over), as it would
+        have got no replay."""
+        kept, self._kept, self._kept_step = self._kept, [], None
+        for module, args, kwargs, rng, autocast_on, autocast_dtype in kept:
+            with torch.autocast(self._device_type, dtype=autocast_dtype, enabled=autocast_on):
+                found, output_finite = self._replay(module, args, kwargs, rng)
+            if not output_finite:
+                self._answer(step, found)
+                return
+
+    def _replay(self, module: nn.Module, args: tuple, kwargs: dict,
+                rng: torch.Tensor) -> tuple[FirstNonFinite | None, bool]:
+        """`module`'s forward again, as it ran (inputs, RNG, the autocast around it), no graph, with a hook on each
+        leaf: the first leaf whose output is not finite, and whether the call's output was finite. The RNG and module
+        buffers are put back afterwards."""
         leaves = leaf_modules(module)
         seen: list[tuple[int, float]] = []
 
@@ -343,7 +419,7 @@ class ForwardReplaySentinel(_Sentinel):
                 setattr(owner, name, buffer.clone())
             torch.set_rng_state(rng)
             with torch.no_grad():
-                module(*args, **kwargs)
+                output_finite = _finite_on_host(module(*args, **kwargs))
         finally:
             self._replaying = False
             torch.set_rng_state(after)
@@ -357,8 +433,8 @@ class ForwardReplaySentinel(_Sentinel):
                 name = leaves[index][0]
                 return FirstNonFinite(step=self._step_of(), module=prefix + name if name != "(root)" else
                                       (prefix.rstrip(".") or "(root)"), forward_index=position,
-                                      leaves_seen=len(seen), held=_held(value))
-        return None
+                                      leaves_seen=len(seen), held=_held(value)), output_finite
+        return None, output_finite
 
     def _prefix(self, module: nn.Module) -> str:
         """`module`'s name in the model, with a dot ("" for the model itself)."""
@@ -367,9 +443,12 @@ class ForwardReplaySentinel(_Sentinel):
                 return f"{name}." if name else ""
         return ""
 
-    def first(self, step: int) -> FirstNonFinite | None:
+    def first(self, step: int, skipped: bool = False) -> FirstNonFinite | None:
         """The first leaf whose output held inf/NaN in `step`, if its forward's output did (None otherwise, or the
-        step is no longer kept)."""
+        step is no longer kept). With skips_failed_steps, a `skipped` step's kept calls are replayed now (the
+        weights are still those they saw); a step the optimizer took has nothing to replay."""
+        if skipped and step == self._kept_step and step not in self._found and not self.stopped:
+            self._replay_kept(step)
         return self._found.get(step)
 
     def did_not_fail(self, step: int) -> None:
@@ -409,12 +488,14 @@ class ForwardReplaySentinel(_Sentinel):
                     module.forward = previous
         self._wrapped = []
         self._found.clear()
+        self._kept, self._kept_step = [], None
 
 
-def sentinel_for(model: nn.Module, step_of: Callable[[], int], *, host_reads_free: bool,
-                 ranks: int) -> _Sentinel:
-    """The cheaper way for this loop (the module's docstring): replayed before the update where reading a sum costs
-    no sync and one process can run a forward alone, else device flags."""
+def sentinel_for(model: nn.Module, step_of: Callable[[], int], *, host_reads_free: bool, ranks: int,
+                 skips_failed_steps: bool = False) -> _Sentinel:
+    """The cheaper way for this loop (the module's docstring): replayed where reading a sum costs no sync and one
+    process can run a forward alone (after the step where the loop skips its failed steps, else before the update),
+    else device flags."""
     if host_reads_free and ranks == 1:
-        return ForwardReplaySentinel(model, step_of)
+        return ForwardReplaySentinel(model, step_of, skips_failed_steps=skips_failed_steps)
     return NonfiniteSentinel(model, step_of)

@@ -4,10 +4,11 @@ is plain or full, keeps plain steps (PlainStep) until they are drained into the 
 step (gradient norms, figures sent, sampled probes closed) and hands it to the StepRecorder.
 
 What the timed window holds is decided here and nowhere else: `begin` opens the sampled probes (outside the window)
-and then the window, as the last thing before the training work; `end` closes it, as the first thing after. Between
-the two is the training work only: `step.train_step` / `step.plain_step` for a race lane, the user's own loop between
-two `Monitor.step` calls. A gradient norm measured as a figure only, the figures' copies and the sampled probes come
-after `end` (`finish`), their host time being the step's probe_ms.
+and then the window, as the last thing before the training work; `end` closes it, as the first thing after
+(`host_plain` does the same inline, for a race lane's plain steps on a CPU). Between the two is the training work
+only: `step.train_step` / `step.plain_work` for a race lane, the user's own loop between two `Monitor.step` calls.
+A gradient norm measured as a figure only, the figures' copies and the sampled probes come after `end` (`finish`),
+their host time being the step's probe_ms.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_no
 from amp_core.telemetry.watch import OptimizerWatch
 from amp_core.torch_private import scale_tensor
 
+PlainWork = Callable[[tuple], tuple[float, torch.Tensor]]
+"""A plain step's training work on its batch: returns (the LR it stepped with, the loss tensor)."""
+HostPlain = Callable[[int, tuple, "int | None"], "tuple[Window, float, torch.Tensor] | None"]
+"""`host_plain`'s step: (step, batch, samples) -> None when kept, else (window, lr, loss) of a non-finite loss."""
 FullStepAt = Callable[[int], int]
 """What else watches a driver's steps: given a step, the first step from it on that must take the full path (the step
 itself: this one; a large number: none soon)."""
@@ -34,8 +39,8 @@ class StepDriver:
     may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
-    __slots__ = ("also_every", "always_norm", "end", "kept", "meter", "open_plain", "opened", "plain", "plain_until",
-                 "probes", "recorder", "scaler", "schedule", "track", "watch", "watchers")
+    __slots__ = ("also_every", "always_norm", "end", "host_kept", "kept", "meter", "open_plain", "opened", "plain",
+                 "plain_until", "probes", "recorder", "scaler", "schedule", "track", "watch", "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -54,6 +59,9 @@ class StepDriver:
         self.plain_until = 0
         """Steps before this one are plain (`plan`)."""
         self.kept: list[PlainStep] = []
+        self.host_kept: list[tuple] = []
+        """`host_plain`'s kept steps (and a Monitor's on a CPU without a scaler), as (step, lr, t_wall_s, window start,
+        window end, loss, samples, probe_s): made into PlainSteps at the drain, where the caches hold this code."""
         self.opened = NOTHING_OPENED
         self.end: Callable[[Window], None] = meter.close
         """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
@@ -110,6 +118,31 @@ class StepDriver:
         self.kept.append(PlainStep(step, lr, time.time(), window, samples, probe_s))
         return True
 
+    def host_plain(self, work: PlainWork) -> HostPlain:
+        """A plain step's whole measured path as one call, where the meter has the figures on the host at once (a
+        CPU) and no scaler runs: `begin(plain=True)`, `work(batch)`, `end` and `keep` with their calls made inline
+        (a plain step's Python runs with cold caches right after the training work, where each call costs a
+        microsecond or more; the race's own plain steps take this path). The window is the meter's own: two reads of
+        its clock around the work, as `open` and `close` take them. The returned step(step, batch, samples) keeps a
+        step whose loss is finite (`host_kept`, made records at the next `drain`) and returns None; for any other it
+        returns (window, lr, loss), for the caller's `finish`, as `keep` answers False."""
+        meter = self.meter
+        if not meter.at_once or self.watch.scaled:
+            raise ValueError("host_plain: a meter with the figures on the host at once and no scaler")
+        clock, now, kept, isfinite = meter.clock, time.time, self.host_kept, math.isfinite
+
+        def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor] | None:
+            start = clock()
+            lr, loss = work(batch)
+            end = clock()
+            value = loss.item()
+            if isfinite(value):
+                kept.append((step, lr, now(), start, end, value, samples, 0.0))
+                return None
+            return Window(start, end, values=[value]), lr, loss
+
+        return plain
+
     def finish(self, window: Window, step: int, lr: float, loss: torch.Tensor | float, *, skipped: bool | None,
                found_inf: torch.Tensor | None = None,
                norms: tuple[tuple[torch.Tensor, torch.Tensor], list[str]] | None = None,
@@ -137,6 +170,11 @@ class StepDriver:
 
     def drain(self) -> None:
         """The kept plain steps become records (StepRecorder.add_plain), oldest first."""
+        if self.host_kept:
+            host = [PlainStep(step, lr, t_wall_s, Window(start, end, values=[value]), samples, probe_s)
+                    for step, lr, t_wall_s, start, end, value, samples, probe_s in self.host_kept]
+            self.host_kept.clear()  # in place: `host_plain`'s steps append to this list
+            self.kept = sorted(self.kept + host, key=lambda kept: kept.step) if self.kept else host
         if self.kept:
             kept, self.kept = self.kept, []
             self.recorder.add_plain(self.track, kept, self.watch.scaled)

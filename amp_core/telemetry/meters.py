@@ -101,12 +101,14 @@ class HostMeter(Meter):
 
     device = torch.device("cpu")
     at_once = True
+    clock = staticmethod(time.perf_counter)
+    """What a window's start and end are read from (StepDriver.host_plain reads it inline)."""
 
     def open(self, scale: torch.Tensor | float | None = None) -> Window:
-        return Window(time.perf_counter(), scale_before=None if scale is None else float(scale))
+        return Window(self.clock(), scale_before=None if scale is None else float(scale))
 
     def close(self, window: Window) -> None:
-        window.end = time.perf_counter()
+        window.end = self.clock()
 
     def send(self, window: Window, values: list[torch.Tensor | float]) -> None:
         if len(values) == 1:  # the loss alone (most steps)
