@@ -1,6 +1,7 @@
 """Shared test set-up: a fresh store per test (a SQLite file; tests marked `both_stores` run again on a fresh database
 of the tests' own PostgreSQL server), Streamlit's shared manager and probes reset and every thread the app
-started stopped and joined after each test, a check that run threads end.
+started stopped and joined after each test, a check that run threads end; OpenMP's idle threads asleep in every test
+process and child (tests/child_env.py: a test that judges a speed runs on the device's own policy).
 
 The checkout itself is importable through pytest's `pythonpath` setting (pyproject.toml), not by editing sys.path.
 """
@@ -11,13 +12,19 @@ import os
 import sys
 import threading
 
-import pytest
-from pg_cluster import Cluster, missing
-from stepped_run import SteppedRun
+from child_env import quiet_the_suite
 
-from amp_core import background, runner
-from amp_core.extras import missing_extras
-from amp_core.precision import CPU_NATIVE_ENV
+# OpenMP's idle threads sleep in every test process and child (tests/child_env.py): set before the imports below load
+# torch, as libgomp reads the policy once, when it loads.
+quiet_the_suite()
+
+import pytest  # noqa: E402
+from pg_cluster import Cluster, missing  # noqa: E402
+from stepped_run import SteppedRun  # noqa: E402
+
+from amp_core import background, runner  # noqa: E402
+from amp_core.extras import missing_extras  # noqa: E402
+from amp_core.precision import CPU_NATIVE_ENV  # noqa: E402
 
 # The suite runs on the device as it is: an override exported in the shell would change what the workshop expects
 # (the tests that exercise the override set it themselves).

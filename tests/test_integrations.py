@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from child_env import quiet_torch_env
 from streamlit.testing.v1 import AppTest
 
 from amp_core.records.opening import open_store
@@ -26,8 +25,9 @@ pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/co
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "trainer_script.py"
-ENV = quiet_torch_env({**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
-"""The trainers' processes: no speed is checked here, so OpenMP's idle threads sleep (tests/child_env.py)."""
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+"""The trainers' processes: no speed is checked here, so OpenMP's idle threads sleep, as in the whole suite
+(tests/child_env.py)."""
 
 
 def start(store: Path, *args: str) -> subprocess.Popen:

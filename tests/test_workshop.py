@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from child_env import quiet_torch_env
+from child_env import device_env
 
 from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
@@ -48,18 +48,18 @@ hang guard is too tight for that set-up."""
 
 
 def workshop_cli(*args: str, store: Path | None = None, native: str | None = None,
-                 quiet: bool = False) -> subprocess.CompletedProcess:
+                 timed: bool = False) -> subprocess.CompletedProcess:
     """`python -m amp_core workshop ARGS` in a process of its own, on the device as it is (`native`: the
-    AMP_LAB_CPU_NATIVE override to run it under; `quiet`: OpenMP's idle threads sleep instead of spinning, for a
-    scenario whose checks time nothing, see tests/child_env.py)."""
+    AMP_LAB_CPU_NATIVE override to run it under; `timed`: its checks judge step times, so OpenMP's idle threads wait
+    as the device has them wait, not asleep as in the rest of the suite: tests/child_env.py)."""
     command = [sys.executable, "-m", "amp_core", "workshop", *args]
     if store is not None:
         command += ["--store", str(store)]
     env = {name: value for name, value in os.environ.items() if name != CPU_NATIVE_ENV}
     if native is not None:
         env[CPU_NATIVE_ENV] = native
-    if quiet:
-        env = quiet_torch_env(env)
+    if timed:
+        env = device_env(env)
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
                           env=env)
 
@@ -74,7 +74,8 @@ def printed_verdicts(output: str) -> dict[str, Verdict]:
 
 TIMED_SCENARIOS = ("speed", "compile")
 """The scenarios whose checks judge step times: they run with OpenMP's wait policy as the device has it (the others,
-whose checks read losses, skips, scales, memory and op traces, run with idle threads asleep: tests/child_env.py)."""
+whose checks read losses, skips, scales, memory and op traces, run with idle threads asleep, as the whole suite does:
+tests/child_env.py)."""
 
 SCENARIO_PARAMS = [pytest.param(name, marks=[pytest.mark.extra(*scenario.extras)] if scenario.extras else [])
                    for name, scenario in SCENARIOS.items()]
@@ -89,7 +90,7 @@ def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
 
     def one(name: str) -> tuple[str, tuple[subprocess.CompletedProcess, Path]]:
         store = folder / f"{name}.sqlite3"
-        return name, (workshop_cli("run", name, store=store, quiet=name not in TIMED_SCENARIOS), store)
+        return name, (workshop_cli("run", name, store=store, timed=name in TIMED_SCENARIOS), store)
 
     results = dict([one("speed")])
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -154,7 +155,7 @@ def test_an_override_the_cpu_does_not_meet_fails_the_speed_checks_and_says_why(t
     expectations are the override's, a check whose figure contradicts it fails naming the override, and the exit
     code follows the verdicts."""
     opposite = ",".join(sorted({"bf16", "fp16"} - cpu_math().detected)) or "none"
-    done = workshop_cli("run", "speed", store=tmp_path / "runs.sqlite3", native=opposite)
+    done = workshop_cli("run", "speed", store=tmp_path / "runs.sqlite3", native=opposite, timed=True)
     assert "Traceback" not in done.stderr
     assert f": {CPU_NATIVE_ENV}={opposite} says this CPU has" in done.stdout
     verdicts = printed_verdicts(done.stdout)
