@@ -110,10 +110,13 @@ def read_page(page, url: str, name: str, shots: Path, role: str) -> dict:
     seen: dict = {}
     if name == "train":  # the run followed live: its chart grows while this browser watches
         page.get_by_text("Run status: running").wait_for(timeout=60_000)
-        page.wait_for_function(f"({LAST_STEP})() > 0", timeout=60_000)
-        first = page.evaluate(LAST_STEP)
-        page.wait_for_function(f"({LAST_STEP})() > {first}", timeout=60_000)
-        seen["last_step"] = [first, page.evaluate(LAST_STEP)]
+        # Each step is read by the wait that sees it (its handle's value): Streamlit redraws the chart as a new element,
+        # whose trace data is briefly absent, so a second read after the wait could find 0.
+        first = page.wait_for_function(f"() => {{ const step = ({LAST_STEP})(); return step > 0 && step; }}",
+                                       timeout=60_000).json_value()
+        then = page.wait_for_function(f"() => {{ const step = ({LAST_STEP})(); return step > {first} && step; }}",
+                                      timeout=60_000).json_value()
+        seen["last_step"] = [first, then]
     if role == "presenter" and name == "overflow_debugger":
         # Its replay panel is drawn below the fold after the page's other parts: a page whose script is still
         # running has no stale element yet (SETTLED holds), so wait for the control itself before reading them.
