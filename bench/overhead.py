@@ -94,11 +94,15 @@ class BareLoop:
         self.dtype = AUTOCAST[mode]
         self.batch_size = config.batch_size
 
-    def steps(self, count: int) -> list[float]:
+    def steps(self, count: int) -> tuple[list[float], list[float]]:
+        """`count` steps: (perf_counter after each, each step's window in ms: the span a runner's step window times on
+        a host meter, batch to the device to the optimizer's update)."""
         device, model, optimizer, scaler, workload = self.device, self.model, self.optimizer, self.scaler, self.workload
-        stamps = []
+        stamps, windows = [], []
+        clock = time.perf_counter
         for _ in range(count):
             x, y = self.data.sample(self.generator, self.batch_size)
+            began = clock()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext():
@@ -106,15 +110,18 @@ class BareLoop:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            # One clock read ends the window and stamps the step (an interval between two steps' stamps is the same
+            # from any fixed point of the step: the loss read comes after it in every step).
+            stamps.append(ended := clock())
+            windows.append((ended - began) * 1e3)
             if device.type == "cpu":
                 loss.item()  # the seed prints it; the runner records it (on a CPU there is nothing to wait for)
-            stamps.append(time.perf_counter())
-        return stamps
+        return stamps, windows
 
 
 def bare_loop(config: RunConfig, mode: str, steps: int) -> list[float]:
     """A fresh BareLoop's `steps` steps, then (CUDA) everything it launched finished."""
-    stamps = BareLoop(config, mode).steps(steps)
+    stamps, _ = BareLoop(config, mode).steps(steps)
     if config.device == "cuda":
         torch.cuda.synchronize()
     return stamps
@@ -252,8 +259,9 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
     turns = take_turns(run, TurnTaker(lambda: BareLoop(config, mode), threads), pairs, chunk, WARMUP)
     frame = run.frame()
     stamps = dict(zip(frame["step"], frame["t_wall_s"], strict=True))
+    step_ms = dict(zip(frame["step"], frame["step_ms"], strict=True))
     sampled = sampled_steps(run, len(frame))
-    runner_all, runner_intervals = [], []
+    runner_all, runner_intervals, runner_windows = [], [], []
     for start, end in turns.run_chunks:
         intervals = {s: (stamps[s] - stamps[s - 1]) * 1e3 for s in range(start + 1 + SKIP, end)}
         runner_all.append(list(intervals.values()))
@@ -262,18 +270,25 @@ def measure(config: RunConfig, mode: str, store: RunStore, pairs: int, chunk: in
         # made while this thread was pausing the run (its own control traffic beside them; the bare chunk has none).
         runner_intervals.append([ms for s, ms in intervals.items()
                                  if s < start + chunk and s not in sampled and s - 1 not in sampled])
+        # The timed windows of the same plain steps (a step's own record: its step_ms).
+        runner_windows.append([float(step_ms[s]) for s in intervals if s < start + chunk and s not in sampled])
         if not runner_intervals[-1]:
             raise SystemExit(f"FAIL: a chunk of the run ({chunk} steps) holds no plain step to compare: a larger "
                              "--chunk, or a lane-step hook that acts on every step")
-    bare_intervals = [list(np.diff(stamps)[SKIP:] * 1e3) for stamps in turns.bare_chunks]
+    bare_intervals = [list(np.diff(stamps)[SKIP:] * 1e3) for stamps, _ in turns.bare_chunks]
     pairs_of = list(zip(runner_intervals, bare_intervals, strict=True))
     pair_ratios = [statistics.median(r) / statistics.median(b) for r, b in pairs_of]
     added = [(statistics.median(r) - statistics.median(b)) * 1e3 for r, b in pairs_of]
     added_all = [(statistics.median(r) - statistics.median(b)) * 1e3
                  for r, b in zip(runner_all, bare_intervals, strict=True)]
+    # Inside the timed window: the runner's step_ms against the bare loop's same span, pair by pair (the steps of
+    # the intervals above). On a host meter only: a CUDA lane's step_ms is its events' device time.
+    added_window = [(statistics.median(r) - statistics.median(windows[SKIP + 1:])) * 1e3
+                    for r, (_, windows) in zip(runner_windows, turns.bare_chunks, strict=True)
+                    ] if config.device == "cpu" else [float("nan")]
     measured = frame[frame["step"] >= WARMUP]
     return {"ratio": statistics.median(pair_ratios), "ratios": pair_ratios, "added_us": statistics.median(added),
-            "added_us_all": statistics.median(added_all),
+            "added_us_all": statistics.median(added_all), "window_added_us": statistics.median(added_window),
             "runner_ms": statistics.median([statistics.median(r) for r in runner_intervals]),
             "bare_ms": statistics.median([statistics.median(b) for b in bare_intervals]),
             "runner_mean_ms": statistics.fmean(v for r in runner_all for v in r),
@@ -296,7 +311,7 @@ def control(config: RunConfig, mode: str, pairs: int, chunk: int, threads: int) 
     finally:
         for loop in loops:
             loop.close()
-    medians = [[statistics.median(np.diff(stamps)[SKIP:]) for stamps in side] for side in chunks]
+    medians = [[statistics.median(np.diff(stamps)[SKIP:]) for stamps, _ in side] for side in chunks]
     return [a / b for a, b in zip(*medians, strict=True)]
 
 
@@ -390,7 +405,8 @@ def main() -> None:
                 line = (f"{key:<34} ratio={ratios[key]:.4f} (median of {len(pair_ratios)} pairs, "
                         f"{min(pair_ratios):.3f}..{max(pair_ratios):.3f}) | medians: runner_ms="
                         f"{result['runner_ms']:.4f} bare_ms={result['bare_ms']:.4f} added_us={added_us[key]:.1f} "
-                        f"(every interval of the run's chunks: {result['added_us_all']:.1f}) | "
+                        f"(every interval of the run's chunks: {result['added_us_all']:.1f}; inside the timed "
+                        f"window: window_added_us={result['window_added_us']:.1f}) | "
                         f"means incl. sampled probes: runner {result['runner_mean_ms']:.4f} ms, bare "
                         f"{result['bare_mean_ms']:.4f} ms, "
                         f"ratio={result['runner_mean_ms'] / result['bare_mean_ms']:.4f}"

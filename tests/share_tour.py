@@ -25,6 +25,12 @@ PRESENTER_PAGES = ("train", "workshop", "op_inspector", "layer_numerics", "overf
 LIVE_LANE_PAGES = {"op_inspector": "A live lane", "layer_numerics": "A live lane"}
 """Pages whose live-lane probe is behind a radio choice: the tour picks it."""
 NOTE = "This machine's presenter controls the runs"
+# Train's "Find the largest batch" is in its folded recipes section, drawn only while open (test_sharing checks it
+# there, presenter only).
+CONTROLS = {"train": {"Launch", "Pause", "Stop"}, "workshop": {"Launch"},
+            "op_inspector": {"Trace this lane now"}, "layer_numerics": {"Launch", "Probe this lane now"},
+            "overflow_debugger": {"Launch demo run", "Replay"}}
+"""The controls each page draws for the presenter while a run of this server is live (training, or paused)."""
 LAUNCH_STEPS = 200_000
 """The launched run's steps: it lasts the whole test (paused once both browsers have watched it train, stopped at the
 end)."""
@@ -117,10 +123,16 @@ def read_page(page, url: str, name: str, shots: Path, role: str) -> dict:
         then = page.wait_for_function(f"() => {{ const step = ({LAST_STEP})(); return step > {first} && step; }}",
                                       timeout=60_000).json_value()
         seen["last_step"] = [first, then]
-    if role == "presenter" and name == "overflow_debugger":
-        # Its replay panel is drawn below the fold after the page's other parts: a page whose script is still
-        # running has no stale element yet (SETTLED holds), so wait for the control itself before reading them.
-        page.get_by_role("button", name="Replay", exact=True).wait_for(timeout=120_000)
+    # A page whose script is still running has no stale element yet (SETTLED holds) while its later parts are still
+    # to come (the op inspector's Trace button after its lane picker, the debugger's replay panel below the fold):
+    # wait for what the role must see there (each control; the visitor's note where a control would be) first.
+    main = page.get_by_test_id("stMain")
+    # A control by its label as BUTTONS reads it (a button's accessible name has its icon's name too).
+    expected = ([main.locator("[data-testid^='stBaseButton']").filter(has=page.get_by_text(label, exact=True))
+                 for label in CONTROLS.get(name, ())] if role == "presenter"
+                else [main.get_by_text(NOTE)] if name in CONTROLS else [])
+    for element in expected:  # drawn, maybe in a closed expander (Layer numerics' Launch): attached, not visible
+        element.first.wait_for(state="attached", timeout=120_000)
     page.wait_for_function(SETTLED, timeout=60_000)
     seen.update(buttons=page.evaluate(BUTTONS), notes=page.locator("[data-testid='stMain']").get_by_text(NOTE).count(),
                 sidebar=page.locator("[data-testid='stSidebar']").inner_text(),

@@ -16,19 +16,23 @@ from pathlib import Path
 import pytest
 
 from tests import streamlit_server
-from tests.share_tour import PAGES, PRESENTER_PAGES, VIEWPORT, chromium_in, launch_run, pause_run, stop_run, visit
+from tests.share_tour import (
+    CONTROLS,
+    PAGES,
+    PRESENTER_PAGES,
+    VIEWPORT,
+    chromium_in,
+    launch_run,
+    pause_run,
+    stop_run,
+    visit,
+)
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 TEST_NET_2 = ipaddress.ip_network("198.51.100.0/24")
 """Documentation addresses (RFC 5737): never routed anywhere, so a /30 of them reaches nothing but the namespace."""
-# Train's "Find the largest batch" is in its folded recipes section, drawn only while open (test_sharing checks it
-# there, presenter only).
-CONTROLS = {"train": {"Launch", "Pause", "Stop"}, "workshop": {"Launch"},
-            "op_inspector": {"Trace this lane now"}, "layer_numerics": {"Launch", "Probe this lane now"},
-            "overflow_debugger": {"Launch demo run", "Replay"}}
-"""The controls each page draws for the presenter while a run of this server is live (training, or paused)."""
 READ_ONLY_BUTTONS = {"Use preset", "Add lane"}
 """Buttons a visitor may press: they fill the Train page's form in the visitor's own session (no Launch there)."""
 
