@@ -518,8 +518,7 @@ def controls(info: RunInfo) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-PROGRESS_PX = 110
-"""The lane table's progress bar column."""
+PROGRESS_PX = 110  # the lane table's progress bar column
 
 
 def lane_rows(info: RunInfo, series: list) -> None:
@@ -592,7 +591,7 @@ def compiled_lanes(info: RunInfo) -> None:
     for _, event in events[events["kind"] == "compile_slow"].iterrows():
         st.warning(event["message"])
     table = compiled_views.compile_summary(events, list(info.lanes))
-    st.dataframe(table[compiled_views.TRAIN_COLUMNS], hide_index=True, key="train_compiled")
+    st.dataframe(compiled_views.train_table(table), hide_index=True, key="train_compiled")
     st.caption(compiled_views.COMPILE_NOTE)
 
 

@@ -228,6 +228,17 @@ def test_recompile_named_with_its_guard_and_the_storm_is_an_event(planted):
     assert all(len(c.summary.kernels) for c in recaptured)
 
 
+def test_the_train_pages_compile_table_says_dash_until_a_lanes_compile_has_ended(planted):
+    events, lanes = _Reader(planted).events(planted.run_id), _Reader(planted).run_info(planted.run_id).lanes
+    done = compiled_views.train_table(compiled_views.compile_summary(events, lanes)).set_index("recipe")
+    assert float(done.loc["32-true+compile", "compile s"]) > 0 and int(done.loc["32-true+compile", "graphs"]) >= 1
+    # the same run's events as a page read them before the compiled event was written: no number yet, a dash
+    under_way = compiled_views.compile_summary(events[events["kind"] != COMPILED_EVENT], lanes)
+    shown = compiled_views.train_table(under_way).set_index("recipe").loc["32-true+compile"]
+    assert under_way.set_index("recipe")["compile s"].isna().all()
+    assert shown["compile s"] == shown["graphs"] == shown["graph breaks"] == "–"
+
+
 def test_one_line_keeps_the_first_line():
     assert one_line(RuntimeError("first\n\nsecond")) == "RuntimeError: first"
 

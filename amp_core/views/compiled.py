@@ -150,6 +150,16 @@ TRAIN_COLUMNS = ["lane", "recipe", "status", "compile s", "graphs", "graph break
                  "recompile reasons", "storm"]
 """The compile summary's columns the Train page shows (the rest are on Compare and in the report)."""
 
+
+def train_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """`compile_summary`'s TRAIN_COLUMNS as the Train page shows them: a lane whose first compile has not ended yet
+    has "–" for its compile time, graphs and graph breaks (a table would draw its missing numbers as a grey None)."""
+    shown = summary[TRAIN_COLUMNS].copy()
+    for column, text in (("compile s", "{:g}"), ("graphs", "{:.0f}"), ("graph breaks", "{:.0f}")):
+        shown[column] = ["–" if pd.isna(value) else text.format(value) for value in shown[column]]
+    return shown
+
+
 COMPILE_NOTE = ("Compile time is its own figure: each compiled lane compiles once before its first step, on a batch "
                 "of the training's shape it does not train on, so step times exclude it; a recompile later in the run "
                 "is an event with its guard failure and its time (that step's record still holds it; step-time views "
