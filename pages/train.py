@@ -259,10 +259,12 @@ from amp_core.views import plots  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
+    PROGRESS_PX,
     RecordFollower,
     baseline_mode,
     control_note,
     format_ratio,
+    lane_headers,
     lane_medians,
     lanes_table,
     what_ran_warnings,
@@ -277,7 +279,7 @@ from amp_core.views.summary import (  # noqa: E402
     replicate_differences,
     replicate_table,
 )
-from amp_core.views.tables import TABLE_WIDTH_PX, content_widths, markdown_table  # noqa: E402
+from amp_core.views.tables import markdown_table  # noqa: E402
 
 
 @st.cache_data(show_spinner=False)
@@ -518,23 +520,12 @@ def controls(info: RunInfo) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-PROGRESS_PX = 110  # the lane table's progress bar column
-
-
 def lane_rows(info: RunInfo, series: list) -> None:
     """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
     table = lanes_table(info, series)
     if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
         table = table.drop(columns=["speed", "memory"])
-    base = baseline_mode(series)
-    labels = {"speed": f"speed vs {base}", "memory": f"memory vs {base}"}
-    widths = content_widths(table.drop(columns="progress"), labels)
-    against = ""
-    if "speed" in table and sum(widths.values()) + PROGRESS_PX > TABLE_WIDTH_PX:
-        # A long baseline's name in two headers would push the last column out of sight: said once, below.
-        labels = {"speed": "speed", "memory": "memory"}
-        widths = content_widths(table.drop(columns="progress"), labels)
-        against = f"Speed and memory: each lane against {base}."
+    labels, widths, against = lane_headers(table, baseline_mode(series))
     config_columns = {column: st.column_config.Column(labels.get(column, column), width=width,
                                                       help=LANE_COLUMNS[column]) for column, width in widths.items()}
     config_columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],

@@ -134,7 +134,7 @@ def read_page(page, url: str, name: str, shots: Path, role: str) -> dict:
     for element in expected:  # drawn, maybe in a closed expander (Layer numerics' Launch): attached, not visible
         element.first.wait_for(state="attached", timeout=120_000)
     page.wait_for_function(SETTLED, timeout=60_000)
-    seen.update(buttons=page.evaluate(BUTTONS), notes=page.locator("[data-testid='stMain']").get_by_text(NOTE).count(),
+    seen.update(buttons=page.evaluate(BUTTONS), notes=main.get_by_text(NOTE).count(),
                 sidebar=page.locator("[data-testid='stSidebar']").inner_text(),
                 exceptions=page.locator("[data-testid='stException']").count())
     page.screenshot(path=str(shots / f"{role}_{name}.png"))

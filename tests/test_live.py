@@ -107,3 +107,25 @@ def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):
     expected = rows.sort_values(["lane", "step"])["loss"].to_numpy(dtype=np.float32)
     assert np.concatenate([lane["loss"] for lane in series]).tolist() == expected.tolist()
     assert follower.update(manager)[0].stats.records == 10
+
+
+def test_the_lane_tables_headers_name_the_baseline_only_where_every_column_still_fits():
+    from amp_core.views.live import PROGRESS_PX, lane_headers
+    from amp_core.views.tables import TABLE_WIDTH_PX
+
+    def table(lane_names):
+        return pd.DataFrame({"lane": lane_names, "status": "running", "steps": "1,456 / 4,000", "progress": 0.36,
+                             "loss now": "0.02091", "ms/step": "2.53", "speed": "0.86×", "memory": "1.00×",
+                             "skipped": "0", "scale": "no scaler"})
+
+    labels, widths, caption = lane_headers(table(["32-true", "bf16-mixed"]), "32-true")
+    assert labels["speed"] == "speed vs 32-true" and not caption
+    assert sum(widths.values()) + PROGRESS_PX <= TABLE_WIDTH_PX
+    long = table(["bf16-mixed", "bf16-mixed+compile"])
+    labels, widths, caption = lane_headers(long, "bf16-mixed")
+    assert labels == {"speed": "speed", "memory": "memory"} and "bf16-mixed" in caption
+    assert sum(widths.values()) + PROGRESS_PX <= TABLE_WIDTH_PX
+    # the long headers would not have fitted: that is why they were shortened
+    full = {"speed": "speed vs bf16-mixed", "memory": "memory vs bf16-mixed"}
+    from amp_core.views.tables import content_widths
+    assert sum(content_widths(long.drop(columns="progress"), full).values()) + PROGRESS_PX > TABLE_WIDTH_PX

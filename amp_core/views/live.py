@@ -14,6 +14,7 @@ from amp_core.records.schema import WHAT_RAN_EVENTS
 from amp_core.runs import RunInfo, RunReader, SourceKind, is_live
 from amp_core.views.plots import StepTimeBands
 from amp_core.views.summary import default_baseline, summarize
+from amp_core.views.tables import TABLE_WIDTH_PX, content_widths
 
 
 class RecordFollower:
@@ -106,6 +107,23 @@ def baseline_mode(series: list[LaneSeries]) -> str:
     """The mode the speed and memory ratios of a live run are against (its first 32-true lane, else its first)."""
     key = default_baseline(series)
     return next((lane.mode for lane in series if lane.key == key), BASELINE_MODE)
+
+
+PROGRESS_PX = 110
+"""The lane table's progress bar column (a drawn bar, not text: its width is fixed)."""
+
+
+def lane_headers(table: pd.DataFrame, base: str) -> tuple[dict[str, str], dict[str, int], str]:
+    """The lane table's headers, text columns' pixel widths and a caption: "speed vs BASE" / "memory vs BASE" where
+    every column then fits the page's table width, else "speed" / "memory" and one caption naming `base` (a long
+    baseline's name in two headers would push the last column out of sight)."""
+    text = table.drop(columns="progress")
+    labels = {"speed": f"speed vs {base}", "memory": f"memory vs {base}"}
+    widths = content_widths(text, labels)
+    if "speed" not in table or sum(widths.values()) + PROGRESS_PX <= TABLE_WIDTH_PX:
+        return labels, widths, ""
+    labels = {"speed": "speed", "memory": "memory"}
+    return labels, content_widths(text, labels), f"Speed and memory: each lane against {base}."
 
 
 def lane_medians(series: list[LaneSeries]) -> dict[str, tuple[float, int]]:
