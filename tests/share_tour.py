@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from amp_core.precision import default_modes
 from tests.test_browser import CHROMIUM, SETTLED
 
 VIEWPORT = {"width": 1440, "height": 900}
@@ -89,9 +90,11 @@ def open_page(page, url: str, name: str) -> None:
 def launch_run(page, url: str) -> None:
     """The presenter's run: Launch on the Train page with many steps, until the page says it is running."""
     open_page(page, url, "train")
-    # One lane: the run shares a busy machine with both browsers.
-    page.get_by_role("button", name="Remove 16-mixed").click()
-    page.wait_for_function(SETTLED, timeout=60_000)
+    # One lane: the run shares a busy machine with both browsers. The form's second lane is this CPU's mixed mode
+    # (bf16-mixed where bf16 math is native, else 16-mixed), removed by that name; what follows 32-true is removed.
+    for mode in default_modes("cpu")[1:]:
+        page.get_by_role("button", name=f"Remove {mode}").click()
+        page.wait_for_function(SETTLED, timeout=60_000)
     for label, value in (("Steps", LAUNCH_STEPS), ("Batch size", LAUNCH_BATCH)):
         box = page.get_by_label(label, exact=True)
         box.fill(str(value))
