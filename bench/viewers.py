@@ -34,6 +34,7 @@ from amp_core.precision import default_modes
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
+from tests.cli_process import start_cli_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -224,9 +225,10 @@ def main() -> None:
 
             server = streamlit_server.start(port, store, output=subprocess.DEVNULL)
             streamlit_server.wait_healthy(port, server)
-            cli = streamlit_server.start_command(
-                ["-m", "amp_core", "run", "--workload", WORKLOAD, "--modes", ",".join(default_modes("cpu")),
-                 "--steps", str(RUN_STEPS)], store, output=subprocess.DEVNULL)
+            # Its Ctrl-C below reaches it as from a terminal even when this bench runs as a background job (whose
+            # shell ignores SIGINT, which a child would inherit: the run then went on and the bench waited in vain).
+            cli = start_cli_run(store, "--workload", WORKLOAD, "--modes", ",".join(default_modes("cpu")),
+                                "--steps", str(RUN_STEPS))
             try:
                 run_id = new_run(store, {run_id})
                 quiet, watched, busy = measure(browser, url, store, run_id, args.rounds, args.window,

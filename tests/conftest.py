@@ -8,6 +8,7 @@ The checkout itself is importable through pytest's `pythonpath` setting (pyproje
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -46,6 +47,17 @@ def pytest_collection_modifyitems(items):
                     f"the {extra.name} extra is not installed ({extra.install})" for extra in missing)))
     long_files = {item.path for item in items if item.get_closest_marker("browser") or item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in long_files)  # a stable sort: files and tests keep their order
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed on a timeout (AppTest's script run, a wait) prints every thread's stack right away, while the
+    thread that hung is still where it hung: a sporadic hang in CI then names its wait in the log."""
+    report = yield
+    if report.failed and call.excinfo is not None and "timed out" in str(call.excinfo.value).lower():
+        print(f"\n--- {item.nodeid}: every thread's stack at the timeout ---", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    return report
 
 
 def pytest_generate_tests(metafunc):
