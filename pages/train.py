@@ -89,7 +89,8 @@ st.caption("Every lane starts from the same weights and sees the same batches; o
 entries = workload_entries()
 names = list(entries)
 with st.container(border=True):
-    c1, c2, c3 = st.columns([2, 1, 3])
+    # The workload column holds its longest title whole at 1440 px (at [2, 1, 3] the digits' title was cut off).
+    c1, c2, c3 = st.columns([3, 1, 2.5])
     workload = c1.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in names else 0,
                             format_func=lambda name: entries[name].title + needs_extra(entries[name]),
                             key="train_workload")
