@@ -35,6 +35,10 @@ FAULT_HELP = {
     "init_scale": "GradScaler starts at scale = factor (e.g. 2^24: the first steps overflow)",
     "batch_outlier": "the batch's inputs (and value targets) x factor for a few steps: a data outlier",
 }
+# What the fault picker shows (its box holds ~50 characters at 1440 px); FAULT_HELP is said under it in full.
+FAULT_SHORT = {"loss_scale": "a loss spike (loss x factor)", "grad_inf": "inf in one gradient element",
+               "grad_nan": "NaN in one gradient element", "lr_scale": "an LR spike (LR x factor)",
+               "init_scale": "a bad initial scale", "batch_outlier": "a data outlier (inputs x factor)"}
 PERCENT = st.column_config.NumberColumn(format="%.4f%%")
 # The lane overview's longest header, shortened (the help says it in full): nine columns fit a 1440-px window.
 OVERVIEW_LABELS = {"steps with inf/NaN applied": "inf/NaN applied"}
@@ -81,7 +85,9 @@ else:
                                     format_func=lambda name: WORKLOADS[name].title, key="dbg_workload",
                                     help="digits_mlp: 300 steps take a few seconds on a laptop CPU, and its scale "
                                          "never overflows on its own, so every skip is the fault's.")
-        kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_HELP[k]}", key="dbg_kind")
+        kind = top[1].selectbox("Fault", FAULT_KINDS, format_func=lambda k: f"{k}: {FAULT_SHORT[k]}", key="dbg_kind",
+                                help="\n\n".join(f"**{k}**: {FAULT_HELP[k]}" for k in FAULT_KINDS))
+        top[1].caption(f"`{kind}`: {FAULT_HELP[kind]}.")
         device = resolve_device("auto")
         runnable = runnable_modes(device)
         with st.form("dbg_fault_form"):
