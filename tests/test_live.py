@@ -111,7 +111,7 @@ def test_follower_reads_a_stored_run_as_another_process_writes_it(fresh_store):
 
 def test_the_lane_tables_headers_name_the_baseline_only_where_every_column_still_fits():
     from amp_core.views.live import PROGRESS_PX, lane_headers
-    from amp_core.views.tables import TABLE_WIDTH_PX
+    from amp_core.views.tables import TABLE_WIDTH_PX, content_widths
 
     def table(lane_names):
         return pd.DataFrame({"lane": lane_names, "status": "running", "steps": "1,456 / 4,000", "progress": 0.36,
@@ -127,5 +127,4 @@ def test_the_lane_tables_headers_name_the_baseline_only_where_every_column_still
     assert sum(widths.values()) + PROGRESS_PX <= TABLE_WIDTH_PX
     # the long headers would not have fitted: that is why they were shortened
     full = {"speed": "speed vs bf16-mixed", "memory": "memory vs bf16-mixed"}
-    from amp_core.views.tables import content_widths
     assert sum(content_widths(long.drop(columns="progress"), full).values()) + PROGRESS_PX > TABLE_WIDTH_PX
