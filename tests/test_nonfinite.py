@@ -20,8 +20,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_core.monitor import Monitor
+from amp_core.probes import nonfinite
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT
-from amp_core.probes.nonfinite import ForwardReplaySentinel, NonfiniteSentinel, sentinel_for
+from amp_core.probes.nonfinite import RECHECK_DRAWS, ForwardReplaySentinel, NonfiniteSentinel, sentinel_for
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 
@@ -151,6 +152,51 @@ def test_a_replay_leaves_training_as_it_found_it(fresh_store):
                for a, b in zip(on_state, off_state, strict=True))  # the weights are NaN after step 4 in both
     assert on_named["data"].iloc[0]["failed_step"] == 4 and on_named["data"].iloc[0]["module"] == "planted.planted"
     assert "replayed in the step, before the update" in on_named["message"].iloc[0]
+
+
+def test_the_rng_state_is_copied_only_where_the_watched_calls_draw_random_numbers(monkeypatch):
+    """A model that draws nothing costs no RNG copy per step; one that starts drawing later (set to train after a
+    first step in eval) is noticed within RECHECK_DRAWS calls, and from then on every call keeps its state, so a
+    replay of a failed call draws the dropout mask the call drew and names the planted module."""
+    copies = [0]
+    real = nonfinite._rng_state
+
+    def counting():
+        copies[0] += 1
+        return real()
+
+    monkeypatch.setattr(nonfinite, "_rng_state", counting)
+    step = [0]
+    x = torch.randn(4, 8)
+    quiet = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    sentinel = ForwardReplaySentinel(quiet, lambda: step[0])
+    for _ in range(3 * RECHECK_DRAWS):
+        quiet(x)
+        step[0] += 1
+    assert not sentinel.draws and copies[0] <= 2 + 2 * 3, copies  # the first step's and the rechecks' only
+    sentinel.close()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), PlantedAt(10 ** 9), nn.Linear(16, 1)).eval()
+    model[2].planted.factor = 1e39
+    sentinel, step[0] = ForwardReplaySentinel(model, lambda: step[0]), 0
+    model(x)  # the first step, in eval: nothing drawn
+    step[0] += 1
+    assert not sentinel.draws
+    model.train()
+    for _ in range(RECHECK_DRAWS):
+        model(x)
+        step[0] += 1
+    assert sentinel.draws
+    copies[0] = 0
+    model(x)
+    assert copies[0] == 1  # each call's own state, from now on
+    step[0] += 1
+    model[2].at = model[2].calls  # the next call overflows
+    model(x)
+    found = sentinel.first(step[0])
+    assert found is not None and found.module == "2.planted", found
+    sentinel.close()
 
 
 class Wrapper(nn.Module):

@@ -169,6 +169,10 @@ class NonfiniteSentinel(_Sentinel):
 
 _rng_state = torch.default_generator.get_state
 """torch.get_rng_state without its Python frame (it returns this): the CPU generator's state, copied."""
+RECHECK_DRAWS = 64
+"""A sentinel whose watched calls drew no random numbers in the first step copies no RNG state before them, but
+looks again (a copy before, a comparison after) every this many calls: a model set to train, or a dropout switched on,
+later."""
 _NONE = object()
 """A module with no instance `forward` (its class's runs)."""
 
@@ -179,12 +183,12 @@ def _finite_on_host(output) -> bool:
     fp16 output is summed in fp32, where a sum of finite fp16 values cannot overflow; any other in its own dtype (bf16
     has fp32's range: a cast to fp32 first would be a copy and two more ops each step, for sums within 0.4 % of the
     largest float; those read as a false alarm). `.data`: the alias a sum needs, made without the dispatcher (a
-    `detach()` is an op of its own)."""
+    `detach()` is an op of its own); `.item()`: a tensor's `__float__` takes more Python on the way to the same read."""
     if isinstance(output, torch.Tensor):
         if not output.is_floating_point():
             return True
-        return math.isfinite(output.data.sum(dtype=torch.float32) if output.dtype is torch.float16 else
-                             output.data.sum())
+        return math.isfinite((output.data.sum(dtype=torch.float32) if output.dtype is torch.float16 else
+                              output.data.sum()).item())
     if isinstance(output, (tuple, list)):
         return all(_finite_on_host(item) for item in output)
     if isinstance(output, dict):
@@ -226,6 +230,14 @@ class ForwardReplaySentinel(_Sentinel):
         self._depth = 0
         """Watched module calls under way (the wrapper's try/finally, or a forward hook that always runs even when
         the forward raises, keeps it)."""
+        self.draws = False
+        """The watched calls draw random numbers (dropout): each copies the RNG state as it begins, for its replay.
+        Learnt in the first step (the state compared before and after each outermost call) and looked at again every
+        RECHECK_DRAWS calls; while False no state is copied (a cold copy of the CPU generator's 5 KB costs ~10 us a
+        step) and a replay runs from the state as it finds it: the same numbers, as the call drew none."""
+        self._calls = 0
+        self._drew_from: torch.Tensor | None = None
+        """The RNG state before the outermost call under way, while it is being compared (first step, rechecks)."""
         self._first_step: int | None = None
         self._tops: set[int] = set()
         """The modules the loop calls outermost, learnt during the first step (every module hooked meanwhile): the
@@ -246,7 +258,8 @@ class ForwardReplaySentinel(_Sentinel):
         return handles
 
     def _learn(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The first step's pre-hook, on every module: which are called outermost."""
+        """The first step's pre-hook, on every module: which are called outermost, and whether they draw random
+        numbers (`draws`: the RNG state compared at the end of the call, `_after`)."""
         if self._depth == 0 and not self._replaying:
             step = self._step_of()
             if self._first_step is None:
@@ -254,7 +267,26 @@ class ForwardReplaySentinel(_Sentinel):
             self._tops.add(id(module))
             if step != self._first_step:
                 self._settle(module)
+            elif not self.draws:
+                self._drew_from = _rng_state()
         self._before(module, args, kwargs)
+
+    def _rng_before(self) -> torch.Tensor | None:
+        """The RNG state an outermost watched call begins with, copied where it draws random numbers (or to look
+        again whether it does, every RECHECK_DRAWS calls); None where it draws none."""
+        if self.draws:
+            return _rng_state()
+        self._calls += 1
+        if self._calls % RECHECK_DRAWS == 0:
+            self._drew_from = _rng_state()
+            return self._drew_from
+        return None
+
+    def _drew(self) -> None:
+        """At the end of an outermost call whose RNG state before it was kept to compare: did it draw?"""
+        before, self._drew_from = self._drew_from, None
+        if before is not None and not torch.equal(before, _rng_state()):
+            self.draws = True
 
     def _settle(self, calling: nn.Module) -> None:
         """After the first step: the outermost modules only, each through a wrapper of its `forward` (`_wrap`), or
@@ -287,6 +319,7 @@ class ForwardReplaySentinel(_Sentinel):
         if not isinstance(inner, types.FunctionType):
             return False
         sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
+        rng_before = self._rng_before
         fp16, fp32, step_of, device_type = torch.float16, torch.float32, self._step_of, self._device_type
         autocast_on, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
@@ -299,28 +332,33 @@ class ForwardReplaySentinel(_Sentinel):
                 step = step_of()
                 if step != sentinel._kept_step:
                     sentinel._kept_step, sentinel._kept = step, []
-                sentinel._kept.append((self, args, kwargs, rng_state(), autocast_on(device_type),
+                sentinel._kept.append((self, args, kwargs, rng_before(), autocast_on(device_type),
                                        autocast_dtype(device_type)))
                 sentinel._depth = 1
                 try:
                     return inner(self, *args, **kwargs)
                 finally:
                     sentinel._depth = 0
+                    if sentinel._drew_from is not None:
+                        sentinel._drew()
         else:
             @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer)
             def forward(self, *args, **kwargs):
                 if self is not module or sentinel._depth or sentinel._replaying:  # a copy, a nested call, a replay
                     return inner(self, *args, **kwargs)
-                # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
-                rng = rng_state()
+                # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from
+                # (copied only where the calls draw: `draws`).
+                rng = rng_state() if sentinel.draws else rng_before()
                 sentinel._depth = 1
                 try:
                     output = inner(self, *args, **kwargs)
                 finally:
                     sentinel._depth = 0
+                    if sentinel._drew_from is not None:
+                        sentinel._drew()
                 # `_finite_on_host`, its usual case (one floating tensor) inline: a call less per step.
                 if not (sentinel.stopped or (
-                        isfinite(output.data.sum(dtype=fp32) if output.dtype is fp16 else output.data.sum())
+                        isfinite((output.data.sum(dtype=fp32) if output.dtype is fp16 else output.data.sum()).item())
                         if isinstance(output, tensor) and output.is_floating_point() else finite(output))):
                     sentinel._nonfinite(self, args, kwargs, rng)
                 return output
@@ -335,7 +373,7 @@ class ForwardReplaySentinel(_Sentinel):
                 self._keep_call(module, args, kwargs)
             else:
                 # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from.
-                self._pending = (args, kwargs, _rng_state())
+                self._pending = (args, kwargs, self._drew_from if self._drew_from is not None else self._rng_before())
         self._depth += 1
 
     def _keep_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -348,13 +386,16 @@ class ForwardReplaySentinel(_Sentinel):
         if step != self._kept_step:
             self._kept_step, self._kept = step, []
         device_type = self._device_type
-        self._kept.append((module, args, kwargs, _rng_state(), torch.is_autocast_enabled(device_type),
+        rng = self._drew_from if self._drew_from is not None else self._rng_before()
+        self._kept.append((module, args, kwargs, rng, torch.is_autocast_enabled(device_type),
                            torch.get_autocast_dtype(device_type)))
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
         if self._depth or self._replaying:
             return
+        if self._drew_from is not None:
+            self._drew()
         if self._leftover is not None:
             self._leftover.remove()
             self._leftover = None
@@ -365,7 +406,7 @@ class ForwardReplaySentinel(_Sentinel):
             return
         self._nonfinite(module, *pending)
 
-    def _nonfinite(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor) -> None:
+    def _nonfinite(self, module: nn.Module, args: tuple, kwargs: dict, rng: torch.Tensor | None) -> None:
         """A watched call's output held inf/NaN: replay it (once per step) to find the first leaf that did."""
         step = self._step_of()
         if step in self._found:  # a later forward of the same step (gradient accumulation): the first one counts
@@ -394,7 +435,7 @@ class ForwardReplaySentinel(_Sentinel):
                 return
 
     def _replay(self, module: nn.Module, args: tuple, kwargs: dict,
-                rng: torch.Tensor) -> tuple[FirstNonFinite | None, bool]:
+                rng: torch.Tensor | None) -> tuple[FirstNonFinite | None, bool]:
         """`module`'s forward again, as it ran (inputs, RNG, the autocast around it), no graph, with a hook on each
         leaf: the first leaf whose output is not finite, and whether the call's output was finite. The RNG and module
         buffers are put back afterwards."""
@@ -417,7 +458,8 @@ class ForwardReplaySentinel(_Sentinel):
         try:
             for owner, name, buffer in buffers:
                 setattr(owner, name, buffer.clone())
-            torch.set_rng_state(rng)
+            if rng is not None:  # None: the call drew no random numbers (`draws`), so any state gives its numbers
+                torch.set_rng_state(rng)
             with torch.no_grad():
                 output_finite = _finite_on_host(module(*args, **kwargs))
         finally:
