@@ -238,6 +238,27 @@ def test_format_edges_are_the_real_rounding(value, fp16_class, bf16_class):
         assert got == {what: float(what == expected) for what in got}, (fmt, value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 3.0, 2.0**-10])
+def test_fractions_are_each_value_cast_through_float64(dtype, scale):
+    """The fractions are what the definition gives: every finite non-zero value (x scale, in float64, where the
+    product is exact) cast to fp16 and bf16 and classed, over magnitudes from below bf16's subnormals to fp32's top."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.logspace(-45, 38, 4001, dtype=torch.float64) * (torch.rand(4001, generator=generator) - 0.5).sign()
+    grad = torch.cat([values, torch.tensor([0.0, math.inf, -math.inf, math.nan], dtype=torch.float64)]).to(dtype)
+    stats = gradstats.grad_stats("w", grad, scale)
+    finite = grad.double()[torch.isfinite(grad.double()) & (grad.double() != 0)]
+    for fmt, target in gradstats.FORMATS.items():
+        tiny = torch.finfo(target).tiny
+        for label, factor in (("unscaled", 1.0), ("scaled", scale)):
+            stored = (finite * factor).to(target).abs()
+            assert stats.fractions[f"{fmt}.zero.{label}"] == int((stored == 0).sum()) / len(finite)
+            subnormal = int(((stored > 0) & (stored < tiny)).sum())
+            assert stats.fractions[f"{fmt}.subnormal.{label}"] == subnormal / len(finite)
+            assert stats.fractions[f"{fmt}.overflow.{label}"] == int(torch.isinf(stored).sum()) / len(finite)
+    assert (stats.inf, stats.nan) == (int(torch.isinf(grad).sum()), 1) and stats.numel == len(grad)
+
+
 def test_format_bands_follow_from_the_bit_layouts():
     bands = debugger.format_bands().set_index(["format", "region"])
     fp16, bf16 = LAYOUTS["fp16"], LAYOUTS["bf16"]

@@ -23,12 +23,17 @@ def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:
     count = values.numel()
     if count == 0:
         return out
+    # Unscaled, each value is cast as it is (a cast through float64 rounds the same number once, the same way: a
+    # gradient's value is exact in float64); scaled, through float64, where value x scale is exact (one copy for
+    # both formats).
+    scaled = values.double() * scale if scale != 1.0 else None
     for fmt, dtype in FORMATS.items():
         smallest_normal = torch.finfo(dtype).tiny
-        for label, factor in (("unscaled", 1.0), ("scaled", scale)):
-            stored = (values.double() * factor).to(dtype).abs()
-            out[f"{fmt}.zero.{label}"] = int((stored == 0).sum()) / count
-            out[f"{fmt}.subnormal.{label}"] = int(((stored > 0) & (stored < smallest_normal)).sum()) / count
+        for label, source in (("unscaled", values), ("scaled", values if scaled is None else scaled)):
+            stored = source.to(dtype).abs()
+            zero = int((stored == 0).sum())
+            out[f"{fmt}.zero.{label}"] = zero / count
+            out[f"{fmt}.subnormal.{label}"] = (int((stored < smallest_normal).sum()) - zero) / count
             out[f"{fmt}.overflow.{label}"] = int(torch.isinf(stored).sum()) / count
     return out
 
@@ -36,9 +41,14 @@ def _fractions(values: torch.Tensor, scale: float) -> dict[str, float]:
 def grad_stats(name: str, grad: torch.Tensor, scale: float = 1.0) -> GradStats:
     """Statistics of one (unscaled) gradient tensor (of this rank's shard, for a sharded one)."""
     g = local_tensor(grad.detach()).reshape(-1)
-    inf = int(torch.isinf(g).sum())
-    nan = int(torch.isnan(g).sum())
-    finite = g[torch.isfinite(g)]
+    finite_mask = torch.isfinite(g)
+    if bool(finite_mask.all()):  # the usual case: no masked copy, no inf/NaN counts to make
+        inf = nan = 0
+        finite = g
+    else:
+        inf = int(torch.isinf(g).sum())
+        nan = int(torch.isnan(g).sum())
+        finite = g[finite_mask]
     nonzero = finite[finite != 0]
     # frexp gives |g| = m * 2**e with m in [0.5, 1): floor(log2|g|) = e - 1, exact for powers of two.
     _, exponent = torch.frexp(nonzero.float().abs())
