@@ -90,14 +90,19 @@ else:
 if "workshop_error" in st.session_state:
     st.error(st.session_state["workshop_error"])
 
-current: ScenarioLaunch | None = st.session_state.get("workshop_launch") if controlling else presented().get("latest")
-if current is not None and current.manager is not manager:
-    current = None  # launched through a RunManager this server has since replaced (its runs are in the store)
+def shown(launch: ScenarioLaunch | None) -> ScenarioLaunch | None:
+    """`launch`, or None where it was made through a RunManager this server has since replaced (its runs are in the
+    store)."""
+    return launch if launch is not None and launch.manager is manager else None
+
+
+current = shown(st.session_state.get("workshop_launch") if controlling else presented().get("latest"))
 if not controlling:
     @st.fragment(run_every=FOLLOW_S)
     def follow_presenter() -> None:
-        """A visitor's page turns to the presenter's next scenario by itself."""
-        if presented().get("latest") is not current:
+        """A visitor's page turns to the presenter's next scenario by itself (compared as `current` was made: a
+        launch of a replaced manager against None once reran the page without end)."""
+        if shown(presented().get("latest")) is not current:
             st.rerun(scope="app")
 
     follow_presenter()

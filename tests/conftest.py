@@ -52,8 +52,9 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test that failed on a timeout (AppTest's script run, a wait) prints every thread's stack right away, while the
-    thread that hung is still where it hung: a sporadic hang in CI then names its wait in the log."""
+    """A test that failed on a timeout (a wait on a run, a process) prints every thread's stack right away, while the
+    thread that hung is still where it hung: a sporadic hang in CI then names its wait in the log. (AppTest stops its
+    script thread before it raises: pyproject's faulthandler_timeout prints the stacks while such a run still hangs.)"""
     report = yield
     if report.failed and call.excinfo is not None and "timed out" in str(call.excinfo.value).lower():
         print(f"\n--- {item.nodeid}: every thread's stack at the timeout ---", file=sys.stderr, flush=True)

@@ -116,6 +116,26 @@ def notes(at: AppTest) -> int:
     return sum(NOTE in caption.value for caption in at.main.caption)
 
 
+def test_a_visitor_follows_no_launch_of_a_replaced_manager_and_the_page_ends(stepped_launches, monkeypatch):
+    """The presenter's last scenario was launched through a RunManager the server has since replaced: a visitor's
+    Workshop page says nothing is launched, and its script run ends (its follow timer once compared that launch with
+    the None it showed and reran the page without end: the suite's sporadic 120 s AppTest timeout, after a workshop
+    test in the same process)."""
+    from pages import common
+
+    presenter = app_as("presenter", monkeypatch)
+    presenter.switch_page("pages/workshop.py").run()
+    presenter.button(key="workshop_launch_spike-recovery").click().run()
+    assert not presenter.exception
+    assert presenter.session_state["workshop_launch"].wait(120)
+    common.get_manager().stop_all()
+    common.get_manager.clear()  # the server's manager replaced; the presented launch is still the old one's
+    visitor = app_as("visitor", monkeypatch)
+    visitor.switch_page("pages/workshop.py").run(timeout=60)
+    assert not visitor.exception
+    assert any("has not launched a scenario yet" in info.value for info in visitor.info)
+
+
 @pytest.mark.parametrize("role", ["presenter", "visitor"])
 def test_every_control_is_drawn_for_the_presenter_only(paused_run, monkeypatch, role):
     at = app_as(role, monkeypatch)
