@@ -64,6 +64,12 @@ def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_sto
     data = named["data"].iloc[0]
     assert data["failed_step"] == 3 and data["same_step"] and data["module"] == "3.planted"
     assert "in the failing step itself (step 3" in named["message"].iloc[0]
+    if not scaled:  # the NaN gradients the optimizer applied at that step are counted and named, once per streak
+        applied = events[events["kind"] == "nonfinite_grads"]
+        assert applied["step"].tolist() == [3], applied["step"].tolist()
+        assert {p["param"] for p in applied["data"].iloc[0]["params"]} >= {"0.weight", "5.weight"}
+        frame = open_store(fresh_store).steps(monitor.run_id).set_index("step")
+        assert not math.isfinite(frame.loc[3, "grad_norm"]) and math.isnan(frame.loc[4, "grad_norm"])
 
 
 def test_the_sentinel_reads_nothing_until_asked_and_forgets_old_steps():

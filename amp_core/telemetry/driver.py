@@ -34,13 +34,19 @@ FullStepAt = Callable[[int], int]
 itself: this one; a large number: none soon)."""
 
 
+def _finite(loss: torch.Tensor | float) -> bool:
+    """Whether a loss on the host is finite (a tensor's read: call it only where reading waits for nothing)."""
+    return math.isfinite(loss.item() if isinstance(loss, torch.Tensor) else float(loss))
+
+
 class StepDriver:
     """The measured steps of one track (see the module's docstring). `plain`: the steps the schedule leaves unsampled
     may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
-    __slots__ = ("also_every", "always_norm", "end", "host_kept", "kept", "meter", "open_plain", "opened", "plain",
-                 "plain_until", "probes", "recorder", "scaler", "schedule", "track", "watch", "watchers")
+    __slots__ = ("also_every", "always_norm", "end", "failing_since", "host_kept", "kept", "meter", "open_plain",
+                 "opened", "plain", "plain_until", "probes", "recorder", "scaler", "schedule", "track", "watch",
+                 "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -58,6 +64,8 @@ class StepDriver:
         self.watchers: list[FullStepAt] = []
         self.plain_until = 0
         """Steps before this one are plain (`plan`)."""
+        self.failing_since = -2
+        """The last step whose loss was known not to be finite (`_first_nonfinite_loss`)."""
         self.kept: list[PlainStep] = []
         self.host_kept: list[tuple] = []
         """`host_plain`'s kept steps (and a Monitor's on a CPU without a scaler), as (step, lr, t_wall_s, window start,
@@ -153,7 +161,8 @@ class StepDriver:
         by clipping, with the parameters' names), its figures sent through the meter, the sampled probes closed.
         Returns its StepResult (probe_ms: the probes' host time), not yet recorded (`record`)."""
         t_wall_s = time.time()
-        if norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)):
+        if norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)
+                              or self._first_nonfinite_loss(step, loss)):
             # A figure only, so after the window: the optimizer leaves the gradients as they were.
             norms = named_grad_norms(self.probes.names, self.probes.params)
         result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=self.watch.scaled, skipped=skipped,
@@ -162,6 +171,16 @@ class StepDriver:
         opened, self.opened = self.opened, NOTHING_OPENED
         result.probe_ms = self.probes.close(result, opened, memory, grad_stats, loop_s) * 1e3
         return result
+
+    def _first_nonfinite_loss(self, step: int, loss: torch.Tensor | float) -> bool:
+        """Whether `step` is the first of a run of steps whose loss is known on the host not to be finite (a host
+        meter's: read for free): its gradient norm is measured, so the inf/NaN gradients an unscaled optimizer applied
+        are counted and named (a nonfinite_grads event) rather than left "not measured"; once per run of such steps (a
+        loop that goes on with NaN weights fails every step)."""
+        if not self.meter.at_once or _finite(loss):
+            return False
+        first, self.failing_since = step != self.failing_since + 1, step
+        return first
 
     def record(self, result: StepResult, samples: int | None) -> None:
         """Hand a full step to the recorder, after the plain steps kept before it (records stay in step order)."""
