@@ -5,9 +5,9 @@ shared machine, segments of tens of steps drift by a few percent against each ot
 Two copies of the model, optimizer and scaler start from the same weights. Each step is timed alone (perf_counter
 around the whole iteration, `monitor.step()` included), so the monitored time holds everything the Monitor does: its
 step(), its sampled probes (gradient norm every 25 steps, statistics every 50, memory every 25, layer diagnostics
-every 200: --layers-every) and its store flushes
-(every 0.5 s, to a SQLite file). A round's ratio is its monitored steps' total time / its bare steps' total; the
-figure is the median of the rounds' ratios. The ratio of the steps' median times (which leaves the sampled probes
+every 200: --layers-every) and its store flushes (every second of wall time, MonitorConfig.flush_every_s, to a
+SQLite file). A round's ratio is its monitored steps' total time / its bare steps' total; the figure is the median of
+the rounds' ratios. The ratio of the steps' median times (which leaves the sampled probes
 and flushes out) is printed beside it.
 
 Cases (name:mode): `mlp` is a 512-384-384-1 MLP at batch 128 (about 3 ms per step on one core: the target's

@@ -192,7 +192,9 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
                                                                            "that are ±inf (after unscaling)"),
             "NaN": st.column_config.NumberColumn(width=widths["NaN"], help="Elements of the parameters' gradients "
                                                                            "that are NaN (after unscaling)")})
-        if table["NaN"].sum() > table["inf"].sum():
+        if not uses_scaler(mode):
+            st.caption(debugger.APPLIED_UNSCALED)
+        elif table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
     if not first_nonfinite_list(events, "dbg_first_nonfinite", lane) and attached:
         st.caption("No first inf/NaN named so far: after a failed step the run's layer hooks name the first module "

@@ -273,3 +273,38 @@ def test_an_attached_run_is_followed_live_with_its_skips_and_first_inf_named(fre
     assert not at.exception
     assert not any("live: redrawn" in c.value for c in at.caption)  # finished: drawn once, no timer
     assert "dbg_first_nonfinite" in _frames(at)
+
+
+def test_a_bf16_jobs_failed_step_counts_its_applied_gradients_and_says_what_applied_means(fresh_store):
+    """A user's bf16 loop (no GradScaler) whose module overflows from step 6: the step's NaN gradients were applied,
+    and the page counts that step (measured because its loss was not finite, not left "not measured"), names the
+    parameters, and says what "applied" means there (not the fp16 backward's NaN-from-overflow note)."""
+    import torch
+    from bisect_workloads import SAFE, Amplify
+    from test_nonfinite import PlantedAt
+    from torch import nn
+
+    from amp_core.monitor import Monitor
+    from amp_core.views.debugger import APPLIED_UNSCALED, NAN_FROM_OVERFLOW
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), Amplify(SAFE), nn.Linear(32, 32), PlantedAt(6), nn.LayerNorm(32),
+                          nn.Linear(32, 4))
+    model[3].planted.factor = 1e39  # past bf16's range too
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with Monitor(model, optimizer, store=fresh_store, name="bf16 job", layers_every=0) as monitor:
+        for _ in range(10):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            optimizer.step()
+            monitor.step(loss)
+    at = _page()
+    assert at.selectbox(key="dbg_run").value == monitor.run_id
+    table = _frames(at)["dbg_skipped"]
+    assert table["step"].tolist() == [6] and table["outcome"].tolist() == ["applied: no scaler to catch it"]
+    assert "0.weight" in table["parameters"].iloc[0] and table["NaN"].iloc[0] > 0
+    captions = [c.value for c in at.caption]
+    assert APPLIED_UNSCALED in captions and NAN_FROM_OVERFLOW not in captions

@@ -293,6 +293,11 @@ NAN_FROM_OVERFLOW = (
     "same: it skips the step and backs the scale off.")
 """The page's explanation, next to a skipped-steps table that counts more NaN than inf (tests/test_debugger.py
 shows it happening in a real fp16 backward)."""
+APPLIED_UNSCALED = (
+    "Applied: with no GradScaler the optimizer stepped with these gradients, so from that step on the weights hold "
+    "inf/NaN and every later step fails too (this table counts the first step of each such run); where it was found, "
+    "the step's first inf/NaN module is named below.")
+"""The page's note under the same table for a mode with no GradScaler (bf16, fp32: nothing skips a step)."""
 
 
 def lane_faults(config: dict[str, Any], mode: str) -> list[FaultSpec]:
