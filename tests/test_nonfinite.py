@@ -39,8 +39,9 @@ class PlantedAt(nn.Module):
         return self.planted(x) if self.calls > self.at else x
 
 
-@pytest.mark.parametrize(("dtype", "scaled"), [(torch.bfloat16, False), (torch.float16, True)])
-def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_store, dtype, scaled):
+@pytest.mark.parametrize(("dtype", "scaled", "norm_every"),
+                         [(torch.bfloat16, False, 25), (torch.float16, True, 25), (torch.bfloat16, False, 3)])
+def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_store, dtype, scaled, norm_every):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), Amplify(SAFE), nn.Linear(32, 32), PlantedAt(3), nn.LayerNorm(32),
                           nn.Linear(32, 4))
@@ -49,8 +50,8 @@ def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_sto
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaled)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with Monitor(model, optimizer, scaler, store=fresh_store, layers_every=0) as monitor:
-        for _ in range(6):
+    with Monitor(model, optimizer, scaler, store=fresh_store, layers_every=0, grad_norm_every=norm_every) as monitor:
+        for _ in range(7):
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=dtype):
                 loss = nn.functional.cross_entropy(model(x).float(), y)
@@ -65,8 +66,8 @@ def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_sto
     assert data["failed_step"] == 3 and data["same_step"] and data["module"] == "3.planted"
     assert "in the failing step itself (step 3" in named["message"].iloc[0]
     if not scaled:  # the NaN gradients the optimizer applied at that step are counted and named, once per streak
-        applied = events[events["kind"] == "nonfinite_grads"]
-        assert applied["step"].tolist() == [3], applied["step"].tolist()
+        applied = events[events["kind"] == "nonfinite_grads"]  # (and on the steps sampled anyway: every 3rd)
+        assert applied["step"].tolist() == ([3] if norm_every == 25 else [3, 6]), applied["step"].tolist()
         assert {p["param"] for p in applied["data"].iloc[0]["params"]} >= {"0.weight", "5.weight"}
         frame = open_store(fresh_store).steps(monitor.run_id).set_index("step")
         assert not math.isfinite(frame.loc[3, "grad_norm"]) and math.isnan(frame.loc[4, "grad_norm"])

@@ -161,8 +161,9 @@ class StepDriver:
         by clipping, with the parameters' names), its figures sent through the meter, the sampled probes closed.
         Returns its StepResult (probe_ms: the probes' host time), not yet recorded (`record`)."""
         t_wall_s = time.time()
+        first_failed = self._first_nonfinite_loss(step, loss)  # every full step: a run of failed steps is told whole
         if norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)
-                              or self._first_nonfinite_loss(step, loss)):
+                              or first_failed):
             # A figure only, so after the window: the optimizer leaves the gradients as they were.
             norms = named_grad_norms(self.probes.names, self.probes.params)
         result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=self.watch.scaled, skipped=skipped,
