@@ -39,19 +39,19 @@ class PlantedAt(nn.Module):
         return self.planted(x) if self.calls > self.at else x
 
 
-@pytest.mark.parametrize(("dtype", "scaled", "norm_every"),
-                         [(torch.bfloat16, False, 25), (torch.float16, True, 25), (torch.bfloat16, False, 3)])
-def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_store, dtype, scaled, norm_every):
+def planted_loop(store, dtype: torch.dtype, scaled: bool, at: int, steps: int, **settings) -> str:
+    """A user's autocast loop, a Monitor watching it, whose module "3.planted" overflows (past bf16's range too) from
+    step `at`; returns the run's id."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), Amplify(SAFE), nn.Linear(32, 32), PlantedAt(3), nn.LayerNorm(32),
+    model = nn.Sequential(nn.Linear(16, 32), Amplify(SAFE), nn.Linear(32, 32), PlantedAt(at), nn.LayerNorm(32),
                           nn.Linear(32, 4))
     if dtype == torch.bfloat16:  # bf16 has fp32's range: make the planted factor overflow it too
         model[3].planted.factor = 1e39
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaled)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with Monitor(model, optimizer, scaler, store=fresh_store, layers_every=0, grad_norm_every=norm_every) as monitor:
-        for _ in range(7):
+    with Monitor(model, optimizer, scaler, store=store, layers_every=0, **settings) as monitor:
+        for _ in range(steps):
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=dtype):
                 loss = nn.functional.cross_entropy(model(x).float(), y)
@@ -59,7 +59,14 @@ def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_sto
             scaler.step(optimizer)
             scaler.update()
             monitor.step(loss)
-    events = RunManager(open_store(fresh_store)).events(monitor.run_id)
+    return monitor.run_id
+
+
+@pytest.mark.parametrize(("dtype", "scaled", "norm_every"),
+                         [(torch.bfloat16, False, 25), (torch.float16, True, 25), (torch.bfloat16, False, 3)])
+def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_store, dtype, scaled, norm_every):
+    run_id = planted_loop(fresh_store, dtype, scaled, at=3, steps=7, grad_norm_every=norm_every)
+    events = RunManager(open_store(fresh_store)).events(run_id)
     named = events[events["kind"] == FIRST_NONFINITE_EVENT]
     assert len(named) == 1, named["message"].tolist()  # steps 4 and 5 fail too (a streak named once)
     data = named["data"].iloc[0]
@@ -69,7 +76,7 @@ def test_a_monitor_names_the_planted_module_in_the_failing_step_itself(fresh_sto
         applied = events[events["kind"] == "nonfinite_grads"]  # (and on the steps sampled anyway: every 3rd)
         assert applied["step"].tolist() == ([3] if norm_every == 25 else [3, 6]), applied["step"].tolist()
         assert {p["param"] for p in applied["data"].iloc[0]["params"]} >= {"0.weight", "5.weight"}
-        frame = open_store(fresh_store).steps(monitor.run_id).set_index("step")
+        frame = open_store(fresh_store).steps(run_id).set_index("step")
         assert not math.isfinite(frame.loc[3, "grad_norm"]) and math.isnan(frame.loc[4, "grad_norm"])
 
 

@@ -280,29 +280,13 @@ def test_a_bf16_jobs_failed_step_counts_its_applied_gradients_and_says_what_appl
     and the page counts that step (measured because its loss was not finite, not left "not measured"), names the
     parameters, and says what "applied" means there (not the fp16 backward's NaN-from-overflow note)."""
     import torch
-    from bisect_workloads import SAFE, Amplify
-    from test_nonfinite import PlantedAt
-    from torch import nn
+    from test_nonfinite import planted_loop
 
-    from amp_core.monitor import Monitor
     from amp_core.views.debugger import APPLIED_UNSCALED, NAN_FROM_OVERFLOW
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), Amplify(SAFE), nn.Linear(32, 32), PlantedAt(6), nn.LayerNorm(32),
-                          nn.Linear(32, 4))
-    model[3].planted.factor = 1e39  # past bf16's range too
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with Monitor(model, optimizer, store=fresh_store, name="bf16 job", layers_every=0) as monitor:
-        for _ in range(10):
-            optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x).float(), y)
-            loss.backward()
-            optimizer.step()
-            monitor.step(loss)
+    run_id = planted_loop(fresh_store, torch.bfloat16, scaled=False, at=6, steps=10)
     at = _page()
-    assert at.selectbox(key="dbg_run").value == monitor.run_id
+    assert at.selectbox(key="dbg_run").value == run_id
     table = _frames(at)["dbg_skipped"]
     assert table["step"].tolist() == [6] and table["outcome"].tolist() == ["applied: no scaler to catch it"]
     assert "0.weight" in table["parameters"].iloc[0] and table["NaN"].iloc[0] > 0
