@@ -34,7 +34,7 @@ class Lane:
         self.plain = False
         """Its steps that sample nothing may be plain ones, decided when the loop begins."""
         self.plain_step: Callable[[int, tuple, int | None], tuple | None] | None = None
-        """A plain lane's plain step (its driver's `host_plain` around `step.plain_work`), made when the loop
+        """A plain lane's plain step (its driver's `plain_step` around `step.plain_work`), made when the loop
         begins."""
 
 

@@ -270,7 +270,9 @@ class Run(RunReading):
         plain_run = plan_plain_steps(self.lanes, hooks.plain_steps(), sink.counts_calls)
         for lane in self.lanes:
             # Made now that every lane-setup hook has bound the model the lane trains (a DDP wrapper, say).
-            lane.plain_step = lane.state.driver.host_plain(plain_work(lane.state)) if lane.plain else None
+            state = lane.state if lane.plain else None
+            lane.plain_step = None if state is None else \
+                state.driver.plain_step(plain_work(state), state.precision.step_context)
         flush_at, workload = 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up or Python call made is a few hundred ns to a
         # microsecond with the caches holding the model.

@@ -68,7 +68,9 @@ class LaneState:
     lane's stream waits for it, on the device, before its next optimizer step writes the state."""
     always_norm: bool = False
     """The gradient norm is measured on every step: clipping needs it, faults are planned, or the mode's gradients
-    can overflow (Precision.watch_grads)."""
+    can overflow (Precision.watch_grads) where a step that took inf/NaN is not known on the host when it ends (no
+    scaler, or a fused optimizer's skip decided on the device). Behind a GradScaler with an unfused optimizer a
+    skipped step is known at once, and a skipped step has its norm measured anyway (StepDriver.finish)."""
 
     def __post_init__(self) -> None:
         self.bind_model(self.model)
@@ -85,7 +87,8 @@ class LaneState:
         if self.watch is None:
             self.watch = OptimizerWatch(self.optimizer, self.scaler, unscaled_too=False)  # skips only
         self.probes = StepProbes(self.meter, model, self.param_names, self.params, self.optimizer, self.schedule)
-        self.always_norm = bool(self.grad_clip or self.faults or self.precision.watch_grads)
+        skip_known = self.watch.scaled and not self.watch.fused
+        self.always_norm = bool(self.grad_clip or self.faults or (self.precision.watch_grads and not skip_known))
         driver = StepDriver(self.meter, self.probes, self.watch, self.scaler, always_norm=self.always_norm)
         if self.driver is not None:  # a model wrapped later (DDP) keeps the lane's place in the run's records
             driver.attach(self.driver.recorder, self.driver.track)
@@ -100,9 +103,10 @@ class LaneState:
     @property
     def plain(self) -> bool:
         """Whether the lane's steps that sample nothing may be plain ones (`plain_work`): a step of it needs nothing
-        but the training work and its loss (no scaler, fault, clipping, LR schedule or per-step gradient norm), and
-        its meter has the figures on the host at once (a CPU: a non-finite loss is known when the step ends)."""
-        return not (self.scaler.is_enabled() or self.always_norm or self.has_scheduler) and self.meter.at_once
+        but the training work and its loss (no scaler, fault, clipping, LR schedule or per-step gradient norm). On a
+        CPU its loss is on the host when the step ends (StepDriver.host_plain); on CUDA it arrives with the window's
+        figures (StepDriver.device_plain), as a full step's does."""
+        return not (self.scaler.is_enabled() or self.always_norm or self.has_scheduler)
 
     @property
     def mode(self) -> str:
@@ -180,17 +184,16 @@ def train_step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: 
 
 
 def plain_work(lane: LaneState) -> PlainWork:
-    """The training work of a `LaneState.plain` lane's steps that sample nothing, for the driver's `host_plain`:
-    `_step`'s work without the calls that do nothing on such a lane (faults, scaler, clipping, schedule, probes) and
-    with what does not change from step to step decided once: the step context (none on a host-metered lane), the
-    forward's context (one autocast object, entered and left each step: a new one is three Python calls more), the
-    model, the loss and the optimizer; an input the device already holds in its dtype is not passed through
-    `prepare_input` (a call with cold caches). Returns work(batch) -> (lr, loss); the records are those of
-    `train_step` (tests/test_runner.py holds them equal). Made when the loop begins, after every lane-setup hook has
-    bound the model it trains (`bind_model`)."""
+    """The training work of a `LaneState.plain` lane's steps that sample nothing, for the driver's `host_plain` (a
+    CPU) or `device_plain` (CUDA, which holds the lane's step context around it): `_step`'s work without the calls
+    that do nothing on such a lane (faults, scaler, clipping, schedule, probes) and with what does not change from
+    step to step decided once: the forward's context (one autocast object, entered and left each step: a new one is
+    three Python calls more), the model, the loss and the optimizer; an input a CPU lane already holds in its dtype
+    is not passed through `prepare_input` (a call with cold caches). On CUDA the optimizer's update waits, on the
+    device, for a snapshot's copies of the state (`copies_pending`), as `_step`'s does. Returns work(batch) -> (lr,
+    loss); the records are those of `train_step` (tests/test_runner.py and, on CUDA, tests/test_cuda.py hold them
+    equal). Made when the loop begins, after every lane-setup hook has bound the model it trains (`bind_model`)."""
     precision, model, optimizer, loss_of = lane.precision, lane.model, lane.optimizer, lane.workload.loss
-    if precision.step_context() is not NO_CONTEXT:
-        raise ValueError(f"plain_work: a {precision.device_type} lane's step holds a context; it takes full steps")
     prepare, dtype, here = precision.prepare_input, precision.param_dtype, precision.device == "cpu"
     forward = precision.forward_context()
     autocast = None if forward is NO_CONTEXT else forward
@@ -209,6 +212,9 @@ def plain_work(lane: LaneState) -> PlainWork:
                 loss = loss_of(model(inputs), targets)
         loss.backward()
         lr = float(optimizer.param_groups[0]["lr"])
+        if lane.copies_pending is not None:  # CUDA only: see _step (a wait on the device, no host sync)
+            torch.cuda.current_stream(precision.device).wait_event(lane.copies_pending)
+            lane.copies_pending = None
         optimizer.step()
         return lr, loss
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from test_honest_figures import GRADS, LinearInW
+from test_runner import _figures, _no_op
 
 from amp_core import switches
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import availability
-from amp_core.runner import Run, build_lane_state
+from amp_core.runner import Run, RunHooks, build_lane_state
 from amp_core.step import train_step
 from amp_core.telemetry import resolve_step
 from amp_core.telemetry.sampled import grad_norms
@@ -170,3 +173,39 @@ def test_a_cuda_run_records_every_step_and_names_a_skipped_steps_parameter(fused
     assert fp16.loc[n + 1, "scale"] == fp16.loc[n, "scale"] / 2
     (skip,) = [e for e in run.events() if e.kind == "skipped_step"]
     assert [p["param"] for p in skip.data["params"]] == ["layer2.bias"]
+
+
+def test_plain_cuda_steps_record_what_full_steps_record():
+    # On CUDA too, 32-true and bf16-mixed lanes take plain steps between the sampled ones (StepDriver.device_plain:
+    # the window, the work and the loss sent, no probes); 16-mixed (a scaler) never does. A hook that watches
+    # nothing makes every step a full one: the records are the same.
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed", "16-mixed"), steps=80,
+                       device="cuda", seed=5)
+    plain = finished(config)
+    full = Run(config, hooks=RunHooks(after_lane_step=[_no_op])).start()
+    full.join(300)
+    assert full.status == "finished"
+    assert [lane.plain for lane in plain.lanes] == [True, True, False]
+    assert not any(lane.plain for lane in full.lanes)
+    (plain_frame, plain_events), (full_frame, full_events) = _figures(plain), _figures(full)
+    assert len(plain_frame) == 3 * 80
+    pd.testing.assert_frame_equal(plain_frame, full_frame)
+    assert plain_events == full_events
+    assert plain.frame()["step_ms"].gt(0).all()
+
+
+def test_a_plain_cuda_lane_whose_loss_goes_nonfinite_stops_with_nothing_recorded_after_it():
+    # SGD with a huge LR blows fp32 up within a few steps: the loss arrives with the window's figures, after the lane
+    # queued more plain steps; the lane stops on the first non-finite loss and records none of the steps after it.
+    config = RunConfig(workload="mlp_regression", modes=("32-true",), steps=200, optimizer="sgd", lr=1e4,
+                       device="cuda")
+    run = Run(config).start()
+    run.join(300)
+    lane = run.lanes[0]
+    assert lane.plain and lane.status == "diverged"
+    frame = run.frame()
+    losses = frame["loss"]
+    first_bad = int(frame["step"][~np.isfinite(losses)].iloc[0])
+    assert first_bad > 1, "the divergence must come on a plain step for this test to mean anything"
+    assert frame["step"].max() == first_bad and frame["step"].tolist() == list(range(first_bad + 1))
+    assert f"at step {first_bad}" in lane.error

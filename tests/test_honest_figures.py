@@ -8,6 +8,7 @@ import math
 import time
 import weakref
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -126,11 +127,24 @@ def test_sampled_probes_run_outside_the_timed_step_and_report_their_own_time():
 
 
 def test_the_gradient_norm_is_measured_where_a_figure_needs_it():
-    frame = finished(RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=25, device="cpu",
-                               grad_norm_every=10, gradstats_every=0)).frame()
-    fp32, fp16 = (frame[frame["mode"] == mode].set_index("step")["grad_norm"] for mode in ("32-true", "16-mixed"))
-    assert fp32.dropna().index.tolist() == [0, 10, 20]  # sampled
-    assert fp16.notna().all()  # 16-mixed: fp16 gradients overflow in ordinary training
+    run = finished(RunConfig(workload="digits_mlp", modes=("32-true", "16-mixed"), steps=25,
+                             device="cpu", grad_norm_every=10, gradstats_every=0,
+                             scaler=ScalerConfig(init_scale=2.0**24)))
+    frame = run.frame()
+    fp32, fp16 = (frame[frame["mode"] == mode].set_index("step") for mode in ("32-true", "16-mixed"))
+    assert fp32["grad_norm"].dropna().index.tolist() == [0, 10, 20]  # sampled
+    # 16-mixed: fp16 gradients overflow in ordinary training, and GradScaler (unfused) skips such a step with the
+    # host knowing at once: the norm is measured on the sampled steps and on every skipped one.
+    skipped = fp16.index[fp16["skipped"]].tolist()
+    assert skipped, "a first scale of 2^24 overflows digits_mlp's fp16 gradients"
+    stepped = fp16[~fp16["skipped"]]
+    assert stepped["grad_norm"].dropna().index.tolist() == [step for step in (0, 10, 20) if step not in skipped]
+    named = {e.step: e.data["params"] for e in run.events() if e.kind == "skipped_step"}
+    assert sorted(named) == skipped and all(named.values())  # each skipped step's parameters named (its norms)
+    # 16-true: no scaler catches an overflow, so every step's norm is measured.
+    pure = finished(RunConfig(workload="mlp_regression", modes=("16-true",), steps=12, device="cpu", optimizer="sgd",
+                              grad_norm_every=10, gradstats_every=0)).frame()
+    assert len(pure) == 12 and pure["grad_norm"].notna().all()
     clipped = finished(RunConfig(workload="digits_mlp", modes=("32-true",), steps=5, device="cpu",
                                  grad_clip=1.0)).frame()
     assert clipped["grad_norm"].notna().all()
@@ -226,6 +240,43 @@ def test_in_flight_steps_become_the_same_records_in_order(lagging):
     assert (measured["peak_above_start_bytes"] == 4096).all() and measured["step"].min() == 1
     held = measured["params_bytes"] + measured["grads_bytes"] + measured["optim_bytes"]
     assert (measured["lane_peak_bytes"] == held + 4096).all()
+
+
+def test_plain_steps_whose_figures_arrive_later_record_what_host_steps_record(lagging):
+    # CUDA's plain steps (StepDriver.device_plain: the window, the work, the loss sent behind it) on a meter with
+    # CUDA's contract: the same records as a host meter's plain steps, each lane in order.
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=80, device="cpu",
+                       intra_op_threads=1, seed=3)
+    deferred_run = finished(config)
+    assert [lane.plain for lane in deferred_run.lanes] == [True, True]
+    assert sum(m.sent for m in lagging) == 160
+    lagging.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_module, "meter_for", lambda device: HostMeter())
+        immediate = finished(config).frame()
+    deferred = deferred_run.frame()
+    training = ["lane", "step", "loss", "lr", "scale", "skipped", "grad_norm", "params_bytes", "optim_bytes"]
+    for lane in range(2):
+        assert deferred[deferred["lane"] == lane]["step"].tolist() == list(range(80))
+    pd.testing.assert_frame_equal(deferred.sort_values(["lane", "step"])[training].reset_index(drop=True),
+                                  immediate.sort_values(["lane", "step"])[training].reset_index(drop=True))
+
+
+def test_a_plain_lane_whose_loss_arrives_nonfinite_stops_there_and_counts_the_steps_it_ran_after(lagging):
+    # SGD with a huge LR blows fp32 up within a few plain steps; the loss reaches the host a few steps later (and the
+    # plain steps become records in batches): the lane stops on the first non-finite loss, records nothing after it,
+    # and its diverged event counts the steps it ran after.
+    run = finished(RunConfig(workload="mlp_regression", modes=("32-true",), steps=200, optimizer="sgd", lr=1e4,
+                             device="cpu", intra_op_threads=1))
+    lane = run.lanes[0]
+    assert lane.plain and lane.status == "diverged"
+    frame = run.frame()
+    first_bad = int(frame["step"][~np.isfinite(frame["loss"])].iloc[0])
+    assert first_bad > 1, "the divergence must come on a plain step for this test to mean anything"
+    assert frame["step"].tolist() == list(range(first_bad + 1))
+    (diverged,) = [e for e in run.events() if e.kind == "diverged"]
+    assert diverged.step == first_bad
+    assert diverged.data["steps_run_after"] == sum(m.sent for m in lagging) - first_bad - 1 >= 1
 
 
 def test_divergence_is_noticed_when_the_figures_arrive_and_later_steps_are_dropped(lagging):

@@ -151,6 +151,34 @@ class StepDriver:
 
         return plain
 
+    def device_plain(self, work: PlainWork, context: Callable[[], object]) -> HostPlain:
+        """A plain step's measured path where the figures reach the host later (CUDA) and no scaler runs: inside
+        `context()` (the lane's step context: the step lock and its TF32 flags) the window opens, `work(batch)` runs,
+        the window closes and the loss is sent (a copy to pinned memory behind the step, an event: no host sync);
+        the step is kept (`kept`) and becomes a record at a drain, once its window is ready. It returns None: a loss
+        that is not finite is seen when its figures arrive (StepRecorder), as a full step's is on CUDA. Two timing
+        events, one copy and one event a step: what a full step's window takes with nothing sampled, without its
+        Python (the probes' open and close, the figures' assembly)."""
+        meter, kept, now = self.meter, self.kept, time.time
+        if meter.at_once or self.watch.scaled:
+            raise ValueError("device_plain: a meter whose figures reach the host later, and no scaler")
+
+        def plain(step: int, batch: tuple, samples: int | None) -> None:
+            with context():
+                window = meter.open()
+                lr, loss = work(batch)
+                meter.close(window)
+                meter.send(window, [loss])
+                del loss  # the step's tensors die inside the context (see step.train_step)
+            kept.append(PlainStep(step, lr, now(), window, samples))
+
+        return plain
+
+    def plain_step(self, work: PlainWork, context: Callable[[], object]) -> HostPlain:
+        """The plain step of a race lane: `host_plain(work)` where the meter has the figures at once (a CPU: the lane
+        holds no step context there), else `device_plain(work, context)`."""
+        return self.host_plain(work) if self.meter.at_once else self.device_plain(work, context)
+
     def finish(self, window: Window, step: int, lr: float, loss: torch.Tensor | float, *, skipped: bool | None,
                found_inf: torch.Tensor | None = None,
                norms: tuple[tuple[torch.Tensor, torch.Tensor], list[str]] | None = None,
@@ -189,12 +217,18 @@ class StepDriver:
         self.recorder.add(self.track, result, samples)
 
     def drain(self) -> None:
-        """The kept plain steps become records (StepRecorder.add_plain), oldest first."""
+        """The kept plain steps become records (StepRecorder.add_plain), oldest first. Both lists are emptied in
+        place: `host_plain`'s and `device_plain`'s steps append to the lists they were made with."""
+        kept = self.kept
         if self.host_kept:
             host = [PlainStep(step, lr, t_wall_s, Window(start, end, values=[value]), samples, probe_s)
                     for step, lr, t_wall_s, start, end, value, samples, probe_s in self.host_kept]
-            self.host_kept.clear()  # in place: `host_plain`'s steps append to this list
-            self.kept = sorted(self.kept + host, key=lambda kept: kept.step) if self.kept else host
-        if self.kept:
-            kept, self.kept = self.kept, []
-            self.recorder.add_plain(self.track, kept, self.watch.scaled)
+            self.host_kept.clear()
+            if kept:
+                host = sorted(kept + host, key=lambda plain: plain.step)
+                kept.clear()
+            kept += host
+        if kept:
+            steps = kept[:]
+            kept.clear()
+            self.recorder.add_plain(self.track, steps, self.watch.scaled)

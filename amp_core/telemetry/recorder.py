@@ -217,6 +217,8 @@ class LaneTrack:
     peak_above_start_bytes: int | None = None
     peak_bytes: int | None = None
     """The allocator-measured lane peak at the last measurement (CUDA)."""
+    dropped: bool = False
+    """Its lane stopped (StepRecorder.drop): steps of it that arrive later are not recorded."""
 
 
 @dataclass(slots=True)
@@ -231,6 +233,8 @@ class StepRecorder:
     on_record: list[Callable[[LaneTrack, StepResult], None]] = field(default_factory=list)
     _in_flight: deque = field(default_factory=deque)
     _resolve_at: float = 0.0
+    _adding: tuple[LaneTrack, int] | None = None
+    """While `add_plain` adds a batch: its track and how many of its steps come after the one being added."""
 
     def track(self, lane: int, mode: str, meter: Meter) -> LaneTrack:
         """The LaneTrack of lane `lane` (its records: the sink's track of this lane)."""
@@ -253,11 +257,15 @@ class StepRecorder:
         Made here, in a batch, where the caches hold this code, rather than right after each step, where they hold
         the model."""
         meter = track.meter
-        for kept in plain:
+        for left, kept in enumerate(plain, 1 - len(plain)):
             result = StepResult(step=kept.step, lr=kept.lr, t_wall_s=kept.t_wall_s, scaled=scaled, skipped=False,
                                 probe_ms=kept.probe_s * 1e3)
             attach_window(meter, kept.window, result)
+            self._adding = (track, -left)  # the steps after this one, for `drop`
             self.add(track, result, kept.samples)
+            if track.dropped:  # a step recorded now stopped the lane (CUDA: a loss seen not finite as it arrived)
+                break
+        self._adding = None
 
     @property
     def waiting(self) -> int:
@@ -280,9 +288,13 @@ class StepRecorder:
         self._resolve_at = time.monotonic() + RESOLVE_EVERY_S
 
     def drop(self, track: LaneTrack) -> int:
-        """Forget the steps of `track` still on their way (a lane stopped); returns how many."""
+        """Forget the steps of `track` still on their way (a lane stopped), and the rest of a batch of its plain
+        steps being added; returns how many steps that left out."""
+        track.dropped = True
         kept = [entry for entry in self._in_flight if entry[0] is not track]
         dropped = len(self._in_flight) - len(kept)
+        if self._adding is not None and self._adding[0] is track:
+            dropped += self._adding[1]  # the rest of a batch of plain steps, which `add_plain` leaves out
         self._in_flight.clear()  # in place: `resolve` may be recording the step that stopped the lane
         self._in_flight.extend(kept)
         return dropped
