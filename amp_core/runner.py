@@ -299,10 +299,12 @@ class Run(RunReading):
                             self._lane_failed(lane, step, exc)
                         else:
                             lane.steps_done = step + 1
-                            if failed is not None:  # a loss known not to be finite: recorded at once, the lane
-                                self._drain()       # stops on it as on a full step
-                                window, lr, loss = failed
-                                driver.record(driver.finish(window, step, lr, loss, skipped=False), samples)
+                            if failed is not None:  # a loss known not to be finite (the lane stops on it as on a
+                                self._drain()       # full step) or a skipped step: recorded at once, in full
+                                window, lr, loss, skipped = failed
+                                with step_lock:
+                                    result = driver.finish(window, step, lr, loss, skipped=skipped)
+                                driver.record(result, samples)
                     else:
                         self._drain()  # the plain steps before this one are recorded first, in step order
                         probe_s = 0.0  # what the before hooks measured, outside the step's timed window

@@ -103,10 +103,13 @@ class LaneState:
     @property
     def plain(self) -> bool:
         """Whether the lane's steps that sample nothing may be plain ones (`plain_work`): a step of it needs nothing
-        but the training work and its loss (no scaler, fault, clipping, LR schedule or per-step gradient norm). On a
-        CPU its loss is on the host when the step ends (StepDriver.host_plain); on CUDA it arrives with the window's
-        figures (StepDriver.device_plain), as a full step's does."""
-        return not (self.scaler.is_enabled() or self.always_norm or self.has_scheduler)
+        but the training work and its loss (no fault, clipping, LR schedule or per-step gradient norm). On a CPU
+        (StepDriver.host_plain) its loss is on the host when the step ends, and it has no scaler; on CUDA
+        (StepDriver.device_plain) its figures arrive later, as a full step's do, and a GradScaler may run where the
+        host knows at once whether it skipped (an unfused optimizer: a skipped step then takes the full path)."""
+        if self.scaler.is_enabled() and (self.meter.at_once or self.watch.fused):
+            return False
+        return not (self.always_norm or self.has_scheduler)
 
     @property
     def mode(self) -> str:
@@ -190,13 +193,17 @@ def plain_work(lane: LaneState) -> PlainWork:
     step to step decided once: the forward's context (one autocast object, entered and left each step: a new one is
     three Python calls more), the model, the loss and the optimizer; an input a CPU lane already holds in its dtype
     is not passed through `prepare_input` (a call with cold caches). On CUDA the optimizer's update waits, on the
-    device, for a snapshot's copies of the state (`copies_pending`), as `_step`'s does. Returns work(batch) -> (lr,
-    loss); the records are those of `train_step` (tests/test_runner.py and, on CUDA, tests/test_cuda.py hold them
-    equal). Made when the loop begins, after every lane-setup hook has bound the model it trains (`bind_model`)."""
+    device, for a snapshot's copies of the state (`copies_pending`), as `_step`'s does; a GradScaler (CUDA only)
+    scales the loss, steps and updates as in `_step` (it unscales inside `step`: the same numbers). Returns
+    work(batch) -> (lr, loss); the records are those of `train_step` (tests/test_runner.py, test_honest_figures.py
+    and, on CUDA, test_cuda.py hold them equal). Made when the loop begins, after every lane-setup hook has bound
+    the model it trains (`bind_model`)."""
     precision, model, optimizer, loss_of = lane.precision, lane.model, lane.optimizer, lane.workload.loss
     prepare, dtype, here = precision.prepare_input, precision.param_dtype, precision.device == "cpu"
     forward = precision.forward_context()
     autocast = None if forward is NO_CONTEXT else forward
+    scaler = lane.scaler if lane.scaler.is_enabled() else None  # CUDA only (LaneState.plain)
+    watch = lane.watch
 
     def work(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, torch.Tensor]:
         inputs, targets = batch
@@ -210,12 +217,20 @@ def plain_work(lane: LaneState) -> PlainWork:
         else:
             with autocast:
                 loss = loss_of(model(inputs), targets)
-        loss.backward()
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
         lr = float(optimizer.param_groups[0]["lr"])
         if lane.copies_pending is not None:  # CUDA only: see _step (a wait on the device, no host sync)
             torch.cuda.current_stream(precision.device).wait_event(lane.copies_pending)
             lane.copies_pending = None
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:  # whether it stepped: the watch's pre-hook (the host knows at once with an unfused optimizer)
+            watch.begin()
+            scaler.step(optimizer)
+            scaler.update()
         return lr, loss
 
     return work

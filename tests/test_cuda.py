@@ -176,19 +176,23 @@ def test_a_cuda_run_records_every_step_and_names_a_skipped_steps_parameter(fused
 
 
 def test_plain_cuda_steps_record_what_full_steps_record():
-    # On CUDA too, 32-true and bf16-mixed lanes take plain steps between the sampled ones (StepDriver.device_plain:
-    # the window, the work and the loss sent, no probes); 16-mixed (a scaler) never does. A hook that watches
-    # nothing makes every step a full one: the records are the same.
+    # On CUDA, 32-true, bf16-mixed and 16-mixed (an unfused GradScaler: the host knows a skip at once) lanes take
+    # plain steps between the sampled ones (StepDriver.device_plain: the window, the work and the loss sent, no
+    # probes); a skipped step takes the full path. A hook that watches nothing makes every step a full one: the
+    # records are the same. A first scale of 2^24 makes the fp16 lane skip its first steps.
     config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed", "16-mixed"), steps=80,
-                       device="cuda", seed=5)
+                       device="cuda", seed=5, scaler=ScalerConfig(init_scale=2.0**24))
     plain = finished(config)
     full = Run(config, hooks=RunHooks(after_lane_step=[_no_op])).start()
     full.join(300)
     assert full.status == "finished"
-    assert [lane.plain for lane in plain.lanes] == [True, True, False]
+    assert [lane.plain for lane in plain.lanes] == [True, True, True]
     assert not any(lane.plain for lane in full.lanes)
     (plain_frame, plain_events), (full_frame, full_events) = _figures(plain), _figures(full)
     assert len(plain_frame) == 3 * 80
+    skipped = plain_frame[plain_frame["skipped"]]["step"].tolist()
+    assert len(skipped) >= 2 and max(skipped) > 1, "the fp16 lane must skip on a plain step"
+    assert sum(e[0] == "skipped_step" for e in plain_events) == len(skipped)
     pd.testing.assert_frame_equal(plain_frame, full_frame)
     assert plain_events == full_events
     assert plain.frame()["step_ms"].gt(0).all()

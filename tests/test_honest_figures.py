@@ -244,22 +244,28 @@ def test_in_flight_steps_become_the_same_records_in_order(lagging):
 
 def test_plain_steps_whose_figures_arrive_later_record_what_host_steps_record(lagging):
     # CUDA's plain steps (StepDriver.device_plain: the window, the work, the loss sent behind it) on a meter with
-    # CUDA's contract: the same records as a host meter's plain steps, each lane in order.
-    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=80, device="cpu",
-                       intra_op_threads=1, seed=3)
+    # CUDA's contract: the same records as a host meter's steps (plain ones, and full ones for 16-mixed, whose
+    # scaler a host-metered plain step does not take), each lane in order. A first scale of 2^24 makes the fp16
+    # lane skip some steps: a skipped plain step takes the full path and names its parameters.
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed", "16-mixed"), steps=80,
+                       device="cpu", intra_op_threads=1, seed=3, scaler=ScalerConfig(init_scale=2.0**24))
     deferred_run = finished(config)
-    assert [lane.plain for lane in deferred_run.lanes] == [True, True]
-    assert sum(m.sent for m in lagging) == 160
+    assert [lane.plain for lane in deferred_run.lanes] == [True, True, True]
+    assert sum(m.sent for m in lagging) == 240
     lagging.clear()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_module, "meter_for", lambda device: HostMeter())
         immediate = finished(config).frame()
     deferred = deferred_run.frame()
     training = ["lane", "step", "loss", "lr", "scale", "skipped", "grad_norm", "params_bytes", "optim_bytes"]
-    for lane in range(2):
+    for lane in range(3):
         assert deferred[deferred["lane"] == lane]["step"].tolist() == list(range(80))
     pd.testing.assert_frame_equal(deferred.sort_values(["lane", "step"])[training].reset_index(drop=True),
                                   immediate.sort_values(["lane", "step"])[training].reset_index(drop=True))
+    skipped = deferred[deferred["skipped"]]["step"].tolist()
+    assert len(skipped) >= 2 and max(skipped) > 1, "the fp16 lane must skip on a plain step"
+    named = {e.step: e.data["params"] for e in deferred_run.events() if e.kind == "skipped_step"}
+    assert sorted(named) == sorted(skipped) and all(named.values())
 
 
 def test_a_plain_lane_whose_loss_arrives_nonfinite_stops_there_and_counts_the_steps_it_ran_after(lagging):

@@ -27,8 +27,10 @@ from amp_core.torch_private import scale_tensor
 
 PlainWork = Callable[[tuple], tuple[float, torch.Tensor]]
 """A plain step's training work on its batch: returns (the LR it stepped with, the loss tensor)."""
-HostPlain = Callable[[int, tuple, "int | None"], "tuple[Window, float, torch.Tensor] | None"]
-"""`host_plain`'s step: (step, batch, samples) -> None when kept, else (window, lr, loss) of a non-finite loss."""
+HostPlain = Callable[[int, tuple, "int | None"], "tuple[Window, float, torch.Tensor, bool] | None"]
+"""A plain step (`host_plain`, `device_plain`): (step, batch, samples) -> None when kept, else (window, lr, loss,
+skipped) of a step that takes the full path from its closed window (`finish`): a loss known not to be finite, or a
+step the scaler skipped."""
 FullStepAt = Callable[[int], int]
 """What else watches a driver's steps: given a step, the first step from it on that must take the full path (the step
 itself: this one; a large number: none soon)."""
@@ -139,7 +141,7 @@ class StepDriver:
             raise ValueError("host_plain: a meter with the figures on the host at once and no scaler")
         clock, now, kept, isfinite = meter.clock, time.time, self.host_kept, math.isfinite
 
-        def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor] | None:
+        def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor, bool] | None:
             start = clock()
             lr, loss = work(batch)
             end = clock()
@@ -147,30 +149,43 @@ class StepDriver:
             if isfinite(value):
                 kept.append((step, lr, now(), start, end, value, samples, 0.0))
                 return None
-            return Window(start, end, values=[value]), lr, loss
+            return Window(start, end, values=[value]), lr, loss, False
 
         return plain
 
     def device_plain(self, work: PlainWork, context: Callable[[], object]) -> HostPlain:
-        """A plain step's measured path where the figures reach the host later (CUDA) and no scaler runs: inside
-        `context()` (the lane's step context: the step lock and its TF32 flags) the window opens, `work(batch)` runs,
-        the window closes and the loss is sent (a copy to pinned memory behind the step, an event: no host sync);
-        the step is kept (`kept`) and becomes a record at a drain, once its window is ready. It returns None: a loss
-        that is not finite is seen when its figures arrive (StepRecorder), as a full step's is on CUDA. Two timing
-        events, one copy and one event a step: what a full step's window takes with nothing sampled, without its
-        Python (the probes' open and close, the figures' assembly)."""
-        meter, kept, now = self.meter, self.kept, time.time
-        if meter.at_once or self.watch.scaled:
-            raise ValueError("device_plain: a meter whose figures reach the host later, and no scaler")
+        """A plain step's measured path where the figures reach the host later (CUDA): inside `context()` (the lane's
+        step context: the step lock and its TF32 flags) the window opens (with the scaler's scale, copied behind the
+        step), `work(batch)` runs, the window closes and the loss is sent (with the scale after the step, where a
+        scaler runs): copies to pinned memory and an event, no host sync; the step is kept (`kept`) and becomes a
+        record at a drain, once its window is ready. It returns None; a loss that is not finite is seen when its
+        figures arrive (StepRecorder), as a full step's is on CUDA. A step the scaler skipped (known on the host at
+        once: an unfused optimizer; `work` calls the watch's `begin`) returns (window, lr, loss, True) for `finish`,
+        which names its parameters. What it adds to the work: the events and copies a full step's window takes with
+        nothing sampled, without a full step's Python (the probes' open and close, the figures' assembly)."""
+        meter, kept, now, scaler, watch = self.meter, self.kept, time.time, self.scaler, self.watch
+        scaled = watch.scaled
+        if meter.at_once or watch.fused:
+            raise ValueError("device_plain: a meter whose figures reach the host later, and no fused scaled step")
 
-        def plain(step: int, batch: tuple, samples: int | None) -> None:
+        def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor, bool] | None:
             with context():
-                window = meter.open()
-                lr, loss = work(batch)
-                meter.close(window)
-                meter.send(window, [loss])
+                if not scaled:
+                    window = meter.open()
+                    lr, loss = work(batch)
+                    meter.close(window)
+                    meter.send(window, [loss])
+                else:
+                    scale = scale_tensor(scaler)
+                    window = meter.open(scale)
+                    lr, loss = work(batch)
+                    meter.close(window)
+                    if not watch.stepped:
+                        return window, lr, loss, True
+                    meter.send(window, [loss, scale])  # the scale after the step: update() wrote it in place
                 del loss  # the step's tensors die inside the context (see step.train_step)
             kept.append(PlainStep(step, lr, now(), window, samples))
+            return None
 
         return plain
 
