@@ -131,6 +131,7 @@ def compiled_lanes_section(series) -> None:
         return
     st.subheader("Compiled lanes")
     compiles, drift, drift_table = compiled_views.compiled_view(manager, run_ids)
+    compiles, drift_table, verdicts = compiled_views.compare_tables(compiles, drift_table)
     st.dataframe(compiles, hide_index=True, key="cmp_compiled")
     st.caption(compiled_views.COMPILE_NOTE)
     if drift.empty:
@@ -138,6 +139,8 @@ def compiled_lanes_section(series) -> None:
                 "the same run; race both (e.g. bf16-mixed and bf16-mixed+compile).")
         return
     st.dataframe(drift_table, hide_index=True, key="cmp_drift")
+    for verdict in verdicts:
+        st.markdown(f"- {verdict}")
     st.plotly_chart(compiled_views.drift_figure(drift, lane_labels), key="cmp_chart_drift")
     st.caption(compiled_views.DRIFT_NOTE)
 

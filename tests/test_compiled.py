@@ -5,6 +5,7 @@ fixture compiles once (seconds cold; inductor's cache makes a rerun quicker)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from compile_workloads import FusedChain, PlantedBreak
@@ -180,6 +181,17 @@ def test_drift_recorded_per_step_and_summarised(race):
     assert compiles["recipe"].tolist() == ["bf16-mixed+compile"] and compiles["compile s"].iloc[0] > 0
     assert drift["step"].tolist() == list(range(STEPS)) and drift["vs_fp32"].notna().all()
     assert summary["verdict"].iloc[0].startswith("one seed")
+    # Compare shows them inside the page's width: the run's short id, no column that says nothing, short headers.
+    shown, shown_drift, verdicts = compiled_views.compare_tables(compiles, summary)
+    run = race.run_id.rsplit("-", 1)[-1][-6:]
+    assert shown["run"].tolist() == [run] and "run_id" not in shown and "run_id" not in shown_drift
+    assert not {"error", "slow-compile warnings", "recompile s", "recompile reasons"} & set(shown.columns)
+    assert shown_drift.columns.tolist() == ["run", "lane", "recipe", "seed", "steps", "median |drift|", "max |drift|",
+                                            "vs 32-true, compiled", "vs 32-true, eager", "seed noise"]
+    assert verdicts == [f"**bf16-mixed+compile · {run}** (seed 0) against its eager twin: "
+                        "one seed: no noise to judge by"]
+    assert shown_drift["median |drift|"].iloc[0] == summary["median |drift vs eager|"].iloc[0]
+    assert shown_drift["seed noise"].tolist() == ["–"]  # one seed: no noise (a table draws NaN as a grey None)
 
 
 class _Reader:
@@ -220,6 +232,9 @@ def test_recompile_named_with_its_guard_and_the_storm_is_an_event(planted):
                                            _Reader(planted).run_info(planted.run_id).lanes)
     row = table.set_index("recipe").loc["32-true+compile"]
     assert row["recompiles"] >= 1 and row["storm"] == "yes" and "graph_break()" in row["break reasons"]
+    table.insert(0, "run_id", planted.run_id)
+    shown, _, _ = compiled_views.compare_tables(table, pd.DataFrame())  # recompiles and a failed lane: said on Compare
+    assert {"recompile s", "recompile reasons", "error"} <= set(shown.columns)
     # each recompile's own graphs and kernels were captured with dynamo's reason (the first compile kept, bounded)
     captures = planted.compile_captures[1]
     assert captures[0].trigger == FIRST_COMPILE and len(captures) <= MAX_CAPTURES_PER_LANE

@@ -85,7 +85,7 @@ def drift_summary(drift: pd.DataFrame, steps: pd.DataFrame, seeds: dict[str, int
         noise = seed_noise(steps, run_id, eager_recipe(mode), seeds)
         median = float(np.nanmedian(vs_eager)) if len(vs_eager) else float("nan")
         if np.isnan(noise):
-            verdict = "one seed: run seeds >= 2 to tell drift from noise"
+            verdict = "one seed: no noise to judge by"  # DRIFT_NOTE: seeds >= 2 tell drift from noise
         elif median <= noise:
             verdict = "within seed noise"
         else:
@@ -160,6 +160,42 @@ def train_table(summary: pd.DataFrame) -> pd.DataFrame:
     return shown
 
 
+COMPARE_DRIFT_HEADERS = {"median |drift vs eager|": "median |drift|", "max |drift vs eager|": "max |drift|",
+                         "median |vs 32-true| compiled": "vs 32-true, compiled",
+                         "median |vs 32-true| eager": "vs 32-true, eager"}
+"""The drift summary's headers as Compare shows them (the report keeps the long ones; DRIFT_NOTE says what each is)."""
+
+
+def _short_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with its run_id column as the short run id the lane labels carry ("32-true · c60155")."""
+    from amp_core.views.compare import short_run_id
+
+    shown = table.drop(columns="run_id")
+    shown.insert(0, "run", [short_run_id(run_id) for run_id in table["run_id"]])
+    return shown
+
+
+def compare_tables(compiles: pd.DataFrame, drift_table: pd.DataFrame
+                   ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """`compiled_view`'s compile summary and drift summary as the Compare page shows them, every column inside the
+    page's width: the run as its short id, the columns that say nothing for these lanes left out (no slow-compile
+    warning, no failed lane, no recompile), the drift headers short, and each compiled lane's verdict as a sentence
+    under the table (returned third) rather than a column cut at the page's edge."""
+    compiles = _short_runs(compiles)
+    empty = [column for column, nothing in (("slow-compile warnings", 0), ("error", ""))
+             if (compiles[column].fillna(nothing) == nothing).all()]
+    if (compiles["recompiles"] == 0).all():  # the recompiles column says so
+        empty += ["recompile s", "recompile reasons"]
+    compiles = compiles.drop(columns=empty)
+    if drift_table.empty:
+        return compiles, drift_table, []
+    drift = _short_runs(drift_table).rename(columns=COMPARE_DRIFT_HEADERS)
+    drift["seed noise"] = ["–" if pd.isna(noise) else f"{noise:.4g}" for noise in drift["seed noise"]]  # one seed
+    verdicts = [f"**{row['recipe']} · {row['run']}** (seed {row['seed']}) against its eager twin: {row['verdict']}"
+                for _, row in drift.iterrows()]
+    return compiles, drift.drop(columns="verdict"), verdicts
+
+
 COMPILE_NOTE = ("Compile time is its own figure: each compiled lane compiles once before its first step, on a batch "
                 "of the training's shape it does not train on, so step times exclude it; a recompile later in the run "
                 "is an event with its guard failure and its time (that step's record still holds it; step-time views "
@@ -167,7 +203,8 @@ COMPILE_NOTE = ("Compile time is its own figure: each compiled lane compiles onc
                 "its guard failures.")
 DRIFT_NOTE = ("Drift = (loss compiled − loss eager) / |loss eager| per step, against the eager lane of the same recipe "
               "and seed in the same run (same weights, same batches); vs 32-true the same against that seed's 32-true "
-              "lane. Seed noise = median over steps of the eager recipe's (max − min) / |mean| across seeds.")
+              "lane. Seed noise = median over steps of the eager recipe's (max − min) / |mean| across seeds: with one "
+              "seed there is none, and drift cannot be told from noise (race seeds >= 2).")
 
 
 def compiled_view(reader: RunReader, run_ids: Sequence[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
