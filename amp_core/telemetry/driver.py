@@ -182,7 +182,7 @@ class StepDriver:
                     meter.close(window)
                     if not watch.stepped:
                         return window, lr, loss, True
-                    meter.send(window, [loss, scale])  # the scale after the step: update() wrote it in place
+                    meter.send(window, [loss, scale_tensor(scaler)])  # the scale after the step (update())
                 del loss  # the step's tensors die inside the context (see step.train_step)
             kept.append(PlainStep(step, lr, now(), window, samples))
             return None
