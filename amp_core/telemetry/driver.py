@@ -170,19 +170,13 @@ class StepDriver:
 
         def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor, bool] | None:
             with context():
-                if not scaled:
-                    window = meter.open()
-                    lr, loss = work(batch)
-                    meter.close(window)
-                    meter.send(window, [loss])
-                else:
-                    scale = scale_tensor(scaler)
-                    window = meter.open(scale)
-                    lr, loss = work(batch)
-                    meter.close(window)
-                    if not watch.stepped:
-                        return window, lr, loss, True
-                    meter.send(window, [loss, scale_tensor(scaler)])  # the scale after the step (update())
+                window = meter.open(scale_tensor(scaler) if scaled else None)
+                lr, loss = work(batch)
+                meter.close(window)
+                if scaled and not watch.stepped:
+                    return window, lr, loss, True
+                # With a scaler, the scale after the step (update() wrote it) goes with the loss.
+                meter.send(window, [loss, scale_tensor(scaler)] if scaled else [loss])
                 del loss  # the step's tensors die inside the context (see step.train_step)
             kept.append(PlainStep(step, lr, now(), window, samples))
             return None
