@@ -28,7 +28,7 @@ What a step measures, and what it costs:
 - LR: what the optimizer held when its step began (a step pre-hook); on a skipped step, what it held after the
   previous step.
 - gradient norm (fp32) every `grad_norm_every` steps and on skipped steps, gradient statistics every
-  `gradstats_every` steps and on skipped steps while the probes stay within `probe_budget` of the loop's time (they
+  `gradstats_every` steps and on skipped steps while they stay within their part of `probe_budget` (they
   cast every gradient element to fp16 and bf16, and sync on CUDA: a large model's sample takes a while), memory every
   `memory_every` steps
   (bytes held by parameters, gradients and optimizer state; on CUDA also the allocator's peak of the step above its
@@ -106,15 +106,17 @@ class MonitorConfig(SamplingSettings):
     """Optimizer steps the loop will make (for progress); 0: the scheduler's total_steps where it has one, else
     unknown."""
     probe_budget: float = 0.0025
-    """Gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k parameters on a
-    CPU core) are taken on their sampled and skipped steps, and layer diagnostics on their sampled steps, each only
-    while they have taken at most this share of the loop's own time so far, so that watching a model does not slow
-    it; 0 lifts the limit."""
+    """The share of the loop's own time the costly sampled probes may take together, so that watching a model does
+    not slow it: gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k
+    parameters on a CPU core) on their sampled and skipped steps, and layer diagnostics on their sampled steps. Each
+    gets half of it while both are on (`gradstats_every`, `layers_every`), either alone all of it (`probe_shares`),
+    so neither starves the other; each is taken only while what it took so far stays within its part; 0 lifts the
+    limit."""
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
     layers_every: int = 200
-    """Every N steps while within `probe_budget` (and after a failed step, and on request, always) each module's
+    """Every N steps while within its part of `probe_budget` (and after a failed step, and on request, always) each module's
     output and output-gradient ranges are measured by hooks during the step (amp_core.probes.layerwatch): the race's
     layer amax heatmap, with the shares a cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0
     samples only after failed steps and on request. The hooks' host time is the step's probe time, not its step
@@ -159,6 +161,12 @@ class MonitorConfig(SamplingSettings):
         if isinstance(self.flush_every_s, bool) or not isinstance(self.flush_every_s, (int, float)) \
                 or not math.isfinite(self.flush_every_s) or self.flush_every_s <= 0:
             raise ConfigError("flush_every_s", f"must be > 0, got {self.flush_every_s!r}")
+
+    def probe_shares(self) -> tuple[float, float]:
+        """The parts of `probe_budget` that gradient statistics and layer diagnostics may each take: half each while
+        both are sampled, all of it where one is off (its samples after failed steps take the same part)."""
+        part = self.probe_budget / 2 if self.gradstats_every and self.layers_every else self.probe_budget
+        return part, part
 
 
 class Monitor:
@@ -229,7 +237,7 @@ class Monitor:
         self._watch = OptimizerWatch(optimizer, self.scaler)
         meter = meter_for(self.device)
         probes = StepProbes(meter, self.inner_model, [n for n, _ in named], params, optimizer,
-                            SamplingSchedule.of(config, probe_budget=config.probe_budget), lost_updates=False)
+                            SamplingSchedule.of(config, probe_budget=config.probe_shares()[0]), lost_updates=False)
         self._driver = StepDriver(meter, probes, self._watch, self.scaler)
         self.host_reads_free = meter.at_once
         """The step's figures are on the host as soon as they exist (a CPU): reading one waits for nothing."""
