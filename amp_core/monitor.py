@@ -116,11 +116,11 @@ class MonitorConfig(SamplingSettings):
     """The store gets the records at least this often (a kill -9 loses less than this); each flush is a SQLite
     transaction on the loop's thread (a few ms)."""
     layers_every: int = 200
-    """Every N steps while within its part of `probe_budget` (and after a failed step, and on request, always) each module's
-    output and output-gradient ranges are measured by hooks during the step (amp_core.probes.layerwatch): the race's
-    layer amax heatmap, with the shares a cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to zero; 0
-    samples only after failed steps and on request. The hooks' host time is the step's probe time, not its step
-    time; a watched step costs a few steps' time on a CPU, so on a small model the budget spaces them further."""
+    """Every N steps while within its part of `probe_budget` (and after a failed step, and on request, always) each
+    module's output and output-gradient ranges are measured by hooks during the step (amp_core.probes.layerwatch): the
+    race's layer amax heatmap, with the shares a cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to
+    zero; 0 samples only after failed steps and on request. The hooks' host time is the step's probe time, not its
+    step time; a watched step costs a few steps' time on a CPU, so on a small model the budget spaces them further."""
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
