@@ -209,10 +209,12 @@ def attached_note(info: RunInfo) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
     if not info.attached:
         return
-    every = info.config.get("layers_every", 0)
+    every, budget = info.config.get("layers_every", 0), info.config.get("probe_budget", 0)
+    spaced = (f" every {every} steps while its costly probes stay within {budget:.2%} of the loop's time (a watched "
+              "step costs a few steps' time on a small model, so there they are further apart)") if every and budget \
+        else f" every {every} steps" if every else ""
     st.caption(f"An attached run: {info.writer} measures every module's output and output gradient with "
-               "hooks during the script's own step"
-               + (f" every {every} steps" if every else "") + ", after a failed step (to name the first inf/NaN) "
+               "hooks during the script's own step" + spaced + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")
 
 

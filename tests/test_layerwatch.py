@@ -161,12 +161,21 @@ def test_a_failure_with_no_inf_in_the_modules_says_so(store):
     assert event.data["module"] is None and "no module held inf/NaN" in event.message
 
 
+def test_the_page_says_an_attached_runs_sampled_watches_are_held_to_its_probe_budget(store):
+    fp16_loop(store, 3, (), layers_every=4, probe_budget=0.0025)
+    page = AppTest.from_file(str(ROOT / "pages" / "layer_numerics.py"), default_timeout=120).run()
+    assert not page.exception
+    assert any("every 4 steps while its costly probes stay within 0.25% of the loop's time" in caption.value
+               for caption in page.caption)
+
+
 def test_layer_numerics_page_shows_an_attached_runs_heatmap_and_first_inf(store):
     monitor, _ = fp16_loop(store, 10, {4}, layers_every=4)
     page = AppTest.from_file(str(ROOT / "pages" / "layer_numerics.py"), default_timeout=120).run()
     assert not page.exception
     assert page.selectbox(key="lnum_amax_run").value == monitor.run_id
-    assert any("An attached run: a Monitor" in caption.value for caption in page.caption)
+    assert any("An attached run: a Monitor" in caption.value and "every 4 steps, after a failed step" in caption.value
+               for caption in page.caption)  # no probe budget: every 4th step, said without a limit
     assert any("first inf/NaN: blow" in error.value for error in page.error)
     tables = [frame.value for frame in page.dataframe]
     (first,) = [table for table in tables if "phase" in table]
