@@ -109,7 +109,7 @@ class MonitorConfig(SamplingSettings):
     """The share of the loop's own time the costly sampled probes may take together, so that watching a model does
     not slow it: gradient statistics (every element of every gradient cast to fp16 and bf16: ~20 ms for 350k
     parameters on a CPU core) on their sampled and skipped steps, and layer diagnostics on their sampled steps. Each
-    gets half of it while both are on (`gradstats_every`, `layers_every`), either alone all of it (`probe_shares`),
+    gets half of it while both are on (`gradstats_every`, `layers_every`), either alone all of it (`probe_share`),
     so neither starves the other; each is taken only while what it took so far stays within its part; 0 lifts the
     limit."""
     flush_every_s: float = MONITOR_FLUSH_EVERY_S
@@ -162,11 +162,10 @@ class MonitorConfig(SamplingSettings):
                 or not math.isfinite(self.flush_every_s) or self.flush_every_s <= 0:
             raise ConfigError("flush_every_s", f"must be > 0, got {self.flush_every_s!r}")
 
-    def probe_shares(self) -> tuple[float, float]:
-        """The parts of `probe_budget` that gradient statistics and layer diagnostics may each take: half each while
-        both are sampled, all of it where one is off (its samples after failed steps take the same part)."""
-        part = self.probe_budget / 2 if self.gradstats_every and self.layers_every else self.probe_budget
-        return part, part
+    def probe_share(self) -> float:
+        """The part of `probe_budget` that gradient statistics and layer diagnostics may each take: half while both are
+        sampled, all of it where one is off (its samples after failed steps take the same part)."""
+        return self.probe_budget / 2 if self.gradstats_every and self.layers_every else self.probe_budget
 
 
 class Monitor:
@@ -237,7 +236,7 @@ class Monitor:
         self._watch = OptimizerWatch(optimizer, self.scaler)
         meter = meter_for(self.device)
         probes = StepProbes(meter, self.inner_model, [n for n, _ in named], params, optimizer,
-                            SamplingSchedule.of(config, probe_budget=config.probe_shares()[0]), lost_updates=False)
+                            SamplingSchedule.of(config, probe_budget=config.probe_share()), lost_updates=False)
         self._driver = StepDriver(meter, probes, self._watch, self.scaler)
         self.host_reads_free = meter.at_once
         """The step's figures are on the host as soon as they exist (a CPU): reading one waits for nothing."""

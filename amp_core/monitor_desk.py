@@ -26,7 +26,7 @@ class MonitorDesk:
     def __init__(self, monitor: Any, store: RunStore | None):
         config = monitor.config
         self.monitor = monitor
-        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_shares()[1])
+        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share())
         self.layers.between_steps(-1, 0)
         self.requests = Desk(store, monitor.run_id)  # a page's requests, rank 0 only
         self.half_flush_s = config.flush_every_s / 2

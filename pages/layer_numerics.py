@@ -210,9 +210,10 @@ def attached_note(info: RunInfo) -> None:
     if not info.attached:
         return
     every, budget = info.config.get("layers_every", 0), info.config.get("probe_budget", 0)
-    spaced = (f" every {every} steps while its costly probes stay within {budget:.2%} of the loop's time (a watched "
-              "step costs a few steps' time on a small model, so there they are further apart)") if every and budget \
-        else f" every {every} steps" if every else ""
+    spaced = f" every {every} steps" if every else ""
+    if every and budget:
+        spaced += (f" while its costly probes stay within {budget:.2%} of the loop's time (a watched step costs a few "
+                   "steps' time on a small model, so there they are further apart)")
     st.caption(f"An attached run: {info.writer} measures every module's output and output gradient with "
                "hooks during the script's own step" + spaced + ", after a failed step (to name the first inf/NaN) "
                "and on request; the figures stay on the device until its next flush.")

@@ -184,9 +184,9 @@ def test_gradient_statistics_stay_within_the_probe_budget(store):
 def test_the_costly_probes_share_one_budget(store):
     """Gradient statistics and layer diagnostics take half of probe_budget each while both are sampled; one alone,
     all of it; the Monitor hands each its part."""
-    assert MonitorConfig(probe_budget=0.004).probe_shares() == (0.002, 0.002)
-    assert MonitorConfig(probe_budget=0.004, layers_every=0).probe_shares() == (0.004, 0.004)
-    assert MonitorConfig(probe_budget=0.004, gradstats_every=0).probe_shares() == (0.004, 0.004)
+    assert MonitorConfig(probe_budget=0.004).probe_share() == 0.002
+    assert MonitorConfig(probe_budget=0.004, layers_every=0).probe_share() == 0.004
+    assert MonitorConfig(probe_budget=0.004, gradstats_every=0).probe_share() == 0.004
     monitor, _, _ = fp16_loop(store, steps=3, probe_budget=0.004)
     assert monitor._driver.probes.schedule.probe_budget == 0.002 and monitor._layers.budget == 0.002
 
