@@ -76,6 +76,30 @@ def enter_number(page, label: str, value) -> None:
     box.press("Enter")
 
 
+def pick(page, open_list, option: str, attempts: int = 6) -> None:
+    """Open a list with `open_list()` and click `option` in it. A rerun that redraws the open list (a loaded machine's
+    late one, after the last choice) closes it or clears what was typed, so the list is opened again until the click
+    lands; waits for Streamlit to settle before each try and after."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(attempts):
+        page.wait_for_function(SETTLED, timeout=60_000)
+        open_list()
+        try:
+            page.get_by_role("option", name=option, exact=True).click(timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == attempts - 1:
+                raise
+            page.keyboard.press("Escape")
+    page.wait_for_function(SETTLED, timeout=60_000)
+
+
+def choose(page, label: str, option: str) -> None:
+    """Pick `option` in the select box labelled `label` (see `pick`)."""
+    pick(page, lambda: page.get_by_label(label, exact=True).click(), option)
+
+
 def settle_and_shoot(page, path: Path) -> None:
     """Wait until Streamlit has redrawn everything, check that no traceback is drawn, save a full-page screenshot."""
     page.wait_for_function(SETTLED, timeout=60_000)

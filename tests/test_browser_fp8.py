@@ -9,13 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from amp_core.config import RunConfig
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED, choose
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -50,22 +49,6 @@ def shoot(page, name: str) -> None:
     shots = os.environ.get("AMP_LAB_SHOTS")
     if shots and Path(shots).is_dir():
         shutil.copy(path, Path(shots) / path.name)
-
-
-def choose(page, label: str, option: str) -> None:
-    """Pick `option` in the select box `label`; a rerun that redraws the open list (a loaded machine's late one) closes
-    it, so the list is opened again until the click lands."""
-    for attempt in range(6):
-        page.wait_for_function(SETTLED, timeout=60_000)
-        page.get_by_label(label, exact=True).click()
-        try:
-            page.get_by_role("option", name=option).click(timeout=10_000)
-            break
-        except PlaywrightTimeout:
-            if attempt == 5:
-                raise
-            page.keyboard.press("Escape")
-    page.wait_for_function(SETTLED, timeout=60_000)
 
 
 @pytest.mark.timeout(600)

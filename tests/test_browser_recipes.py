@@ -15,8 +15,10 @@ from tests.test_browser import (  # noqa: F401  (server: the real server fixture
     CHROMIUM_ARGS,
     LOSS_POINTS_AT_LEAST,
     SETTLED,
+    choose,
     enter_number,
     open_train_page,
+    pick,
     server,
 )
 
@@ -44,12 +46,9 @@ MEMORY_BARS = """() => {
 
 def add_lane(page, mode: str, option: str) -> None:
     """The builder: choose a mode and one option, press Add lane."""
-    page.get_by_label("Mode", exact=True).click()
-    page.get_by_role("option", name=mode, exact=True).click()
+    choose(page, "Mode", mode)
     options = page.locator("[data-testid='stMultiSelect']").filter(has_text="Options").locator("input")
-    options.click()
-    options.fill(option)
-    page.get_by_role("option", name=option, exact=True).click()
+    pick(page, lambda: (options.click(), options.fill(option)), option)
     page.keyboard.press("Escape")
     page.get_by_role("button", name="Add lane").click()
     page.wait_for_function(SETTLED, timeout=60_000)
@@ -64,16 +63,13 @@ def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             open_train_page(page, server)
-            page.get_by_label("Workload", exact=True).click()
-            page.get_by_role("option", name="Tiny transformer (predicts the next letter)").click()
-            page.wait_for_function(SETTLED, timeout=60_000)
+            choose(page, "Workload", "Tiny transformer (predicts the next letter)")
             for label, value in (("Steps", STEPS), ("Batch size", 8)):
                 enter_number(page, label, value)
                 page.wait_for_function(SETTLED, timeout=60_000)
             page.get_by_text("Recipes: FP8 matmuls").click()
             page.get_by_role("button", name="Use preset").wait_for()
-            page.get_by_label("Preset race", exact=True).click()
-            page.get_by_role("option", name="FP8 rowwise vs bf16").click()
+            choose(page, "Preset race", "FP8 rowwise vs bf16")
             page.get_by_role("button", name="Use preset").click()
             page.wait_for_function(SETTLED, timeout=60_000)
             add_lane(page, "32-true", "adamw-8bit")
