@@ -60,6 +60,14 @@ TEXT_BOXES = """(prefixes) => {
     }
     return out;
 }"""
+# Charts whose legend box overlaps their x axis's title (the title's text).
+LEGEND_ON_TITLE = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap(div => {
+    const legend = div.querySelector('g.legend'), title = div.querySelector('text.xtitle');
+    if (!legend || !title || !title.textContent) return [];
+    const l = legend.getBoundingClientRect(), t = title.getBoundingClientRect();
+    const apart = l.top >= t.bottom || l.bottom <= t.top || l.left >= t.right || l.right <= t.left;
+    return apart ? [] : [(div.layout.title && div.layout.title.text) || '(untitled chart)'];
+})"""
 # Glide's scroller inside each st.dataframe: wider content than box means a column is off screen.
 TABLE_OVERFLOW = """() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller'))
     .map(s => [s.scrollWidth, s.clientWidth])"""
@@ -160,6 +168,12 @@ def assert_log_ticks_carry_their_power(page) -> None:
         assert tick_value(text) == pytest.approx(10**exponent, rel=1e-6), (text, exponent)
 
 
+def assert_legends_clear_of_axis_titles(page) -> None:
+    """No legend is drawn over its chart's x axis title (a legend of several rows under the chart grew up into it)."""
+    page.wait_for_function(DRAWN, timeout=60_000)
+    assert page.evaluate(LEGEND_ON_TITLE) == []
+
+
 def assert_tables_fit(page) -> None:
     tables = page.evaluate(TABLE_OVERFLOW)
     assert tables, "no table found"
@@ -198,6 +212,7 @@ def test_my_pages_read_whole_at_1440(server, browser):
         assert field.evaluate("e => e.scrollWidth <= e.clientWidth"), field.input_value()
     assert page.evaluate(CUT_SHORT) == []  # and every label (a toggle's is cut with an ellipsis)
     eventually(assert_tables_fit, page)
+    eventually(assert_legends_clear_of_axis_titles, page)
     screenshot(page, "train")
     page.close()
 

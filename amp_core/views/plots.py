@@ -218,10 +218,15 @@ def spike_steps(steps: np.ndarray, losses: np.ndarray, rule: SpikeRule) -> np.nd
         return np.flatnonzero(np.isfinite(losses) & (losses > upper))
 
 
+LEGEND_BELOW = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0}
+"""A chart's legend in rows under it, anchored to the figure's bottom edge (the margin grows to hold it): anchored to
+the plot area instead, a legend of several rows grew up over the x axis's title."""
+
+
 def chart_layout(title: str, y_title: str, **extra) -> dict:
     layout = {"title": {"text": title}, "height": CHART_HEIGHT, "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
               "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": y_title}},
-              "legend": {"orientation": "h", "y": -0.2}, "hovermode": "x unified"}
+              "legend": LEGEND_BELOW, "hovermode": "x unified"}
     layout.update(extra)
     return layout
 

@@ -20,7 +20,7 @@ def presenter_figure(figure: go.Figure) -> go.Figure:
     """The figure with large text and a projector's height (in place; returned for chaining)."""
     figure.update_layout(height=PRESENTER_HEIGHT, font={"size": PRESENTER_FONT},
                          title={"font": {"size": round(PRESENTER_FONT * 1.3)}},
-                         legend={"font": {"size": PRESENTER_FONT}, "y": -0.18},
+                         legend={"font": {"size": PRESENTER_FONT}},
                          margin={"l": 90, "r": 30, "t": 70, "b": 90}, hoverlabel={"font": {"size": PRESENTER_FONT}})
     # Each axis names its own sizes (a log axis sets its tick font; Streamlit's theme sets the rest): set them all.
     for update in (figure.update_xaxes, figure.update_yaxes):
