@@ -226,7 +226,7 @@ the plot area instead, a legend of several rows grew up over the x axis's title.
 def chart_layout(title: str, y_title: str, **extra) -> dict:
     layout = {"title": {"text": title}, "height": CHART_HEIGHT, "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
               "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": y_title}},
-              "legend": LEGEND_BELOW, "hovermode": "x unified"}
+              "legend": dict(LEGEND_BELOW), "hovermode": "x unified"}
     layout.update(extra)
     return layout
 
