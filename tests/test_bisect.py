@@ -21,6 +21,7 @@ from amp_core.fixes import fix_code, float8_module_filter, keep_in_fp32
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.snapshots import ReplayError
+from amp_core.views.bisect import price_frame
 from amp_core.workloads import WORKLOADS
 
 pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
@@ -145,6 +146,12 @@ def test_cli_bisect_of_a_stored_run_prints_the_trials_the_fix_and_the_price_line
     assert "keep_in_fp32(model, KEEP)" in proc.stdout and "KEEP = ['blocks.3.middle']" in proc.stdout
     events = open_store(store).events(run_id)
     assert (events["kind"] == "bisected").sum() == 1
+    # The stored report's price table (what the pages draw): the failing lane's NaN loss, stored as JSON null, reads
+    # as what it is, the others as numbers.
+    stored = recorded_bisects(events)[0]
+    assert math.isnan({row.recipe: row.loss for row in stored.price}["16-mixed"])
+    losses = dict(zip(*price_frame(stored).loc[:, ["lane", "loss"]].T.values, strict=True))
+    assert losses["16-mixed"] == "inf/NaN" and math.isfinite(float(losses["32-true"])), losses
     proc = subprocess.run([*base, "bisect", run_id, *plugin, "--lane", "32-true"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: lane: lane 0 is 32-true"), proc.stderr

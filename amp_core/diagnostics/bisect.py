@@ -267,6 +267,11 @@ class PriceRow:
     skipped: int
     """Optimizer steps skipped (GradScaler) in the race."""
 
+    @property
+    def loss_text(self) -> str:
+        """The last loss as a table shows it: "inf/NaN" where it is not finite (a failing lane's)."""
+        return f"{self.loss:.4g}" if math.isfinite(self.loss) else "inf/NaN"
+
 
 @dataclass(slots=True)
 class BisectReport:
@@ -330,7 +335,9 @@ class BisectReport:
     def from_data(cls, data: dict[str, Any]) -> BisectReport:
         fields = {key: value for key, value in data.items() if key in cls.__slots__}
         fields["trials"] = [Trial(**{**trial, "kept": tuple(trial["kept"])}) for trial in data.get("trials", [])]
-        fields["price"] = [PriceRow(**row) for row in data.get("price", [])]
+        # A NaN or inf loss went into the store's JSON as null: back as NaN, what the race read.
+        fields["price"] = [PriceRow(**{**row, "loss": math.nan if row.get("loss") is None else row["loss"]})
+                           for row in data.get("price", [])]
         return cls(**fields)
 
 

@@ -28,7 +28,8 @@ def trials_frame(report: BisectReport) -> pd.DataFrame:
 def price_frame(report: BisectReport) -> pd.DataFrame:
     """The price race: each lane's ms/step (median), memory held (MiB), last loss and skipped steps."""
     return pd.DataFrame([{"lane": row.recipe, "ms/step": round(row.ms_per_step, 3),
-                          "held MiB": round(row.memory_bytes / 2**20, 3), "loss": row.loss, "skipped": row.skipped}
+                          "held MiB": round(row.memory_bytes / 2**20, 3), "loss": row.loss_text,
+                          "skipped": row.skipped}
                          for row in report.price], columns=["lane", "ms/step", "held MiB", "loss", "skipped"])
 
 

@@ -167,6 +167,6 @@ def price_table(evidence: Evidence) -> pd.DataFrame:
         "ms/step": f"{row.ms_per_step:.2f}",
         "vs original": f"{row.ms_per_step / own.ms_per_step:.2f}x" if own is not None and own.ms_per_step else "",
         "held MiB": f"{row.memory_bytes / 2**20:.3f}",
-        "last loss": f"{row.loss:.4g}",
+        "last loss": row.loss_text,
         "skipped": row.skipped,
     } for row in report.price])
