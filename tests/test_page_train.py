@@ -262,5 +262,7 @@ def test_a_planted_outlier_is_marked_as_a_spike_on_the_loss_chart(fresh_store):
     traces = {trace["name"]: trace for trace in charts(at)["train_chart_loss"]["data"]}
     for mode in ("32-true", "16-mixed"):  # the same outlier batch spikes every lane's loss
         assert values(traces[f"{mode} spike"]["x"]).tolist() == [40]
+        # One red circle for every lane, said by the caption, not a legend row per lane; hidden with its lane's line.
+        assert traces[f"{mode} spike"]["showlegend"] is False and traces[f"{mode} spike"]["legendgroup"] == mode
     assert "16-mixed skipped" in traces  # the 16-mixed lane also skipped it: both marks, at the same step
     assert any(caption.value.startswith("○ a loss spike: above median + 6·MAD") for caption in at.caption)

@@ -529,8 +529,10 @@ def loss_figure(records: pd.DataFrame | list[LaneSeries], *, axis: str = "auto",
                                      f"{mode} skipped"))
         if len(spiked):
             at = raw[spiked]
+            # Not listed: every lane's spikes are the same red circle, which the Train page's caption explains;
+            # they show and hide with their lane's line.
             data.append(spike_trace(steps[spiked], np.minimum(at, clip[1]) if clip is not None else at,
-                                    f"{mode} spike", legendgroup=mode, customdata=at,
+                                    f"{mode} spike", legendgroup=mode, showlegend=False, customdata=at,
                                     hovertemplate="step %{x}: spike, loss %{customdata:.4g}<extra>" + mode
                                                   + "</extra>"))
     title = "Loss" + (f" (EMA smoothing {smoothing:g})" if smoothing > 0 else "") + (f" · {why}" if why else "")
