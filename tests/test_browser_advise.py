@@ -10,7 +10,7 @@ from playwright.sync_api import expect, sync_playwright
 
 from amp_core.records.opening import open_store
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED, pick
 from tests.test_browser_pages import VIEWPORT, screenshot
 
 pytestmark = [
@@ -28,9 +28,8 @@ def test_the_advise_page_shows_progress_then_the_recommendation_and_its_evidence
         page.goto(f"{url}/advise")
         page.get_by_role("heading", name="Advise").wait_for(timeout=90_000)
         page.wait_for_function(SETTLED, timeout=90_000)
-        page.get_by_test_id("stSelectbox").filter(has_text="Workload").click()
-        page.get_by_role("option", name="Handwritten digits (a small classifier network)").click()
-        page.wait_for_function(SETTLED, timeout=30_000)
+        pick(page, lambda: page.get_by_test_id("stSelectbox").filter(has_text="Workload").click(),
+             "Handwritten digits (a small classifier network)")
         budget = page.get_by_label("Budget (minutes)", exact=True).and_(page.get_by_test_id("stNumberInputField"))
         budget.fill("0.35")
         budget.press("Enter")

@@ -15,6 +15,7 @@ from tests.test_browser import (
     LOSS_POINTS,
     LOSS_POINTS_AT_LEAST,
     SETTLED,
+    choose,
     enter_number,
     open_train_page,
     settle_and_shoot,
@@ -56,8 +57,7 @@ def test_pick_gpt2_launch_and_watch_its_charts_grow(server):
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 2400})
             launch = open_train_page(page, server)
-            page.get_by_label("Workload").click()  # Streamlit's selectbox: open it, then pick the option
-            page.get_by_role("option", name=GPT2_TITLE).click()
+            choose(page, "Workload", GPT2_TITLE)  # Streamlit's selectbox: open it, then pick the option
             page.get_by_text("Parameters: small 34.2K").wait_for(timeout=120_000)  # counted from its config
             enter_number(page, "Steps", STEPS)
             enter_number(page, "Batch size", 8)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from amp_core.workshop import SCENARIOS
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED, server  # noqa: F401  (the real server fixture)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED, pick, server  # noqa: F401  (the real server fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "workshop_presenter.png"
@@ -49,9 +49,7 @@ def test_a_scenario_end_to_end_in_the_presenter_view(server):  # noqa: F811  (th
             page.wait_for_function(SETTLED, timeout=60_000)
             # Fewer controls: the room sees the page (the app's sidebar is hidden once the view's style has landed).
             page.locator("[data-testid='stSidebar']").wait_for(state="hidden", timeout=30_000)
-            page.locator("[data-testid='stSelectbox']").click()
-            page.get_by_role("option", name=SCENARIO.title).click()
-            page.wait_for_function(SETTLED, timeout=60_000)
+            pick(page, lambda: page.locator("[data-testid='stSelectbox']").click(), SCENARIO.title)
             launch.click()
             page.get_by_role("heading", name=SCENARIO.title).wait_for(timeout=60_000)
             page.wait_for_function(ALL_HELD, arg=len(SCENARIO.checks), timeout=120_000)
