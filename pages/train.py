@@ -47,6 +47,10 @@ FOLDED_DEFAULTS = {"init_scale": DEFAULTS.scaler.init_scale, "growth_factor": DE
                    "backoff_factor": DEFAULTS.scaler.backoff_factor, "growth_interval": DEFAULTS.scaler.growth_interval,
                    "eps": DEFAULTS.eps, "fused_optimizer": DEFAULTS.fused_optimizer, "grad_clip": DEFAULTS.grad_clip,
                    "faults": "", "name": ""}
+# The folded sections' widgets by key: the setting of FOLDED_DEFAULTS each shows.
+FOLDED_KEYS = {"train_init_scale": "init_scale", "train_growth": "growth_factor", "train_backoff": "backoff_factor",
+               "train_interval": "growth_interval", "train_eps": "eps", "train_fused": "fused_optimizer",
+               "train_clip": "grad_clip", "train_faults": "faults", "train_name": "name"}
 DEFAULT_WORKLOAD = DEFAULTS.workload
 MODES, BASELINE_MODE, MODE_HELP = catalog.modes()
 RECIPE_OPTION_HELP, RECIPE_PRESETS = catalog.recipes()
@@ -80,18 +84,38 @@ def needs_extra(entry: catalog.WorkloadEntry) -> str:
     return f" · needs {' '.join(extra.install for extra in missing)}" if missing else ""
 
 
+def reset_form(workload: str, size: str) -> None:
+    """"Reset the form": every setting back to its default, the recipe lanes added to the picker out of it. Each
+    widget's value is set, not deleted: a deleted key leaves the browser showing (and sending back) the old value.
+    Which sections are open, the run shown and the charts' options stay as they are."""
+    state = st.session_state
+    state.update(train_workload=workload, train_size=size, train_steps=DEFAULTS.steps,
+                 train_batch=DEFAULTS.batch_size, train_optimizer=DEFAULTS.optimizer, train_lr=DEFAULTS.lr,
+                 train_seed=DEFAULTS.seed, train_seeds=DEFAULTS.seeds,
+                 train_onecycle=DEFAULTS.scheduler == "onecycle", train_recipe_lanes=[], train_recipe_options=[],
+                 train_recipe_error="", train_folded=dict(FOLDED_DEFAULTS), train_modes_reset=True)
+    for key, name in FOLDED_KEYS.items():
+        state[key] = FOLDED_DEFAULTS[name]
+
+
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app
 st.title("Train")
 st.caption("Every lane starts from the same weights and sees the same batches; one thread steps them in turn "
            "(A B C A B C …) so the machine's noise hits every lane alike.")
-
 # --- the form: widgets -> one RunConfig --------------------------------------------------------------------------
 entries = workload_entries()
 names = list(entries)
+first_workload = DEFAULT_WORKLOAD if DEFAULT_WORKLOAD in names else names[0]
+# Above the form, not only below it, a button: Streamlit's frontend loads a widget kind's code when it first draws
+# one, and Launch, drawn after seven widgets of other kinds, became usable half a second after the rest of the form
+# in a fresh browser session (bench.coldstart's second session: 1.75-1.86 s, 1.16-1.31 s with a button up here).
+st.button("Reset the form", key="train_reset", type="tertiary", icon=":material/restart_alt:", on_click=reset_form,
+          args=(first_workload, entries[first_workload].sizes[0]),
+          help="Every setting back to its default (RunConfig's), and the recipe lanes you added out of the picker.")
 with st.container(border=True):
     # The workload column holds its longest title whole at 1440 px (at [2, 1, 3] the digits' title was cut off).
     c1, c2, c3 = st.columns([3, 1, 2.5])
-    workload = c1.selectbox("Workload", names, index=names.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in names else 0,
+    workload = c1.selectbox("Workload", names, index=names.index(first_workload),
                             format_func=lambda name: entries[name].title + needs_extra(entries[name]),
                             key="train_workload")
     size = c2.selectbox("Size", list(entries[workload].sizes), key="train_size",
@@ -188,6 +212,8 @@ def build_recipe() -> None:
 
 
 recipe_lanes = st.session_state.setdefault("train_recipe_lanes", [])
+if st.session_state.pop("train_modes_reset", False):  # "Reset the form" (the defaults are known from here on)
+    st.session_state["train_modes"] = list(facts.defaults)
 modes = modes_slot.multiselect("Precision modes or recipes (one lane each)", facts.runnable + recipe_lanes,
                                default=facts.defaults, key="train_modes",
                                help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in facts.runnable))

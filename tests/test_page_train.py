@@ -124,6 +124,27 @@ def test_launch_creates_one_lane_per_mode_and_charts_every_lane(app, modes):
     assert json.loads(app.json[-1].value)["modes"] == modes
 
 
+def test_reset_the_form_puts_every_setting_back_and_comes_before_the_form(app):
+    # Before the form's widgets (the first button a browser draws: its code then loads with the first wave).
+    assert next(button.key for button in app.button) == "train_reset"
+    app.number_input(key="train_steps").set_value(500).run()
+    app.number_input(key="train_lr").set_value(0.0).run()  # an error on the page until the reset
+    app.multiselect(key="train_modes").set_value(["16-mixed"]).run()
+    app.toggle(key="train_onecycle").set_value(True).run()
+    app.session_state["train_more_open"] = True  # the "More" section open: its widgets are reset too
+    app.run()
+    app.text_input(key="train_name").set_value("mine").run()
+    assert app.error
+    app.button(key="train_reset").click().run()
+    assert not app.exception and not app.error
+    assert app.number_input(key="train_steps").value == RunConfig().steps
+    assert app.number_input(key="train_lr").value == RunConfig().lr
+    assert app.multiselect(key="train_modes").value == default_modes("cpu")
+    assert app.toggle(key="train_onecycle").value is False
+    assert app.text_input(key="train_name").value == ""
+    assert not app.button(key="train_launch").disabled
+
+
 def test_lr_zero_is_an_error_naming_the_field_and_creates_no_run(app):
     app.number_input(key="train_lr").set_value(0.0).run()
     assert not app.exception
