@@ -26,6 +26,9 @@ PRESENTER_PAGES = ("train", "workshop", "op_inspector", "layer_numerics", "overf
 LIVE_LANE_PAGES = {"op_inspector": "A live lane", "layer_numerics": "A live lane"}
 """Pages whose live-lane probe is behind a radio choice: the tour picks it."""
 NOTE = "This machine's presenter controls the runs"
+READ_ONLY_BUTTONS = {"Use preset", "Add lane", "Reset the form"}
+"""Buttons a visitor may press: they fill (or reset) the Train page's form in the visitor's own session (no Launch
+there)."""
 # Train's "Find the largest batch" is in its folded recipes section, drawn only while open (test_sharing checks it
 # there, presenter only).
 CONTROLS = {"train": {"Launch", "Pause", "Stop"}, "workshop": {"Launch"},

@@ -20,7 +20,7 @@ from amp_core.probes.faults import FaultPlan
 from amp_core.probes.spikes import SpikeRule
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
-from amp_core.views.replay import replay_frame, replay_text, steps_to_review
+from amp_core.views.replay import replay_frame, replay_text, spike_loss_figure, steps_to_review
 from amp_core.workloads import WORKLOADS
 
 MIXED = ("32-true", "16-mixed", "bf16-mixed")
@@ -144,6 +144,10 @@ def test_spikes_against_the_rolling_band_and_the_steps_to_review():
     assert "skipped" in set(review["what"])
     fp32 = steps_to_review(steps, 0, SpikeRule())
     assert list(fp32["step"]) == [40] and list(fp32["what"]) == ["spike"] and fp32["band ≤"].iloc[0] < 1000
+    # A lane with no steps yet: its chart says so where the points would be, with no axes drawn around nothing.
+    empty = spike_loss_figure(steps.iloc[0:0], 1, "16-mixed", SpikeRule()).to_dict()
+    assert not empty["data"] and empty["layout"]["annotations"][0]["text"] == "no steps yet"
+    assert empty["layout"]["xaxis"]["visible"] is False
     with pytest.raises(ConfigError, match=r"spikes\.k"):
         SpikeRule(k=0)
     with pytest.raises(ConfigError, match=r"spikes\.window"):

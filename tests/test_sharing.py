@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 from amp_core import access, cli
 from amp_core.access import CONTROL, SHARE_ENV, WATCH, Sharing, is_loopback, may_control, sharing, visitor_count
 from amp_core.config import RunConfig
+from tests.share_tour import READ_ONLY_BUTTONS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_SHARED = Sharing(shared=False, remote_control=False)
@@ -160,7 +161,7 @@ def test_every_control_is_drawn_for_the_presenter_only(paused_run, monkeypatch, 
             assert notes(at) == 0, page
         else:
             assert not found & every_control, (page, found & every_control)
-            assert found <= {"Use preset", "Add lane"} or page == "pages/compare.py", (page, found)
+            assert found <= READ_ONLY_BUTTONS or page == "pages/compare.py", (page, found)
             if page in CONTROLS:
                 assert notes(at) >= 1, page  # one line where the controls would be
 

@@ -20,6 +20,7 @@ from tests.share_tour import (
     CONTROLS,
     PAGES,
     PRESENTER_PAGES,
+    READ_ONLY_BUTTONS,
     VIEWPORT,
     chromium_in,
     launch_run,
@@ -33,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
 TEST_NET_2 = ipaddress.ip_network("198.51.100.0/24")
 """Documentation addresses (RFC 5737): never routed anywhere, so a /30 of them reaches nothing but the namespace."""
-READ_ONLY_BUTTONS = {"Use preset", "Add lane"}
-"""Buttons a visitor may press: they fill the Train page's form in the visitor's own session (no Launch there)."""
 
 
 TOUR_TIMEOUT_S = 540

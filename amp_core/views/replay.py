@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from amp_core.diagnostics.replay_modes import ReplayReport
 from amp_core.probes.spikes import SpikeRule, band_upper
-from amp_core.views.plots import chart_layout, log_axis, mode_color, spike_trace
+from amp_core.views.plots import chart_layout, empty_figure, log_axis, mode_color, spike_trace
 
 REPLAY_COLUMNS = ["mode", "loss", "what broke", "first inf/NaN", "scale", "update vs fp32"]
 """What a replay's table shows: each mode (▶ the lane's own, `ref` the references), its loss, what broke (`band`: the
@@ -126,10 +126,9 @@ def sentence(text: str) -> str:
 def spike_loss_figure(steps: pd.DataFrame, lane: int, mode: str, rule: SpikeRule) -> go.Figure:
     """The lane's loss with its rolling band's upper edge, spikes as open circles and skipped steps as x."""
     mine = steps[steps["lane"] == lane].sort_values("step") if not steps.empty else steps
+    if mine.empty:  # a note where the points would be, not an empty pair of axes
+        return empty_figure(f"Loss · lane {lane} ({mode})", "no steps yet")
     figure = go.Figure()
-    if mine.empty:
-        figure.update_layout(**chart_layout(f"Loss · lane {lane} ({mode}) · no steps yet", "loss"))
-        return figure
     x, losses = mine["step"].to_numpy(), mine["loss"].to_numpy(dtype=float)
     color = mode_color(mode)
     figure.add_trace(go.Scatter(x=x, y=losses, mode="lines", name=f"{mode} loss", line={"color": color, "width": 1.5}))
