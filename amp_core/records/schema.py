@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -161,7 +161,12 @@ class GradStats:
         return sum(self.hist) + self.zeros + self.inf + self.nan
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Its fields by name, shallow (the histogram and fractions are the object's own: JSON copies them anyway).
+        `asdict` walked each histogram bin as an object to copy: ~60 calls per parameter on every sampled step."""
+        return {name: getattr(self, name) for name in GRAD_STATS_FIELDS}
+
+
+GRAD_STATS_FIELDS = tuple(f.name for f in fields(GradStats))
 
 
 def steps_frame(parts: list[tuple[str, int, str, int, dict[str, np.ndarray]]]) -> pd.DataFrame:
