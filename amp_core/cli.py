@@ -365,12 +365,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         run.stop()
         print("stopped", file=sys.stderr)
     run.join()
+    code = 0 if run.status in ("finished", "stopped") else 1
     if job is not None:
-        from amp_core.distributed import leave_job
+        from amp_core.distributed import finish_job, leave_job
 
         leave_job()
         if job.rank != 0:
-            return 0 if run.status in ("finished", "stopped") else 1
+            finish_job(code)
     series = lanes(run.frame())  # split once: the table and the across-seeds summary share it
     ranks = f", {job.world_size} ranks" if job is not None else ""
     print(f"run {run.run_id}: {run.status} ({config.workload}, {run.device}{ranks})")
@@ -397,7 +398,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"error: {event.message}", file=sys.stderr)
     if run.store_error:
         print(f"warning: records not saved: {run.store_error}", file=sys.stderr)
-    return 0 if run.status in ("finished", "stopped") else 1
+    if job is not None:
+        finish_job(code)
+    return code
 
 
 def _print_replicates(run, series: list) -> None:
