@@ -85,9 +85,9 @@ def needs_extra(entry: catalog.WorkloadEntry) -> str:
 
 
 def reset_form(workload: str, size: str) -> None:
-    """"Reset the form": every setting back to its default, the recipe lanes added to the picker out of it. Each
-    widget's value is set, not deleted: a deleted key leaves the browser showing (and sending back) the old value.
-    Which sections are open, the run shown and the charts' options stay as they are."""
+    """The "Reset the form" button: every setting back to its default, the recipe lanes added to the picker out of
+    it. Each widget's value is set, not deleted: a deleted key leaves the browser showing (and sending back) the old
+    value. Which sections are open, the run shown and the charts' options stay as they are."""
     state = st.session_state
     state.update(train_workload=workload, train_size=size, train_steps=DEFAULTS.steps,
                  train_batch=DEFAULTS.batch_size, train_optimizer=DEFAULTS.optimizer, train_lr=DEFAULTS.lr,
@@ -102,6 +102,7 @@ app_frame()  # first: a page opened by its URL on a fresh server is drawn inside
 st.title("Train")
 st.caption("Every lane starts from the same weights and sees the same batches; one thread steps them in turn "
            "(A B C A B C …) so the machine's noise hits every lane alike.")
+
 # --- the form: widgets -> one RunConfig --------------------------------------------------------------------------
 entries = workload_entries()
 names = list(entries)
