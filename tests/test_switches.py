@@ -165,3 +165,39 @@ def test_pinning_changes_only_the_calling_thread(threads):
     thread.join()
     assert out == {"returned": process, "own": threads, "fresh": process}
     assert switches.process_intra_op_threads() == process
+
+
+def scripted(times: list[tuple[float, float]]):
+    """A step timer for team_is_faster reading (team, one thread) seconds per comparison from `times`: the calls it
+    got, as (threads, seconds)."""
+    calls: list[tuple[int, float]] = []
+    comparison = iter(times)
+    current: list[tuple[float, float]] = []
+
+    def time_step(threads: int) -> float:
+        if len(calls) % (2 * switches.MEASURE_ROUNDS) == 0:
+            current[:] = [next(comparison)]
+        team_s, one_s = current[0]
+        seconds = one_s if threads == 1 else team_s
+        calls.append((threads, seconds))
+        return seconds
+
+    return time_step, calls
+
+
+@pytest.mark.parametrize(("times", "kept"), [
+    # One thread slowed on every turn of the first comparison (a moment of load), not of the second: one thread.
+    ([(1.0, 2.0), (1.0, 1.1)], False),
+    # Clearly slower every time: the team.
+    ([(1.0, 2.0), (1.0, 2.0)], True),
+    # Not clearly slower the first time: one thread, and no second comparison is made.
+    ([(1.0, 1.4)], False),
+])
+def test_a_team_of_threads_is_kept_only_when_it_wins_every_comparison(times, kept):
+    assert switches.COMPARISONS == 2 and switches.TEAM_MARGIN == 0.5  # the cases above are written for these
+    time_step, calls = scripted(times)
+    faster, team_s, one_s = switches.team_is_faster(time_step, 2)
+    assert faster is kept
+    assert len(calls) == 2 * switches.MEASURE_ROUNDS * len(times)  # each comparison made whole, none past the last
+    assert [threads for threads, _ in calls[:2]] == [2, 1]  # the team and one thread in turn
+    assert (team_s, one_s) == times[-1]  # the last comparison's bests, not the first's
