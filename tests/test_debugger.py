@@ -259,6 +259,47 @@ def test_fractions_are_each_value_cast_through_float64(dtype, scale):
     assert (stats.inf, stats.nan) == (int(torch.isinf(grad).sum()), 1) and stats.numel == len(grad)
 
 
+def _mixed_gradients() -> list[tuple[str, torch.Tensor]]:
+    """Gradients of every dtype a lane's parameters take, with zeros, inf, NaN, subnormals and overflows among them,
+    one empty and one that fills several groups."""
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.logspace(-45, 38, 41, dtype=torch.float64) * (torch.rand(41, generator=generator) - 0.5).sign()
+    special = torch.tensor([0.0, 0.0, math.inf, -math.inf, math.nan, 2.0**-25, 65520.0, 2.0**-130], dtype=torch.float64)
+    return [("a", torch.cat([wide, special]).float()), ("b", torch.randn(5, generator=generator).half() * 1e-4),
+            ("c", torch.cat([wide[:30], special]).bfloat16()), ("empty", torch.zeros(0)),
+            ("d", (torch.randn(3, 4, generator=generator, dtype=torch.float64) * 1e6)),
+            ("e", torch.zeros(6)), ("f", torch.randn(23, generator=generator))]
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**16])
+@pytest.mark.parametrize("group", [7, 16, 64])
+def test_gradients_measured_together_are_each_measured_alone(monkeypatch, scale, group):
+    """Gradients are measured in groups (several parameters' elements, or slices of a large one, in one flat tensor and
+    one host transfer); each parameter's figures are the same as when it is measured alone."""
+    named = _mixed_gradients()
+    alone = [gradstats.grad_stats(name, grad, scale) for name, grad in named]
+    # Small groups: a gradient in slices over several groups, several gradients (and slices) sharing one.
+    monkeypatch.setattr(gradstats, "GROUP_ELEMENTS", group)
+    together = gradstats.named_grad_stats(named, scale)
+    assert together == alone
+    assert alone[3].numel == 0 and alone[3].fractions == {} and sum(alone[3].hist) == 0
+    assert alone[0].total == alone[0].numel == 49 and (alone[0].inf, alone[0].nan, alone[0].zeros) == (2, 1, 2)
+    assert alone[5].zeros == 6 and alone[5].fractions == {}
+    kinds = ("zero", "subnormal", "overflow")
+    assert set(alone[0].fractions) == {f"{fmt}.{what}.{label}" for fmt in ("fp16", "bf16") for what in kinds
+                                       for label in ("unscaled", "scaled")}
+
+
+def test_lost_updates_of_several_parameters_in_one_read():
+    before = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 1.0]), torch.tensor([5.0])]
+    after = [torch.tensor([1.0, 2.5, 3.0, 4.5]), torch.tensor([1.0, 0.5]), torch.tensor([5.0])]
+    grads = [torch.tensor([0.1, 0.1, 0.0, math.nan]), torch.tensor([1e-3, 1.0]), torch.tensor([0.0])]
+    fractions = gradstats.lost_update_fractions(list(zip(before, after, grads, strict=True)))
+    # 1st: two live elements (0.1, 0.1), the first did not move; 2nd: one of two did not move; 3rd: no live element.
+    assert fractions == [0.5, 0.5, None]
+    assert gradstats.lost_update_fractions([]) == []
+
+
 def test_format_bands_follow_from_the_bit_layouts():
     bands = debugger.format_bands().set_index(["format", "region"])
     fp16, bf16 = LAYOUTS["fp16"], LAYOUTS["bf16"]

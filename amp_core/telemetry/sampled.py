@@ -119,13 +119,14 @@ class StepProbes:
             stats_started = time.perf_counter()
             peek_scale_and_skip(self.meter, result)  # the scale the gradients were scaled by (a sync on CUDA)
             result.grad_stats = gradstats.model_grad_stats(self.model, result.scale or 1.0)
-            params = dict(zip(self.names, self.params, strict=True))
-            for stats in result.grad_stats:
-                # A skipped step moves no parameter on purpose: that is not an update lost to rounding.
-                if stats.param in opened.params_before and not result.skipped:
-                    param = params[stats.param]
-                    stats.lost_update_fraction = gradstats.lost_update_fraction(
-                        opened.params_before[stats.param], param.detach(), param.grad)
+            if not result.skipped:  # a skipped step moves no parameter on purpose: no update lost to rounding
+                params = dict(zip(self.names, self.params, strict=True))
+                watched = [stats for stats in result.grad_stats if stats.param in opened.params_before]
+                lost = gradstats.lost_update_fractions(
+                    [(opened.params_before[stats.param], params[stats.param].detach(), params[stats.param].grad)
+                     for stats in watched])
+                for stats, fraction in zip(watched, lost, strict=True):
+                    stats.lost_update_fraction = fraction
             self.last_stats_s = time.perf_counter() - stats_started
             self.stats_s += self.last_stats_s
         return opened.seconds + time.perf_counter() - started
