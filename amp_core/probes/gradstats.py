@@ -20,8 +20,9 @@ FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 GROUP_ELEMENTS = 1 << 21
 """Gradients are measured together, as one flat tensor per group of about this many elements (several parameters, or
-a slice of a larger one): a few ops and one host transfer per group instead of ~30 ops and 13 host reads per
-parameter (each a sync on CUDA). A group's temporaries take a few tens of bytes per element."""
+a slice of a larger one): ~35 ops and one host transfer per group instead of ~30 ops and 13 host reads per parameter
+(each a sync on CUDA; so is each bincount's read of its largest key there: 4 or 6 per group now, 1 per parameter
+before). A group's temporaries take a few tens of bytes per element."""
 
 _CLASSES = 4
 """A gradient element's class: 0 finite non-zero, 1 zero, 2 inf, 3 NaN."""
