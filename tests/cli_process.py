@@ -30,15 +30,17 @@ def store_sql(store, statement: str, params: tuple = ()) -> list[tuple]:
         return conn.execute(statement, params).fetchall()
 
 
-def start_cli_run(store: Path | str, *run_args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded);
-    `prefix`: a command it runs under (e.g. `unshare ...`).
+def start_cli_run(store: Path | str, *run_args: str, prefix: tuple[str, ...] = (),
+                  output: bool = False) -> subprocess.Popen:
+    """`python -m amp_core --store STORE run RUN_ARGS...` from the checkout's root (stdout and stderr discarded, or
+    with `output` piped as text for `communicate`); `prefix`: a command it runs under (e.g. `unshare ...`).
 
     Ctrl-C (SIGINT) reaches it as it would from a terminal, even when the tests themselves were started in the
     background (where a shell ignores SIGINT, and a child would inherit that).
     """
+    stream = subprocess.PIPE if output else subprocess.DEVNULL
     return subprocess.Popen([*prefix, sys.executable, "-m", "amp_core", "--store", str(store), "run", *run_args],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, stdout=stream, stderr=stream, text=output,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 

@@ -50,9 +50,10 @@ def test_a_cli_run_outlives_its_server_going_away_and_writes_every_record(pg_clu
     that, the store holds every step of every lane that the run made. (A run long enough for any machine, stopped when
     the records show it went on: a fixed step count either outlives the outage on a slow machine only or trains for
     a minute on this one.)"""
-    proc = subprocess.Popen([sys.executable, "-m", "amp_core", "--store", database, "run", "--workload",
-                             "mlp_regression", "--modes", "32-true,16-mixed", "--steps", "10000000"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Started so that its Ctrl-C below reaches it even when the tests run in the background (one suite started
+    # with `&` ignored it, and the run went on until communicate's timeout).
+    proc = start_cli_run(database, "--workload", "mlp_regression", "--modes", "32-true,16-mixed", "--steps",
+                         "10000000", output=True)
     try:
         stored = wait_for_stored_steps(database, proc, more_than=0)
         pg_cluster.stop()
