@@ -94,7 +94,10 @@ def _group_counts(pieces: list[torch.Tensor], scale: float) -> list[list[int]]:
     scaled = values.double() * scale if scale != 1.0 else None
     for dtype in FORMATS.values():
         tiny = torch.finfo(dtype).tiny
-        for source in (values,) if scaled is None else (values, scaled):
+        for source in (values, scaled):  # unscaled, then scaled (the same counts again when the scale is 1)
+            if source is None:
+                counts.append(counts[-1])
+                continue
             stored = source.to(dtype).abs()
             cast = torch.where(stored == 0, 0, torch.where(stored < tiny, 1, torch.where(torch.isinf(stored), 2, 3)))
             counts.append(_per_owner(owner, torch.where(live, cast, 4), _CASTS, count)[:, :3])
@@ -114,12 +117,11 @@ def _stats(name: str, numel: int, row: list[int], scale: float) -> GradStats:
     casts = row[_CLASSES + _BINS:]
     fractions: dict[str, float] = {}
     if live:
-        labels = ("unscaled", "scaled")
-        per_format = len(casts) // len(FORMATS)  # 3 (unscaled only: the scaled counts are the same) or 6
-        for index, fmt in enumerate(FORMATS):
-            mine = casts[index * per_format:(index + 1) * per_format]
-            for label_index, label in enumerate(labels):
-                zero, subnormal, overflow = mine[3 * label_index:3 * label_index + 3] if per_format == 6 else mine
+        at = 0  # casts: for each format, unscaled then scaled, (zero, subnormal, overflow) each
+        for fmt in FORMATS:
+            for label in ("unscaled", "scaled"):
+                zero, subnormal, overflow = casts[at:at + 3]
+                at += 3
                 fractions[f"{fmt}.zero.{label}"] = zero / live
                 fractions[f"{fmt}.subnormal.{label}"] = subnormal / live
                 fractions[f"{fmt}.overflow.{label}"] = overflow / live
