@@ -157,6 +157,12 @@ def test_loss_spike_skips_fp16_not_bf16(no_leaked_threads):
     assert (fp16.loc[start + duration:recovered - 1, "scale"] < effects.loc["16-mixed", "scale_before"]).all()
     assert effects.loc["bf16-mixed", "skipped_steps"] == 0
     assert effects.loc["bf16-mixed", "outcome"].startswith("no GradScaler: 0 steps skipped")
+    # Live, before the fault's steps (or before any step): where the lane is, not a verdict on its scaler.
+    for early in (frame[frame["step"] < start - 5], frame.iloc[0:0]):
+        live = debugger.fault_effects(early, config.to_dict(), lanes).set_index("mode")
+        where = f"at step {start - 6}" if len(early) else "with no step recorded yet"
+        assert (live["outcome"] == f"not reached yet: the fault acts from step {start}, the lane is {where}").all()
+        assert (live["skipped_steps"] == 0).all()
     overview = debugger.lane_overview(frame, events, lanes)
     assert overview["skipped steps"].tolist() == [duration, 0]
     assert overview["scale now"].tolist() == [f"{fp16['scale'].iloc[-1]:g}", "no scaler"]

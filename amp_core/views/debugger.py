@@ -453,8 +453,9 @@ def lane_overview(steps: pd.DataFrame, events: pd.DataFrame, lanes: Sequence[Lan
                                        "steps with inf/NaN applied", *OVERVIEW_SCALES])
 
 
-def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict[str, Any]:
-    """What a fault acting on steps [start, end) did to one lane.
+def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int, mode: str = "") -> dict[str, Any]:
+    """What a fault acting on steps [start, end) did to one lane (`mode`: the lane's, as its run says; else read from
+    its steps). A lane whose records have not reached `start` yet (a live run) is said to be there, not judged.
 
     skipped_steps: skipped steps from `start` until the scale is back (or the run's end); scale_before: the scale
     of step start-1 (of `start` when it is 0); scale_min: the lowest scale from `start` on; first_clean_step: the
@@ -475,7 +476,10 @@ def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict
     last = recovered_step if recovered_step is not None else (int(step.max()) if len(step) else start)
     skipped_count = int((skipped & after & (step <= last)).sum())
     scale_min = float(scale[after].min()) if scale[after].notna().any() else math.nan
-    if math.isnan(scale_before):
+    if not after.any():  # nothing to judge yet: not "no GradScaler" because no scale has been recorded
+        where = f"at step {int(step.max())}" if len(step) else "with no step recorded yet"
+        outcome = f"not reached yet: the fault acts from step {start}, the lane is {where}"
+    elif math.isnan(scale_before):
         outcome = (f"no GradScaler: {skipped_count} steps skipped; the optimizer took every step, "
                    "spiked gradients included")
     else:
@@ -487,7 +491,7 @@ def fault_recovery(steps: pd.DataFrame, lane: int, start: int, end: int) -> dict
         else:
             outcome += f"back to {_pow2(scale_before)} at step {recovered_step}, {recovered_step - end} steps after " \
                        "the fault ended"
-    return {"lane": lane, "mode": str(frame["mode"].iloc[0]) if len(frame) else "",
+    return {"lane": lane, "mode": mode or (str(frame["mode"].iloc[0]) if len(frame) else ""),
             "skipped_steps": skipped_count, "scale_before": scale_before, "scale_min": scale_min,
             "first_clean_step": int(clean.iloc[0]) if len(clean) else None, "recovered_step": recovered_step,
             "steps_to_recover": recovered_step - end if recovered_step is not None else None, "outcome": outcome}
@@ -499,7 +503,7 @@ def fault_effects(steps: pd.DataFrame, config: dict[str, Any], lanes: Sequence[L
     for lane in lanes:
         for window in fault_windows(config, lane.mode).itertuples(index=False):
             rows.append({"fault": window.description,
-                         **fault_recovery(steps, lane.lane, int(window.start), int(window.end))})
+                         **fault_recovery(steps, lane.lane, int(window.start), int(window.end), lane.mode)})
     columns = ["fault", "lane", "mode", "skipped_steps", "scale_before", "scale_min", "first_clean_step",
                "recovered_step", "steps_to_recover", "outcome"]
     frame = pd.DataFrame(rows, columns=columns)
