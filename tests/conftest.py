@@ -27,6 +27,7 @@ from stepped_run import SteppedRun  # noqa: E402
 from amp_core import background, runner  # noqa: E402
 from amp_core.extras import missing_extras  # noqa: E402
 from amp_core.precision import CPU_NATIVE_ENV  # noqa: E402
+from tests import streamlit_server  # noqa: E402
 
 # The suite runs on the device as it is: an override exported in the shell would change what the workshop expects
 # (the tests that exercise the override set it themselves).
@@ -54,13 +55,22 @@ def pytest_collection_modifyitems(items):
 def pytest_runtest_makereport(item, call):
     """A test that failed on a timeout (a wait on a run, a process) prints every thread's stack right away, while the
     thread that hung is still where it hung: a sporadic hang in CI then names its wait in the log. (AppTest stops its
-    script thread before it raises: pyproject's faulthandler_timeout prints the stacks while such a run still hangs.)"""
+    script thread before it raises: pyproject's faulthandler_timeout prints the stacks while such a run still hangs.)
+
+    A failed test with a dashboard server in its fixtures (`streamlit_server.serving`) gets that server's output in its
+    report, with every thread of it as it stood (the server is then ended: its fixture's teardown stops it anyway)."""
     report = yield
     if report.failed and call.excinfo is not None and "timed out" in str(call.excinfo.value).lower():
         print(f"\n--- {item.nodeid}: every thread's stack at the timeout ---", file=sys.stderr, flush=True)
         # A stderr with no file descriptor (output not captured by file): the report stands as it is.
         with contextlib.suppress(AttributeError, ValueError, OSError):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    if report.failed and call.when == "call":
+        for url, proc in streamlit_server.SERVING.items():  # a browser test's server (its fixture yields the URL)
+            if url in getattr(item, "funcargs", {}).values():
+                streamlit_server.dump_stacks(proc)
+                report.sections.append((f"what the server at {url} printed, every thread's stack last",
+                                        streamlit_server.printed(proc)))
     return report
 
 

@@ -49,6 +49,9 @@ LOSS_POINTS_AT_LEAST = f"""([modes, atLeast]) => {{
     const points = ({LOSS_POINTS})();
     return modes.every(mode => (points[mode] || 0) >= atLeast);
 }}"""
+# Or a lane's failure drawn instead (pages/train.lane_problems): a wait for points that will never come ends at once.
+LOSS_POINTS_OR_A_FAILURE = f"""([modes, atLeast]) => ({LOSS_POINTS_AT_LEAST})([modes, atLeast])
+    || Array.from(document.querySelectorAll("[data-testid='stAlert']")).some(alert => /failed/.test(alert.innerText))"""
 # Streamlit marks elements of the previous script run as stale until the new run replaces or drops them.
 SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 0 "
            "&& document.fonts.status === 'loaded'")
@@ -67,6 +70,14 @@ def open_train_page(page, url: str):
     launch = page.get_by_role("button", name="Launch")
     launch.wait_for(timeout=90_000)
     return launch
+
+
+def wait_for_loss_points(page, modes: list[str], at_least: int, timeout_ms: int) -> None:
+    """Wait until every mode's loss trace has `at_least` points; fails at once, with the page's words, when a lane's
+    failure is drawn instead."""
+    page.wait_for_function(LOSS_POINTS_OR_A_FAILURE, arg=[modes, at_least], timeout=timeout_ms)
+    failures = [text for text in page.get_by_test_id("stAlert").all_inner_texts() if "failed" in text]
+    assert not failures, f"a lane failed instead of drawing its loss: {failures}"
 
 
 def enter_number(page, label: str, value) -> None:
@@ -123,7 +134,7 @@ def test_launch_two_modes_and_watch_the_loss_chart(server):
             for mode in modes:  # the default selection: 32-true and this machine's best mixed mode
                 page.get_by_text(mode, exact=True).first.wait_for()
             launch.click()
-            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, 1], timeout=120_000)  # both modes drawn
+            wait_for_loss_points(page, modes, 1, timeout_ms=120_000)  # both modes drawn
             page.get_by_text("Run status: finished").wait_for(timeout=120_000)
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[modes, STEPS], timeout=60_000)
             assert page.evaluate(LOSS_POINTS) == dict.fromkeys(modes, STEPS)  # the Steps typed took effect

@@ -20,6 +20,7 @@ from tests.test_browser import (  # noqa: F401  (server: the real server fixture
     open_train_page,
     pick,
     server,
+    wait_for_loss_points,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +82,8 @@ def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_
             picker = page.locator("[data-testid='stMultiSelect']").filter(has_text="Precision modes or recipes")
             assert "bf16-mixed+sr" not in picker.inner_text() and "32-true+adamw-8bit" in picker.inner_text()
             page.get_by_role("button", name="Launch").click()
-            page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[RACE, 1], timeout=900_000)
-            page.get_by_text("Run status: finished").wait_for(timeout=900_000)
+            wait_for_loss_points(page, RACE, 1, timeout_ms=600_000)
+            page.get_by_text("Run status: finished").wait_for(timeout=600_000)
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[RACE, STEPS], timeout=60_000)
             page.wait_for_function(SETTLED, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0

@@ -73,7 +73,7 @@ def test_share_listens_on_every_interface_and_says_what_that_exposes(ui_server):
     proc, port = ui_server("--share")
     assert listening_addresses(proc, port) == {"0.0.0.0"}
     streamlit_server.stop(proc)
-    output = proc.stdout.read()
+    output = streamlit_server.printed(proc)
     assert "warning: AMP Lab listens on 0.0.0.0" in output and "read every run" in output
     assert "visitors from other machines watch read-only" in output  # the controls stay on this machine
 
