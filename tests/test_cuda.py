@@ -213,3 +213,27 @@ def test_a_plain_cuda_lane_whose_loss_goes_nonfinite_stops_with_nothing_recorded
     assert first_bad > 1, "the divergence must come on a plain step for this test to mean anything"
     assert frame["step"].max() == first_bad and frame["step"].tolist() == list(range(first_bad + 1))
     assert f"at step {first_bad}" in lane.error
+
+
+@pytest.mark.parametrize("group", [1 << 21, 16])
+def test_gradient_statistics_on_cuda_read_back_once_per_group_and_match_the_cpus(monkeypatch, group):
+    """A sampled step's gradient statistics on CUDA: the same figures as the CPU's, with one host sync per group (its
+    one transfer: no bincount's read of its largest key, no pageable copy of the pieces' sizes)."""
+    from test_debugger import _mixed_gradients
+
+    from amp_core.probes import gradstats
+
+    monkeypatch.setattr(gradstats, "GROUP_ELEMENTS", group)
+    groups, count = [], gradstats._group_counts
+    monkeypatch.setattr(gradstats, "_group_counts", lambda pieces, scale: groups.append(len(pieces)) or count(
+        pieces, scale))  # the real counts, each group's call noted
+    named = _mixed_gradients()
+    on_cpu = gradstats.named_grad_stats(named, 2.0**16)
+    on_gpu = [(name, grad.cuda()) for name, grad in named]
+    gradstats.named_grad_stats(on_gpu, 2.0**16)  # the process's first use of these kernels, uncounted
+    torch.cuda.synchronize()
+    groups.clear()
+    with counting_syncs() as syncs:
+        figures = gradstats.named_grad_stats(on_gpu, 2.0**16)
+    assert figures == on_cpu
+    assert syncs[0] == len(groups) and len(groups) == (1 if group > 1000 else 11), (syncs[0], groups)

@@ -279,13 +279,17 @@ def _mixed_gradients() -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**16])
 @pytest.mark.parametrize("group", [7, 16, 64])
-def test_gradients_measured_together_are_each_measured_alone(monkeypatch, scale, group):
+@pytest.mark.parametrize("counting", ["bincount", "added up"])
+def test_gradients_measured_together_are_each_measured_alone(monkeypatch, scale, group, counting):
     """Gradients are measured in groups (several parameters' elements, or slices of a large one, in one flat tensor and
-    one host transfer); each parameter's figures are the same as when it is measured alone."""
+    one host transfer); each parameter's figures are the same as when it is measured alone. Counted as on a CUDA device
+    too (`_add_up`, no read back: run here on the CPU), against bincount's figures."""
     named = _mixed_gradients()
     alone = [gradstats.grad_stats(name, grad, scale) for name, grad in named]
     # Small groups: a gradient in slices over several groups, several gradients (and slices) sharing one.
     monkeypatch.setattr(gradstats, "GROUP_ELEMENTS", group)
+    if counting == "added up":
+        monkeypatch.setattr(gradstats, "BINCOUNT_DEVICES", frozenset())
     together = gradstats.named_grad_stats(named, scale)
     assert together == alone
     assert alone[3].numel == 0 and alone[3].fractions == {} and sum(alone[3].hist) == 0
