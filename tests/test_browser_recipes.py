@@ -81,7 +81,9 @@ def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_
                 page.get_by_text(lane, exact=True).first.wait_for()
             picker = page.locator("[data-testid='stMultiSelect']").filter(has_text="Precision modes or recipes")
             assert "bf16-mixed+sr" not in picker.inner_text() and "32-true+adamw-8bit" in picker.inner_text()
+            assert page.get_by_text("Run status:").count() == 0  # a fresh store: no run shown yet
             page.get_by_role("button", name="Launch").click()
+            page.get_by_text("Run status:").wait_for(timeout=120_000)  # launched: a lost click fails here, not later
             wait_for_loss_points(page, RACE, 1, timeout_ms=600_000)
             page.get_by_text("Run status: finished").wait_for(timeout=600_000)
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[RACE, STEPS], timeout=60_000)
