@@ -6,6 +6,7 @@ saves a screenshot to artifacts/train_page.png.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -50,8 +51,10 @@ LOSS_POINTS_AT_LEAST = f"""([modes, atLeast]) => {{
     return modes.every(mode => (points[mode] || 0) >= atLeast);
 }}"""
 # Or a lane's failure drawn instead (pages/train.lane_problems): a wait for points that will never come ends at once.
+LANE_FAILED = r"^(Lane .+ failed|The run failed):"
 LOSS_POINTS_OR_A_FAILURE = f"""([modes, atLeast]) => ({LOSS_POINTS_AT_LEAST})([modes, atLeast])
-    || Array.from(document.querySelectorAll("[data-testid='stAlert']")).some(alert => /failed/.test(alert.innerText))"""
+    || Array.from(document.querySelectorAll("[data-testid='stAlert']"))
+        .some(alert => /{LANE_FAILED}/m.test(alert.innerText))"""
 # Streamlit marks elements of the previous script run as stale until the new run replaces or drops them.
 SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 0 "
            "&& document.fonts.status === 'loaded'")
@@ -76,7 +79,8 @@ def wait_for_loss_points(page, modes: list[str], at_least: int, timeout_ms: int)
     """Wait until every mode's loss trace has `at_least` points; fails at once, with the page's words, when a lane's
     failure is drawn instead."""
     page.wait_for_function(LOSS_POINTS_OR_A_FAILURE, arg=[modes, at_least], timeout=timeout_ms)
-    failures = [text for text in page.get_by_test_id("stAlert").all_inner_texts() if "failed" in text]
+    failures = [text for text in page.get_by_test_id("stAlert").all_inner_texts()
+                if re.search(LANE_FAILED, text, re.MULTILINE)]
     assert not failures, f"a lane failed instead of drawing its loss: {failures}"
 
 
