@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +34,12 @@ def start_command(args: list[str], store: Path, output=None) -> subprocess.Popen
     default the file `log_path(store)`: never a pipe nobody reads (a server that prints more than a pipe holds, 64 KiB,
     blocks in its write, training thread and all). A caller that passes subprocess.PIPE reads it."""
     env = dict(os.environ, AMP_LAB_STORE=str(store), PYTHONFAULTHANDLER="1")
-    if output is not None:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+    with ExitStack() as opened:  # a log file opened here is closed after the start: the child holds its own copy
+        stream = output if output is not None else opened.enter_context(open(log_path(store), "a"))
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT,
                                 text=True)
-    with open(log_path(store), "a") as log:  # the child holds its own copy of the file
-        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
-    proc.log_path = log_path(store)
+    if output is None:
+        proc.log_path = log_path(store)
     return proc
 
 

@@ -74,7 +74,7 @@ def named_grad_stats(named: list[tuple[str, torch.Tensor]], scale: float = 1.0) 
 
 def _group_counts(pieces: list[torch.Tensor], scale: float) -> list[list[int]]:
     """Each piece's counts (classes, histogram, casts: as _stats reads them), all reaching the host in one transfer:
-    every count is a bincount over (piece, class) keys of the group's elements.
+    every count is made over (piece, class) keys of the group's elements (`_per_owner`).
 
     Values are compared in a dtype that holds every gradient exactly (float32 for fp16/bf16/fp32 gradients, float64
     for a float64 one); each value is cast to fp16 and bf16 as it is (one rounding of the same number: the same as a
