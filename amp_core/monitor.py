@@ -267,8 +267,9 @@ class Monitor:
         if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded
             self._recorder.on_record.append(self._replays.recorded)
         self._driver.watchers += (self._desk.full_at, self._hooks_watch)
-        self._due = 0.0
-        """A plain step meeting this time (`time.monotonic()`) takes the full path: a flush or a layer read is due."""
+        self._due = self._due_clock = 0.0
+        """A plain step meeting this time (`time.monotonic()`; `_due_clock` on the host meter's clock) takes the full
+        path: a flush or a layer read is due (`_set_due`)."""
         self._begin(0)
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -295,20 +296,23 @@ class Monitor:
         # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
         if start is not None:
             # What `end`, `keep` and `open_plain` do, inline: the step kept as StepDriver.host_plain keeps a race
-            # lane's (a plain step's Python runs with cold caches right after the loop's work: each call counts).
+            # lane's (a plain step's Python runs with cold caches right after the loop's work: each call counts, so
+            # `is_plain`'s own first test is made here, and the deadline is on the meter's clock, read already).
             self._host_start = None
-            if driver.is_plain(step) and time.monotonic() < self._due:
-                probe_s = self._clock() - began
+            if (step < driver.plain_until or driver.is_plain(step)) and began < self._due_clock:
                 value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU: waits for nothing
                 if math.isfinite(value):
-                    driver.host_kept.append((step, lr, time.time(), start, began, value, samples, probe_s))
                     self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-                    self.steps_done = step = step + 1
-                    if driver.is_plain(step):
+                    self.steps_done = step + 1
+                    # Kept (HOST_KEPT) with the Monitor's own host time on it: from its window's end to the next's
+                    # start, or to the full path's (which `_begin` opens, after this step is kept).
+                    if step + 1 < driver.plain_until or driver.is_plain(step + 1):
                         watch.stepped = False
-                        self._host_start = self._window_host = self._clock()
+                        self._host_start = self._window_host = ended = self._clock()
+                        driver.host_kept.append((step, lr, start, began, value, samples, ended - began))
                     else:
-                        self._begin(step)
+                        driver.host_kept.append((step, lr, start, began, value, samples, self._clock() - began))
+                        self._begin(step + 1)
                     return
             window = Window(start, began)
         elif (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
@@ -353,16 +357,20 @@ class Monitor:
         self._watch.begin()
         plain = self._driver.replan(step)  # what the last step recorded (a failure) may watch this one
         if not (self._driver.kept or self._driver.host_kept):
-            self._due = self._due_at()
+            self._set_due()
         if plain and self._host_plain:  # `begin(plain=True)` is the meter's open alone: its clock read, kept here
             self._host_start = self._window_host = self._clock()
         else:
             self._window_host = time.perf_counter()
             self._window = self._driver.begin(step, scale_tensor(self.scaler), plain=plain)
 
-    def _due_at(self) -> float:
-        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due."""
-        return min(self._desk.read_at, self._sink.flush_due_at) if self._driver.plain else 0.0
+    def _set_due(self) -> None:
+        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due
+        (`_due`, on `time.monotonic()`; `_due_clock`, the same on the host meter's clock, which a host plain step has
+        read already)."""
+        self._due = min(self._desk.read_at, self._sink.flush_due_at) if self._driver.plain else 0.0
+        if self._clock is not None:
+            self._due_clock = self._due - time.monotonic() + self._clock()
 
     def _hooks_watch(self, step: int) -> int:
         """The driver's FullStepAt for `step_hooks`: while there are any, every step is full."""
@@ -386,7 +394,7 @@ class Monitor:
         self._sink.flush()
         # A request taken, or a failure recorded, here watches the coming steps: they take the full path again.
         self._driver.replan(self.steps_done)
-        self._due = self._due_at()
+        self._set_due()
 
     def close(self, status: str = "finished", error: str = "") -> None:
         """The last records and the run's final status (finished, unless told otherwise); idempotent. Under

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,33 @@ def test_bf16_autocast_without_a_scaler(store):
     assert len(frame) == 12 and not frame["skipped"].any() and frame["scale"].isna().all()
     assert (frame["step_ms"] > 0).all() and frame["samples_per_s"].isna().all()
     assert frame["loss"].iloc[-1] < frame["loss"].iloc[0]
+
+
+def test_plain_steps_on_a_cpu_keep_their_wall_clock_time_and_the_monitors_own(store):
+    # With no scaler on a CPU, the steps that sample nothing are kept as tuples and made records at the next full step
+    # or flush: their wall-clock time is their window's end moved to the wall clock then, their probe_ms the Monitor's
+    # host time from their window's end to the next window's start.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = batch()
+    started = time.time()
+    with Monitor(model, optimizer, store=store, mode="32-true", grad_norm_every=20, memory_every=20,
+                 gradstats_every=0) as monitor:
+        for _ in range(60):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            monitor.step(loss)
+        assert monitor._driver.plain  # the plain path was taken (its steps are what this test is about)
+    ended = time.time()
+    frame = store.steps(monitor.run_id)
+    assert frame["step"].tolist() == list(range(60))
+    assert frame["t_wall_s"].is_monotonic_increasing
+    assert started <= frame["t_wall_s"].min() and frame["t_wall_s"].max() <= ended
+    assert (frame["step_ms"] > 0).all() and (frame["probe_ms"] >= 0).all() and frame["loss"].notna().all()
+    assert frame["grad_norm"].notna().tolist() == [step % 20 == 0 for step in range(60)]
 
 
 def test_sampled_figures_memory_and_gradient_statistics(store):

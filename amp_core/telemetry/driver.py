@@ -31,6 +31,10 @@ HostPlain = Callable[[int, tuple, "int | None"], "tuple[Window, float, torch.Ten
 """A plain step (`host_plain`, `device_plain`): (step, batch, samples) -> None when kept, else (window, lr, loss,
 skipped) of a step that takes the full path from its closed window (`finish`): a loss known not to be finite, or a
 step the scaler skipped."""
+HOST_KEPT = ("step", "lr", "start", "end", "loss", "samples", "probe_s")
+"""The fields of a step kept on the host (`host_kept`), in order: its window's start and end on the meter's clock, its
+loss as a float, the batch's size, and the caller's own host time on it outside the window (a Monitor's). No
+wall-clock time: the drain gives each its window's end moved to the wall clock (StepRecorder.add_host)."""
 FullStepAt = Callable[[int], int]
 """What else watches a driver's steps: given a step, the first step from it on that must take the full path (the step
 itself: this one; a large number: none soon)."""
@@ -70,8 +74,8 @@ class StepDriver:
         """The last step whose loss was known not to be finite (`_first_nonfinite_loss`)."""
         self.kept: list[PlainStep] = []
         self.host_kept: list[tuple] = []
-        """`host_plain`'s kept steps (and a Monitor's on a CPU without a scaler), as (step, lr, t_wall_s, window start,
-        window end, loss, samples, probe_s): made into PlainSteps at the drain, where the caches hold this code."""
+        """`host_plain`'s kept steps (and a Monitor's on a CPU without a scaler), as HOST_KEPT tuples: made records at
+        the drain (StepRecorder.add_host), where the caches hold this code."""
         self.opened = NOTHING_OPENED
         self.end: Callable[[Window], None] = meter.close
         """`end(window)` closes the timed window: the first thing after the training work (the meter's own close,
@@ -139,7 +143,7 @@ class StepDriver:
         meter = self.meter
         if not meter.at_once or self.watch.scaled:
             raise ValueError("host_plain: a meter with the figures on the host at once and no scaler")
-        clock, now, kept, isfinite = meter.clock, time.time, self.host_kept, math.isfinite
+        clock, kept, isfinite = meter.clock, self.host_kept, math.isfinite
 
         def plain(step: int, batch: tuple, samples: int | None) -> tuple[Window, float, torch.Tensor, bool] | None:
             start = clock()
@@ -147,7 +151,7 @@ class StepDriver:
             end = clock()
             value = loss.item()
             if isfinite(value):
-                kept.append((step, lr, now(), start, end, value, samples, 0.0))
+                kept.append((step, lr, start, end, value, samples, 0.0))  # HOST_KEPT
                 return None
             return Window(start, end, values=[value]), lr, loss, False
 
@@ -228,15 +232,18 @@ class StepDriver:
     def drain(self) -> None:
         """The kept plain steps become records (StepRecorder.add_plain), oldest first. Both lists are emptied in
         place: `host_plain`'s and `device_plain`'s steps append to the lists they were made with."""
-        kept = self.kept
-        if self.host_kept:
-            host = [PlainStep(step, lr, t_wall_s, Window(start, end, values=[value]), samples, probe_s)
-                    for step, lr, t_wall_s, start, end, value, samples, probe_s in self.host_kept]
-            self.host_kept.clear()
-            if kept:
-                host = sorted(kept + host, key=lambda plain: plain.step)
-                kept.clear()
-            kept += host
+        kept, host_kept = self.kept, self.host_kept
+        if host_kept and not kept:  # the usual case on a CPU: the host's steps alone, made records directly
+            steps = host_kept[:]
+            host_kept.clear()
+            self.recorder.add_host(self.track, steps)
+            return
+        if host_kept:  # both kinds (a window opened full for a step that turned out plain): merged in step order
+            wall = time.time() - self.meter.clock()
+            host = [PlainStep(step, lr, end + wall, Window(start, end, values=[value]), samples, probe_s)
+                    for step, lr, start, end, value, samples, probe_s in host_kept]
+            host_kept.clear()
+            kept[:] = sorted(kept + host, key=lambda plain: plain.step)
         if kept:
             steps = kept[:]
             kept.clear()

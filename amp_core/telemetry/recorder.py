@@ -267,6 +267,21 @@ class StepRecorder:
                 break
         self._adding = None
 
+    def add_host(self, track: LaneTrack, kept: list[tuple]) -> None:
+        """`add_plain` for the steps a driver kept on the host (HOST_KEPT tuples: a CPU, no scaler), whose figures
+        are all there: each becomes its StepResult, filled in, with no window to resolve. Their wall-clock time is
+        their window's end on the meter's clock, moved to the wall clock as it reads now (one `time.time()` per
+        drain, not per step)."""
+        wall = time.time() - track.meter.clock()
+        for left, (step, lr, start, end, value, samples, probe_s) in enumerate(kept, 1 - len(kept)):
+            result = StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False, step_ms=(end - start) * 1e3,
+                                loss=value, skipped=False, probe_ms=probe_s * 1e3, filled=True)
+            self._adding = (track, -left)  # the steps after this one, for `drop`
+            self.add(track, result, samples)
+            if track.dropped:
+                break
+        self._adding = None
+
     @property
     def waiting(self) -> int:
         """Steps whose figures are still on their way."""
