@@ -230,8 +230,8 @@ class StepDriver:
         self.recorder.add(self.track, result, samples)
 
     def drain(self) -> None:
-        """The kept plain steps become records (StepRecorder.add_plain), oldest first. Both lists are emptied in
-        place: `host_plain`'s and `device_plain`'s steps append to the lists they were made with."""
+        """The kept plain steps become records (StepRecorder.add_host, add_plain), oldest first. Both lists are
+        emptied in place: `host_plain`'s and `device_plain`'s steps append to the lists they were made with."""
         kept, host_kept = self.kept, self.host_kept
         if host_kept and not kept:  # the usual case on a CPU: the host's steps alone, made records directly
             steps = host_kept[:]
