@@ -267,9 +267,9 @@ class Monitor:
         if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded
             self._recorder.on_record.append(self._replays.recorded)
         self._driver.watchers += (self._desk.full_at, self._hooks_watch)
-        self._due = self._due_clock = 0.0
-        """A plain step meeting this time (`time.monotonic()`; `_due_clock` on the host meter's clock) takes the full
-        path: a flush or a layer read is due (`_set_due`)."""
+        self._due = 0.0
+        """A plain step that begins its bookkeeping at this time (`time.perf_counter()`, what `step` reads as `began`)
+        takes the full path: a flush or a layer read is due (`_set_due`)."""
         self._begin(0)
 
     # --- the user's loop -----------------------------------------------------------------------------------------
@@ -297,25 +297,23 @@ class Monitor:
         if start is not None:
             # What `end`, `keep` and `open_plain` do, inline: the step kept as StepDriver.host_plain keeps a race
             # lane's (a plain step's Python runs with cold caches right after the loop's work: each call counts, so
-            # `is_plain`'s own first test is made here, and the deadline is on the meter's clock, read already).
+            # `is_plain`'s own first test is made here, and the deadline is on the clock read already).
             self._host_start = None
-            if (step < driver.plain_until or driver.is_plain(step)) and began < self._due_clock:
+            if (step < driver.plain_until or driver.is_plain(step)) and began < self._due:
                 value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU: waits for nothing
                 if math.isfinite(value):
                     self._lr_next = float(self.optimizer.param_groups[0]["lr"])
                     self.steps_done = step + 1
-                    # Kept (HOST_KEPT) with the Monitor's own host time on it: from its window's end to the next's
-                    # start, or to the full path's (which `_begin` opens, after this step is kept).
+                    # Kept (HOST_KEPT) with the Monitor's own host time on it so far; the next window opens after.
+                    driver.host_kept.append((step, lr, start, began, value, samples, self._clock() - began))
                     if step + 1 < driver.plain_until or driver.is_plain(step + 1):
                         watch.stepped = False
-                        self._host_start = self._window_host = ended = self._clock()
-                        driver.host_kept.append((step, lr, start, began, value, samples, ended - began))
+                        self._host_start = self._window_host = self._clock()
                     else:
-                        driver.host_kept.append((step, lr, start, began, value, samples, self._clock() - began))
                         self._begin(step + 1)
                     return
             window = Window(start, began)
-        elif (driver.is_plain(step) and (watch.stepped or not watch.scaled) and time.monotonic() < self._due
+        elif (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
                 and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
             self._lr_next = float(self.optimizer.param_groups[0]["lr"])
             self.steps_done = step = step + 1
@@ -365,12 +363,11 @@ class Monitor:
             self._window = self._driver.begin(step, scale_tensor(self.scaler), plain=plain)
 
     def _set_due(self) -> None:
-        """When a plain step must give way to the full path: the layer watch's read or the store's flush is due
-        (`_due`, on `time.monotonic()`; `_due_clock`, the same on the host meter's clock, which a host plain step has
-        read already)."""
-        self._due = min(self._desk.read_at, self._sink.flush_due_at) if self._driver.plain else 0.0
-        if self._clock is not None:
-            self._due_clock = self._due - time.monotonic() + self._clock()
+        """When a plain step must give way to the full path (`_due`): the layer watch's read or the store's flush is
+        due (both on `time.monotonic()`), moved to `time.perf_counter()`, which a step has read already (the host
+        meter's clock is perf_counter: HostMeter.clock)."""
+        due = min(self._desk.read_at, self._sink.flush_due_at) if self._driver.plain else 0.0
+        self._due = due - time.monotonic() + time.perf_counter() if due else 0.0
 
     def _hooks_watch(self, step: int) -> int:
         """The driver's FullStepAt for `step_hooks`: while there are any, every step is full."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -257,15 +257,15 @@ class StepRecorder:
         Made here, in a batch, where the caches hold this code, rather than right after each step, where they hold
         the model."""
         meter = track.meter
-        for left, kept in enumerate(plain, 1 - len(plain)):
-            result = StepResult(step=kept.step, lr=kept.lr, t_wall_s=kept.t_wall_s, scaled=scaled, skipped=False,
-                                probe_ms=kept.probe_s * 1e3)
-            attach_window(meter, kept.window, result)
-            self._adding = (track, -left)  # the steps after this one, for `drop`
-            self.add(track, result, kept.samples)
-            if track.dropped:  # a step recorded now stopped the lane (CUDA: a loss seen not finite as it arrived)
-                break
-        self._adding = None
+
+        def results() -> Iterator[tuple[StepResult, int | None]]:
+            for kept in plain:
+                result = StepResult(step=kept.step, lr=kept.lr, t_wall_s=kept.t_wall_s, scaled=scaled, skipped=False,
+                                    probe_ms=kept.probe_s * 1e3)
+                attach_window(meter, kept.window, result)
+                yield result, kept.samples
+
+        self._add_batch(track, results(), len(plain))
 
     def add_host(self, track: LaneTrack, kept: list[tuple]) -> None:
         """`add_plain` for the steps a driver kept on the host (HOST_KEPT tuples: a CPU, no scaler), whose figures
@@ -273,9 +273,15 @@ class StepRecorder:
         their window's end on the meter's clock, moved to the wall clock as it reads now (one `time.time()` per
         drain, not per step)."""
         wall = time.time() - track.meter.clock()
-        for left, (step, lr, start, end, value, samples, probe_s) in enumerate(kept, 1 - len(kept)):
-            result = StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False, step_ms=(end - start) * 1e3,
-                                loss=value, skipped=False, probe_ms=probe_s * 1e3, filled=True)
+        self._add_batch(track, ((StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False,
+                                            step_ms=(end - start) * 1e3, loss=value, skipped=False,
+                                            probe_ms=probe_s * 1e3, filled=True), samples)
+                                for step, lr, start, end, value, samples, probe_s in kept), len(kept))
+
+    def _add_batch(self, track: LaneTrack, results: Iterable[tuple[StepResult, int | None]], count: int) -> None:
+        """`count` steps of `track`, oldest first, each (result, samples) as `add` takes it; the rest are left out
+        when one of them stops the lane (CUDA: a loss seen not finite as it arrived)."""
+        for left, (result, samples) in enumerate(results, 1 - count):
             self._adding = (track, -left)  # the steps after this one, for `drop`
             self.add(track, result, samples)
             if track.dropped:
