@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amp_core.switches import lane_step_switches, tf32_enabled
+from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
 from amp_core.torch_private import forward_hooks, remove_forward_hooks
 from amp_core.torchao_logs import drop_expected_torchao_lines
 
@@ -107,11 +107,21 @@ class Precision:
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """Context for a whole lane step. On CUDA: the process-wide step lock, with the TF32 flags (process-global)
-        set for this lane and put back afterwards. On a CPU, nothing: TF32 is a CUDA format, and intra-op threads
-        are each thread's own (see switches.pin_intra_op_threads)."""
+        set for this lane and put back afterwards. On a CPU, nothing (TF32 is a CUDA format, and intra-op threads
+        are each thread's own: see switches.pin_intra_op_threads), except for an FP8 recipe where oneDNN's float8
+        matmul is its reference kernel: oneDNN off, so ATen emulates them (the cpu_context)."""
         if self.device_type != "cuda":
-            return NO_CONTEXT
+            return self.cpu_context()
         return lane_step_switches(self.tf32)
+
+    def cpu_context(self) -> contextlib.AbstractContextManager:
+        """What a CPU step of this recipe runs under (also where a step leaves the TF32 flags alone, e.g. an op
+        trace): oneDNN off for an FP8 recipe where ATen would send its float8 matmuls to oneDNN's reference kernel
+        (switches.float8_matmuls_need_onednn_off: ~250x slower than ATen's emulation of the same products), else
+        nothing."""
+        if self.device_type == "cpu" and self.float8 is not None and float8_matmuls_need_onednn_off():
+            return onednn_off()
+        return NO_CONTEXT
 
     def make_scaler(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                     backoff_factor: float = 0.5, growth_interval: int = 2000) -> torch.amp.GradScaler:
@@ -301,8 +311,11 @@ class Float8Matmuls(RecipeOption):
     def note(self, device: str) -> str:
         if _device_type(device) == "cuda":
             return f"{self.help} Native FP8 tensor cores."
+        onednn = (" This lane's steps run with oneDNN off: its float8 matmul on this CPU is oneDNN's reference kernel, "
+                  "hundreds of times slower than ATen's emulation of the same products.") \
+            if _device_type(device) == "cpu" and float8_matmuls_need_onednn_off() else ""
         return (f"{self.help} Emulated here: real float8 matmuls (the aten._scaled_mm op on the CPU), no speed-up "
-                "expected.")
+                f"expected.{onednn}")
 
     def _keeps(self, layer: torch.nn.Linear, device: str) -> str:
         """Why torchao's rules skip `layer` here (empty: it is converted). Misshaped layers (a dim not a multiple of

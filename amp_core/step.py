@@ -17,6 +17,7 @@ Measuring must not change what is measured (DESIGN.md):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -233,7 +234,18 @@ def plain_work(lane: LaneState) -> PlainWork:
             scaler.update()
         return lr, loss
 
+    if here and precision.cpu_context() is not NO_CONTEXT:  # an FP8 lane with oneDNN off for its steps
+        return _under(precision.cpu_context, work)
     return work
+
+
+def _under(context: Callable[[], contextlib.AbstractContextManager], work: PlainWork) -> PlainWork:
+    """`work` with each call inside a fresh `context()`."""
+    def switched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, torch.Tensor]:
+        with context():
+            return work(batch)
+
+    return switched
 
 
 def _step(lane: LaneState, batch: tuple[torch.Tensor, torch.Tensor], step: int, measure_memory: bool,

@@ -1,11 +1,12 @@
-"""Process-global torch switches a lane step depends on (TF32 flags, intra-op threads), set so that no run leaks a
-setting into another run or into the user's own threads, and the user's own setting survives; and the choice of a
-run's intra-op threads (choose_threads)."""
+"""Process-global torch switches a lane step depends on (TF32 flags, oneDNN for a CPU's float8 matmuls, intra-op
+threads), set so that no run leaks a setting into another run or into the user's own threads, and the user's own
+setting survives; and the choice of a run's intra-op threads (choose_threads)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import threading
 import time
@@ -76,6 +77,69 @@ def lane_step_switches(tf32: bool) -> Iterator[None]:
             _write_tf32(saved)
 
 
+_ONEDNN_OFF_LOCK = threading.Lock()
+_onednn_off_depth = 0
+_onednn_saved = True
+
+
+@contextlib.contextmanager
+def onednn_off() -> Iterator[None]:
+    """oneDNN off (torch.backends.mkldnn.enabled) while the block runs, then back to what it was: the switch is
+    process-wide, so blocks on several threads count themselves in and the last one out puts it back. A run on another
+    thread meanwhile runs its own matmuls without oneDNN too (ATen's or MKL's kernels: its speed for that moment, not
+    what it computes in which dtype); float8_matmuls_need_onednn_off says why an FP8 step takes it."""
+    global _onednn_off_depth, _onednn_saved
+    with _ONEDNN_OFF_LOCK:
+        if _onednn_off_depth == 0:
+            _onednn_saved = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_off_depth += 1
+    try:
+        yield
+    finally:
+        with _ONEDNN_OFF_LOCK:
+            _onednn_off_depth -= 1
+            if _onednn_off_depth == 0:
+                torch.backends.mkldnn.enabled = _onednn_saved
+
+
+ONEDNN_FLOAT8_SLOWER = 4.0
+"""float8_matmuls_need_onednn_off: oneDNN's float8 matmul counts as its reference kernel when it is this many times
+slower than ATen's emulation (seen: ~250x on a 64x64 product, 8 ms against 0.03 ms)."""
+
+
+@functools.cache
+def float8_matmuls_need_onednn_off() -> bool:
+    """Whether a CPU's float8 matmuls (aten._scaled_mm) must run with oneDNN off to take ATen's own emulation.
+
+    ATen sends them to oneDNN where the CPU has AMX-int8 and oneDNN is on (`_scaled_mm_out_cpu`); the oneDNN in torch
+    2.13 has only its reference kernel for float8 on such a CPU (an AMX Xeon: `ONEDNN_VERBOSE=1` prints
+    `matmul,ref:any`), which made an FP8 lane of tiny_transformer take 14 s a step against bf16-mixed's 53 ms. The
+    emulation computes the same products (dequantised, an fp32 matmul, scaled: equal bit for bit in
+    tests/test_recipes.py). Decided once per process, where ATen would take oneDNN's path: the best of a few 64x64
+    products each way (a few ms; a oneDNN with a real float8 kernel keeps its path)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.cpu.get_capabilities().get("amx_int8")):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn).t()
+    one = torch.ones(())
+
+    def best_s() -> float:
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    onednn = best_s()
+    with onednn_off():
+        emulated = best_s()
+    return onednn > ONEDNN_FLOAT8_SLOWER * emulated
+
+
 def _on_a_fresh_thread(function: Callable, *args):
     out = []
     thread = threading.Thread(target=lambda: out.append(function(*args)), name="amp-threads-default", daemon=True)
@@ -137,9 +201,10 @@ def choose_threads(state: Any, batch: tuple[torch.Tensor, torch.Tensor], request
         best = math.inf
         for _ in range(4):
             start = time.perf_counter()
-            with state.precision.forward_context():
-                loss = state.workload.loss(model(inputs), targets)
-            loss.backward()
+            with state.precision.cpu_context():
+                with state.precision.forward_context():
+                    loss = state.workload.loss(model(inputs), targets)
+                loss.backward()
             best = min(best, time.perf_counter() - start)
         return best
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from amp_core.measure import held_bytes, plain_tensors
 from amp_core.precision import RECIPE_OPTIONS, availability, get_precision, parse_recipe, recipe_mode, uses_scaler
 from amp_core.probes.optrace import trace_workload
 from amp_core.runner import Run
+from amp_core.switches import onednn_off
 from amp_core.workloads import WORKLOADS, check_launch
 from tests.cli_process import ROOT
 
@@ -174,6 +176,90 @@ def test_the_op_trace_of_an_fp8_lane_shows_float8_matmuls(recipe, gradient_forma
     assert backward.str.contains(gradient_format).all()  # torchao: e5m2 gradients tensorwise, e4m3 rowwise
     casts = frame[frame["is_cast"] & frame["out_dtypes"].str.startswith("float8")]
     assert len(casts) >= len(scaled)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_float8_matmuls_with_onednn_off_are_the_same_products(rowwise):
+    """An FP8 lane's steps may run with oneDNN off (Precision.cpu_context) so that ATen emulates its float8 matmuls
+    instead of oneDNN's reference kernel: the products are the same, bit for bit, whichever kernel this CPU gives."""
+    generator = torch.Generator().manual_seed(3)
+    a = (torch.randn(32, 64, generator=generator) * 40).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 64, generator=generator) * 40).to(torch.float8_e5m2).t()
+    scale_a = torch.rand(32, 1, generator=generator) + 0.5 if rowwise else torch.tensor(0.25)
+    scale_b = torch.rand(1, 48, generator=generator) + 0.5 if rowwise else torch.tensor(2.0)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        as_it_is = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        with onednn_off():
+            emulated = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        assert torch.equal(as_it_is, emulated)
+        reference = (a.float() @ b.float()) * scale_a * scale_b
+        # The product itself (ATen's rowwise emulation rounds within 0.05 % of it in fp32).
+        torch.testing.assert_close(emulated.float(), reference, rtol=2e-3 if out_dtype is torch.float32 else 1.6e-2,
+                                   atol=1e-2)
+
+
+def test_onednn_off_counts_its_threads_and_gives_back_the_users_setting():
+    saved = torch.backends.mkldnn.enabled
+    entered, leave = threading.Barrier(2), threading.Event()
+    seen = []
+
+    def step_on_a_thread():
+        with onednn_off():
+            entered.wait()
+            leave.wait()
+            seen.append(torch.backends.mkldnn.enabled)
+
+    try:
+        for users_setting in (True, False):
+            torch.backends.mkldnn.enabled = users_setting
+            leave.clear()
+            thread = threading.Thread(target=step_on_a_thread)
+            thread.start()
+            with onednn_off():
+                entered.wait()
+                assert torch.backends.mkldnn.enabled is False
+            assert torch.backends.mkldnn.enabled is False  # the other thread's step is still in its block
+            leave.set()
+            thread.join()
+            assert seen.pop() is False
+            assert torch.backends.mkldnn.enabled is users_setting
+    finally:
+        torch.backends.mkldnn.enabled = saved
+
+
+@pytest.mark.extra("recipes")
+def test_an_fp8_lanes_steps_alone_run_with_onednn_off_where_its_float8_kernel_is_the_reference(monkeypatch):
+    """Where switches.float8_matmuls_need_onednn_off decides so (an AMX Xeon here: 14 s a step of tiny_transformer in
+    oneDNN's reference kernel), every forward and backward of an FP8 lane, plain steps and full ones, the op trace's
+    and the thread choice's included, runs with oneDNN off, and nothing else does; elsewhere nothing is switched."""
+    import amp_core.precision as precision_module
+
+    seen: dict[str, set] = {}
+
+    def note(module, args, output):
+        kind = "fp8" if type(module).__name__ == "Float8Linear" else "plain"
+        if kind == "plain" and type(module) is not torch.nn.Linear:
+            return
+        seen.setdefault(kind, set()).add(torch.backends.mkldnn.enabled)
+
+    for reference_kernel in (True, False):
+        monkeypatch.setattr(precision_module, "float8_matmuls_need_onednn_off", lambda answer=reference_kernel: answer)
+        seen.clear()
+        handle = torch.nn.modules.module.register_module_forward_hook(note)
+        try:
+            if reference_kernel:
+                config = RunConfig(workload="tiny_transformer", modes=("bf16-mixed", "bf16-mixed+fp8-tensorwise"),
+                                   steps=6, batch_size=8, device="cpu", grad_norm_every=3, gradstats_every=0)
+                run = Run(config).start()
+                run.join()
+                assert run.status == "finished", [(lane.mode, lane.error) for lane in run.lanes]
+            # One step where nothing is switched (on an AMX Xeon, in oneDNN's reference kernel: seconds).
+            trace_workload("tiny_transformer", "bf16-mixed" if reference_kernel else "bf16-mixed+fp8-tensorwise",
+                           device="cpu", batch_size=4)
+        finally:
+            handle.remove()
+        assert seen == ({"fp8": {False}, "plain": {True}} if reference_kernel else {"fp8": {True}})
+        assert torch.backends.mkldnn.enabled
 
 
 @pytest.mark.timeout(1500)  # a hang guard: torchao compiles its optimizer steps (minutes on a busy CPU)

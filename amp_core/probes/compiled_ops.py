@@ -229,7 +229,8 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
 
     inputs, targets = (precision.prepare_input(t) for t in batch)
     compiled_step = torch.compile(step, backend=inductor_backend(capture.inner, mode))
-    with torch.random.fork_rng(devices=[torch.device(precision.device)] if precision.device_type == "cuda" else []):
+    with torch.random.fork_rng(devices=[torch.device(precision.device)] if precision.device_type == "cuda" else []), \
+            precision.cpu_context():
         compiled_step(inputs, targets).backward()
     return capture.trace(precision.recipe)
 

@@ -358,7 +358,8 @@ def trace_step(model: nn.Module, precision: Precision, loss: Callable[[torch.Ten
     The model is deep-copied first unless `copy_model` is False (pass False only for a model that is already a
     throwaway copy): the caller's parameters and gradients are never touched. Returns plain data.
     The TF32 flags are left alone: they are process-global (setting them here could change a training lane's
-    matmuls mid-step), and a TF32 matmul reports float32 anyway, so the trace could not show them.
+    matmuls mid-step), and a TF32 matmul reports float32 anyway, so the trace could not show them. A CPU step's own
+    switch is set (Precision.cpu_context: an FP8 recipe's matmuls off oneDNN's reference kernel).
     """
     if copy_model:
         model = copy.deepcopy(model)
@@ -374,7 +375,7 @@ def trace_step(model: nn.Module, precision: Precision, loss: Callable[[torch.Ten
 
     tracker = _ScopedModuleTracker(names)
     recorder = _OpRecorder(tracker)
-    with tracker, recorder:
+    with precision.cpu_context(), tracker, recorder:
         with precision.forward_context():
             output = model(inputs)
             loss_value = loss_module(output, target)
