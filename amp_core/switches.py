@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from amp_core.torch_private import scaled_mm
+
 TEAM_MARGIN = 0.5
 """choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
 team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
@@ -130,7 +132,7 @@ def float8_matmuls_need_onednn_off() -> bool:
         best = math.inf
         for _ in range(3):
             start = time.perf_counter()
-            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            scaled_mm(a, b, one, one, torch.float32)
             best = min(best, time.perf_counter() - start)
         return best
 
