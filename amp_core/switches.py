@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from amp_core.torch_private import scaled_mm
-
 TEAM_MARGIN = 0.5
 """choose_threads keeps a team of intra-op threads only when one thread is this much slower (relative) on a step: a
 team gains at most that when the cores are free and loses several times over when one is taken (bench/viewers.py:
@@ -105,41 +103,19 @@ def onednn_off() -> Iterator[None]:
                 torch.backends.mkldnn.enabled = _onednn_saved
 
 
-ONEDNN_FLOAT8_SLOWER = 4.0
-"""float8_matmuls_need_onednn_off: oneDNN's float8 matmul counts as its reference kernel when it is this many times
-slower than ATen's emulation (seen: ~250x on a 64x64 product, 8 ms against 0.03 ms)."""
-
-
 @functools.cache
 def float8_matmuls_need_onednn_off() -> bool:
-    """Whether a CPU's float8 matmuls (aten._scaled_mm) must run with oneDNN off to take ATen's own emulation.
+    """Whether a CPU's float8 matmuls (aten._scaled_mm) must run with oneDNN off to take ATen's own emulation: where
+    ATen would send them to oneDNN, which is where the CPU has AMX-int8 (`_scaled_mm_out_cpu`, torch 2.13).
 
-    ATen sends them to oneDNN where the CPU has AMX-int8 and oneDNN is on (`_scaled_mm_out_cpu`); the oneDNN in torch
-    2.13 has only its reference kernel for float8 on such a CPU (an AMX Xeon: `ONEDNN_VERBOSE=1` prints
-    `matmul,ref:any`), which made an FP8 lane of tiny_transformer take 14 s a step against bf16-mixed's 53 ms. The
-    emulation computes the same products (dequantised, an fp32 matmul, scaled: equal bit for bit in
-    tests/test_recipes.py). Decided once per process, where ATen would take oneDNN's path: the best of a few 64x64
-    products each way (a few ms; a oneDNN with a real float8 kernel keeps its path)."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and torch.cpu.get_capabilities().get("amx_int8")):
-        return False
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn)
-    b = torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn).t()
-    one = torch.ones(())
-
-    def best_s() -> float:
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            scaled_mm(a, b, one, one, torch.float32)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    onednn = best_s()
-    with onednn_off():
-        emulated = best_s()
-    return onednn > ONEDNN_FLOAT8_SLOWER * emulated
+    The oneDNN inside torch 2.13 has only its reference kernel for float8 on such a CPU (an AMX Xeon: `ONEDNN_VERBOSE=1`
+    prints `matmul,ref:any`; a 64x64 product 8 ms against 0.03 ms emulated, 256x256 400-500 ms against 0.7-0.9 ms),
+    which made an FP8 lane of tiny_transformer take 14 s a step against bf16-mixed's 53 ms. The emulation computes the
+    same products (dequantised, an fp32 matmul, scaled: equal bit for bit in tests/test_recipes.py), and FP8 on a CPU
+    buys no speed either way. Read from torch's own CPU capabilities, not timed: a timing taken while other processes
+    share the cores stalled the emulation's OpenMP regions for milliseconds too, and read the reference kernel as no
+    slower."""
+    return bool(torch.backends.mkldnn.is_available() and torch.cpu.get_capabilities().get("amx_int8"))
 
 
 def _on_a_fresh_thread(function: Callable, *args):

@@ -25,8 +25,8 @@ __all__ = ["ScopedModuleTracker", "TorchAPIChanged", "TorchDispatchMode", "aot_a
            "compilation_metrics", "compiled_call", "current_compile_id", "foreach_copy_", "foreach_norm",
            "forward_hooks", "found_inf_flag", "graph_break_counts", "has_triton", "inductor_backend",
            "inductor_cxx_names", "is_recompile_limit_warning", "recompile_limit", "remove_forward_hooks",
-           "scale_tensor", "scaled_mm", "scaler_settings", "scaler_tensors", "set_compiled_call",
-           "supports_amp_scaling", "watch_dynamo_compiles"]
+           "scale_tensor", "scaler_settings", "scaler_tensors", "set_compiled_call", "supports_amp_scaling",
+           "watch_dynamo_compiles"]
 
 _SCALER_SETTINGS = {"init_scale": "_init_scale", "growth_factor": "_growth_factor",
                     "backoff_factor": "_backoff_factor", "growth_interval": "_growth_interval"}
@@ -94,13 +94,6 @@ def found_inf_flag(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
 def foreach_norm(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Every tensor's L2 norm in `dtype`, in one fused kernel (torch._foreach_norm)."""
     return _attribute(torch, "_foreach_norm", "torch._foreach_norm")(list(tensors), 2, dtype=dtype)
-
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """The float8 matmul torchao's float8 training runs (torch._scaled_mm): (a * scale_a) @ (b * scale_b)."""
-    return _attribute(torch, "_scaled_mm", "torch._scaled_mm")(a, b, scale_a=scale_a, scale_b=scale_b,
-                                                                out_dtype=out_dtype)
 
 
 def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -89,14 +89,6 @@ def test_foreach_norm_and_copy():
         assert targets[0].tolist() == [1.0] * 3 and targets[1].tolist() == [5.0] * 4
 
 
-def test_scaled_mm_is_the_scaled_float8_product():
-    with named("torch._scaled_mm"):
-        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).to(torch.float8_e4m3fn)
-        b = torch.tensor([[1.0, 0.5], [2.0, 1.0]]).to(torch.float8_e4m3fn).t().contiguous().t()
-        out = torch_private.scaled_mm(a, b, torch.tensor(2.0), torch.tensor(0.5), torch.float32)
-        assert out.dtype == torch.float32 and out.tolist() == [[5.0, 2.5], [11.0, 5.5]]  # (2a) @ (b / 2)
-
-
 def test_scoped_module_tracker_names_modules_by_path_and_cleans_up():
     with named("ModuleTracker._fw_pre_hook/_fw_post_hook/_get_append_fn/_get_mod_name/_hooks"):
         model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU())
