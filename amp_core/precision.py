@@ -312,7 +312,8 @@ class Float8Matmuls(RecipeOption):
         if _device_type(device) == "cuda":
             return f"{self.help} Native FP8 tensor cores."
         onednn = (" This lane's steps run with oneDNN off: its float8 matmul on this CPU is oneDNN's reference kernel, "
-                  "hundreds of times slower than ATen's emulation of the same products.") \
+                  "hundreds of times slower than ATen's emulation of the same products (its bf16 matmuls that are not "
+                  "FP8 then run in ATen's own, slower kernel).") \
             if _device_type(device) == "cpu" and float8_matmuls_need_onednn_off() else ""
         return (f"{self.help} Emulated here: real float8 matmuls (the aten._scaled_mm op on the CPU), no speed-up "
                 f"expected.{onednn}")

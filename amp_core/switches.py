@@ -85,9 +85,13 @@ _onednn_saved = True
 @contextlib.contextmanager
 def onednn_off() -> Iterator[None]:
     """oneDNN off (torch.backends.mkldnn.enabled) while the block runs, then back to what it was: the switch is
-    process-wide, so blocks on several threads count themselves in and the last one out puts it back. A run on another
-    thread meanwhile runs its own matmuls without oneDNN too (ATen's or MKL's kernels: its speed for that moment, not
-    what it computes in which dtype); float8_matmuls_need_onednn_off says why an FP8 step takes it."""
+    process-wide, so blocks on several threads count themselves in and the last one out puts it back;
+    float8_matmuls_need_onednn_off says why an FP8 step takes it. Everything in the block runs without oneDNN, and
+    so does a run on another thread meanwhile: fp32 matmuls go to MKL (as fast), but a bf16 matmul goes to ATen's
+    own kernel, hundreds of times slower on an AMX Xeon (1024x1024: 2.6 s against 3-5 ms). An FP8 lane's float8
+    matmuls gain far more than its unconverted bf16 ones lose on a small model (tiny_transformer: 98 ms a step against
+    14 s); a TorchDispatchMode that switches around each `_scaled_mm` alone measured 145 ms there and leaves the rest
+    of the step (and other threads, but for the products themselves) with oneDNN, the narrower way to go."""
     global _onednn_off_depth, _onednn_saved
     with _ONEDNN_OFF_LOCK:
         if _onednn_off_depth == 0:
