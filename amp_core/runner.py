@@ -121,6 +121,8 @@ class Run(RunReading):
         self._asked = False
         """A pause or a stop was asked: the loop looks at the two events above only when this is set (an attribute
         read, where `Event.is_set` would be a Python call on every lane step)."""
+        self._pause_at: int | None = None
+        """`pause_at`'s step: the thread pauses itself before that step's first lane step."""
         self._parked = threading.Event()
         """Set while a paused run's thread waits for `resume`, every step it made recorded (`wait_paused`)."""
         self._step_lock = threading.RLock()
@@ -167,6 +169,27 @@ class Run(RunReading):
             self._asked = True
             self.sink.event("paused", "paused by the user")
 
+    def pause_at(self, step: int) -> None:
+        """Run on (resuming a paused run) and pause before step `step`, every lane having made `step` steps (or the
+        step under way, where `step` has passed), all recorded: `wait_paused` then returns. A run that ends first
+        never pauses. The thread pauses itself: nothing outside it needs to watch the step count (bench.overhead's
+        turns wait on `wait_paused`, where a thread polling the count would take the GIL in the run's steps)."""
+        with self._control:
+            if self.status not in ("running", "paused"):
+                return
+            self._pause_at = step
+            self._asked = True
+        self.resume()
+
+    def _pause_self(self, step: int) -> None:
+        """The thread, at `pause_at`'s step: paused as by `pause` (a stop or the end, meanwhile, wins)."""
+        with self._control:
+            self._pause_at = None
+            if self.status == "running":
+                self.status = "paused"
+                self._resume.clear()
+                self.sink.event("paused", f"paused before step {step}", step=step)
+
     def wait_paused(self, timeout: float | None = None) -> bool:
         """Wait until a paused run's thread has stopped stepping (every step it made recorded and flushed); False if
         it did not within `timeout` (a run that ended, or was never paused, never does)."""
@@ -179,7 +202,7 @@ class Run(RunReading):
             self._parked.clear()  # before the thread wakes: a `wait_paused` after the next `pause` waits for it
             self.status = "running"
             self.sink.event("resumed", "resumed by the user")
-            self._asked = self._stop.is_set()
+            self._asked = self._stop.is_set() or self._pause_at is not None
             self._resume.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -285,6 +308,8 @@ class Run(RunReading):
             stepped = False
             for lane in lanes:
                 if self._asked:
+                    if self._pause_at is not None and step >= self._pause_at:
+                        self._pause_self(step)
                     if not self._resume.is_set():
                         self._park()
                     if self._stop.is_set():

@@ -3,19 +3,23 @@ data, batch order, mode and optimizer, interleaved in one process in short chunk
 
 On a shared VM the same bare loop's median step moves by tens of percent from one second to the next (measured here:
 0.81 to 1.51 ms between 0.3 s stretches of one process), so runs of whole loops one after the other compare different
-machines. Here one runner and one bare loop (each on its own thread, with the intra-op threads the run chose) take
-turns in chunks of `--chunk` steps (tens of ms): the runner steps until it has made a chunk, is paused (Run.pause, then
-Run.wait_paused: every step it made recorded), the bare loop makes a chunk, the runner resumes, and so on, the order
-of each pair alternating. A pair's ratio is the median interval between consecutive steps of the runner's chunk
-(between consecutive records: everything the harness does between two steps) over the bare chunk's median; the first
-intervals of each chunk (caches warming after the other loop ran) are left out on both sides. The figure is the median
-of the pairs' ratios. The runner's medians are of its plain steps: a sampled step's interval and the next one (memory
-and gradient norm every 25 steps, gradient statistics every 50, snapshots every 25: their probes and records, whose
-cost the runner reports apart as `probe_ms`) are left out by the run's own schedule, and so are the steps made past
-the chunk asked while the bench pauses the run (the pause's flush falls outside every chunk). Two such intervals in a
-chunk of ~26 are not "left out" by a median: they move it up by a rank or two, tens of microseconds where steps
-spread as here (measured under load: 136 -> 76 us). The means that include the sampled probes are printed too, and
-`added_us` over every interval of the run's chunks beside the figure.
+machines. Here one runner and one bare loop (each on its own thread, with the intra-op threads the run chose) take turns
+in chunks of `--chunk` steps (tens of ms): the runner makes a chunk and pauses itself (Run.pause_at, then
+Run.wait_paused: every step it made recorded), the bare loop makes a chunk, the runner resumes, and so on, the order of
+each pair alternating. The bench's own thread waits on events meanwhile, taking no GIL while either side steps: it used
+to poll the step count every millisecond, and each poll that took the GIL while a loop was in a step's backward (which
+releases it) made that step wait for it back: ~70 us more in 0.35 of the runner's steps and 0.14 of the bare loop's (an
+AMX Xeon, getrusage's voluntary switches inside the window), which read as harness overhead. A pair's ratio is the
+median interval between consecutive steps of the runner's chunk (between consecutive records: everything the harness
+does between two steps) over the bare chunk's median; the first intervals of each chunk (caches warming after the other
+loop ran) are left out on both sides. The figure is the median of the pairs' ratios. The runner's medians are of its
+plain steps: a sampled step's interval and the next one (memory and gradient norm every 25 steps, gradient statistics
+every 50, snapshots every 25: their probes and records, whose cost the runner reports apart as `probe_ms`) are left out
+by the run's own schedule, and so are the steps made past the chunk asked (none, with the run pausing itself; the
+pause's flush falls outside every chunk). Two such intervals in a chunk of ~26 are not "left out" by a median: they move
+it up by a rank or two, tens of microseconds where steps spread as here (measured under load: 136 -> 76 us). The means
+that include the sampled probes are printed too, and `added_us` over every interval of the run's chunks beside the
+figure.
 
 How finely this resolves a ratio on a shared VM is itself measured: `--control` also takes turns between two identical
 bare loops, exactly as between the runner and the bare loop, and prints their ratio (`control_ratio=`: an exact
@@ -133,8 +137,8 @@ def bare_loop(config: RunConfig, mode: str, steps: int) -> list[float]:
 # --- taking turns (also bench.race's compiled overhead): the run paused between its chunks, a bare loop between
 # them on a thread of its own, so a shared machine's speed falls on both alike.
 
-POLL_S = 0.001
-"""How often the bench's own thread looks whether a chunk is made: the same while either side steps."""
+WAIT_S = 1.0
+"""How long the bench's own thread blocks on an event at a time before it looks whether the other side died."""
 PATIENCE_S = 600.0
 
 
@@ -172,7 +176,7 @@ class TurnTaker:
         self.done.clear()
         self._count = count
         self._asked.set()
-        until(self.done.is_set)
+        until(lambda: self.done.wait(WAIT_S))
         if self.error is not None:
             raise SystemExit(f"FAIL: the bare loop failed: {type(self.error).__name__}: {self.error}")
         return self.result
@@ -184,20 +188,19 @@ class TurnTaker:
 
 
 def until(condition: Callable[[], bool]) -> None:
+    """Call `condition` (which blocks on an event, up to WAIT_S) until it holds, or fail after PATIENCE_S."""
     deadline = time.monotonic() + PATIENCE_S
     while not condition():
         if time.monotonic() > deadline:
             raise SystemExit(f"FAIL: a chunk did not finish within {PATIENCE_S:.0f} s")
-        time.sleep(POLL_S)
 
 
 def run_chunk(run: Run, upto: int) -> int:
-    """Resume `run` until its first lane has made `upto` steps, pause it and wait until it stands; the steps made."""
+    """Resume `run` until every lane has made `upto` steps, where it pauses itself, and wait until it stands; the steps
+    its first lane made."""
     lane = run.lanes[0]
-    run.resume()
-    until(lambda: lane.steps_done >= upto or not run.alive)
-    run.pause()
-    until(lambda: run.wait_paused(0.05) or not run.alive)
+    run.pause_at(upto)
+    until(lambda: run.wait_paused(WAIT_S) or not run.alive)
     if lane.steps_done < upto:
         errors = [event.message for event in run.events() if event.kind == "error"] or [lane.error]
         raise SystemExit(f"FAIL: the run ended {run.status} after {lane.steps_done} steps: {errors}")

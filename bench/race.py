@@ -192,8 +192,8 @@ def compiled_overhead(config: RunConfig, pairs: int, chunk: int) -> dict[str, li
     for recipe in (m for m in config.modes if is_compiled_recipe(m)):
         lane = frame[frame["mode"] == recipe]
         step_ms = dict(zip(lane["step"], lane["step_ms"], strict=True))
-        # A pause lands between lanes: a later lane's last step of a chunk may be made in the next one.
-        ratios[recipe] = [statistics.median(step_ms[s] for s in range(start + SKIP, end - 1))
+        # The run pauses itself before a step's first lane (Run.pause_at): every lane made the chunk's steps.
+        ratios[recipe] = [statistics.median(step_ms[s] for s in range(start + SKIP, end))
                           / statistics.median(bare[recipe][SKIP:])
                           for (start, end), bare in zip(turns.run_chunks, turns.bare_chunks, strict=True)]
     return ratios

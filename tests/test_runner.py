@@ -197,6 +197,28 @@ def test_wait_paused_returns_once_the_thread_stands_with_every_step_recorded(no_
     assert run.status == "stopped"
 
 
+def test_pause_at_stops_every_lane_before_that_step_and_runs_on_from_there(no_leaked_threads):
+    config = RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=60, snapshot_every=0)
+    run = Run(config)
+    run.start()
+    run.pause()  # from a standing start, as bench.overhead's turns begin
+    assert run.wait_paused(60.0)
+    for upto in (7, 8, 31):  # the next step, and a run of them
+        run.pause_at(upto)
+        assert run.wait_paused(60.0) and run.status == "paused"
+        assert [lane.steps_done for lane in run.lanes] == [upto, upto]
+        frame = run.frame()
+        assert len(frame) == 2 * upto and frame.groupby("mode")["step"].max().tolist() == [upto - 1, upto - 1]
+    paused = [e for e in run.events() if e.kind == "paused"]
+    assert [e.step for e in paused[1:]] == [7, 8, 31] and paused[-1].message == "paused before step 31"
+    run.pause_at(1_000)  # past the end: the run finishes and never stands
+    run.join(60.0)
+    assert run.status == "finished" and not run.wait_paused(0.01)
+    assert len(run.frame()) == 2 * config.steps
+    run.pause_at(70)  # an ended run is left as it is
+    assert run.status == "finished"
+
+
 def test_stop_ends_the_run_within_a_step(no_leaked_threads):
     run = SteppedRun(RunConfig(workload="mlp_regression", modes=("32-true",), steps=100_000)).start()
     run.wait_until(lambda r: r.lane_steps >= 3)
