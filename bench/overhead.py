@@ -27,6 +27,14 @@ harness reads 1). On the 2-core AVX2 VM of this project: 0.977–1.058 over 9 ru
 0.57–1.74), 0.992–1.020 over 3 runs of 320 pairs — hence 320 pairs by default, where a 5 % target is not lost in the
 bench's own noise.
 
+Every thread of the bench allocates from one malloc heap (`one_heap`: glibc's M_ARENA_MAX=1, set before the bench
+starts a thread; `--own-heaps` leaves glibc's heap per thread). With a heap per thread, where each side's tensors land
+depends on its thread's own allocation history, and that alone moved two identical bare loops apart: control_ratio
+0.968, 0.999 and 0.979 in three runs of 160 pairs (32-true, an AMX Xeon), against 1.001, 0.997 and 0.999 with one
+heap; the runner's figure moved with it (inside the window +11..+24 us a step with a heap per thread, -1..+4 with
+one). A user's own loop runs on its process's main heap, shared with everything else the process does: so do both
+sides here.
+
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
   targets <= 1.02 and <= 1.10. The bare loop reads no loss per step (a per-step .item() is a sync the runner does
@@ -37,7 +45,7 @@ bench's own noise.
   must sync) fails the bench with exit status 1 after the figures are printed.
 
     python3 -m bench.overhead [--device cpu|cuda] [--workloads digits_mlp:small:64,...] [--modes ...] [--fused]
-                              [--snapshot-every N] [--pairs 320] [--chunk 30] [--control]
+                              [--snapshot-every N] [--pairs 320] [--chunk 30] [--control] [--own-heaps]
     (from the repository root)
 Second-to-last line: added_us_per_step=<number>, in microseconds, the largest over the cases: on a CPU what the harness
 adds inside the timed window (the median over pairs of the runner's median step_ms minus the bare loop's same span,
@@ -51,6 +59,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import statistics
 import sys
 import tempfile
@@ -378,6 +388,22 @@ def syncs_per_step(loop, config: RunConfig) -> float:
     return (counts[1] - counts[0]) / SYNC_STEPS
 
 
+M_ARENA_MAX = -8
+"""glibc's mallopt parameter: how many malloc heaps (arenas) the process's threads may get."""
+
+
+def one_heap() -> str:
+    """Every thread started from now on allocates from the process's main malloc heap (glibc's mallopt M_ARENA_MAX=1:
+    a thread takes a heap of its own only while fewer than that many exist), so a runner's thread and a bare loop's
+    put their tensors in one heap (see the module's docstring). Call it before the process starts a thread. Says what
+    it did; elsewhere than glibc, nothing."""
+    try:
+        done = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_ARENA_MAX, 1) == 1
+    except (OSError, AttributeError):  # not glibc
+        return "per thread (no glibc mallopt here)"
+    return "one for every thread (glibc mallopt M_ARENA_MAX=1)" if done else "per thread (mallopt refused M_ARENA_MAX)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -390,7 +416,10 @@ def main() -> None:
                         help="also two identical bare loops taking turns the same way: the bench's own resolution")
     parser.add_argument("--snapshot-every", type=int, default=RunConfig().snapshot_every,
                         help="the runner's replay snapshots every N steps (default: RunConfig's; 0 = off)")
+    parser.add_argument("--own-heaps", action="store_true",
+                        help="leave glibc's malloc heap per thread (default: one heap for every thread, see above)")
     args = parser.parse_args()
+    print(f"heaps: {'per thread (--own-heaps)' if args.own_heaps else one_heap()}", flush=True)
     failures: list[str] = []
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("FAIL: --device cuda, but torch sees no CUDA device here")

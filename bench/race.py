@@ -23,7 +23,8 @@ compiled lane: the median over `--pairs` pairs of (the lane's median step time i
 recipe's median step time in a chunk of a bare race)>. A bare race (BareRace) is the race's lanes as bare loops
 taking turns step by step as the race's lanes do, so both sides see the same caches; the race (paused between its
 chunks) and the bare race take turns in chunks of `--chunk` steps (bench.overhead's turns: a machine's speed moves by
-tens of percent from one second to the next). Both time the span a lane's step window does (batch on the device to
+tens of percent from one second to the next; and one malloc heap for every thread, `--own-heaps` for glibc's heap per
+thread). Both time the span a lane's step window does (batch on the device to
 optimizer update), compiled the same way (inductor, the recipe's mode, static shapes, autocast around the compiled
 module, the recipe's optimizer). Target <= 1.05 on a CPU, <= 1.02 at the large size on CUDA (both sides timed
 by CUDA events there).
@@ -52,7 +53,7 @@ from amp_core.precision import (
 from amp_core.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
-from bench.overhead import TurnTaker, paused_start, run_threads, steps_for, take_turns
+from bench.overhead import TurnTaker, one_heap, paused_start, run_threads, steps_for, take_turns
 
 WARMUP = 20
 SKIP = 3
@@ -235,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=30, help="steps per chunk (the compiled overhead)")
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="no round starts that would end past this many seconds (one round always runs)")
+    parser.add_argument("--own-heaps", action="store_true",
+                        help="leave glibc's malloc heap per thread (default: one for every thread, as bench.overhead)")
     args = parser.parse_args(argv)
     modes = parse_modes(args.modes) or (
         ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true") if args.device == "cuda"
@@ -252,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    heaps = "per thread (--own-heaps)" if args.own_heaps else one_heap()  # before the process starts a thread
     modes = args.modes
     # On a CPU both sides get one intra-op thread: the race's thread picks its count by measuring, the bare loop
     # would take the process's, and on few cores that difference alone moves a small model's speed by 2-3x.
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios = pair_ratios[mode]
             overheads.append(statistics.median(ratios))
             line += (f" | overhead {overheads[-1]:.4f} (median of {len(ratios)} pairs, {min(ratios):.3f}.."
-                     f"{max(ratios):.3f})")
+                     f"{max(ratios):.3f}; malloc heaps: {heaps})")
         print(line, flush=True)
     if overheads:
         print(f"compiled_overhead_ratio={max(overheads):.4f}")
