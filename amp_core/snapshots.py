@@ -8,6 +8,7 @@ import contextlib
 import copy
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,8 +67,16 @@ class ReusedCopies:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._first: dict[tuple, int] | None = {}
         """Buffers of each (shape, dtype) the first snapshot used (None once the others were allocated)."""
+        self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        """The buffers made here, by id: only they are taken back (a sharded state's copy, say, is not one). Not a
+        WeakSet: its look-up compares tensors with `==`, an elementwise op."""
 
     def _buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._new(shape, dtype)
+        self._made[id(buffer)] = buffer
+        return buffer
+
+    def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
     def _reuse(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -83,6 +92,10 @@ class ReusedCopies:
         """A copy of `tensor` (on the host) in a reused buffer."""
         return self._reuse(tensor).copy_(tensor)
 
+    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a tensor on the host (`copy`)."""
+        return self.copy(tensor)
+
     def done(self) -> Any:
         """After the first snapshot, the buffers of the others are allocated at once (`sets`)."""
         if self._first is not None:
@@ -92,13 +105,10 @@ class ReusedCopies:
             self._first = None
         return None
 
-    def _ours(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu"
-
     def give_back(self, tree: Any) -> None:
         """The buffers of a snapshot no one reads any more, for the next snapshot's copies."""
         for tensor in _tensors(tree):
-            if type(tensor) is torch.Tensor and self._ours(tensor):
+            if self._made.get(id(tensor)) is tensor:
                 self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
 
 
@@ -114,7 +124,7 @@ class PinnedCopies(ReusedCopies):
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def _buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def begin(self) -> None:
@@ -128,15 +138,16 @@ class PinnedCopies(ReusedCopies):
         """`tensor` (on the device) into a pinned host buffer, on the side stream (call inside `torch.cuda.stream`)."""
         return self._reuse(tensor).copy_(tensor, non_blocking=True)
 
+    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor already on the host (an optimizer's step count): a clone, off the side stream's buffers."""
+        return tensor.clone()
+
     def done(self) -> torch.cuda.Event:
         """The event behind this snapshot's copies (and, after the first snapshot, the others' buffers allocated)."""
         event = torch.cuda.Event()
         event.record(self.stream)
         super().done()
         return event
-
-    def _ours(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_pinned()
 
 
 def _tensors(tree: Any):
@@ -153,10 +164,10 @@ def _tensors(tree: Any):
             yield from _tensors(item)
 
 
-def _host_copy(tensor: torch.Tensor, pinned: ReusedCopies | None = None) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, copies: ReusedCopies | None = None) -> torch.Tensor:
     """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync; with
-    `pinned` (PinnedCopies), into its reused buffers on its side stream. On the host, into `pinned`'s reused buffers
-    where it keeps host ones (ReusedCopies), else a clone."""
+    `copies` (PinnedCopies), into its reused buffers on its side stream. On the host, `copies.host` (ReusedCopies:
+    into its reused buffers), else a clone."""
     tensor = tensor.detach()
     if hasattr(tensor, "to_local"):
         # A DTensor (FSDP2's sharded parameters and states): its _to_copy copies this rank's shard. (Its flattened
@@ -167,23 +178,23 @@ def _host_copy(tensor: torch.Tensor, pinned: ReusedCopies | None = None) -> torc
         # aten.clone, and its _to_copy to the device it is on hands back its own inner tensors (a "copy" the next
         # step writes into): it is rebuilt from copies of its inner tensors.
         names, context = tensor.__tensor_flatten__()
-        inner = {name: _host_copy(getattr(tensor, name), pinned) for name in names}
+        inner = {name: _host_copy(getattr(tensor, name), copies) for name in names}
         return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
     if tensor.device.type == "cpu":
-        return pinned.copy(tensor) if pinned is not None and type(pinned) is ReusedCopies else tensor.clone()
-    if pinned is not None:
-        return pinned.copy(tensor)
+        return copies.host(tensor) if copies is not None else tensor.clone()
+    if copies is not None:
+        return copies.copy(tensor)
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return out.copy_(tensor, non_blocking=True)
 
 
-def copy_tree(value: Any, pinned: ReusedCopies | None = None) -> Any:
+def copy_tree(value: Any, copies: ReusedCopies | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return _host_copy(value, pinned)
+        return _host_copy(value, copies)
     if isinstance(value, dict):
-        return {key: copy_tree(item, pinned) for key, item in value.items()}
+        return {key: copy_tree(item, copies) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(copy_tree(item, pinned) for item in value)
+        return type(value)(copy_tree(item, copies) for item in value)
     return copy.deepcopy(value)
 
 
@@ -197,11 +208,11 @@ def _tree_bytes(value: Any) -> int:
     return 0
 
 
-def _scaler_tensors(scaler: torch.amp.GradScaler, pinned: ReusedCopies | None) -> dict[str, torch.Tensor] | None:
+def _scaler_tensors(scaler: torch.amp.GradScaler, copies: ReusedCopies | None) -> dict[str, torch.Tensor] | None:
     if not scaler.is_enabled():
         return None
     # Copied without a wait (torch_private.scaler_tensors).
-    return {name: _host_copy(tensor, pinned) for name, tensor in scaler_tensors(scaler).items()}
+    return {name: _host_copy(tensor, copies) for name, tensor in scaler_tensors(scaler).items()}
 
 
 def load_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor] | None) -> None:

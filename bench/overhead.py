@@ -27,13 +27,13 @@ harness reads 1). On the 2-core AVX2 VM of this project: 0.977–1.058 over 9 ru
 0.57–1.74), 0.992–1.020 over 3 runs of 320 pairs — hence 320 pairs by default, where a 5 % target is not lost in the
 bench's own noise.
 
-Every thread of the bench allocates from one malloc heap (`one_heap`: glibc's M_ARENA_MAX=1, set before the bench
-starts a thread; `--own-heaps` leaves glibc's heap per thread). With a heap per thread, where each side's tensors land
-depends on its thread's own allocation history, and that alone moved two identical bare loops apart: control_ratio
-0.968, 0.999 and 0.979 in three runs of 160 pairs (32-true, an AMX Xeon), against 1.001, 0.997 and 0.999 with one
-heap; the runner's figure moved with it (inside the window +11..+24 us a step with a heap per thread, -1..+4 with
-one). A user's own loop runs on its process's main heap, shared with everything else the process does: so do both
-sides here.
+Every thread of the bench allocates from one malloc heap (`one_heap`: glibc's M_ARENA_MAX=1, set before the bench starts
+a thread; `--own-heaps` leaves glibc's heap per thread). With a heap per thread, where each side's tensors land depends
+on its thread's own allocation history, and that alone moved two identical bare loops apart: control_ratio 0.968, 0.999
+and 0.979 in three runs of 160 pairs (32-true, an AMX Xeon), against 1.001, 0.997 and 0.999 with one heap; the runner's
+figure moved with it (inside the window +15.0, +13.9, +11.3 us a step in those runs with a heap per thread, -1.0, +4.4,
++1.2 with one). A user's own loop runs on its process's main heap, shared with everything else the process does: so do
+both sides here.
 
 - CPU (default): digits_mlp small, 32-true and bf16-mixed. Target: overhead_ratio_max <= 1.05.
 - CUDA (--device cuda): tiny_transformer large (batch 32) and digits_mlp small, 32-true, bf16-mixed and 16-mixed;
