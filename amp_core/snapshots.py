@@ -8,7 +8,6 @@ import contextlib
 import copy
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,79 +52,22 @@ class StateSnapshot:
     """CUDA: an event that completes when the device-to-host copies have landed (a replay waits on it)."""
 
 
-class ReusedCopies:
-    """Host copies of one device's lane states into buffers reused from one snapshot to the next: a snapshot that
-    leaves the ring gives its buffers back (`give_back`) for the next one's copies. The buffers of the snapshots a
-    ring holds (`sets`: its size and one) of the first snapshot's tensors are allocated together, right after it
-    (`done`); others (optimizer state its first step makes, another lane's) as they come until the rings are full;
-    then no snapshot allocates. On a CPU, a snapshot's copies then no longer come and go in the training thread's
-    heap among the steps' own tensors every few steps (whether that moved a step's time was not told apart from the
-    bench's noise); on CUDA, allocating pinned memory synchronises the device."""
+class PinnedCopies:
+    """Device-to-host copies of one device's lane states without a host sync: into pinned buffers reused from one
+    snapshot to the next (allocating pinned memory synchronises the device), on a side stream that first waits, on
+    the device, for an event recorded on the lane's stream (the state as of the snapshot), so the copies stay off the
+    lane's stream; `done` is recorded behind them. The lane's stream waits for `done` before it next writes the state
+    (step.LaneState.copies_pending: before the optimizer step), again on the device."""
 
-    def __init__(self, sets: int):
+    def __init__(self, device: torch.device, sets: int):
+        """`sets`: how many snapshots' buffers to allocate the first time a tensor is copied (the ring's size and
+        one: all of them at the first snapshot, so the pinned allocations' syncs come once, at the start)."""
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
         self.sets = sets
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._first: dict[tuple, int] | None = {}
         """Buffers of each (shape, dtype) the first snapshot used (None once the others were allocated)."""
-        self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        """The buffers made here, by id: only they are taken back (a sharded state's copy, say, is not one). Not a
-        WeakSet: its look-up compares tensors with `==`, an elementwise op."""
-
-    def _buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._new(shape, dtype)
-        self._made[id(buffer)] = buffer
-        return buffer
-
-    def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
-
-    def _reuse(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A buffer for a copy of `tensor`: a free one, else a new one (the first snapshot, or a replay still reads
-        the snapshot that left the ring)."""
-        key = (tuple(tensor.shape), tensor.dtype)
-        pool = self._free.get(key)
-        if self._first is not None:
-            self._first[key] = self._first.get(key, 0) + 1
-        return pool.pop() if pool else self._buffer(*key)
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` (on the host) in a reused buffer."""
-        return self._reuse(tensor).copy_(tensor)
-
-    def host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of a tensor on the host (`copy`)."""
-        return self.copy(tensor)
-
-    def done(self) -> Any:
-        """After the first snapshot, the buffers of the others are allocated at once (`sets`)."""
-        if self._first is not None:
-            for (shape, dtype), count in self._first.items():
-                self._free.setdefault((shape, dtype), []).extend(
-                    self._buffer(shape, dtype) for _ in range(count * (self.sets - 1)))
-            self._first = None
-        return None
-
-    def give_back(self, tree: Any) -> None:
-        """The buffers of a snapshot no one reads any more, for the next snapshot's copies."""
-        for tensor in _tensors(tree):
-            if self._made.get(id(tensor)) is tensor:
-                self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-
-
-class PinnedCopies(ReusedCopies):
-    """Device-to-host copies of one device's lane states without a host sync: into pinned buffers reused from one
-    snapshot to the next (ReusedCopies), on a side stream that first waits, on the device, for an event recorded on
-    the lane's stream (the state as of the snapshot), so the copies stay off the lane's stream; `done` is recorded
-    behind them. The lane's stream waits for `done` before it next writes the state (step.LaneState.copies_pending:
-    before the optimizer step), again on the device."""
-
-    def __init__(self, device: torch.device, sets: int):
-        super().__init__(sets)
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def _new(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def begin(self) -> None:
         """Order the side stream's next copies after what the lane's stream has queued so far (an event, waited for
@@ -136,25 +78,36 @@ class PinnedCopies(ReusedCopies):
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (on the device) into a pinned host buffer, on the side stream (call inside `torch.cuda.stream`)."""
-        return self._reuse(tensor).copy_(tensor, non_blocking=True)
-
-    def host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor already on the host (an optimizer's step count): a clone, off the side stream's buffers."""
-        return tensor.clone()
+        key = (tuple(tensor.shape), tensor.dtype)
+        pool = self._free.get(key)
+        if self._first is not None:
+            self._first[key] = self._first.get(key, 0) + 1
+        # Empty: the first snapshot, or a replay still reads the snapshot that left the ring.
+        out = pool.pop() if pool else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return out.copy_(tensor, non_blocking=True)
 
     def done(self) -> torch.cuda.Event:
-        """The event behind this snapshot's copies (and, after the first snapshot, the others' buffers allocated)."""
+        """The event behind this snapshot's copies. After the first snapshot, the buffers of the others are allocated
+        at once (`sets`), so that no later snapshot allocates pinned memory."""
         event = torch.cuda.Event()
         event.record(self.stream)
-        super().done()
+        if self._first is not None:
+            for (shape, dtype), count in self._first.items():
+                self._free.setdefault((shape, dtype), []).extend(
+                    torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(count * (self.sets - 1)))
+            self._first = None
         return event
+
+    def give_back(self, tree: Any) -> None:
+        """The pinned buffers of a snapshot no one reads any more, for the next snapshot's copies (which the side
+        stream orders after this snapshot's own)."""
+        for tensor in _tensors(tree):
+            if tensor.is_pinned() and type(tensor) is torch.Tensor:
+                self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
 
 
 def _tensors(tree: Any):
     if isinstance(tree, torch.Tensor):
-        if type(tree) is not torch.Tensor and hasattr(tree, "__tensor_flatten__"):  # a subclass: its inner copies
-            for name in tree.__tensor_flatten__()[0]:
-                yield from _tensors(getattr(tree, name))
         yield tree
     elif isinstance(tree, dict):
         for item in tree.values():
@@ -164,10 +117,9 @@ def _tensors(tree: Any):
             yield from _tensors(item)
 
 
-def _host_copy(tensor: torch.Tensor, copies: ReusedCopies | None = None) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, pinned: PinnedCopies | None = None) -> torch.Tensor:
     """A host copy. From a GPU into pinned memory without waiting (non_blocking): the snapshot adds no host sync; with
-    `copies` (PinnedCopies), into its reused buffers on its side stream. On the host, `copies.host` (ReusedCopies:
-    into its reused buffers), else a clone."""
+    `pinned`, into its reused buffers on its side stream."""
     tensor = tensor.detach()
     if hasattr(tensor, "to_local"):
         # A DTensor (FSDP2's sharded parameters and states): its _to_copy copies this rank's shard. (Its flattened
@@ -178,23 +130,23 @@ def _host_copy(tensor: torch.Tensor, copies: ReusedCopies | None = None) -> torc
         # aten.clone, and its _to_copy to the device it is on hands back its own inner tensors (a "copy" the next
         # step writes into): it is rebuilt from copies of its inner tensors.
         names, context = tensor.__tensor_flatten__()
-        inner = {name: _host_copy(getattr(tensor, name), copies) for name in names}
+        inner = {name: _host_copy(getattr(tensor, name), pinned) for name in names}
         return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
     if tensor.device.type == "cpu":
-        return copies.host(tensor) if copies is not None else tensor.clone()
-    if copies is not None:
-        return copies.copy(tensor)
+        return tensor.clone()
+    if pinned is not None:
+        return pinned.copy(tensor)
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return out.copy_(tensor, non_blocking=True)
 
 
-def copy_tree(value: Any, copies: ReusedCopies | None = None) -> Any:
+def copy_tree(value: Any, pinned: PinnedCopies | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return _host_copy(value, copies)
+        return _host_copy(value, pinned)
     if isinstance(value, dict):
-        return {key: copy_tree(item, copies) for key, item in value.items()}
+        return {key: copy_tree(item, pinned) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(copy_tree(item, copies) for item in value)
+        return type(value)(copy_tree(item, pinned) for item in value)
     return copy.deepcopy(value)
 
 
@@ -208,11 +160,11 @@ def _tree_bytes(value: Any) -> int:
     return 0
 
 
-def _scaler_tensors(scaler: torch.amp.GradScaler, copies: ReusedCopies | None) -> dict[str, torch.Tensor] | None:
+def _scaler_tensors(scaler: torch.amp.GradScaler, pinned: PinnedCopies | None) -> dict[str, torch.Tensor] | None:
     if not scaler.is_enabled():
         return None
     # Copied without a wait (torch_private.scaler_tensors).
-    return {name: _host_copy(tensor, copies) for name, tensor in scaler_tensors(scaler).items()}
+    return {name: _host_copy(tensor, pinned) for name, tensor in scaler_tensors(scaler).items()}
 
 
 def load_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -228,10 +180,9 @@ class SnapshotRing:
     """The rolling snapshots of a run's lanes: one every `every` steps per lane, the newest `keep` of each.
 
     The training thread takes them between steps (`take`, outside the timed window); replays read them from other
-    threads (`lease`). One lock guards the rings; it is held for an append or a look-up, never for a copy. The copies
-    go into buffers reused from snapshot to snapshot (on CUDA PinnedCopies': a side stream, pinned buffers, no host
-    sync; on a CPU ReusedCopies'); a snapshot that leaves the ring gives its buffers back unless a replay is reading
-    it (`lease`), so once the rings are full no snapshot allocates.
+    threads (`lease`). One lock guards the rings; it is held for an append or a look-up, never for a copy. On CUDA
+    the copies are PinnedCopies' (a side stream, reused pinned buffers: no host sync); a snapshot that leaves the
+    ring gives its buffers back unless a replay is reading it.
     """
 
     def __init__(self, every: int, keep: int):
@@ -239,8 +190,7 @@ class SnapshotRing:
         self.keep = keep
         self._lanes: dict[int, deque[StateSnapshot]] = {}
         self._lock = threading.Lock()
-        self._copies: dict[torch.device, ReusedCopies] = {}
-        """Each device's reused snapshot buffers (PinnedCopies on CUDA)."""
+        self._pinned: dict[torch.device, PinnedCopies] = {}
         self._readers: dict[int, int] = {}
         """id(snapshot) -> replays reading it now."""
 
@@ -255,24 +205,24 @@ class SnapshotRing:
         device = torch.device(state.precision.device)
         devices = [device] if device.type == "cuda" else []
         rng = [torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)]
-        copies = self._copies.get(device) or self._copies.setdefault(
-            device, PinnedCopies(device, self.keep + 1) if devices else ReusedCopies(self.keep + 1))
-        pinned = copies if devices else None
+        pinned = None
+        if devices:
+            pinned = self._pinned.get(device) or self._pinned.setdefault(device, PinnedCopies(device, self.keep + 1))
         weights = state.model.state_dict()
         # Buffers (BatchNorm's running statistics: small) change in the next forward, before the lane's stream waits
         # for the side stream's copies (its optimizer step): they are copied on the lane's stream, behind its work.
         buffers = {name for name, _ in state.model.named_buffers()} if pinned is not None else set()
-        model = {name: _host_copy(weights[name], copies) for name in weights if name in buffers}
+        model = {name: _host_copy(weights[name], pinned) for name in weights if name in buffers}
         if pinned is not None:
             pinned.begin()  # the side stream after everything queued so far, the buffers' copies included
         with torch.cuda.stream(pinned.stream) if pinned is not None else contextlib.nullcontext():
-            model |= {name: _host_copy(value, copies) for name, value in weights.items() if name not in buffers}
-            optimizer = copy_tree(state.optimizer.state_dict(), copies)
+            model |= {name: _host_copy(value, pinned) for name, value in weights.items() if name not in buffers}
+            optimizer = copy_tree(state.optimizer.state_dict(), pinned)
             scheduler = copy_tree(state.scheduler.state_dict()) if state.has_scheduler else None
-            scaler = _scaler_tensors(state.scaler, copies)
-        copied = copies.done()
+            scaler = _scaler_tensors(state.scaler, pinned)
+        copied = None
         if pinned is not None:
-            state.copies_pending = copied
+            copied = state.copies_pending = pinned.done()
         snapshot = StateSnapshot(
             lane=state.index, step=step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             rng=rng, batch=tuple(t.detach().clone() for t in batch), data_order=data_order.get_state(),
@@ -282,8 +232,8 @@ class SnapshotRing:
             leaving = ring[0] if len(ring) == ring.maxlen else None
             ring.append(snapshot)
             reusable = leaving is not None and not self._readers.get(id(leaving))
-        if reusable:
-            copies.give_back((leaving.model, leaving.optimizer, leaving.scaler))
+        if pinned is not None and reusable:
+            pinned.give_back((leaving.model, leaving.optimizer, leaving.scaler))
         return time.perf_counter() - started
 
     @contextlib.contextmanager

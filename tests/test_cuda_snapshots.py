@@ -29,7 +29,7 @@ def test_snapshots_add_no_host_sync(mode):
     assert with_snapshots == without == bare == 0, (with_snapshots, without, bare)
     run = run_for(40, 2)
     assert run.snapshots.steps(0) == [34, 36, 38]  # the ring kept its newest three
-    copies = next(iter(run.snapshots._copies.values()))
+    copies = next(iter(run.snapshots._pinned.values()))
     snapshot = run.snapshots.nearest(0, 38)
     assert all(t.is_pinned() for t in snapshot.model.values())
     # Every buffer was allocated at the first snapshot (keep + 1 sets), and the ring reuses them: after 20 snapshots,
