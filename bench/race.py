@@ -24,10 +24,9 @@ recipe's median step time in a chunk of a bare race)>. A bare race (BareRace) is
 taking turns step by step as the race's lanes do, so both sides see the same caches; the race (paused between its
 chunks) and the bare race take turns in chunks of `--chunk` steps (bench.overhead's turns: a machine's speed moves by
 tens of percent from one second to the next; and one malloc heap for every thread, `--own-heaps` for glibc's heap per
-thread). Both time the span a lane's step window does (batch on the device to
-optimizer update), compiled the same way (inductor, the recipe's mode, static shapes, autocast around the compiled
-module, the recipe's optimizer). Target <= 1.05 on a CPU, <= 1.02 at the large size on CUDA (both sides timed
-by CUDA events there).
+thread). Both time the span a lane's step window does (batch on the device to optimizer update), compiled the same
+way (inductor, the recipe's mode, static shapes, autocast around the compiled module, the recipe's optimizer). Target
+<= 1.05 on a CPU, <= 1.02 at the large size on CUDA (both sides timed by CUDA events there).
 """
 
 from __future__ import annotations

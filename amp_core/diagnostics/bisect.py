@@ -576,7 +576,7 @@ def bisect_run(manager: Any, run_id: str, lane: str | int, *, step: int | None =
                                       f"{run.snapshots.every}): bisect a step at or after {held[0] if held else 0}"
                                       if held else f"no snapshot of lane {index} at or before step {first} (it keeps "
                                       "none: snapshot_every is 0 or the lane has not reached one)")
-        with run.snapshots.lease(index, first) as snapshot:  # its buffers are not reused while it is copied from
+        with run.snapshots.lease(index, first) as snapshot:  # on CUDA its pinned buffers stay its own meanwhile
             start = _from_snapshot(config, index, mode, snapshot, workload, data, device)
     else:
         data, start = start_from_seed(config, index, mode, seed, workload, device)
