@@ -5,10 +5,15 @@ shared machine, segments of tens of steps drift by a few percent against each ot
 Two copies of the model, optimizer and scaler start from the same weights. Each step is timed alone (perf_counter
 around the whole iteration, `monitor.step()` included), so the monitored time holds everything the Monitor does: its
 step(), its sampled probes (gradient norm every 25 steps, statistics every 50, memory every 25, layer diagnostics
-every 200: --layers-every) and its store flushes (every second of wall time, MonitorConfig.flush_every_s, to a
-SQLite file). A round's ratio is its monitored steps' total time / its bare steps' total; the figure is the median of
-the rounds' ratios. The ratio of the steps' median times (which leaves the sampled probes
-and flushes out) is printed beside it.
+every 200: --layers-every) and its store flushes (every second, MonitorConfig.flush_every_s, to a SQLite file). A
+round's ratio is its monitored steps' total time / its bare steps' total; the figure is the median of the rounds'
+ratios. The ratio of the steps' median times (which leaves the sampled probes and flushes out) is printed beside it.
+
+The flushes (and the layer watch's reads and the dashboard's requests, every half flush) keep the wall clock, and the
+bench's wall clock runs two loops: the monitored one has half of it, so with the Monitor's own setting it would flush
+twice per second of its own loop, twice as often as alone (counted: 1.04 flushes per second of the loop's own time
+alone, 2.06 alternated). The bench gives it LOOPS x flush_every_s, so it flushes as often per second of its own loop
+as a loop alone does (1.05 alternated); `--wall-flush` keeps the setting as it is, for comparison.
 
 Cases (name:mode): `mlp` is a 512-384-384-1 MLP at batch 128 (about 3 ms per step on one core: the target's
 workload); `digits_mlp` is the runner's digits_mlp small at batch 64 (a few tenths of a millisecond, where the
@@ -39,6 +44,8 @@ from amp_core.records.store import RunStore
 from amp_core.workloads import WORKLOADS
 
 WARMUP = 30
+LOOPS = 2
+"""Loops sharing the wall clock (bare and monitored, step by step)."""
 AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 TARGET = 1.02
 
@@ -61,13 +68,16 @@ def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, callable]:
 class Loop:
     """One copy of the user's loop (model, Adam, GradScaler in 16-mixed), monitored or not."""
 
-    def __init__(self, case: str, mode: str, store: RunStore | None, layers_every: int | None = None):
+    def __init__(self, case: str, mode: str, store: RunStore | None, layers_every: int | None = None,
+                 flush_every_s: float | None = None):
         model, self.x, self.y, self.loss_fn = build(case)
         self.model = copy.deepcopy(model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.scaler = torch.amp.GradScaler("cpu", enabled=mode == "16-mixed", init_scale=256.0)
         self.autocast = AUTOCAST[mode]
         settings = {} if layers_every is None else {"layers_every": layers_every}
+        if flush_every_s is not None:
+            settings["flush_every_s"] = flush_every_s
         self.monitor = Monitor(self.model, self.optimizer, self.scaler, store=store, mode=mode,
                                name=f"bench {case}", **settings) if store is not None else None
 
@@ -86,8 +96,8 @@ class Loop:
 
 
 def measure(case: str, mode: str, rounds: int, steps: int, store: RunStore,
-            layers_every: int | None = None) -> dict[str, float]:
-    bare, monitored = Loop(case, mode, None), Loop(case, mode, store, layers_every)
+            layers_every: int | None = None, flush_every_s: float | None = None) -> dict[str, float]:
+    bare, monitored = Loop(case, mode, None), Loop(case, mode, store, layers_every, flush_every_s)
     for _ in range(WARMUP):
         bare.step()
         monitored.step()
@@ -122,18 +132,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     parser.add_argument("--layers-every", type=int, default=None,
                         help="the Monitor's layer diagnostics every N steps (default: MonitorConfig's; 0: off)")
+    parser.add_argument("--wall-flush", action="store_true",
+                        help="flush every MonitorConfig.flush_every_s of the wall clock that both loops share (twice "
+                             "per second of the monitored loop's own time) instead of LOOPS times that")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = MonitorConfig().layers_every if args.layers_every is None else args.layers_every
+    flush_every_s = MonitorConfig().flush_every_s * (1 if args.wall_flush else LOOPS)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; {args.rounds} rounds x "
-          f"{args.steps} steps per loop, interleaved step by step; layer diagnostics every {layers} steps")
+          f"{args.steps} steps per loop, interleaved step by step; layer diagnostics every {layers} steps; a flush "
+          f"every {flush_every_s:g} s of the wall clock {LOOPS} loops share")
     figures = []
     with tempfile.TemporaryDirectory() as folder:
         store = open_store(Path(folder) / "runs.sqlite3")
         for case_mode in args.cases.split(","):
             case, mode = case_mode.split(":")
-            result = measure(case, mode, args.rounds, args.steps, store, args.layers_every)
+            result = measure(case, mode, args.rounds, args.steps, store, args.layers_every, flush_every_s)
             figures.append(result["ratio"])
             print(f"{case}_{mode}_bare_ms_per_step={result['bare_ms']:.3f}")
             print(f"{case}_{mode}_monitor_probe_ms_mean={result['probe_ms_mean']:.4f}")

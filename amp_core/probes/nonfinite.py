@@ -229,7 +229,7 @@ class ForwardReplaySentinel(_Sentinel):
         """Why replaying stopped (empty while it goes on)."""
         self._depth = 0
         """Watched module calls under way (the wrapper's try/finally, or a forward hook that always runs even when
-        the forward raises, keeps it)."""
+        the forward raises, keeps it), plus one while a replay runs: nothing is watched while it is not 0."""
         self.draws = False
         """The watched calls draw random numbers (dropout): each copies the RNG state as it begins, for its replay.
         Learnt in the first step (the state compared before and after each outermost call) and looked at again every
@@ -242,7 +242,6 @@ class ForwardReplaySentinel(_Sentinel):
         self._tops: set[int] = set()
         """The modules the loop calls outermost, learnt during the first step (every module hooked meanwhile): the
         model itself, or the modules a Lightning training_step calls; from the next step only they are watched."""
-        self._replaying = False
         self._pending: tuple | None = None
         self._wrapped: list[tuple[nn.Module, object, types.MethodType]] = []
         """(module, the instance `forward` it had before, or _NONE, the wrapper) of every wrapped module."""
@@ -260,7 +259,7 @@ class ForwardReplaySentinel(_Sentinel):
     def _learn(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first step's pre-hook, on every module: which are called outermost, and whether they draw random
         numbers (`draws`: the RNG state compared at the end of the call, `_after`)."""
-        if self._depth == 0 and not self._replaying:
+        if self._depth == 0:
             step = self._step_of()
             if self._first_step is None:
                 self._first_step = step
@@ -273,14 +272,17 @@ class ForwardReplaySentinel(_Sentinel):
 
     def _rng_before(self) -> torch.Tensor | None:
         """The RNG state an outermost watched call begins with, copied where it draws random numbers (or to look
-        again whether it does, every RECHECK_DRAWS calls); None where it draws none."""
+        again whether it does, every RECHECK_DRAWS calls); None where it draws none. (Inline in the wrappers.)"""
         if self.draws:
             return _rng_state()
         self._calls += 1
-        if self._calls % RECHECK_DRAWS == 0:
-            self._drew_from = _rng_state()
-            return self._drew_from
-        return None
+        return None if self._calls % RECHECK_DRAWS else self._recheck()
+
+    def _recheck(self) -> torch.Tensor:
+        """Every RECHECK_DRAWS calls of a sentinel that copies no RNG state: the state before this call, copied, to
+        compare at its end (`_drew`)."""
+        self._drew_from = _rng_state()
+        return self._drew_from
 
     def _drew(self) -> None:
         """At the end of an outermost call whose RNG state before it was kept to compare: did it draw?"""
@@ -319,21 +321,25 @@ class ForwardReplaySentinel(_Sentinel):
         if not isinstance(inner, types.FunctionType):
             return False
         sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
-        rng_before = self._rng_before
-        fp16, fp32, step_of, device_type = torch.float16, torch.float32, self._step_of, self._device_type
+        recheck, fp16, fp32, step_of, device_type = self._recheck, torch.float16, torch.float32, self._step_of, \
+            self._device_type
         autocast_on, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
         if self.skips_failed_steps:
             @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer)
             def forward(self, *args, **kwargs):
-                if self is not module or sentinel._depth or sentinel._replaying or sentinel.stopped:
+                if self is not module or sentinel._depth or sentinel.stopped:  # a copy, a nested call, a replay
                     return inner(self, *args, **kwargs)
                 # `_keep_call` inline (a call less per step): the call as it began, nothing summed or read.
                 step = step_of()
                 if step != sentinel._kept_step:
                     sentinel._kept_step, sentinel._kept = step, []
-                sentinel._kept.append((self, args, kwargs, rng_before(), autocast_on(device_type),
-                                       autocast_dtype(device_type)))
+                if sentinel.draws:  # `_rng_before` inline
+                    rng = rng_state()
+                else:
+                    sentinel._calls = calls = sentinel._calls + 1
+                    rng = None if calls % RECHECK_DRAWS else recheck()
+                sentinel._kept.append((self, args, kwargs, rng, autocast_on(device_type), autocast_dtype(device_type)))
                 sentinel._depth = 1
                 try:
                     return inner(self, *args, **kwargs)
@@ -344,11 +350,15 @@ class ForwardReplaySentinel(_Sentinel):
         else:
             @functools.wraps(inner)  # __wrapped__: inspect.signature(module.forward) is the real one (HF Trainer)
             def forward(self, *args, **kwargs):
-                if self is not module or sentinel._depth or sentinel._replaying:  # a copy, a nested call, a replay
+                if self is not module or sentinel._depth:  # a copy, a nested call, a replay
                     return inner(self, *args, **kwargs)
                 # By reference: the loop holds its batch for the step anyway. The RNG state is what dropout draws from
-                # (copied only where the calls draw: `draws`).
-                rng = rng_state() if sentinel.draws else rng_before()
+                # (copied only where the calls draw: `draws`; `_rng_before` inline).
+                if sentinel.draws:
+                    rng = rng_state()
+                else:
+                    sentinel._calls = calls = sentinel._calls + 1
+                    rng = None if calls % RECHECK_DRAWS else recheck()
                 sentinel._depth = 1
                 try:
                     output = inner(self, *args, **kwargs)
@@ -368,7 +378,7 @@ class ForwardReplaySentinel(_Sentinel):
         return True
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._depth == 0 and not self._replaying:
+        if self._depth == 0:
             if self.skips_failed_steps:
                 self._keep_call(module, args, kwargs)
             else:
@@ -392,7 +402,7 @@ class ForwardReplaySentinel(_Sentinel):
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
-        if self._depth or self._replaying:
+        if self._depth:
             return
         if self._drew_from is not None:
             self._drew()
@@ -454,7 +464,8 @@ class ForwardReplaySentinel(_Sentinel):
         buffers = [(owner, name, buffer) for owner in module.modules() for name, buffer in
                    owner.named_buffers(recurse=False)]
         after = torch.get_rng_state()
-        self._replaying = True
+        depth = self._depth
+        self._depth = depth + 1  # nothing is watched while the replay runs
         try:
             for owner, name, buffer in buffers:
                 setattr(owner, name, buffer.clone())
@@ -463,7 +474,7 @@ class ForwardReplaySentinel(_Sentinel):
             with torch.no_grad():
                 output_finite = _finite_on_host(module(*args, **kwargs))
         finally:
-            self._replaying = False
+            self._depth = depth
             torch.set_rng_state(after)
             for owner, name, buffer in buffers:
                 setattr(owner, name, buffer)

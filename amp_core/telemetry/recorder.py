@@ -273,10 +273,34 @@ class StepRecorder:
         their window's end on the meter's clock, moved to the wall clock as it reads now (one `time.time()` per
         drain, not per step)."""
         wall = time.time() - track.meter.clock()
-        self._add_batch(track, ((StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False,
-                                            step_ms=(end - start) * 1e3, loss=value, skipped=False,
-                                            probe_ms=probe_s * 1e3, filled=True), samples)
-                                for step, lr, start, end, value, samples, probe_s in kept), len(kept))
+        if self._in_flight or track.dropped:  # steps wait before these (CUDA's, never beside a host meter's)
+            self._add_batch(track, ((StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False,
+                                                step_ms=(end - start) * 1e3, loss=value, skipped=False,
+                                                probe_ms=probe_s * 1e3, filled=True), samples)
+                                    for step, lr, start, end, value, samples, probe_s in kept), len(kept))
+            return
+        # What `add` and `_record` do for each, written for these steps: their figures are there (no window), their
+        # loss is finite and nothing was sampled or skipped, so no event is due (record_step_events) and the memory
+        # figures carried are the same for the whole batch.
+        params_bytes, grads_bytes, optim_bytes = track.held
+        activations, peak_above = track.activations_bytes, track.peak_above_start_bytes
+        lane_peak = track.meter.lane_peak_bytes(params_bytes + grads_bytes + optim_bytes + activations,
+                                                track.peak_bytes)
+        append, hooks, nan = track.records.append_row, self.on_record, math.nan
+        for left, (step, lr, start, end, value, samples, probe_s) in enumerate(kept, 1 - len(kept)):
+            step_ms = (end - start) * 1e3
+            append((step, end + wall, value, step_ms, samples / (step_ms / 1e3) if samples and step_ms > 0 else nan,
+                    lr, nan, False, nan, params_bytes, grads_bytes, optim_bytes, activations, peak_above, lane_peak,
+                    probe_s * 1e3))
+            if hooks:
+                result = StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False, step_ms=step_ms, loss=value,
+                                    skipped=False, probe_ms=probe_s * 1e3, filled=True)
+                self._adding = (track, -left)  # the steps after this one, for `drop`
+                for hook in hooks:
+                    hook(track, result)
+                if track.dropped:
+                    break
+        self._adding = None
 
     def _add_batch(self, track: LaneTrack, results: Iterable[tuple[StepResult, int | None]], count: int) -> None:
         """`count` steps of `track`, oldest first, each (result, samples) as `add` takes it; the rest are left out
