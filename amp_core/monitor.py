@@ -279,51 +279,53 @@ class Monitor:
         before the next `zero_grad()` (its gradient figures read the gradients). `samples`: the batch's size, for
         samples/s. `batch` (the step's batch, as the loss closure takes it) and `loss_fn(model, batch) -> loss` (or
         the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
-        if self.closed:
-            raise RuntimeError("Monitor.step() after close()")
-        driver, watch, start = self._driver, self._watch, self._host_start
-        if start is None:
-            window = self._window
-            driver.end(window)
-            began = time.perf_counter()
-            self.loop_s += began - self._window_host
-        else:  # a host plain window (`_host_plain`): its end is this read of the meter's clock
-            began = self._clock()
-            self.loop_s += began - start
-        step = self.steps_done
-        lr = watch.lr_used if watch.stepped else self._lr_next
         # A plain step (decided when its window opened) keeps its figures for the next drain, unless the scaler
         # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
-        if start is not None:
+        start = self._host_start
+        if start is not None:  # a host plain window (`_host_plain`; none is open once closed): its end is this read
             # What `end`, `keep` and `open_plain` do, inline: the step kept as StepDriver.host_plain keeps a race
-            # lane's (a plain step's Python runs with cold caches right after the loop's work: each call counts, so
-            # `is_plain`'s own first test is made here, and the deadline is on the clock read already).
+            # lane's (a plain step's Python runs with cold caches right after the loop's work: each call and each
+            # attribute read counts, so `is_plain`'s own first test is made here, the deadline is on the clock read
+            # already, and nothing is read that this path does not use).
+            began = self._clock()
+            self.loop_s += began - start
             self._host_start = None
+            driver, watch, step = self._driver, self._watch, self.steps_done
+            lr = watch.lr_used if watch.stepped else self._lr_next
             if (step < driver.plain_until or driver.is_plain(step)) and began < self._due:
                 value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU: waits for nothing
                 if math.isfinite(value):
                     self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-                    self.steps_done = step + 1
+                    self.steps_done = step = step + 1
                     # Kept (HOST_KEPT) with the Monitor's own host time on it so far; the next window opens after.
-                    driver.host_kept.append((step, lr, start, began, value, samples, self._clock() - began))
-                    if step + 1 < driver.plain_until or driver.is_plain(step + 1):
+                    driver.host_kept.append((step - 1, lr, start, began, value, samples, self._clock() - began))
+                    if step < driver.plain_until or driver.is_plain(step):
                         watch.stepped = False
                         self._host_start = self._window_host = self._clock()
                     else:
-                        self._begin(step + 1)
+                        self._begin(step)
                     return
             window = Window(start, began)
-        elif (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
-                and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
-            self._lr_next = float(self.optimizer.param_groups[0]["lr"])
-            self.steps_done = step = step + 1
-            if driver.is_plain(step):  # the next window as `_begin` opens it, with nothing sampled on it
-                watch.stepped = False
-                self._window_host = time.perf_counter()
-                self._window = driver.open_plain(scale_tensor(self.scaler) if watch.scaled else None)
-            else:
-                self._begin(step)
-            return
+        else:
+            if self.closed:
+                raise RuntimeError("Monitor.step() after close()")
+            driver, watch, window = self._driver, self._watch, self._window
+            driver.end(window)
+            began = time.perf_counter()
+            self.loop_s += began - self._window_host
+            step = self.steps_done
+            lr = watch.lr_used if watch.stepped else self._lr_next
+            if (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
+                    and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
+                self._lr_next = float(self.optimizer.param_groups[0]["lr"])
+                self.steps_done = step = step + 1
+                if driver.is_plain(step):  # the next window as `_begin` opens it, with nothing sampled on it
+                    watch.stepped = False
+                    self._window_host = time.perf_counter()
+                    self._window = driver.open_plain(scale_tensor(self.scaler) if watch.scaled else None)
+                else:
+                    self._begin(step)
+                return
         # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
         hooked_s = self._layers.hooks_so_far_s()
         window.excluded_s = hooked_s
@@ -399,6 +401,7 @@ class Monitor:
         if self.closed:
             return
         self.closed = True
+        self._host_start = None  # no window is open: `step` raises
         self._watch.remove()
         if self._forward_hook is not None:
             self._forward_hook.remove()

@@ -321,7 +321,7 @@ class ForwardReplaySentinel(_Sentinel):
         if not isinstance(inner, types.FunctionType):
             return False
         sentinel, rng_state, finite, isfinite, tensor = self, _rng_state, _finite_on_host, math.isfinite, torch.Tensor
-        recheck, fp16, fp32, step_of, device_type = self._recheck, torch.float16, torch.float32, self._step_of, \
+        recheck, bf16, fp32, step_of, device_type = self._recheck, torch.bfloat16, torch.float32, self._step_of, \
             self._device_type
         autocast_on, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
@@ -366,10 +366,13 @@ class ForwardReplaySentinel(_Sentinel):
                     sentinel._depth = 0
                     if sentinel._drew_from is not None:
                         sentinel._drew()
-                # `_finite_on_host`, its usual case (one floating tensor) inline: a call less per step.
-                if not (sentinel.stopped or (
-                        isfinite((output.data.sum(dtype=fp32) if output.dtype is fp16 else output.data.sum()).item())
-                        if isinstance(output, tensor) and output.is_floating_point() else finite(output))):
+                if sentinel.stopped:
+                    return output
+                # `_finite_on_host`, its usual case (one plain fp32 or bf16 tensor) inline: a call less per step.
+                if type(output) is tensor and ((dtype := output.dtype) is fp32 or dtype is bf16):
+                    if not isfinite(output.data.sum().item()):
+                        sentinel._nonfinite(self, args, kwargs, rng)
+                elif not finite(output):
                     sentinel._nonfinite(self, args, kwargs, rng)
                 return output
 
