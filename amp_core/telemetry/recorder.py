@@ -220,6 +220,21 @@ class LaneTrack:
     dropped: bool = False
     """Its lane stopped (StepRecorder.drop): steps of it that arrive later are not recorded."""
 
+    def carried(self) -> tuple:
+        """The memory figures a record carries from the last measurement, in STEP_COLUMNS order: parameters,
+        gradients, optimizer state, activations, the allocator's peak above the step's start, the lane's peak."""
+        params_bytes, grads_bytes, optim_bytes = self.held
+        return (params_bytes, grads_bytes, optim_bytes, self.activations_bytes, self.peak_above_start_bytes,
+                self.meter.lane_peak_bytes(params_bytes + grads_bytes + optim_bytes + self.activations_bytes,
+                                           self.peak_bytes))
+
+
+def _row(step: int, t_wall_s: float, loss: float, step_ms: float, samples: int | None, lr: float, scale: float,
+         skipped: bool, grad_norm: float, carried: tuple, probe_ms: float) -> tuple:
+    """One record's values in STEP_COLUMNS order (NaN for a figure not measured; samples/s from the batch's size)."""
+    return (step, t_wall_s, loss, step_ms, samples / (step_ms / 1e3) if samples and step_ms > 0 else math.nan, lr,
+            scale, skipped, grad_norm, *carried, probe_ms)
+
 
 @dataclass(slots=True)
 class StepRecorder:
@@ -273,31 +288,27 @@ class StepRecorder:
         their window's end on the meter's clock, moved to the wall clock as it reads now (one `time.time()` per
         drain, not per step)."""
         wall = time.time() - track.meter.clock()
+
+        def result(step: int, lr: float, start: float, end: float, value: float, probe_s: float) -> StepResult:
+            return StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False, step_ms=(end - start) * 1e3,
+                              loss=value, skipped=False, probe_ms=probe_s * 1e3, filled=True)
+
         if self._in_flight or track.dropped:  # steps wait before these (CUDA's, never beside a host meter's)
-            self._add_batch(track, ((StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False,
-                                                step_ms=(end - start) * 1e3, loss=value, skipped=False,
-                                                probe_ms=probe_s * 1e3, filled=True), samples)
+            self._add_batch(track, ((result(step, lr, start, end, value, probe_s), samples)
                                     for step, lr, start, end, value, samples, probe_s in kept), len(kept))
             return
         # What `add` and `_record` do for each, written for these steps: their figures are there (no window), their
         # loss is finite and nothing was sampled or skipped, so no event is due (record_step_events) and the memory
         # figures carried are the same for the whole batch.
-        params_bytes, grads_bytes, optim_bytes = track.held
-        activations, peak_above = track.activations_bytes, track.peak_above_start_bytes
-        lane_peak = track.meter.lane_peak_bytes(params_bytes + grads_bytes + optim_bytes + activations,
-                                                track.peak_bytes)
-        append, hooks, nan = track.records.append_row, self.on_record, math.nan
+        carried, append, hooks, nan = track.carried(), track.records.append_row, self.on_record, math.nan
         for left, (step, lr, start, end, value, samples, probe_s) in enumerate(kept, 1 - len(kept)):
-            step_ms = (end - start) * 1e3
-            append((step, end + wall, value, step_ms, samples / (step_ms / 1e3) if samples and step_ms > 0 else nan,
-                    lr, nan, False, nan, params_bytes, grads_bytes, optim_bytes, activations, peak_above, lane_peak,
-                    probe_s * 1e3))
+            append(_row(step, end + wall, value, (end - start) * 1e3, samples, lr, nan, False, nan, carried,
+                        probe_s * 1e3))
             if hooks:
-                result = StepResult(step=step, lr=lr, t_wall_s=end + wall, scaled=False, step_ms=step_ms, loss=value,
-                                    skipped=False, probe_ms=probe_s * 1e3, filled=True)
                 self._adding = (track, -left)  # the steps after this one, for `drop`
+                done = result(step, lr, start, end, value, probe_s)
                 for hook in hooks:
-                    hook(track, result)
+                    hook(track, done)
                 if track.dropped:
                     break
         self._adding = None
@@ -352,17 +363,10 @@ class StepRecorder:
             track.activations_bytes = result.activations_bytes
         if result.peak_above_start_bytes is not None:
             track.peak_above_start_bytes, track.peak_bytes = result.peak_above_start_bytes, result.lane_peak_bytes
-        params_bytes, grads_bytes, optim_bytes = track.held
-        step_ms = result.step_ms
-        track.records.append_row((
-            result.step, result.t_wall_s, result.loss, step_ms,
-            samples / (step_ms / 1e3) if samples and step_ms > 0 else math.nan, result.lr,
+        track.records.append_row(_row(
+            result.step, result.t_wall_s, result.loss, result.step_ms, samples, result.lr,
             math.nan if result.scale is None else result.scale, bool(result.skipped),
-            math.nan if result.grad_norm is None else result.grad_norm, params_bytes, grads_bytes, optim_bytes,
-            track.activations_bytes, track.peak_above_start_bytes,
-            track.meter.lane_peak_bytes(params_bytes + grads_bytes + optim_bytes + track.activations_bytes,
-                                        track.peak_bytes),
-            result.probe_ms))
+            math.nan if result.grad_norm is None else result.grad_norm, track.carried(), result.probe_ms))
         record_step_events(self.sink, track.lane, result)
         for hook in self.on_record:
             hook(track, result)
