@@ -36,7 +36,7 @@ FAULT_GRAMMAR = (f"{FAULT_FORM}: loss_scale:1e6@50+10 (the loss x 1e6 for steps 
                  "into fc1.weight's gradient at step 30), grad_nan@30 (NaN into the first parameter's), "
                  "lr_scale:10@100+20, init_scale:1024 (the GradScaler starts at 1024), batch_outlier:1000@40 (the "
                  "batch's floating inputs and targets x 1000); the step is 0-based, the duration 1 unless given")
-"""The fault grammar, written once: the CLI's --fault help, the Train form and README quote it."""
+"""The fault grammar, written once: the CLI's --fault help, the Train form and docs/cli.md quote it."""
 MAX_SEEDS = 8
 """At most this many seeds per mode: lanes = modes x seeds all train in one process, interleaved."""
 

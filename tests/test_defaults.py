@@ -83,11 +83,11 @@ def test_the_workshop_device_flag_is_the_run_configs():
 
 
 def test_the_fault_grammar_is_written_once_and_quoted():
-    """config.FAULT_GRAMMAR is the one explanation: the CLI's --fault help, the FaultSpec docs and README quote it,
+    """config.FAULT_GRAMMAR is the one explanation: the CLI's --fault help, the FaultSpec docs and docs/cli.md quote it,
     and its examples parse."""
     assert FAULT_GRAMMAR in run_flags()["fault"].help
     assert "FAULT_GRAMMAR" in FaultSpec.__doc__
-    assert FAULT_GRAMMAR in " ".join((ROOT / "README.md").read_text().split())
+    assert FAULT_GRAMMAR in " ".join((ROOT / "docs" / "cli.md").read_text().split())
     for example in ("loss_scale:1e6@50+10", "grad_inf:fc1.weight@30", "grad_nan@30", "lr_scale:10@100+20",
                     "init_scale:1024", "batch_outlier:1000@40"):
         assert f"{example} (" in FAULT_GRAMMAR or f"{example}," in FAULT_GRAMMAR
