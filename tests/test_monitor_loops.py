@@ -478,3 +478,80 @@ def test_a_step_hook_that_fails_is_told_and_dropped(store, capfd):
     failed = events_of(store, monitor, FAILED_EVENT)
     assert len(failed) == 2 and "KeyError" in failed["message"].iloc[0]
     assert capfd.readouterr().err.count("AMP Lab Monitor") == 1
+
+
+def hf_trainer_run(store_path, steps: int, **settings):
+    """A tiny GPT-2 under the Hugging Face Trainer with AMP Lab's callback; returns (callback, the Trainer's own
+    logged losses)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from amp_core.integrations.transformers import AmpLabCallback
+    from examples.hf_trainer import LoggedLosses, PatternData
+
+    amp_lab = AmpLabCallback(name="hf guard test", store=store_path, **settings)
+    logged = LoggedLosses()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    training = TrainingArguments(output_dir="/tmp/amp-lab-hf-guard-test", max_steps=steps, learning_rate=3e-3,
+                                 per_device_train_batch_size=4, logging_steps=1, save_strategy="no", report_to=[],
+                                 use_cpu=True, disable_tqdm=True, seed=0)
+    Trainer(model=model, args=training, train_dataset=PatternData(samples=32), callbacks=[amp_lab, logged]).train()
+    return amp_lab, [logged.losses[step] for step in sorted(logged.losses)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failing_layer_watch_under_the_hf_trainer_leaves_its_records_whole(fresh_store, monkeypatch, capfd):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(layerwatch, "tensor_figures", _broken_figures)
+    amp_lab, losses = hf_trainer_run(fresh_store, 6, layers_every=2, probe_budget=0)
+    store = open_store(fresh_store)
+    frame = records(store, amp_lab.monitor)
+    assert frame["loss"].tolist() == pytest.approx(losses, rel=1e-3) and len(losses) == 6  # the Trainer rounds
+    failed = events_of(store, amp_lab.monitor, FAILED_EVENT)
+    assert [row["switched_off"] for row in failed["data"]] == [False, True]
+    assert capfd.readouterr().err.count("AMP Lab Monitor") == 1
+    assert store.run(amp_lab.monitor.run_id)["status"] == "finished"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_hf_callback_that_fails_twice_switches_itself_off_and_the_trainer_finishes(fresh_store, monkeypatch,
+                                                                                       capfd):
+    pytest.importorskip("transformers")
+    from amp_core.integrations import transformers as integration
+
+    def broken(self):
+        raise ZeroDivisionError("the step's loss factors broke on purpose")
+
+    monkeypatch.setattr(integration.AmpLabCallback, "_factors", broken)
+    amp_lab, losses = hf_trainer_run(fresh_store, 5)
+    assert len(losses) == 5  # the Trainer went on to its last step
+    assert amp_lab.off
+    store = open_store(fresh_store)
+    run = store.run(amp_lab.monitor.run_id)
+    assert run["status"] == "failed" and "ZeroDivisionError" in run["lanes"][0]["error"]
+    failed = events_of(store, amp_lab.monitor, FAILED_EVENT)
+    assert len(failed) == 2 and failed["data"].iloc[0]["diagnostic"] == "the Hugging Face Trainer callback"
+    assert capfd.readouterr().err.count("AMP Lab Monitor") == 1
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_failing_layer_watch_under_lightning_leaves_its_records_whole(fresh_store, monkeypatch, capfd):
+    lightning = pytest.importorskip("lightning")
+    from amp_core.integrations.lightning import AmpLabCallback
+    from examples.lightning_module import SineFit
+
+    monkeypatch.setattr(layerwatch, "tensor_figures", _broken_figures)
+    amp_lab = AmpLabCallback(name="lightning guard test", store=fresh_store, layers_every=2, probe_budget=0)
+    torch.manual_seed(0)
+    x = torch.linspace(-3, 3, 192).unsqueeze(1)
+    module = SineFit()
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[amp_lab])
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.sin(x)), batch_size=32))
+    store = open_store(fresh_store)
+    frame = records(store, amp_lab.monitor)
+    assert frame["loss"].tolist() == pytest.approx(module.losses, rel=1e-6) and len(module.losses) == 6
+    failed = events_of(store, amp_lab.monitor, FAILED_EVENT)
+    assert [row["switched_off"] for row in failed["data"]] == [False, True]
+    assert capfd.readouterr().err.count("AMP Lab Monitor") == 1
+    assert store.run(amp_lab.monitor.run_id)["status"] == "finished"
