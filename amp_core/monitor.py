@@ -350,9 +350,10 @@ class Monitor:
             try:
                 kept = (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
                         and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began))
-            except Exception:
+            except Exception as exc:
                 self._refuse(loss)
-                raise
+                self._lost(exc, step)
+                return
             if kept:
                 self._lr_next = float(self.optimizer.param_groups[0]["lr"])
                 self.steps_done = step = step + 1
@@ -375,9 +376,10 @@ class Monitor:
             result = driver.finish(window, step, lr, loss, skipped=skipped, found_inf=watch.found_inf,
                                    memory=schedule.memory(step), grad_stats=schedule.grad_stats(step),
                                    loop_s=self.loop_s, taken=taken)
-        except Exception:
+        except Exception as exc:
             self._refuse(loss)
-            raise
+            self._lost(exc, step)
+            return
         self._lr_next = float(self.optimizer.param_groups[0]["lr"])
         result.probe_ms = (time.perf_counter() - began + hooked_s) * 1e3
         driver.record(result, samples)
@@ -422,6 +424,13 @@ class Monitor:
         wrong = usage_error(loss)
         if wrong is not None:
             raise TypeError(f"Monitor.step(loss): {wrong}")
+
+    def _lost(self, exc: Exception, step: int) -> None:
+        """The step's record could not be made though its loss is usable (the Monitor's own failure): told (an event
+        for each such step, one line on stderr), and the loop goes on to the next step."""
+        self.guard.failed("the step record", exc, step)
+        self.steps_done = step + 1
+        self._begin(self.steps_done)
 
     def _extra_call(self) -> None:
         """`step` called with no optimizer step since the last call (twice for one step, or in every micro-step of
