@@ -53,7 +53,7 @@ class MonitorDesk:
         layers = self.layers
         if not layers.idle(step, self.monitor.loop_s) or self.trace_asked or self.trace is not None:
             return step
-        if not layers.every:
+        if not layers.every or layers.off:
             return NOT_SOON
         watched = -(-(step + 1) // layers.every) * layers.every
         return watched - 1  # the step before a watched one arms it

@@ -84,8 +84,6 @@ def usage_error(loss: object) -> str | None:
             return "the loss is complex: pass a real value"
         return None
     wrong = f"the loss must be a number or a one-element tensor, got {type(loss).__name__}: pass the step's loss"
-    if isinstance(loss, bool):
-        return wrong
     try:  # a Python or NumPy number
         float(loss)
     except (TypeError, ValueError):

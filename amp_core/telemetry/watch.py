@@ -50,6 +50,7 @@ class OptimizerWatch:
         self.steps_seen = 0
         """Optimizer steps seen in the run, taken or skipped (compared with the steps recorded, at a flush)."""
         self._scaler = scaler
+        self._seen_update = None
         self._seen_at_update = 0
         if see_update and self.scaled and not self.fused:
             self._hook_update(scaler)
@@ -84,7 +85,7 @@ class OptimizerWatch:
             self._seen_at_update = self.steps_seen
             return update(new_scale)
 
-        scaler.update = seen_update  # an instance attribute over the method: removed by `remove`
+        scaler.update = self._seen_update = seen_update  # an instance attribute over the method: `remove` takes it off
 
     def begin(self) -> None:
         """A new step begins: forget what the last one told."""
@@ -109,7 +110,7 @@ class OptimizerWatch:
 
     def remove(self) -> None:
         self.capture = self.on_skip = None
-        if self._scaler is not None and "update" in vars(self._scaler):
+        if self._scaler is not None and vars(self._scaler).get("update") is self._seen_update:
             del self._scaler.update
         for handle in self._handles:
             handle.remove()
