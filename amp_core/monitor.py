@@ -67,6 +67,7 @@ from amp_core.diagnostics.attached_replay import (
     ReplayOnFailure,
 )
 from amp_core.monitor_desk import NOT_SOON, MonitorDesk
+from amp_core.monitor_guard import EXTRA_CALL_EVENT, MISSED_CALL_EVENT, Guard, reason, usage_error
 from amp_core.monitor_run import SOURCE, attached_run_config, user_module
 from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.records.opening import open_store
@@ -75,7 +76,7 @@ from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.telemetry import OptimizerWatch, SamplingSchedule, StepDriver, StepRecorder, StepResult, meter_for
 from amp_core.telemetry.meters import Window
-from amp_core.telemetry.sampled import StepProbes
+from amp_core.telemetry.sampled import GradFigures, StepProbes
 from amp_core.torch_private import scale_tensor
 
 LANE = 0
@@ -200,12 +201,15 @@ class Monitor:
         self.inner_model = user_module(model)
         """The user's module inside a DDP wrapper (parameter and module names as the user wrote them)."""
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        named = [(n, p) for n, p in self.inner_model.named_parameters() if p.requires_grad]
+        # Every parameter, frozen ones too: one unfrozen mid-run (or put in a param group added then) is measured
+        # from the step it gets a gradient (the gradient figures read the parameters that have one).
+        named = list(self.inner_model.named_parameters())
         if not named:
-            raise ConfigError("model", "the model has no parameters that require gradients")
+            raise ConfigError("model", "the model has no parameters")
         params = [p for _, p in named]
-        self.device = params[0].device
-        self._param_dtype = params[0].dtype
+        first = next((p for p in params if p.requires_grad), params[0])
+        self.device = first.device
+        self._param_dtype = first.dtype
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -230,14 +234,26 @@ class Monitor:
         self.closed = False
         self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
         """Run at the end of every `step()` (see the class docstring)."""
+        self.guard = Guard(self.note, config.name or self.run_id)
+        """The Monitor's own failures, kept from the loop (amp_core.monitor_guard)."""
+        self._unchecked = True
+        """The next call of `step` takes its first look (the loss is usable) or finds the Monitor closed."""
+        self._extra_calls = 0
+        """`step` calls with no optimizer step since the last one (not recorded)."""
+        self._missed = 0
+        """Optimizer steps that `step` was not called for, told so far."""
+        self._taken: GradFigures | None = None
+        """The gradient figures of the step under way, taken where its gradients surely existed (`_take_grads`)."""
         self.loop_s = 0.0
         """The loop's own host time between step() calls (what probe_budget compares the probes' with: the loop's,
         not the process's, which may be doing other things)."""
-        self._watch = OptimizerWatch(optimizer, self.scaler)
+        self._watch = OptimizerWatch(optimizer, self.scaler, see_update=True)
+        self._watch.on_skip = self._take_grads  # a skipped step's gradients, before the loop clears them
         meter = meter_for(self.device)
         probes = StepProbes(meter, self.inner_model, [n for n, _ in named], params, optimizer,
                             SamplingSchedule.of(config, probe_budget=config.probe_share()), lost_updates=False)
         self._driver = StepDriver(meter, probes, self._watch, self.scaler)
+        self._driver.contain = self.guard.failed
         self.host_reads_free = meter.at_once
         """The step's figures are on the host as soon as they exist (a CPU): reading one waits for nothing."""
         self._host_plain = meter.at_once and self.scaler is None
@@ -275,10 +291,13 @@ class Monitor:
     # --- the user's loop -----------------------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float, samples: int | None = None, *, batch: Any = None,
              loss_fn: LossFn | None = None) -> None:
-        """Record one optimizer step: call once per iteration after `scaler.update()` (and the scheduler's step),
-        before the next `zero_grad()` (its gradient figures read the gradients). `samples`: the batch's size, for
-        samples/s. `batch` (the step's batch, as the loss closure takes it) and `loss_fn(model, batch) -> loss` (or
-        the Monitor's `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay)."""
+        """Record one optimizer step: call once per iteration, after the optimizer's step (`scaler.update()`), before
+        or after `zero_grad()` and the scheduler's step (the gradient figures are taken during the optimizer's step:
+        docs/monitor.md). `loss`: the step's loss, a number or a one-element tensor on any device (a usage error
+        otherwise, the only error the Monitor raises into the loop). `samples`: the batch's size, for samples/s.
+        `batch` (the step's batch, as the loss closure takes it) and `loss_fn(model, batch) -> loss` (or the Monitor's
+        `loss_fn`): what a replay of this step needs when it fails (MonitorConfig.replay). A call with no optimizer
+        step since the last one is not recorded (an event says so, once)."""
         # A plain step (decided when its window opened) keeps its figures for the next drain, unless the scaler
         # skipped it, a flush or a layer read is due, or its loss is known not to be finite (the full path then).
         start = self._host_start
@@ -288,12 +307,22 @@ class Monitor:
             # attribute read counts, so `is_plain`'s own first test is made here, the deadline is on the clock read
             # already, and nothing is read that this path does not use).
             began = self._clock()
+            driver, watch, step = self._driver, self._watch, self.steps_done
+            if watch.stepped:
+                lr = watch.lr_used
+            elif watch.steps_seen:  # no optimizer step since the last call: not a step (its window goes on)
+                self._extra_call()
+                return
+            else:  # an optimizer whose steps the hook has not seen (yet)
+                lr = self._lr_next
             self.loop_s += began - start
             self._host_start = None
-            driver, watch, step = self._driver, self._watch, self.steps_done
-            lr = watch.lr_used if watch.stepped else self._lr_next
             if (step < driver.plain_until or driver.is_plain(step)) and began < self._due:
-                value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)  # a CPU: waits for nothing
+                try:  # a CPU: the read waits for nothing
+                    value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+                except Exception:
+                    self._refuse(loss)
+                    value = math.nan  # a loss the checks pass that still cannot be read: the full path tells it
                 if math.isfinite(value):
                     self._lr_next = float(self.optimizer.param_groups[0]["lr"])
                     self.steps_done = step = step + 1
@@ -307,16 +336,25 @@ class Monitor:
                     return
             window = Window(start, began)
         else:
-            if self.closed:
-                raise RuntimeError("Monitor.step() after close()")
+            if self._unchecked:  # the first call, or one after close()
+                self._first_call(loss)
             driver, watch, window = self._driver, self._watch, self._window
+            if not (watch.stepped or watch.skipped_seen) and watch.steps_seen:
+                self._extra_call()  # no optimizer step since the last call: not a step (its window goes on)
+                return
             driver.end(window)
             began = time.perf_counter()
             self.loop_s += began - self._window_host
             step = self.steps_done
-            lr = watch.lr_used if watch.stepped else self._lr_next
-            if (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
-                    and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began)):
+            lr = watch.lr_used if watch.stepped or watch.skipped_seen else self._lr_next
+            try:
+                kept = (driver.is_plain(step) and (watch.stepped or not watch.scaled) and began < self._due
+                        and driver.keep(window, step, lr, loss, samples, time.perf_counter() - began))
+            except Exception as exc:
+                self._refuse(loss)
+                self._lost(exc, step)
+                return
+            if kept:
                 self._lr_next = float(self.optimizer.param_groups[0]["lr"])
                 self.steps_done = step = step + 1
                 if driver.is_plain(step):  # the next window as `_begin` opens it, with nothing sampled on it
@@ -326,36 +364,132 @@ class Monitor:
                 else:
                     self._begin(step)
                 return
-        # A watched step's layer hooks ran inside its window: their host time is probe time, not step time.
-        hooked_s = self._layers.hooks_so_far_s()
+        # A watched step's layer hooks ran inside its window, and so did the gradient figures taken in the
+        # optimizer's step: their host time is probe time, not step time.
+        taken, self._taken = self._taken, None
+        hooked_s = self._layers.hooks_so_far_s() + (taken.seconds if taken is not None else 0.0)
         window.excluded_s = hooked_s
         if driver.track is None:
             self._open()
         schedule, skipped = driver.schedule, watch.skipped()
-        result = driver.finish(window, step, lr, loss, skipped=skipped, found_inf=watch.found_inf,
-                               memory=schedule.memory(step), grad_stats=schedule.grad_stats(step), loop_s=self.loop_s)
+        try:
+            result = driver.finish(window, step, lr, loss, skipped=skipped, found_inf=watch.found_inf,
+                                   memory=schedule.memory(step), grad_stats=schedule.grad_stats(step),
+                                   loop_s=self.loop_s, taken=taken)
+        except Exception as exc:
+            self._refuse(loss)
+            self._lost(exc, step)
+            return
         self._lr_next = float(self.optimizer.param_groups[0]["lr"])
         result.probe_ms = (time.perf_counter() - began + hooked_s) * 1e3
         driver.record(result, samples)
         self.steps_done = step + 1
-        self._desk.after_step(result)
+        guard = self.guard
+        try:
+            self._desk.after_step(result)
+        except Exception as exc:
+            self._desk.failed(exc, step)
         for hook in self.step_hooks:
-            hook(self, result)
+            try:
+                hook(self, result)
+            except Exception as exc:
+                if not guard.failed(f"step hook {getattr(hook, '__qualname__', hook)!s}", exc, step):
+                    self.step_hooks.remove(hook)
         if self._replay.on:  # after the step was measured: its window is closed, the next one not yet open
-            self._replays.after_step(run_id=self.run_id, mode=self.mode, device=str(self.device),
-                                     grad_clip=self.grad_clip, step=step, loss=loss, skipped=skipped, batch=batch,
-                                     loss_fn=loss_fn or self.loss_fn,
-                                     loss_on_host=result.loss if result.filled else None)
+            try:
+                self._replays.after_step(run_id=self.run_id, mode=self.mode, device=str(self.device),
+                                         grad_clip=self.grad_clip, step=step, loss=loss, skipped=skipped,
+                                         batch=batch, loss_fn=loss_fn or self.loss_fn,
+                                         loss_on_host=result.loss if result.filled else None)
+            except Exception as exc:
+                self._replay_failed(exc, step)
         # The flush's own time is the store's (RecordSink.write_seconds): outside this step's window and the next.
-        self._sink.flush_if_due()
+        try:
+            self._sink.flush_if_due()
+        except Exception as exc:
+            guard.failed("the store", exc, step)
         self._begin(self.steps_done)
+
+    def _first_call(self, loss: Any) -> None:
+        """The first call of `step`: a loss it cannot record is refused here, with what to change; after close(),
+        every call is refused."""
+        if self.closed:
+            raise RuntimeError("Monitor.step() after close(): step the Monitor inside its `with` block, or before "
+                               "close()")
+        self._refuse(loss)
+        self._unchecked = False
+
+    def _refuse(self, loss: Any) -> None:
+        """Raise the usage error of a loss `step` cannot record (TypeError, one line); nothing when it is usable."""
+        wrong = usage_error(loss)
+        if wrong is not None:
+            raise TypeError(f"Monitor.step(loss): {wrong}")
+
+    def _lost(self, exc: Exception, step: int) -> None:
+        """The step's record could not be made though its loss is usable (the Monitor's own failure): told (an event
+        for each such step, one line on stderr), and the loop goes on to the next step."""
+        self.guard.failed("the step record", exc, step)
+        self.steps_done = step + 1
+        self._begin(self.steps_done)
+
+    def _extra_call(self) -> None:
+        """`step` called with no optimizer step since the last call (twice for one step, or in every micro-step of
+        gradient accumulation): not recorded, told once."""
+        self._extra_calls += 1
+        if self._extra_calls == 1:
+            message = (f"Monitor.step was called at step {self.steps_done} with no optimizer step since the last "
+                       "call: such calls are not recorded (call it once per optimizer step)")
+            self.guard.say(EXTRA_CALL_EVENT, message)
+            self.note(EXTRA_CALL_EVENT, message)
+
+    def _missed_calls(self) -> None:
+        """The optimizer took steps `step` was not called for (each call records one step, whatever the optimizer
+        took since the last): told once per new count, at the next full step."""
+        missed = self._watch.steps_seen - self.steps_done - self._missed
+        if missed <= 0:
+            return
+        self._missed += missed
+        message = (f"the optimizer took {self._missed} step(s) that Monitor.step was not called for (by step "
+                   f"{self.steps_done}): each call records one step, with the LR of the last optimizer step")
+        self.guard.say(MISSED_CALL_EVENT, message)
+        self.note(MISSED_CALL_EVENT, message, missed=self._missed)
+
+    def _take_grads(self, skipped: bool) -> None:
+        """The optimizer watch's capture: the gradient figures of the step under way, taken in the optimizer's step
+        (or as GradScaler's update begins on a skipped step), where the gradients surely exist."""
+        step = self.steps_done
+        try:
+            self._taken = self._driver.probes.take_grads(self._driver.schedule.grad_stats(step), skipped, self.loop_s,
+                                                         self._scale_now)
+        except Exception as exc:
+            if not self.guard.failed("the gradient figures", exc, step):
+                self._watch.on_skip = None
+
+    def _scale_now(self) -> float | None:
+        """The scale the gradients were scaled by (a sync on CUDA: gradient-statistics steps only)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def _replay_failed(self, exc: Exception, step: int) -> None:
+        if not self.guard.failed("the replay of failed steps", exc, step):
+            self._replay.switch_off(f"replay is off: it failed twice (the last time: {exc})")
 
     def _begin(self, step: int) -> None:
         """Open step `step`: the state kept for replays (replay=True), then the driver's windows (the sampled probes',
         then the timed one, which takes the scale the step begins with)."""
-        self._replays.before_window()
-        self._watch.begin()
+        if self._replay.every_step:
+            try:
+                self._replays.before_window()
+            except Exception as exc:
+                self._replay_failed(exc, step)
+        watch = self._watch
+        watch.begin()
+        if watch.steps_seen > step + self._missed:  # hook-counted optimizer steps beyond the calls
+            self._missed_calls()
         plain = self._driver.replan(step)  # what the last step recorded (a failure) may watch this one
+        schedule = self._driver.schedule
+        # A step whose gradient figures are sampled takes them in the optimizer's step (OptimizerWatch.capture).
+        watch.capture = None if plain or not (schedule.grad_norm(step) or schedule.grad_stats(step)) \
+            or not self.guard.on("the gradient figures") else self._take_grads
         if not (self._driver.kept or self._driver.host_kept):
             self._set_due()
         if plain and self._host_plain:  # `begin(plain=True)` is the meter's open alone: its clock read, kept here
@@ -390,29 +524,40 @@ class Monitor:
         self._driver.drain()
         self._recorder.resolve()
         self._desk.answer()
-        self._sink.flush()
+        try:
+            self._sink.flush()
+        except Exception as exc:
+            self.guard.failed("the store", exc, self.steps_done)
         # A request taken, or a failure recorded, here watches the coming steps: they take the full path again.
-        self._driver.replan(self.steps_done)
+        if self._driver.replan(self.steps_done):
+            self._watch.capture = None  # a window opened full that turns out plain samples nothing
         self._set_due()
 
     def close(self, status: str = "finished", error: str = "") -> None:
         """The last records and the run's final status (finished, unless told otherwise); idempotent. Under
-        torchrun every rank calls it."""
+        torchrun every rank calls it. Nothing here raises: a part that fails is told (an event, a line on stderr)
+        and the rest is still written."""
         if self.closed:
             return
-        self.closed = True
+        self.closed = self._unchecked = True
         self._host_start = None  # no window is open: `step` raises
-        self._watch.remove()
+        step = self.steps_done
+        for what, part in (("the optimizer hooks", self._watch.remove), ("the layer watch", self._desk.close),
+                           ("the last records", self._settle), ("the page's requests", self._desk.answer)):
+            try:
+                part()
+            except Exception as exc:
+                self.guard.failed(what, exc, step)
         if self._forward_hook is not None:
             self._forward_hook.remove()
-        self._desk.close()
-        self._settle()
-        self._desk.answer()
-        if self._driver.track is None:
-            self._open()
-        self._replays.say_cost()
-        self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
-        self._sink.close(status, [(LANE, status, error)])
+        try:
+            if self._driver.track is None:
+                self._open()
+            self._replays.say_cost()
+            self._sink.event(status, f"run {status}" + (f": {error}" if error else ""))
+            self._sink.close(status, [(LANE, status, error)])
+        except Exception as exc:
+            self.guard.failed("the store", exc, step)
 
     def note(self, kind: str, message: str, at_step: int | None = None, **data) -> None:
         """Record an event of the run (at `at_step`, default the step the Monitor is at): what an integration saw of
@@ -423,10 +568,14 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        """Close: finished; a KeyboardInterrupt: interrupted; any other exception: failed, with the reason. The
+        exception goes on to the caller unchanged (close itself raises nothing)."""
         if exc_type is None:
             self.close()
-        else:  # a crash: the run did not finish, and says why
-            self.close("interrupted", f"the script raised {exc_type.__name__}: {exc}")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted", "the script was interrupted (KeyboardInterrupt)")
+        else:
+            self.close("failed", f"the script raised {reason(exc)}")
 
     def _see_autocast(self, module, args) -> None:
         device_type = self.device.type

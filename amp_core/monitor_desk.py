@@ -1,10 +1,13 @@
 """A Monitor's diagnostics below the surface, attached to its loop as hooks: the layer watch (amp_core.probes.
 layerwatch: each module's ranges on sampled steps, the first inf/NaN module of a failed step), the dashboard's
 requests (amp_core.records.requests: "layer numerics at the next step", "trace the next step") and the op traces
-that answer them. The Monitor calls it between steps; it tells the Monitor's step driver which steps it watches."""
+that answer them. The Monitor calls it between steps; it tells the Monitor's step driver which steps it watches. Each
+of them that fails is told through the Monitor's guard (amp_core.monitor_guard) and, failing again, switched off: the
+user's loop never sees it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -17,6 +20,10 @@ from amp_core.telemetry import LaneTrack, StepResult
 
 NOT_SOON = 2**62
 """A FullStepAt answer: nothing here needs a full step."""
+LAYER_WATCH = "the layer watch"
+SENTINEL = "the failing-step sentinel"
+REQUESTS = "the page's requests"
+TRACE_NAME = "the op trace"
 
 
 class MonitorDesk:
@@ -46,7 +53,7 @@ class MonitorDesk:
         layers = self.layers
         if not layers.idle(step, self.monitor.loop_s) or self.trace_asked or self.trace is not None:
             return step
-        if not layers.every:
+        if not layers.every or layers.off:
             return NOT_SOON
         watched = -(-(step + 1) // layers.every) * layers.every
         return watched - 1  # the step before a watched one arms it
@@ -55,6 +62,14 @@ class MonitorDesk:
         """The recorder's on_record hook: a step that failed (skipped, or a loss or gradient norm not finite) has the
         first module that held inf/NaN named: by the layer watch when it watched the step (with its ranges), else by
         the sentinel's device flags of that same step, else (failing_step off) by the layer watch at the next step."""
+        try:
+            self._recorded(result)
+        except Exception as exc:  # the sentinel's (the layer watch's own hooks are told by `after_step`)
+            if not self.monitor.guard.failed(SENTINEL, exc, result.step) and self.sentinel is not None:
+                self.sentinel.close()
+                self.sentinel = None
+
+    def _recorded(self, result: StepResult) -> None:
         failure = ("skipped by the scaler" if result.skipped else "loss not finite" if not math.isfinite(result.loss)
                    else "gradient norm not finite" if result.grad_norm is not None
                    and not math.isfinite(result.grad_norm) else "")
@@ -78,26 +93,78 @@ class MonitorDesk:
         """After a full step: its op trace to the pages that asked; the layer hooks off the step that ended (on for the
         next when it is watched); every half flush interval, the watched steps' figures become events and the page's
         requests are answered and taken; an op trace a page asked for starts here, before the next step's window."""
+        guard, step = self.monitor.guard, result.step
         if self.trace is not None:
-            self._answer_trace(result.step)
-        self.layers.between_steps(result.step, result.step + 1, self.monitor.loop_s)
+            try:
+                self._answer_trace(step)
+            except Exception as exc:
+                self.trace = None
+                self._refuse_traces(guard, exc, step)
+        layers = self.layers
+        error = layers.hook_error()
+        try:
+            layers.between_steps(step, step + 1, self.monitor.loop_s)
+        except Exception as exc:
+            error = exc
+        if error is not None and not guard.failed(LAYER_WATCH, error, step):
+            layers.switch_off()
         if time.monotonic() >= self.read_at:
             self.answer()
         if self.trace_asked and self.trace is None:
-            self._start_trace()
+            try:
+                self._start_trace()
+            except Exception as exc:
+                self.trace = None
+                self._refuse_traces(guard, exc, step)
+
+    def failed(self, exc: Exception, step: int) -> None:
+        """What `after_step` did not catch (a failure of its own): told, and on a second one every diagnostic here
+        is switched off."""
+        if not self.monitor.guard.failed("the layer watch and the page's requests", exc, step):
+            self.layers.switch_off()
+            self.requests.store = None
+
+    def _refuse_traces(self, guard, exc: Exception, step: int) -> None:
+        """An op trace failed: the pages that asked are told why; a second failure switches traces off."""
+        asked, self.trace_asked = self.trace_asked, []
+        for request_id in asked:
+            with contextlib.suppress(Exception):  # the store's own failure is told by the flush
+                self.requests.answer(request_id, f"the op trace failed: {exc}", status="refused")
+        guard.failed(TRACE_NAME, exc, step)
 
     def answer(self) -> None:
         """The watched steps' figures as events (one host transfer each: it waits for those steps on CUDA, which a
         flush may); answer what the layer watch read; take the page's new requests."""
         self.read_at = time.monotonic() + self.half_flush_s
-        note = self.monitor.note
-        for kind, message, step, data in self.layers.read():
-            note(kind, message, at_step=step, **data)
+        monitor = self.monitor
+        note, guard, layers = monitor.note, monitor.guard, self.layers
+        try:
+            for kind, message, step, data in layers.read():
+                note(kind, message, at_step=step, **data)
+        except Exception as exc:
+            layers.pending = []
+            if not guard.failed(LAYER_WATCH, exc, monitor.steps_done):
+                layers.switch_off()
+        if not guard.on(REQUESTS):
+            return
+        try:
+            self._take_requests()
+        except Exception as exc:
+            guard.failed(REQUESTS, exc, monitor.steps_done)
+
+    def _take_requests(self) -> None:
+        """Answer what the layer watch read; take the page's new requests (refused, with the reason, where the
+        diagnostic that answers them is off)."""
+        guard = self.monitor.guard
         for request_id, answer in self.layers.answers:
             self.requests.answer(request_id, f"layer numerics of step {answer['step']}", answer)
         self.layers.answers = []
         for request_id, kind in self.requests.take():
-            if kind == LAYERS:
+            if (kind == LAYERS and self.layers.off) or (kind == TRACE and not guard.on(TRACE_NAME)):
+                self.requests.answer(request_id, f"{LAYER_WATCH if kind == LAYERS else TRACE_NAME} is off in this "
+                                                 "process: it failed twice (the run's events say why)",
+                                     status="refused")
+            elif kind == LAYERS:
                 self.layers.requests.append(request_id)
             elif kind == TRACE:
                 self.trace_asked.append(request_id)

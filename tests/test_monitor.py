@@ -230,7 +230,7 @@ def test_bad_settings_are_refused_naming_the_setting(settings, field):
     assert refused.value.field == field
 
 
-def test_a_crash_inside_the_with_block_leaves_an_interrupted_run_saying_why(store):
+def test_a_crash_inside_the_with_block_leaves_a_failed_run_saying_why(store):
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = batch()
@@ -244,7 +244,7 @@ def test_a_crash_inside_the_with_block_leaves_an_interrupted_run_saying_why(stor
             if step == 3:
                 raise ValueError("data ran out")
     run = store.run(monitor.run_id)
-    assert run["status"] == "interrupted" and run["lanes"][0]["status"] == "interrupted"
+    assert run["status"] == "failed" and run["lanes"][0]["status"] == "failed"
     assert "ValueError: data ran out" in run["lanes"][0]["error"]
     assert len(store.steps(monitor.run_id)) == 4
     with pytest.raises(RuntimeError, match="after close"):

@@ -308,6 +308,12 @@ class AttachedReplay:
     def on(self) -> bool:
         return self._on
 
+    def switch_off(self, why: str) -> None:
+        """Off for the rest of the run (its own failure, amp_core.monitor_guard): nothing more is kept or replayed."""
+        self._on = self.every_step = False
+        self.kept = self._make = None
+        self.why = why
+
     def keep_skipped(self) -> None:
         """A skipped step left the state as it was before it: copy it now ("auto"; the copy is made the first time)."""
         if self.kept is None:

@@ -2,17 +2,26 @@
 
 Each lives in its own module and imports its trainer only there: `from amp_core.integrations.transformers import
 AmpLabCallback` needs the `hf` extra, `amp_core.integrations.lightning` the `lightning` extra. This module holds what
-both share: which precision the model's ops really ran in, told apart from the one the trainer was asked for.
+both share: which precision the model's ops really ran in, told apart from the one the trainer was asked for, and how
+a callback's own failure is kept from the trainer (`callback_failed`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from amp_core.config import ConfigError
 from amp_core.monitor import Monitor
+from amp_core.monitor_guard import reason
 from amp_core.precision import mode_from_dtypes
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED
+from amp_core.records.store import StoreError
 
+USAGE_ERRORS = (ConfigError, StoreError)
+"""What a callback raises into the trainer as it starts (a setting or a store the user must fix); any other failure of
+its own is kept from the trainer (`callback_failed`)."""
 REDUCED = (torch.float16, torch.bfloat16)
 """Compute dtypes a mixed-precision mode runs its matrix products in."""
 
@@ -69,3 +78,18 @@ def note_what_ran(monitor: Monitor, asked: str, op_dtypes: OpDtypes, scaled: boo
         monitor.note(FP16_WITHOUT_SCALING, "fp16 runs without loss scaling (no GradScaler): gradients that underflow "
                                        "fp16 become zero and are not protected", mode=mode)
     return mode
+
+
+def callback_failed(callback, exc: Exception, trainer: str) -> None:
+    """A failure of a callback's own code (not the trainer's): told through its Monitor's guard (an event, one line on
+    stderr); a second one switches the callback off (`callback.off`), its run closing as failed with the reason, and
+    the training goes on. Before a Monitor exists (it could not be made): one line on stderr, the callback off."""
+    monitor = callback.monitor
+    if monitor is None:
+        callback.off = True
+        print(f"AMP Lab {trainer} callback: could not start ({reason(exc)}); it is off for this run, the training goes "
+              "on", file=sys.stderr)
+        return
+    if not monitor.guard.failed(f"the {trainer} callback", exc, monitor.steps_done):
+        callback.off = True
+        monitor.close("failed", f"the AMP Lab {trainer} callback failed twice, the last time with {reason(exc)}")

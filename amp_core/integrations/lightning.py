@@ -24,10 +24,13 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from amp_core.integrations import OpDtypes, note_what_ran
+from amp_core.integrations import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
 from amp_core.monitor import Monitor
+from amp_core.monitor_guard import reason
 
 INTEGRATION = "Lightning"
+TRAINER = "Lightning"
+"""How a failure of this callback's own names it (amp_core.integrations.callback_failed)."""
 
 
 class AmpLabCallback(Callback):
@@ -45,8 +48,19 @@ class AmpLabCallback(Callback):
         self._stepping = False
         self._op_dtypes: OpDtypes | None = None
         self._plugin = None
+        self.off = False
+        """The callback failed twice (or could not start): it records nothing more, the training goes on
+        (amp_core.integrations.callback_failed)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
+        try:
+            self._start(trainer, pl_module)
+        except USAGE_ERRORS:
+            raise
+        except Exception as exc:
+            callback_failed(self, exc, TRAINER)
+
+    def _start(self, trainer, pl_module) -> None:
         plugin = trainer.precision_plugin
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         settings = {"total_steps": max(int(trainer.max_steps), 0), "integration": INTEGRATION, **self.settings}
@@ -59,16 +73,23 @@ class AmpLabCallback(Callback):
         self._op_dtypes = OpDtypes(pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.monitor is not None and self.monitor.replay_on:
+        if self.monitor is not None and not self.off and self.monitor.replay_on:
             self._batches.append((batch, batch_idx))  # a reference: kept for a replay of this step
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepping = True  # this batch ends an optimizer step (the scaler may still skip it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        monitor = self.monitor
-        if monitor is None:
+        if self.monitor is None or self.off:
             return
+        try:
+            self._batch_end(outputs, batch)
+        except Exception as exc:
+            callback_failed(self, exc, TRAINER)
+            self._losses, self._samples, self._stepping, self._batches = [], 0, False, []
+
+    def _batch_end(self, outputs, batch) -> None:
+        monitor = self.monitor
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach())
@@ -88,12 +109,17 @@ class AmpLabCallback(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:
             self._op_dtypes.remove()
-            self.monitor.close()
+            self.monitor.close()  # raises nothing; after `off`, closed already
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        """The training stopped with an exception (Lightning raises it on): interrupted for a KeyboardInterrupt,
+        failed otherwise, with the reason."""
         if self.monitor is not None:
             self._op_dtypes.remove()
-            self.monitor.close("interrupted", f"the Trainer raised {type(exception).__name__}: {exception}")
+            if isinstance(exception, KeyboardInterrupt):
+                self.monitor.close("interrupted", "the training was interrupted (KeyboardInterrupt)")
+            else:
+                self.monitor.close("failed", f"the Trainer raised {reason(exception)}")
 
 
 def _replayed_loss(module, batches) -> torch.Tensor:

@@ -31,10 +31,12 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from amp_core.integrations import OpDtypes, note_what_ran
+from amp_core.integrations import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
 from amp_core.monitor import Monitor
 
 INTEGRATION = "Hugging Face Trainer"
+TRAINER = "Hugging Face Trainer"
+"""How a failure of this callback's own names it (amp_core.integrations.callback_failed)."""
 
 
 def _asked_mode(args) -> str:
@@ -65,9 +67,20 @@ class AmpLabCallback(TrainerCallback):
         self._op_dtypes: OpDtypes | None = None
         self._args = None
         self._optimizer = None
+        self.off = False
+        """The callback failed twice (or could not start): it records nothing more, the training goes on
+        (amp_core.integrations.callback_failed)."""
 
     # --- the Trainer's events ----------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        try:
+            self._begin(args, state, model, optimizer, lr_scheduler)
+        except USAGE_ERRORS:
+            raise
+        except Exception as exc:
+            callback_failed(self, exc, TRAINER)
+
+    def _begin(self, args, state, model, optimizer, lr_scheduler) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the user's
         scaler = getattr(optimizer, "scaler", None)
         settings = {"total_steps": int(state.max_steps or 0), "integration": INTEGRATION, **self.settings}
@@ -82,9 +95,16 @@ class AmpLabCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         """After the optimizer's step (or the scaler's skip), before the scheduler and zero_grad: the gradients are
         still there for the Monitor's figures."""
-        monitor = self.monitor
-        if monitor is None:
+        if self.monitor is None or self.off:
             return
+        try:
+            self._step(args)
+        except Exception as exc:
+            callback_failed(self, exc, TRAINER)
+        self._losses, self._scaled_for_accumulation, self._samples, self._inputs = [], [], 0, []
+
+    def _step(self, args) -> None:
+        monitor = self.monitor
         if monitor.steps_done == 0:
             note_what_ran(monitor, _asked_mode(args), self._op_dtypes, getattr(self._optimizer, "scaler", None)
                           is not None)
@@ -94,20 +114,26 @@ class AmpLabCallback(TrainerCallback):
             batch = [(args_, kwargs, factor) for (args_, kwargs), factor in zip(self._inputs, self._factors(),
                                                                                  strict=False)]
         monitor.step(self._step_loss(), samples=self._samples or None, batch=batch)
-        self._losses, self._scaled_for_accumulation, self._samples, self._inputs = [], [], 0, []
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is None:
-            return
         for handle in self._handles:
             handle.remove()
+        self._handles = []
+        if self.monitor is None:
+            return
         self._op_dtypes.remove()
-        self.monitor.close()
+        self.monitor.close()  # raises nothing; after `off`, closed already
 
     # --- what the model is handed and returns --------------------------------------------------------------------
     def _see_inputs(self, module, args, kwargs) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if self.off or not (module.training and torch.is_grad_enabled()):
             return
+        try:
+            self._keep_inputs(args, kwargs)
+        except Exception as exc:  # inside the model's forward: never into it
+            callback_failed(self, exc, TRAINER)
+
+    def _keep_inputs(self, args, kwargs) -> None:
         self._scaled_for_accumulation.append(kwargs.get("num_items_in_batch") is not None)
         if self.monitor is not None and self.monitor.replay_on:
             self._inputs.append((args, kwargs))  # references: the Trainer is done with them after the step
@@ -115,11 +141,14 @@ class AmpLabCallback(TrainerCallback):
         self._samples += int(first.shape[0]) if first is not None and first.dim() else 0
 
     def _see_loss(self, module, args, output) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if self.off or not (module.training and torch.is_grad_enabled()):
             return
-        loss = output.get("loss") if isinstance(output, dict) else None
-        if isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach())
+        try:
+            loss = output.get("loss") if isinstance(output, dict) else None
+            if isinstance(loss, torch.Tensor):
+                self._losses.append(loss.detach())
+        except Exception as exc:  # inside the model's forward: never into it
+            callback_failed(self, exc, TRAINER)
 
     def _step_loss(self) -> torch.Tensor | float:
         """The step's loss as the Trainer computes it (Trainer.training_step / compute_loss): a micro-batch's loss is

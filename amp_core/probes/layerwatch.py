@@ -101,20 +101,33 @@ def figures(vector: list[float]) -> dict[str, float]:
 
 
 class _TimedRecorder(_Recorder):
-    """probes.numerics' recorder, its hooks' whole host time added up (the watched step's probe time)."""
+    """probes.numerics' recorder, its hooks' whole host time added up (the watched step's probe time). Its hooks run
+    inside the user's forward and backward: one that fails keeps the failure (`error`) and does nothing more in that
+    step, so the user's step goes on (the Monitor tells the failure: MonitorDesk)."""
 
     def __init__(self, names: dict[nn.Module, str]):
         super().__init__(names, tensor_figures)
         self.hook_s = 0.0
+        self.error: Exception | None = None
 
     def _on_forward(self, *args) -> None:
+        if self.error is not None:
+            return
         started = time.perf_counter()
-        super()._on_forward(*args)
+        try:
+            super()._on_forward(*args)
+        except Exception as exc:
+            self.error = exc
         self.hook_s += time.perf_counter() - started
 
     def _on_grad(self, *args) -> None:
+        if self.error is not None:
+            return
         started = time.perf_counter()
-        super()._on_grad(*args)
+        try:
+            super()._on_grad(*args)
+        except Exception as exc:
+            self.error = exc
         self.hook_s += time.perf_counter() - started
 
 
@@ -161,6 +174,8 @@ class LayerWatch:
     """Requests from the dashboard for the next step ("layer numerics at the next step"), by id."""
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     """(request id, answer) of requested steps read so far, for the Monitor to write."""
+    off: bool = False
+    """Switched off for the run (its own failure, amp_core.monitor_guard): no step is watched any more."""
 
     def __post_init__(self) -> None:
         self.names = {module: name or ROOT for name, module in self.model.named_modules()}
@@ -176,8 +191,11 @@ class LayerWatch:
             if watched.why == "sampled":
                 self.last_s = watched.recorder.hook_s
                 self.spent_s += self.last_s
-            self.pending.append(watched)
+            if watched.recorder.error is None:
+                self.pending.append(watched)
             self.current = None
+        if self.off:
+            return
         why = ""
         if self.watch_next is not None:
             why = f"after step {self.watch_next[0]} failed ({self.watch_next[1]})"
@@ -190,8 +208,8 @@ class LayerWatch:
 
     def idle(self, upcoming: int, loop_s: float = 0.0) -> bool:
         """No step is watched now, and `between_steps(upcoming - 1, upcoming, loop_s)` would arm none."""
-        return (self.current is None and self.watch_next is None and not self.requests
-                and not self._sampled(upcoming, loop_s))
+        return self.off or (self.current is None and self.watch_next is None and not self.requests
+                            and not self._sampled(upcoming, loop_s))
 
     def _sampled(self, step: int, loop_s: float) -> bool:
         return bool(self.every) and step % self.every == 0 and (
@@ -216,6 +234,15 @@ class LayerWatch:
     def watches(self, step: int) -> bool:
         """Whether step `step` is (or was, its figures unread) watched: its own figures can name its first inf/NaN."""
         return any(watched is not None and watched.step == step for watched in (self.current, *self.pending))
+
+    def hook_error(self) -> Exception | None:
+        """What a hook of the step under way raised (its figures are then dropped), or None."""
+        return self.current.recorder.error if self.current is not None else None
+
+    def switch_off(self) -> None:
+        """No step is watched any more (its hooks come off); requests are answered with nothing."""
+        self.close()
+        self.off, self.watch_next, self.pending = True, None, []
 
     def hooks_so_far_s(self) -> float:
         """Host time the hooks have taken in the step under way."""

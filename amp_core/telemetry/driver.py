@@ -21,7 +21,7 @@ import torch
 
 from amp_core.telemetry.meters import Meter, Window
 from amp_core.telemetry.recorder import LaneTrack, PlainStep, StepRecorder, StepResult, send_figures
-from amp_core.telemetry.sampled import NOTHING_OPENED, StepProbes, named_grad_norms
+from amp_core.telemetry.sampled import NOTHING_OPENED, GradFigures, StepProbes, named_grad_norms
 from amp_core.telemetry.watch import OptimizerWatch
 from amp_core.torch_private import scale_tensor
 
@@ -50,9 +50,9 @@ class StepDriver:
     may be plain ones (the owner decides whether anything else needs every step); `also_every`: what else acts every
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
-    __slots__ = ("also_every", "always_norm", "end", "failing_since", "host_kept", "kept", "meter", "open_plain",
-                 "opened", "plain", "plain_until", "probes", "recorder", "scaler", "schedule", "track", "watch",
-                 "watchers")
+    __slots__ = ("also_every", "always_norm", "contain", "end", "failing_since", "host_kept", "kept", "meter",
+                 "open_plain", "opened", "plain", "plain_until", "probes", "recorder", "scaler", "schedule", "track",
+                 "watch", "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -70,6 +70,9 @@ class StepDriver:
         self.watchers: list[FullStepAt] = []
         self.plain_until = 0
         """Steps before this one are plain (`plan`)."""
+        self.contain: Callable[[str, Exception, int], object] | None = None
+        """`contain(what, exc, step)`: a sampled figure that failed is told there and the step recorded without it
+        (a Monitor's: its diagnostics never stop the user's loop); None: the failure is raised (a race lane's)."""
         self.failing_since = -2
         """The last step whose loss was known not to be finite (`_first_nonfinite_loss`)."""
         self.kept: list[PlainStep] = []
@@ -196,22 +199,39 @@ class StepDriver:
                found_inf: torch.Tensor | None = None,
                norms: tuple[tuple[torch.Tensor, torch.Tensor], list[str]] | None = None,
                memory: bool = False, grad_stats: bool = False, fired_faults: list | tuple = (),
-               loop_s: float = 0.0) -> StepResult:
+               loop_s: float = 0.0, taken: GradFigures | None = None) -> StepResult:
         """A full step after its window closed: the gradient norm (fp32) where a figure needs it (every step with
         `always_norm`, on gradient-statistics, skipped and the schedule's grad-norm steps; `norms`: measured already,
         by clipping, with the parameters' names), its figures sent through the meter, the sampled probes closed.
-        Returns its StepResult (probe_ms: the probes' host time), not yet recorded (`record`)."""
+        `taken`: the gradient figures taken during the step, where the gradients surely existed (a Monitor's: the
+        loop may have cleared them since); without it they are read now. Returns its StepResult (probe_ms: the probes'
+        host time), not yet recorded (`record`)."""
         t_wall_s = time.time()
         first_failed = self._first_nonfinite_loss(step, loss)  # every full step: a run of failed steps is told whole
-        if norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)
-                              or first_failed):
+        if taken is not None:
+            norms = taken.norms if norms is None else norms
+        elif norms is None and (self.always_norm or grad_stats or skipped or self.schedule.grad_norm(step)
+                                or first_failed):
             # A figure only, so after the window: the optimizer leaves the gradients as they were.
-            norms = named_grad_norms(self.probes.names, self.probes.params)
+            try:
+                norms = named_grad_norms(self.probes.names, self.probes.params)
+            except Exception as exc:
+                if self.contain is None:
+                    raise
+                self.contain("the gradient norm", exc, step)
+                norms = None
+            if norms is not None and not norms[1]:  # no parameter has a gradient (none got one, or it was cleared)
+                norms = None
         result = StepResult(step=step, lr=lr, t_wall_s=t_wall_s, scaled=self.watch.scaled, skipped=skipped,
                             fired_faults=fired_faults)
         send_figures(self.meter, window, result, loss, self.scaler, found_inf, *(norms or (None, None)))
         opened, self.opened = self.opened, NOTHING_OPENED
-        result.probe_ms = self.probes.close(result, opened, memory, grad_stats, loop_s) * 1e3
+        try:
+            result.probe_ms = self.probes.close(result, opened, memory, grad_stats, loop_s, taken) * 1e3
+        except Exception as exc:
+            if self.contain is None:
+                raise
+            self.contain("the sampled probes", exc, step)
         return result
 
     def _first_nonfinite_loss(self, step: int, loss: torch.Tensor | float) -> bool:

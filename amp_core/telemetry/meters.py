@@ -206,7 +206,10 @@ class CudaMeter(Meter):
         if len(tensors) == 1:  # the loss alone (most steps): no concatenation kernel
             flat = tensors[0].detach().reshape(-1)
         else:
-            flat = torch.cat([v.detach().reshape(-1).float() for v in tensors])
+            try:
+                flat = torch.cat([v.detach().reshape(-1).float() for v in tensors])
+            except RuntimeError:  # a value on another device (a user's loss on the CPU): brought here, then joined
+                flat = torch.cat([v.detach().reshape(-1).float().to(self.device) for v in tensors])
         window.values = self._buffer(flat.numel())
         window.values.copy_(flat, non_blocking=True)  # converted to float32 on the way, if it is not already
         window.done = self._event(False)

@@ -23,9 +23,8 @@ def grad_norms(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-parameter L2 norms and their total (clip_grad_norm_'s figure), computed in float32: an fp16 norm
     overflows once the sum of squares passes 65504 (1e5 gradients of 300 give inf), and clipping then switches off
     exactly when it is needed. One fused kernel for all the per-parameter norms, one for the total."""
-    if not grads:
-        zero = torch.zeros((), dtype=torch.float32)
-        return zero.reshape(0), zero
+    if not grads:  # no parameter has a gradient: no norms, and a total of 0 (clip_grad_norm_'s answer)
+        return torch.zeros(0, dtype=torch.float32), torch.zeros((), dtype=torch.float32)
     # At least float32: a replay's float64 reference keeps its own precision (amp_core.diagnostics.replay).
     per_param = torch.stack(foreach_norm(grads, torch.promote_types(grads[0].dtype, torch.float32)))
     return per_param, torch.linalg.vector_norm(per_param)
@@ -37,6 +36,22 @@ def named_grad_norms(names: list[str], params: list[torch.nn.Parameter]
     # A sharded gradient (FSDP2): this rank's shard, so the figure needs no collective (the norm is the rank's own).
     named = [(name, local_tensor(p.grad)) for name, p in zip(names, params, strict=True) if p.grad is not None]
     return grad_norms([g for _, g in named]), [name for name, _ in named]
+
+
+@dataclass(slots=True)
+class GradFigures:
+    """What a step's gradients said, taken where they surely exist: in the optimizer's step pre-hook (after
+    `unscale_`, before the update), or as GradScaler's `update` begins on a step it skipped (StepProbes.take_grads).
+    Taken there, a loop may clear its gradients (`zero_grad`, either way) before or after `Monitor.step`."""
+
+    norms: tuple[tuple[torch.Tensor, torch.Tensor], list[str]] | None = None
+    """(per-parameter norms, total) and the names of the parameters that had a gradient; None: none had one."""
+    bad_params: list[dict] | None = None
+    """The parameters whose gradient held inf/NaN, on a skipped step (None: not taken)."""
+    grad_stats: list | None = None
+    """Gradient statistics (None: not taken)."""
+    seconds: float = 0.0
+    """Host time it took (inside the step's window: excluded from its step time, counted in its probe time)."""
 
 
 @dataclass(slots=True)
@@ -97,12 +112,37 @@ class StepProbes:
         opened.seconds = time.perf_counter() - started
         return opened
 
-    def close(self, result: StepResult, opened: Opened, memory: bool, grad_stats: bool, loop_s: float = 0.0) -> float:
+    def take_grads(self, stats: bool, skipped: bool, loop_s: float, scale: Callable[[], float | None]) -> GradFigures:
+        """The gradient figures of a step, where its gradients surely exist (GradFigures): the norms (fp32, kept on the
+        device: no sync); on a skipped step the parameters that overflowed; gradient statistics when `stats` or
+        skipped, while within the budget (`scale()`: the scale the gradients were scaled by, read only then)."""
+        started = time.perf_counter()
+        norms = named_grad_norms(self.names, self.params)
+        taken = GradFigures(norms if norms[1] else None)
+        if skipped:
+            taken.bad_params = gradstats.nonfinite_params(self.model)
+        if (stats or skipped) and self.schedule.within_budget(self.stats_s, loop_s, self.last_stats_s):
+            stats_started = time.perf_counter()
+            taken.grad_stats = gradstats.model_grad_stats(self.model, scale() or 1.0)
+            self.last_stats_s = time.perf_counter() - stats_started
+            self.stats_s += self.last_stats_s
+        taken.seconds = time.perf_counter() - started
+        return taken
+
+    def close(self, result: StepResult, opened: Opened, memory: bool, grad_stats: bool, loop_s: float = 0.0,
+              taken: GradFigures | None = None) -> float:
         """After the step's window: the memory figures, the parameters that overflowed on a skipped step (or one whose
         norm is not finite), gradient statistics on sampled and skipped steps while within the budget (`loop_s`: the
-        loop's own time so far). Returns the host time it took (0 on a step that samples nothing)."""
+        loop's own time so far); `taken`: the gradient figures taken during the step (`take_grads`), used instead of
+        the gradients as they are now. Returns the host time it took (0 on a step that samples nothing)."""
         skipped = result.skipped
         nonfinite = result.grad_norm is not None and not math.isfinite(result.grad_norm)
+        if taken is not None:
+            if taken.bad_params is not None and (skipped or nonfinite):
+                result.bad_params = taken.bad_params
+            if taken.grad_stats is not None:
+                result.grad_stats = taken.grad_stats
+            grad_stats = skipped = nonfinite = False  # what they would read of the gradients is taken
         if opened is NOTHING_OPENED and not (memory or grad_stats or skipped or nonfinite):
             return 0.0
         started = time.perf_counter()

@@ -3,6 +3,8 @@ GradScaler let it step, and a fused optimizer's found-inf flag."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from amp_core.torch_private import found_inf_flag, supports_amp_scaling
@@ -19,9 +21,11 @@ class OptimizerWatch:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, *,
-                 unscaled_too: bool = True):
+                 unscaled_too: bool = True, see_update: bool = False):
         """`unscaled_too=False`: with no scaler, hook nothing (an unscaled optimizer steps every time; `stepped` and
-        `lr_used` then stay as they are: for a caller that reads neither, the runner's lanes)."""
+        `lr_used` then stay as they are: for a caller that reads neither, the runner's lanes). `see_update`: see
+        GradScaler's `update` too (`_hook_update`: a Monitor, which does not know where in the iteration the loop
+        clears its gradients)."""
         self.optimizer = optimizer
         self.scaled = scaler is not None and scaler.is_enabled()
         self.fused = self.scaled and supports_amp_scaling(optimizer)
@@ -35,16 +39,58 @@ class OptimizerWatch:
         # the step it sees begin is the step taken (GradScaler calls step() only to take it; an exception in the step
         # reaches the user's loop anyway).
         self._handles = [optimizer.register_step_pre_hook(self._before)] if self.scaled or unscaled_too else []
+        self.capture: Callable[[bool], None] | None = None
+        """Set by the owner for a step whose gradient figures it samples: called with `skipped` where the gradients
+        surely exist (`_before`: after `unscale_`, before the update; on a step GradScaler skipped, as its `update`
+        begins), whatever the loop does to them afterwards; None (every other step): nothing more is done."""
+        self.on_skip: Callable[[bool], None] | None = None
+        """Called (with True) as GradScaler's `update` begins on a step it skipped, when `capture` is not set."""
+        self.skipped_seen = False
+        """GradScaler's `update` ran on a step the optimizer did not take (a skip seen where it happened)."""
+        self.steps_seen = 0
+        """Optimizer steps seen in the run, taken or skipped (compared with the steps recorded, at a flush)."""
+        self._scaler = scaler
+        self._seen_update = None
+        self._seen_at_update = 0
+        if see_update and self.scaled and not self.fused:
+            self._hook_update(scaler)
 
     def _before(self, optimizer, args, kwargs) -> None:
         self.stepped = True
+        self.steps_seen += 1
         self.lr_used = float(optimizer.param_groups[0]["lr"])
         if self.fused:
             self.found_inf = found_inf_flag(optimizer)
+        # `args` holds the optimizer, then step()'s own: a closure optimizer (LBFGS) computes its gradients inside
+        # the step, so the owner reads them after it.
+        if self.capture is not None and (args[1] if len(args) > 1 else kwargs.get("closure")) is None:
+            self.capture(False)
+
+    def _hook_update(self, scaler: torch.amp.GradScaler) -> None:
+        """GradScaler's `update`, seen first: a step it skipped (the optimizer's pre-hook did not fire) still has its
+        gradients there (the loop clears them after `update`), and the LR it would have stepped with. One Python call
+        more per step in a scaled loop (bench.monitor_overhead's digits_mlp:16-mixed measures it with the rest)."""
+        update = scaler.update
+
+        def seen_update(new_scale=None):
+            # No optimizer step since the last update: GradScaler skipped this one (counted, not read from the
+            # `stepped` flag, which a Monitor.step between the scaler's step and its update would have reset).
+            if self.steps_seen == self._seen_at_update:
+                self.skipped_seen = True
+                self.steps_seen += 1
+                self.lr_used = float(self.optimizer.param_groups[0]["lr"])
+                take = self.capture or self.on_skip
+                if take is not None:
+                    take(True)
+            self._seen_at_update = self.steps_seen
+            return update(new_scale)
+
+        scaler.update = self._seen_update = seen_update  # an instance attribute over the method: `remove` takes it off
 
     def begin(self) -> None:
         """A new step begins: forget what the last one told."""
         self.stepped = False
+        self.skipped_seen = False
         self.found_inf = None
 
     def skipped(self) -> bool | None:
@@ -63,6 +109,9 @@ class OptimizerWatch:
         return bool(self.found_inf.item() > 0) if skipped is None else skipped
 
     def remove(self) -> None:
+        self.capture = self.on_skip = None
+        if self._scaler is not None and vars(self._scaler).get("update") is self._seen_update:
+            del self._scaler.update
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
