@@ -181,13 +181,13 @@ def _used_enough_or_says_why(evidence) -> bool:
 
 
 def test_the_plan_probes_every_candidate_when_the_budget_allows_and_says_what_it_leaves_out():
-    roomy = plan_budget(600, modes=5, options=20)
-    assert roomy.options_planned == 20 and roomy.options_probe_s == 20 * 8.0
-    assert roomy.modes_probe_s + roomy.options_probe_s + roomy.reserve_s < 600 and roomy.race_share > 0.5
-    tight = plan_budget(120, modes=5, options=32)
-    assert 0 < tight.options_planned < 32 and tight.options_probe_s <= 0.35 * 120
-    assert tight.words().startswith("planned: 18 s probing the modes, ")
-    none = plan_budget(25, modes=3, options=6)
+    roomy = plan_budget(1800, modes=6, options=32)  # a half-hour budget probes every option (15 s each, planned)
+    assert roomy.options_planned == 32 and roomy.options_probe_s == 32 * 15.0
+    assert roomy.modes_probe_s + roomy.options_probe_s + roomy.reserve_s < 1800 and roomy.race_share > 0.5
+    tight = plan_budget(300, modes=6, options=32)
+    assert 0 < tight.options_planned < 32 and tight.options_probe_s <= 0.35 * 300
+    assert tight.words().startswith("planned: 45 s probing the modes, 105 s for 7 recipe options, ")
+    none = plan_budget(120, modes=3, options=6)  # under one chunk's 60 s: no option, the time goes to the race
     assert none.options_probe_s == 0 and none.options_planned == 0 and "no recipe option" in none.words()
     assert plan_budget(60, modes=1, options=0).modes_probe_s == 0  # 32-true alone: nothing to probe against
 

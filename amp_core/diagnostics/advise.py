@@ -65,13 +65,16 @@ MIN_PROBE_S = 10.0
 """The modes' cost probe gets at least this long: on a loaded machine setting up five lanes takes seconds."""
 OPTION_PROBE_MAX_SHARE = 0.35
 """The recipe options' cost probes: at most this share of the budget (what they do not use goes to the race)."""
-OPTION_LANE_S = 8.0
+OPTION_LANE_S = 15.0
 """An option lane's probe costs about this long on a CPU (an option built on torchao converts or compiles its step
 first): the plan gives the options OPTION_LANE_S each, within OPTION_PROBE_MAX_SHARE."""
-OPTION_CHUNK = 8
-"""Option lanes per probe race (each beside its own 32-true lane): one slow lane holds up only its chunk."""
-OPTION_CHUNK_MIN_S = 20.0
-"""A probe race of option lanes gets at least this long; less is not started (the options left are counted)."""
+OPTION_CHUNK = 4
+"""Option lanes per probe race (beside their own 32-true lane): the lanes of a race step in turn, so one lane that
+compiles holds up only its chunk."""
+OPTION_CHUNK_MIN_S = 60.0
+"""A probe race of option lanes gets at least this long, less is not started (the options left are counted): a lane
+that compiles its step takes seconds to a minute on a CPU before its first step (a 42 s probe of 8 option lanes on a
+loaded 2-core machine timed none of them)."""
 RESERVE_SHARE = 0.1
 """Kept back for the largest-batch search and the advice's own bookkeeping."""
 FIX_SHARE = 0.35
@@ -746,9 +749,10 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     race_config = replace(base, modes=recipes, seeds=config.seeds, steps=race_steps, name=f"{name} · race")
     run = manager.launch(race_config)
     started(run)
-    run.join(max(clock.left() - plan.reserve_s, 1.0))
+    # At most a quarter over its share: a machine slower than the probe saw leaves the fixes their time all the same.
+    run.join(max(min(clock.left() - plan.reserve_s, 1.25 * race_share), 1.0))
     if run.alive:
-        notes.append(f"the race was cut by the budget after {min(lane.steps_done for lane in run.lanes)} of "
+        notes.append(f"the race was cut by the budget after {max(lane.steps_done for lane in run.lanes)} of "
                      f"{race_steps} steps")
         run.stop()
     check_stop()
