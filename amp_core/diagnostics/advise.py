@@ -158,8 +158,11 @@ class Evidence:
     """How it planned the budget (BudgetPlan.words)."""
     stopped: str = ""
     """Why it stopped where it did, in words (the budget spent, or the answer decided sooner)."""
-    probe_s_each: float = math.nan
-    """Seconds the cost probes took per candidate measured (what measuring one more would cost)."""
+    unprobed_s: float = math.nan
+    """About how many seconds more of cost probes would measure the runnable candidates not probed (the modes' probe
+    time per mode measured; OPTION_LANE_S per recipe option)."""
+    budget_for_all_s: float = math.nan
+    """A budget whose plan probes every runnable candidate."""
 
     def candidate(self, recipe: str) -> CandidateEvidence | None:
         return next((c for c in self.candidates if c.recipe == recipe), None)
@@ -458,7 +461,8 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
                     budget_s=float(data.get("budget_s", math.nan)), spent_s=float(data.get("spent_s", math.nan)),
                     notes=tuple(data.get("notes", ())), plan=str(data.get("plan", "")),
                     stopped=str(data.get("stopped", "")),
-                    probe_s_each=float(data.get("probe_s_each", math.nan)))
+                    unprobed_s=float(data.get("unprobed_s", math.nan)),
+                    budget_for_all_s=float(data.get("budget_for_all_s", math.nan)))
 
 
 def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvidence:
@@ -721,8 +725,10 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
         notes.append(f"recipe options were not probed: a budget of {config.budget_s:.0f} s leaves under "
                      f"{OPTION_CHUNK_MIN_S:.0f} s for them, and an option lane built on torchao converts or compiles "
                      "its step first")
-    probed = sum(1 for recipe in runnable if recipe in ratios)
-    probe_s_each = (clock.spent() - probe_began) / probed if probed else math.nan
+    mode_s = (clock.spent() - probe_began) / max(1, sum(1 for recipe in modes if recipe in ratios))
+    unprobed = [recipe for recipe in runnable if recipe not in figures and recipe != BASELINE_MODE]
+    unprobed_s = sum(OPTION_LANE_S if "+" in recipe else mode_s for recipe in unprobed)
+    budget_for_all = max(config.budget_s + unprobed_s, OPTION_LANE_S * len(options) / OPTION_PROBE_MAX_SHARE)
     check_stop()
 
     # (3) the seeded race of every promising candidate that fits: its length is what the budget leaves after the
@@ -768,7 +774,8 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.
     recorded = dict(found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s, notes=notes,
-                    device=base.device, fixes=fixes, plan=plan.words(), probe_s_each=probe_s_each)
+                    device=base.device, fixes=fixes, plan=plan.words(), unprobed_s=unprobed_s,
+                    budget_for_all_s=budget_for_all)
     record_advice(manager, run.run_id, spent_s=clock.spent(), **recorded)
     advice = decide(gather(manager, run.run_id))
     wanted = [r for r in dict.fromkeys((advice.recommended, advice.runner_up, BASELINE_MODE)) if r]
@@ -786,7 +793,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     else:
         notes.append("largest batch not searched: the budget ran out")
     spent = clock.spent()
-    stopped = stop_reason(config.budget_s, spent, advice.decided, unprobed=len(runnable) - probed,
+    stopped = stop_reason(config.budget_s, spent, advice.decided, unprobed=len(unprobed),
                           capped_race=capped_race, race_steps=race_steps, failed=len(broken))
     record_advice(manager, run.run_id, spent_s=spent, max_batch=batches, stopped=stopped, **recorded)
     advice = decide(gather(manager, run.run_id))
@@ -856,14 +863,14 @@ def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[s
 def record_advice(manager, race_run: str, *, found: list[tuple[str, bool, str]], probe_runs: list[str], warmup: int,
                   budget_s: float, spent_s: float, notes: list[str], device: str,
                   max_batch: dict | None = None, fixes: list[dict] | None = None, plan: str = "", stopped: str = "",
-                  probe_s_each: float = math.nan) -> None:
+                  unprobed_s: float = math.nan, budget_for_all_s: float = math.nan) -> None:
     """The `advised` event on the race run: the links and figures the advice needs beyond the runs' records (`fixes`:
     advise_fix.keep_fixes's records: the layers to keep, their price, the fix race's run)."""
     data = {"candidates": [{"recipe": recipe, "runnable": ok, "note": note} for recipe, ok, note in found],
             "probe_runs": list(probe_runs), "warmup_steps": warmup, "budget_s": budget_s, "spent_s": spent_s,
             "notes": list(notes), "device": device, "device_name": device_name(device),
             "max_batch": max_batch or {}, "fixes": list(fixes or []), "plan": plan, "stopped": stopped,
-            "probe_s_each": probe_s_each}
+            "unprobed_s": unprobed_s, "budget_for_all_s": budget_for_all_s}
     manager.record_event(race_run, ADVISED_EVENT, f"advice evidence: race {race_run}, cost probes "
                                                    f"{', '.join(probe_runs) or 'none'}", **data)
 

@@ -56,11 +56,11 @@ def unmeasured_lines(advice: Advice) -> list[str]:
         kinds: dict[str, int] = {}
         for v in missing:
             kinds[v.reason] = kinds.get(v.reason, 0) + 1
-        each = advice.evidence.probe_s_each
+        evidence = advice.evidence
         unprobed = kinds.get("not probed within the budget", 0)
-        more = (f"; about {unprobed * each:.0f} s more of cost probes would measure the {unprobed} not probed "
-                f"(a --budget-min about {(advice.evidence.budget_s + unprobed * each) / 60:.1f})"
-                if unprobed and math.isfinite(each) else "")
+        more = (f"; about {evidence.unprobed_s:.0f} s more of cost probes would measure the {unprobed} not probed "
+                f"(--budget-min {math.ceil(evidence.budget_for_all_s / 60)} plans them all)"
+                if unprobed and math.isfinite(evidence.unprobed_s) else "")
         out.append(f"not measured: {len(missing)} runnable candidates (" + ", ".join(
             f"{count} {reason}" for reason, count in kinds.items()) + f"){more}")
     refused = [v for v in advice.verdicts if v.verdict == "refused"]
