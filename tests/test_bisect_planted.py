@@ -35,9 +35,9 @@ def planted(monkeypatch):
     return workload
 
 
-def race(manager: RunManager, size: str, modes: tuple[str, ...], steps: int = 8):
+def race(manager: RunManager, size: str, modes: tuple[str, ...], steps: int = 8, **extra):
     config = RunConfig(workload="residual_planted", size=size, modes=modes, steps=steps, lr=3e-3,
-                       scaler=ScalerConfig(init_scale=256.0), snapshot_every=4)
+                       scaler=ScalerConfig(init_scale=256.0), snapshot_every=4, **extra)
     run = manager.launch(config)
     run.join(180)
     assert not run.alive
@@ -163,3 +163,17 @@ def test_a_set_that_fails_its_price_race_is_not_printed_as_a_fix_and_a_lane_that
     code = cli.main(["--store", str(store), "bisect", clean.run_id, "--lane", "bf16-mixed"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "did not fail" in err, err
+
+
+def test_in_a_true_mode_the_report_says_kept_outputs_are_cast_back_and_keeping_the_consumer_fixes_it(planted):
+    manager = RunManager()  # SGD: Adam's fp16 states break a 16-true lane by themselves after a step
+    run = race(manager, "small", ("32-true", "16-true"), optimizer="sgd")
+    report = bisect_run(manager, run.run_id, "16-true")
+    # Every leaf kept, each output is cast back to fp16 at its boundary: the boost's is inf there, whatever is kept.
+    assert report.verdict == "not-fixed" and [trial.passed for trial in report.trials] == [False, False]
+    assert "in 16-true a kept module's output is cast back to fp16" in report.why
+    assert "consumes it kept too" in report.why and "keep that container" in report.why
+    # The container whose forward scales the boost's output back, kept: the lane trains.
+    fixed = race(manager, "small", ("16-true+keep:blocks.3",), steps=20, optimizer="sgd")
+    frame = fixed.frame()
+    assert fixed.lanes[0].status == "finished" and frame["loss"].map(math.isfinite).all()

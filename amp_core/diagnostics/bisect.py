@@ -47,6 +47,8 @@ from amp_core.precision import (
     BASELINE_MODE,
     KEEP_PREFIX,
     get_precision,
+    is_mixed,
+    keep_output_note,
     low_precision_dtype,
     recipe_mode,
     resolve_device,
@@ -658,9 +660,12 @@ def _search_and_price(bench: TrialBench, source: str, data: Data, order: torch.G
     every = bench.run(candidates)
     trials.append(every)
     if not every.passed:
+        inside = ("what fails is outside the modules (the loss, the scaler, the optimizer state)" if is_mixed(
+            recipe_mode(recipe)) else f"{keep_output_note(recipe)} — here the code after a module (in the forward of "
+            "the module that holds it) may be what needs the fp32 output: keep that container (+keep:NAME)")
         return BisectReport(**base, kept=[], minimal=False, verdict="not-fixed", trials=trials,
                             why=f"keeping every module in fp32 does not fix it ({every.outcome}), though 32-true "
-                                "passes: what fails is outside the modules (the loss, the scaler, the optimizer state)")
+                                f"passes: {inside}")
     scale = pre.scaler.get_scale() if pre.scaler.is_enabled() else None
     set_rng(bench.rng, bench.device)
     numerics = probe_step(copy.deepcopy(pre.model).float(), pre.precision, pre.workload.loss, bench.batches[0],
