@@ -748,7 +748,8 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
             break
         dropped = promising.pop()
         notes.append(f"{dropped} was not raced: the budget left too few steps for a verdict with it in the race")
-    race_steps = max(race_steps, MIN_RACE_STEPS)
+    # 32-true alone (nothing promising) needs no long race: its figures are the yardstick of nothing here.
+    race_steps = max(race_steps, MIN_RACE_STEPS) if promising else MIN_RACE_STEPS
     capped_race = race_steps >= MAX_RACE_STEPS
     recipes = (BASELINE_MODE, *promising)
     say(f"seeded race: {', '.join(recipes)} × {config.seeds} seeds × {race_steps} steps", 0.45)
@@ -812,6 +813,8 @@ def stop_reason(budget_s: float, spent_s: float, decided: bool, *, unprobed: int
     done = ["every runnable candidate was probed" if not unprobed else f"{unprobed} candidates were left unprobed",
             f"the race reached {race_steps} steps" + (" (more change no verdict)" if capped_race else ""),
             f"{failed} failed candidate{'s' if failed != 1 else ''} looked at"]
+    if decided and race_steps <= MIN_RACE_STEPS and not unprobed:
+        return f"{used}: decided sooner — no candidate was promising enough to race against 32-true"
     if decided:
         return f"{used}: decided sooner — {', '.join(done)}"
     return f"{used}: stopped with the answer not decided — {', '.join(done)}; nothing planned was left to run"
