@@ -8,6 +8,12 @@ losses, diverged lanes, the final loss against 32-true's beyond seed noise (view
 first inf/NaN module of a lane that failed (a replay of its first failed step, recorded as the race's `replayed`
 event); (5) memory (each lane's own peak) and the largest batch (diagnostics.maxbatch).
 
+The budget is planned before anything runs (`plan_budget`): every runnable candidate is probed when the budget allows
+it (recipe options in chunks, each option on its fastest base mode first), every promising candidate races with seeds
+for as long as the budget leaves (the slowest dropped only when the race would be too short for a verdict), and the
+failed candidates keep a share for their bisects and fix races. The advice records how much of the budget it used and
+why it stopped (`stop_reason`): under USED_ENOUGH of it only because the answer was decided sooner.
+
 Every figure comes from runs it made, kept in the store as ordinary runs (Compare and the report show them); the
 race run carries an `advised` event that links the advice to its evidence (the probe runs, the candidates and their
 notes, the largest batches). `gather` reads that evidence back from the store and `decide` — a pure function of it —
