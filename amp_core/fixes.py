@@ -5,6 +5,7 @@ on the pages with a copy button)."""
 from __future__ import annotations
 
 import fnmatch
+import textwrap
 from collections.abc import Callable, Iterable
 
 import torch
@@ -14,11 +15,11 @@ from amp_core import precision
 
 def keep_in_fp32(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
     """Make the modules of `model` whose names (`model.named_modules()`) match `patterns` (globs) compute in fp32,
-    whatever the loop does around them: under `torch.autocast` (autocast is off inside them and their floating inputs
-    are upcast) and in a model cast to bf16/fp16 (their parameters are made fp32 again). Their outputs go back in the
-    dtype the surrounding code expects (their input's, or the 16-bit dtype their parameters had). Call it after any
-    `model.to(dtype)` and before building the optimizer. Returns the names kept; ValueError for a pattern that matches
-    nothing, naming the closest modules."""
+    whatever the loop does around them, PyTorch's way (`autocast(enabled=False)` inside, inputs upcast): under
+    `torch.autocast` with fp32 weights their outputs stay fp32 and autocast decides what follows; in a model cast to
+    bf16/fp16 (their parameters are made fp32 again) their outputs are cast back to the model's dtype, for the next
+    layer's 16-bit weights. Call it after any `model.to(dtype)` and before building the optimizer. Returns the names
+    kept; ValueError for a pattern that matches nothing, naming the closest modules."""
     return precision.keep_in_fp32(model, patterns)
 
 
@@ -51,8 +52,11 @@ def fix_code(kept: Iterable[str], recipe: str = "") -> str:
              f"KEEP = {listed}",
              "",
              "# A plain loop: after model.to(dtype) (true 16-bit modes), before building the optimizer;",
-             "# the loop's torch.autocast / GradScaler stay as they are.",
-             "keep_in_fp32(model, KEEP)"]
+             "# the loop's torch.autocast / GradScaler stay as they are."]
+    if recipe:
+        lines += textwrap.wrap(precision.keep_output_note(recipe), 116, initial_indent="# ",
+                               subsequent_indent="# ")
+    lines += ["keep_in_fp32(model, KEEP)"]
     if precision.is_fp8_recipe(recipe):
         lines += ["",
                   "# torchao float8 training: leave the kept modules plain nn.Linear",

@@ -80,16 +80,12 @@ def draw_result(job: AdviceJob) -> None:
     (st.success if advice.decided else st.warning)(f"**{advice.line()}**")
     for line in views.savings(advice):
         st.markdown(f"- {line}")
-    # Static tables: their cells wrap, so a long reason is read whole at 1440 px (a data grid clips it). What was
-    # measured first; what was not (the budget, or refused here) folded below it. The layers to keep are listed whole
-    # further down.
-    table = views.advice_table(advice).drop(columns=["figure", "layers to keep"]).set_index("recipe")
-    unmeasured = table["verdict"].isin(["not measured", "refused"])
-    st.table(table[~unmeasured])
-    if unmeasured.any():
-        counts = table.loc[unmeasured, "verdict"].value_counts()
-        with st.expander(" · ".join(f"{count} {verdict}" for verdict, count in counts.items())):
-            st.table(table[unmeasured][["verdict", "reason"]])
+    # A static table: its cells wrap, so a long reason is read whole at 1440 px (a data grid clips it). What was
+    # measured, the decision first; what was not (the budget, or refused here) counted in a line each. The layers to
+    # keep are listed whole further down.
+    st.table(views.advice_table(advice).drop(columns=["figure", "layers to keep"]).set_index("recipe"))
+    for line in (*views.unmeasured_lines(advice), *views.budget_lines(advice)):
+        st.caption(line)
     keep = views.keep_lines(advice)
     if keep:  # the layer bisect's answer for a candidate that failed in a few layers, and its price
         st.markdown("**Layers to keep in fp32** (the layer bisect, from the failing step's snapshot)\n"

@@ -15,12 +15,14 @@ import pytest
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.diagnostics.advise import (
     ADVISED_EVENT,
+    USED_ENOUGH,
     AdviseConfig,
     BudgetClock,
     advise,
     check,
     decide,
     gather,
+    plan_budget,
     record_advice,
     replay_failures,
 )
@@ -28,7 +30,7 @@ from amp_core.precision import availability, resolve_device
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.seednoise import difference_verdict
-from amp_core.views.advise import advice_report_html, advice_table, advice_text
+from amp_core.views.advise import advice_report_html, advice_table, advice_text, unmeasured_lines
 from tests.cli_process import ROOT
 
 STEPS = 60
@@ -106,9 +108,12 @@ def test_a_faster_candidate_is_rejected_for_its_instability_or_loss_and_a_slower
 
     text = advice_text(advice)
     assert text.splitlines()[-1] == advice.line() and advice.line().startswith(f"recommend: {expected} — ")
-    table = advice_table(advice)
+    table = advice_table(advice)  # the decision first; a candidate with no figure is counted, not given a row
     assert table["recipe"].iloc[0] == expected and set(table["recipe"]) == {
-        c.recipe for c in evidence.candidates}
+        c.recipe for c in evidence.candidates} - {"tf32"}
+    assert text.splitlines()[1] == advice.line() and unmeasured_lines(advice)[0].startswith(
+        "not measured: 1 runnable candidates (1 not probed within the budget)" if availability("tf32", "cpu")[0]
+        else "refused here: 1 candidates (1: ")
     assert not any("awaits" in line for line in advice.cannot_tell)  # the bisect is wired in: see the tests below
     page = advice_report_html(manager, advice)
     assert f"<b>recommend: {expected} — " in page and run_id in page and "<h2>Every candidate</h2>" in page
@@ -157,11 +162,52 @@ def test_end_to_end_on_this_device_a_short_budget_recommends_a_runnable_candidat
             == "different")
     runs = store.runs()
     evidence = advice.evidence
+    assert evidence.plan.startswith("planned: ") and _used_enough_or_says_why(evidence)
     assert {evidence.race_run, *evidence.probe_runs} <= set(runs["run_id"])
     race = store.run(evidence.race_run)
     assert race["config"]["seeds"] >= 2 and race["config"]["modes"][0] == "32-true"
     assert (store.events(evidence.race_run)["kind"] == ADVISED_EVENT).any()
     assert all(not math.isnan(c.ms_mean) for c in evidence.candidates if c.raced)
+
+
+def _used_enough_or_says_why(evidence) -> bool:
+    """The advice used USED_ENOUGH of its budget, or it says that the answer was decided sooner (and what was done)."""
+    used = re.match(r"used (\d+) s of its (\d+) s budget \((\d+)%\): (.*)", evidence.stopped)
+    assert used, evidence.stopped
+    share = int(used[1]) / int(used[2])
+    assert abs(share - evidence.spent_s / evidence.budget_s) < 0.02
+    return share >= USED_ENOUGH or used[4].startswith("decided sooner — ")
+
+
+def test_the_plan_probes_every_candidate_when_the_budget_allows_and_says_what_it_leaves_out():
+    roomy = plan_budget(1800, modes=6, options=32)  # a half-hour budget probes every option (15 s each, planned)
+    assert roomy.options_planned == 32 and roomy.options_probe_s == 32 * 15.0
+    assert roomy.modes_probe_s + roomy.options_probe_s + roomy.reserve_s < 1800 and roomy.race_share > 0.5
+    tight = plan_budget(300, modes=6, options=32)
+    assert 0 < tight.options_planned < 32 and tight.options_probe_s <= 0.35 * 300
+    assert tight.words().startswith("planned: 45 s probing the modes, 105 s for 7 recipe options, ")
+    none = plan_budget(120, modes=3, options=6)  # under one chunk's 60 s: no option, the time goes to the race
+    assert none.options_probe_s == 0 and none.options_planned == 0 and "no recipe option" in none.words()
+    assert plan_budget(60, modes=1, options=0).modes_probe_s == 0  # 32-true alone: nothing to probe against
+
+
+@pytest.mark.slow
+def test_the_cli_with_a_two_minute_budget_uses_it_or_says_why_and_leads_with_the_decision(tmp_path):
+    """`advise --budget-min 2`: inherently two minutes (the budget is the test); a small workload and three modes."""
+    store = tmp_path / "runs.sqlite3"
+    command = [sys.executable, "-m", "amp_core", "--store", str(store), "advise", "--workload", "digits_mlp",
+               "--device", "cpu", "--budget-min", "2", "--candidates", "bf16-mixed,16-mixed,bf16-true"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode in (0, 3), done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[1] == lines[-1] and lines[1].startswith("recommend: ")
+    assert any(line.startswith("budget: used ") for line in lines[2:5]), lines[:6]
+    assert "not measured" not in done.stdout or "not measured: " in done.stdout  # counted in one line, no rows
+    from amp_core.runs import RunReader
+
+    race = next(run_id for run_id in open_store(store).runs()["run_id"] if not run_id.startswith("probe-")
+                and (open_store(store).events(run_id)["kind"] == ADVISED_EVENT).any())
+    assert _used_enough_or_says_why(gather(RunReader(open_store(store)), race))
 
 
 def test_the_cli_on_a_device_that_runs_only_32_true_says_so_and_recommends_it(tmp_path):

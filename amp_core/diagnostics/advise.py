@@ -8,6 +8,12 @@ losses, diverged lanes, the final loss against 32-true's beyond seed noise (view
 first inf/NaN module of a lane that failed (a replay of its first failed step, recorded as the race's `replayed`
 event); (5) memory (each lane's own peak) and the largest batch (diagnostics.maxbatch).
 
+The budget is planned before anything runs (`plan_budget`): every runnable candidate is probed when the budget allows
+it (recipe options in chunks, each option on its fastest base mode first), every promising candidate races with seeds
+for as long as the budget leaves (the slowest dropped only when the race would be too short for a verdict), and the
+failed candidates keep a share for their bisects and fix races. The advice records how much of the budget it used and
+why it stopped (`stop_reason`): under USED_ENOUGH of it only because the answer was decided sooner.
+
 Every figure comes from runs it made, kept in the store as ordinary runs (Compare and the report show them); the
 race run carries an `advised` event that links the advice to its evidence (the probe runs, the candidates and their
 notes, the largest batches). `gather` reads that evidence back from the store and `decide` — a pure function of it —
@@ -45,12 +51,11 @@ ADVISED_EVENT = "advised"
 """The race run's event that links an advice to its evidence (its data: see `record_advice`)."""
 RACE_SEEDS = 3
 """Seed replicates per recipe in the race: the spread across them is the seed noise every verdict is held against."""
-RACE_CANDIDATES = 3
-"""At most this many candidates race 32-true (the fastest by the cost probe, none far slower than 32-true)."""
 MIN_RACE_STEPS = 40
 """A race shorter than this gives no verdict: the final loss is the mean of the last LAST_K steps, after warm-up."""
-MAX_RACE_STEPS = 600
-"""A race longer than this is not needed for the verdicts it gives (the budget is kept for the rest)."""
+MAX_RACE_STEPS = 3000
+"""A race longer than this is not needed for the verdicts it gives: its step-time and final-loss means are steady long
+before (a race that reaches it ends the advice early, and the advice says so)."""
 LAST_K = 20
 """Final loss: the mean of each lane's last LAST_K losses (the Compare page's default)."""
 WARMUP_SHARE = 0.2
@@ -60,14 +65,29 @@ SKIP_TOLERANCE = 0.02
 GradScaler skips now and then by design (a step whose scale just grew), not steadily."""
 MIN_BUDGET_S = 20.0
 """Less than this cannot probe and race anything: refused, saying what it could do."""
-PROBE_SHARE, OPTION_PROBE_SHARE, RACE_SHARE = 0.2, 0.2, 0.45
+PROBE_SHARE = 0.15
+"""The modes' cost probe: this share of the budget (at least MIN_PROBE_S)."""
 MIN_PROBE_S = 10.0
 """The modes' cost probe gets at least this long: on a loaded machine setting up five lanes takes seconds."""
-"""Shares of the budget: the cost probe of the modes, of the recipe options, and the seeded race; the rest goes to
-the stability replays and the largest batches."""
-OPTION_PROBE_MIN_S = 60.0
-"""Recipe options are probed only when their share of the budget is at least this: an option lane built on torchao
-compiles its step (seconds to a minute on a CPU), which a shorter probe cannot wait out."""
+OPTION_PROBE_MAX_SHARE = 0.35
+"""The recipe options' cost probes: at most this share of the budget (what they do not use goes to the race)."""
+OPTION_LANE_S = 15.0
+"""An option lane's probe costs about this long on a CPU (an option built on torchao converts or compiles its step
+first): the plan gives the options OPTION_LANE_S each, within OPTION_PROBE_MAX_SHARE."""
+OPTION_CHUNK = 4
+"""Option lanes per probe race (beside their own 32-true lane): the lanes of a race step in turn, so one lane that
+compiles holds up only its chunk."""
+OPTION_CHUNK_MIN_S = 60.0
+"""A probe race of option lanes gets at least this long, less is not started (the options left are counted): a lane
+that compiles its step takes seconds to a minute on a CPU before its first step (a 42 s probe of 8 option lanes on a
+loaded 2-core machine timed none of them)."""
+RESERVE_SHARE = 0.1
+"""Kept back for the largest-batch search and the advice's own bookkeeping."""
+FIX_SHARE = 0.35
+"""Of what is left after the probes (less the reserve), the failed candidates' replays, bisects and fix races may
+take this share; the seeded race takes the rest."""
+USED_ENOUGH = 0.7
+"""Below this share of the budget used, the advice says why it stopped sooner."""
 REPLAYS_AT_MOST = 3
 """Failed candidates whose first inf/NaN module is looked for (a replay of the first failed step each)."""
 
@@ -140,6 +160,15 @@ class Evidence:
     spent_s: float = math.nan
     notes: tuple[str, ...] = ()
     """What the orchestrator could not do, in words (a probe cut by the budget, a replay that failed)."""
+    plan: str = ""
+    """How it planned the budget (BudgetPlan.words)."""
+    stopped: str = ""
+    """Why it stopped where it did, in words (the budget spent, or the answer decided sooner)."""
+    unprobed_s: float = math.nan
+    """About how many seconds more of cost probes would measure the runnable candidates not probed (the modes' probe
+    time per mode measured; OPTION_LANE_S per recipe option)."""
+    budget_for_all_s: float = math.nan
+    """A budget whose plan probes every runnable candidate."""
 
     def candidate(self, recipe: str) -> CandidateEvidence | None:
         return next((c for c in self.candidates if c.recipe == recipe), None)
@@ -359,11 +388,6 @@ def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> l
     if cpu and fp8:
         out.append(f"FP8 on a CPU is emulated (real float8 casts, no FP8 tensor cores): {', '.join(fp8)} tell nothing "
                    "of their speed on a GPU here")
-    unmeasured = [v.recipe for v in verdicts.values() if v.verdict == "not measured"]
-    if unmeasured:
-        out.append(f"{len(unmeasured)} runnable candidates were not measured within the budget or not raced "
-                   f"({', '.join(unmeasured[:6])}{', …' if len(unmeasured) > 6 else ''}): a larger --budget-min "
-                   "measures more")
     told = [v.recipe for v in verdicts.values() if v.verdict == "cannot tell"]
     if told:
         out.append(f"{', '.join(told)}: the race left fewer than 2 finite seeds, so seed noise could not be measured")
@@ -441,7 +465,10 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
                     device_name=str(data.get("device_name") or device), race_run=race_run, probe_runs=probe_runs,
                     candidates=tuple(out), race_steps=race_steps, warmup_steps=warmup,
                     budget_s=float(data.get("budget_s", math.nan)), spent_s=float(data.get("spent_s", math.nan)),
-                    notes=tuple(data.get("notes", ())))
+                    notes=tuple(data.get("notes", ())), plan=str(data.get("plan", "")),
+                    stopped=str(data.get("stopped", "")),
+                    unprobed_s=float(data.get("unprobed_s", math.nan)),
+                    budget_for_all_s=float(data.get("budget_for_all_s", math.nan)))
 
 
 def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvidence:
@@ -536,6 +563,45 @@ class AdviseConfig:
             raise ConfigError("budget", f"must be a number of minutes > 0, got {self.budget_s / 60!r}")
         if not isinstance(self.seeds, int) or self.seeds < 2:
             raise ConfigError("seeds", f"the race needs at least 2 seeds per recipe (seed noise), got {self.seeds!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetPlan:
+    """How an advice splits its budget, planned from the budget and the candidates before anything runs (each phase
+    then gets what the ones before it left: time a probe did not use goes to the race)."""
+
+    budget_s: float
+    modes_probe_s: float
+    """The cost probe of the modes (one race)."""
+    options_probe_s: float
+    """The cost probes of the recipe options (chunks of OPTION_CHUNK lanes); 0: none fits."""
+    options_planned: int
+    """How many recipe options those probes can measure (all of them when the budget allows)."""
+    race_share: float
+    """The seeded race's share of what is left after the probes and the reserve (the rest: replays, bisects, fixes)."""
+    reserve_s: float
+
+    def words(self) -> str:
+        options = (f"{self.options_probe_s:.0f} s for {self.options_planned} recipe options" if self.options_planned
+                   else "no recipe option")
+        return (f"planned: {self.modes_probe_s:.0f} s probing the modes, {options}, {self.race_share:.0%} of the rest "
+                f"racing with seeds, the remainder replaying, bisecting and racing fixes, {self.reserve_s:.0f} s "
+                "kept for the largest batch")
+
+
+def plan_budget(budget_s: float, modes: int, options: int) -> BudgetPlan:
+    """The plan for `budget_s` seconds, `modes` runnable modes and `options` runnable mode+option recipes: probe every
+    one when the budget allows (the options get OPTION_LANE_S each, at most OPTION_PROBE_MAX_SHARE of the budget,
+    and nothing when that is under one chunk's OPTION_CHUNK_MIN_S), then race as many as fit with seeds."""
+    reserve = RESERVE_SHARE * budget_s
+    modes_s = max(MIN_PROBE_S, PROBE_SHARE * budget_s) if modes > 1 else 0.0
+    cap = min(OPTION_PROBE_MAX_SHARE * budget_s, max(0.0, budget_s - reserve - modes_s) / 2)
+    options_s = min(cap, max(OPTION_CHUNK_MIN_S, OPTION_LANE_S * options)) if options else 0.0
+    if options_s < OPTION_CHUNK_MIN_S:
+        options_s = 0.0
+    planned = options if options_s >= OPTION_LANE_S * options else int(options_s / OPTION_LANE_S)
+    return BudgetPlan(budget_s=budget_s, modes_probe_s=modes_s, options_probe_s=options_s,
+                      options_planned=planned if options_s else 0, race_share=1 - FIX_SHARE, reserve_s=reserve)
 
 
 class Stopped(Exception):
@@ -636,31 +702,46 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
                 ratios[recipe] = result.ms_per_step / yardstick.ms_per_step
         return out
 
-    # (2) the cost probe ranks them: the modes first (cheap), then each option on its fastest base mode.
-    say(f"{len(found)} candidates, {len(runnable)} runnable here; cost probe of the modes", 0.02)
+    # (2) the cost probe ranks them: the modes first (cheap), then every recipe option the plan has time for, each
+    # option on its fastest base mode first, in chunks (time a chunk did not use goes to the next, then to the race).
+    plan = plan_budget(config.budget_s, len(modes), len(options))
+    say(f"{len(found)} candidates, {len(runnable)} runnable here; {plan.words()}; cost probe of the modes", 0.02)
     figures: dict = {}
+    probe_began = clock.spent()
     if len(modes) > 1:
-        figures.update(probe(modes, max(PROBE_SHARE * clock.left(), MIN_PROBE_S), "modes"))
+        figures.update(probe(modes, plan.modes_probe_s, "modes"))
     check_stop()
-    if options:
-        share = OPTION_PROBE_SHARE * config.budget_s
+    if options and plan.options_probe_s:
         picks = _option_picks(options, figures)
-        if share >= OPTION_PROBE_MIN_S and picks:
-            say(f"cost probe of the recipe options on their fastest base mode: {', '.join(picks)}", 0.2)
-            figures.update(probe(picks, share, "options"))
-            left_out = [recipe for recipe in options if recipe not in picks]
-            if left_out:
-                notes.append(f"each recipe option was probed on its fastest base mode only ({', '.join(picks)}); "
-                             f"{len(left_out)} other combinations were not")
-        else:
-            notes.append(f"recipe options were not probed: their share of the budget ({share:.0f} s) is under "
-                         f"{OPTION_PROBE_MIN_S:.0f} s, and an option lane built on torchao compiles its step first")
+        queue = [*picks, *sorted((r for r in options if r not in picks), key=lambda r: _base_ms(r, figures))]
+        until = clock.spent() + plan.options_probe_s
+        while queue:
+            chunks = math.ceil(len(queue) / OPTION_CHUNK)
+            cap = (until - clock.spent()) / chunks
+            if cap < OPTION_CHUNK_MIN_S and until - clock.spent() < OPTION_CHUNK_MIN_S:
+                break
+            chunk, queue = queue[:OPTION_CHUNK], queue[OPTION_CHUNK:]
+            say(f"cost probe of {len(chunk)} recipe options ({len(queue)} more after them)", 0.1)
+            figures.update(probe(chunk, max(cap, OPTION_CHUNK_MIN_S), "options"))
+            check_stop()
+        if queue:
+            notes.append(f"{len(queue)} recipe options were not probed: the {plan.options_probe_s:.0f} s the plan "
+                         f"gave the options ran out (about {len(queue) * OPTION_LANE_S:.0f} s more would probe them)")
+    elif options:
+        notes.append(f"recipe options were not probed: a budget of {config.budget_s:.0f} s leaves under "
+                     f"{OPTION_CHUNK_MIN_S:.0f} s for them, and an option lane built on torchao converts or compiles "
+                     "its step first")
+    mode_s = (clock.spent() - probe_began) / max(1, sum(1 for recipe in modes if recipe in ratios))
+    unprobed = [recipe for recipe in runnable if recipe not in figures and recipe != BASELINE_MODE]
+    unprobed_s = sum(OPTION_LANE_S if "+" in recipe else mode_s for recipe in unprobed)
+    budget_for_all = max(config.budget_s + unprobed_s, OPTION_LANE_S * len(options) / OPTION_PROBE_MAX_SHARE)
     check_stop()
 
-    # (3) the seeded race of the promising ones.
+    # (3) the seeded race of every promising candidate that fits: its length is what the budget leaves after the
+    # reserve and the fixes' share; the slowest are dropped only when the race would be too short for a verdict.
     ranked = sorted((ratio, recipe) for recipe, ratio in ratios.items())
-    promising = [recipe for ratio, recipe in ranked if ratio < cost.SLOW_FACTOR][:RACE_CANDIDATES]
-    race_share = RACE_SHARE / (1 - PROBE_SHARE - (OPTION_PROBE_SHARE if options else 0)) * clock.left()
+    promising = [recipe for ratio, recipe in ranked if ratio < cost.SLOW_FACTOR]
+    race_share = plan.race_share * max(clock.left() - plan.reserve_s, 0.0)
     lanes_ms = {recipe: result.ms_per_step for recipe, result in figures.items()
                 if isinstance(result, cost.ProbeResult)}
     base_ms = lanes_ms.get(BASELINE_MODE, 0.0)
@@ -673,15 +754,18 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
             break
         dropped = promising.pop()
         notes.append(f"{dropped} was not raced: the budget left too few steps for a verdict with it in the race")
-    race_steps = max(race_steps, MIN_RACE_STEPS)
+    # 32-true alone (nothing promising) needs no long race: its figures are the yardstick of nothing here.
+    race_steps = max(race_steps, MIN_RACE_STEPS) if promising else MIN_RACE_STEPS
+    capped_race = race_steps >= MAX_RACE_STEPS
     recipes = (BASELINE_MODE, *promising)
     say(f"seeded race: {', '.join(recipes)} × {config.seeds} seeds × {race_steps} steps", 0.45)
     race_config = replace(base, modes=recipes, seeds=config.seeds, steps=race_steps, name=f"{name} · race")
     run = manager.launch(race_config)
     started(run)
-    run.join(max(clock.left() - 0.1 * config.budget_s, 1.0))
+    # At most a quarter over its share: a machine slower than the probe saw leaves the fixes their time all the same.
+    run.join(max(min(clock.left() - plan.reserve_s, 1.25 * race_share), 1.0))
     if run.alive:
-        notes.append(f"the race was cut by the budget after {min(lane.steps_done for lane in run.lanes)} of "
+        notes.append(f"the race was cut by the budget after {max(lane.steps_done for lane in run.lanes)} of "
                      f"{race_steps} steps")
         run.stop()
     check_stop()
@@ -692,12 +776,14 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     broken = replay_failures(manager, run, warmup, clock, notes, say)
     check_stop()
     fixes = keep_fixes(manager, run, broken, clock, notes, say, seeds=config.seeds, race_steps=race_steps,
-                       reserve_s=0.1 * config.budget_s, min_steps=MIN_RACE_STEPS)
+                       reserve_s=plan.reserve_s, min_steps=MIN_RACE_STEPS)
     check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.
-    record_advice(manager, run.run_id, found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s,
-                  spent_s=clock.spent(), notes=notes, device=base.device, fixes=fixes)
+    recorded = dict(found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s, notes=notes,
+                    device=base.device, fixes=fixes, plan=plan.words(), unprobed_s=unprobed_s,
+                    budget_for_all_s=budget_for_all)
+    record_advice(manager, run.run_id, spent_s=clock.spent(), **recorded)
     advice = decide(gather(manager, run.run_id))
     wanted = [r for r in dict.fromkeys((advice.recommended, advice.runner_up, BASELINE_MODE)) if r]
     batches: dict = {}
@@ -713,22 +799,44 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
             notes.append(f"largest batch not found: {type(error).__name__}: {str(error).splitlines()[0]}")
     else:
         notes.append("largest batch not searched: the budget ran out")
-    record_advice(manager, run.run_id, found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s,
-                  spent_s=clock.spent(), notes=notes, device=base.device, max_batch=batches, fixes=fixes)
+    spent = clock.spent()
+    stopped = stop_reason(config.budget_s, spent, advice.decided, unprobed=len(unprobed),
+                          capped_race=capped_race, race_steps=race_steps, failed=len(broken))
+    record_advice(manager, run.run_id, spent_s=spent, max_batch=batches, stopped=stopped, **recorded)
     advice = decide(gather(manager, run.run_id))
     say(advice.line(), 1.0)
     return advice
 
 
+def stop_reason(budget_s: float, spent_s: float, decided: bool, *, unprobed: int, capped_race: bool,
+                race_steps: int, failed: int) -> str:
+    """Why the advice stopped where it did, in words: the budget spent, or — under USED_ENOUGH of it — what was
+    complete (every runnable candidate probed, the race at the length no verdict needs more than, each failure looked
+    at) and whether the answer was decided."""
+    used = f"used {spent_s:.0f} s of its {budget_s:.0f} s budget ({spent_s / budget_s:.0%})"
+    if spent_s >= USED_ENOUGH * budget_s:
+        return f"{used}: the budget was spent as planned"
+    done = ["every runnable candidate was probed" if not unprobed else f"{unprobed} candidates were left unprobed",
+            f"the race reached {race_steps} steps" + (" (more change no verdict)" if capped_race else ""),
+            f"{failed} failed candidate{'s' if failed != 1 else ''} looked at"]
+    if decided and race_steps <= MIN_RACE_STEPS and not unprobed:
+        return f"{used}: decided sooner — no candidate was promising enough to race against 32-true"
+    if decided:
+        return f"{used}: decided sooner — {', '.join(done)}"
+    return f"{used}: stopped with the answer not decided — {', '.join(done)}; nothing planned was left to run"
+
+
+def _base_ms(recipe: str, figures: dict) -> float:
+    """The cost probe's ms/step of the mode `recipe` builds on (inf where it is not measured)."""
+    result = figures.get(recipe_mode(recipe))
+    return result.ms_per_step if isinstance(result, cost.ProbeResult) else math.inf
+
+
 def _option_picks(options: list[str], figures: dict) -> list[str]:
     """Each recipe option once, on the fastest base mode it goes with (by the modes' cost probe; 32-true where that
     is not measured)."""
-    def base_ms(recipe: str) -> float:
-        result = figures.get(recipe_mode(recipe))
-        return result.ms_per_step if isinstance(result, cost.ProbeResult) else math.inf
-
     picks: dict[str, str] = {}
-    for recipe in sorted(options, key=base_ms):
+    for recipe in sorted(options, key=lambda r: _base_ms(r, figures)):
         picks.setdefault(recipe.split("+", 1)[1], recipe)
     return list(picks.values())
 
@@ -763,13 +871,15 @@ def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[s
 
 def record_advice(manager, race_run: str, *, found: list[tuple[str, bool, str]], probe_runs: list[str], warmup: int,
                   budget_s: float, spent_s: float, notes: list[str], device: str,
-                  max_batch: dict | None = None, fixes: list[dict] | None = None) -> None:
+                  max_batch: dict | None = None, fixes: list[dict] | None = None, plan: str = "", stopped: str = "",
+                  unprobed_s: float = math.nan, budget_for_all_s: float = math.nan) -> None:
     """The `advised` event on the race run: the links and figures the advice needs beyond the runs' records (`fixes`:
     advise_fix.keep_fixes's records: the layers to keep, their price, the fix race's run)."""
     data = {"candidates": [{"recipe": recipe, "runnable": ok, "note": note} for recipe, ok, note in found],
             "probe_runs": list(probe_runs), "warmup_steps": warmup, "budget_s": budget_s, "spent_s": spent_s,
             "notes": list(notes), "device": device, "device_name": device_name(device),
-            "max_batch": max_batch or {}, "fixes": list(fixes or [])}
+            "max_batch": max_batch or {}, "fixes": list(fixes or []), "plan": plan, "stopped": stopped,
+            "unprobed_s": unprobed_s, "budget_for_all_s": budget_for_all_s}
     manager.record_event(race_run, ADVISED_EVENT, f"advice evidence: race {race_run}, cost probes "
                                                    f"{', '.join(probe_runs) or 'none'}", **data)
 

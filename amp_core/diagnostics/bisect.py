@@ -8,7 +8,12 @@ off the training thread. Unlike Polygraphy (a prefix of layers, for inference), 
 candidates are ordered by what layer numerics measures on the failing step (the first inf/NaN module, then modules
 whose values are not finite, overflow or flush to zero when cast, or differ most from fp32); the search follows the
 first inf/NaN module trial by trial, then grows prefixes of that order until one passes, and delta debugging (Zeller's
-ddmin, complement-first) then minimises it.
+ddmin, complement-first) then minimises it; a last check drops each member of the set alone and sees the step fail
+again (1-minimal, shown in the report).
+
+Each trial keeps its set as `+keep:` does (`precision.keep_in_fp32`): in a mixed mode a kept module's output stays
+fp32, so keeping the module whose output leaves the 16-bit range is enough; in a true 16-bit mode it is cast back to
+the model's dtype, and the report says that such an output needs its consumer kept too.
 
 A trial passes when every step it replays has a finite loss and finite gradients, no step is skipped after the
 GradScaler's warm-up, and the loss is not above the fp32 reference's band (the reference: 32-true replayed from the
@@ -42,6 +47,8 @@ from amp_core.precision import (
     BASELINE_MODE,
     KEEP_PREFIX,
     get_precision,
+    is_mixed,
+    keep_output_note,
     low_precision_dtype,
     recipe_mode,
     resolve_device,
@@ -266,6 +273,9 @@ class PriceRow:
     """The last step's loss."""
     skipped: int
     """Optimizer steps skipped (GradScaler) in the race."""
+    failure: str = ""
+    """The first step of the race that failed as a trial fails (a non-finite loss or gradients, a skip after the
+    GradScaler's warm-up), in words; '' when none did."""
 
     @property
     def loss_text(self) -> str:
@@ -295,6 +305,8 @@ class BisectReport:
     evidence: dict[str, str] = field(default_factory=dict)
     price: list[PriceRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    without: dict[str, str] = field(default_factory=dict)
+    """The 1-minimality check: for each member of `kept`, the outcome of the trial that kept the set without it."""
 
     @property
     def fixed_recipe(self) -> str:
@@ -443,6 +455,7 @@ class TrialBench:
         times: list[list[float]] = [[] for _ in recipes]
         last = [math.nan] * len(recipes)
         skipped = [0] * len(recipes)
+        failure = [""] * len(recipes)
         rng = [self.rng[0].clone(), *self.rng[1:]]
         for offset, batch in enumerate(batches):
             for index, state in enumerate(states):
@@ -452,9 +465,15 @@ class TrialBench:
                 times[index].append((time.perf_counter() - began) * 1e3)
                 last[index] = float(result.loss)
                 skipped[index] += bool(result.skipped)
+                step = self.first_step + offset
+                if not failure[index]:
+                    failure[index] = (f"step {step}: loss {last[index]:.4g}" if not math.isfinite(last[index]) else
+                                      f"step {step}: skipped by the GradScaler after its warm-up"
+                                      if result.skipped and step >= self.warmup_end else "")
         return [PriceRow(recipe=recipe, ms_per_step=statistics.median(times[index]),
                          memory_bytes=sum(held_bytes(states[index].params, states[index].optimizer)),
-                         loss=last[index], skipped=skipped[index]) for index, recipe in enumerate(recipes)]
+                         loss=last[index], skipped=skipped[index], failure=failure[index])
+                for index, recipe in enumerate(recipes)]
 
 
 # --- finding the step, and the whole search --------------------------------------------------------------------------
@@ -641,9 +660,12 @@ def _search_and_price(bench: TrialBench, source: str, data: Data, order: torch.G
     every = bench.run(candidates)
     trials.append(every)
     if not every.passed:
+        inside = ("what fails is outside the modules (the loss, the scaler, the optimizer state)" if is_mixed(
+            recipe_mode(recipe)) else f"{keep_output_note(recipe)} — here the code after a module (in the forward of "
+            "the module that holds it) may be what needs the fp32 output: keep that container (+keep:NAME)")
         return BisectReport(**base, kept=[], minimal=False, verdict="not-fixed", trials=trials,
                             why=f"keeping every module in fp32 does not fix it ({every.outcome}), though 32-true "
-                                "passes: what fails is outside the modules (the loss, the scaler, the optimizer state)")
+                                f"passes: {inside}")
     scale = pre.scaler.get_scale() if pre.scaler.is_enabled() else None
     set_rng(bench.rng, bench.device)
     numerics = probe_step(copy.deepcopy(pre.model).float(), pre.precision, pre.workload.loss, bench.batches[0],
@@ -654,18 +676,53 @@ def _search_and_price(bench: TrialBench, source: str, data: Data, order: torch.G
         trial = bench.run(chosen, candidates)
         trials.append(trial)
         marker.step(trial.passed, trial.first_nonfinite)
-    minimal = marker.result is not None
-    kept = marker.result if minimal else marker.best
+    kept = marker.result if marker.result is not None else marker.best
+    kept, without = _one_minimal(kept, ordered, trials, bench, candidates, check.budget)
+    minimal = without is not None
     notes = [] if minimal else [f"the trial budget ({check.budget}) ran out before the set was minimal: this is the "
                                 f"smallest passing set found ({len(kept)} modules), perhaps not the smallest"]
     report = BisectReport(**base, kept=list(kept), minimal=minimal, verdict="fixed", trials=trials, why="",
-                          evidence={name: evidence[name] for name in ordered if name in evidence}, notes=notes)
+                          evidence={name: evidence[name] for name in ordered if name in evidence}, notes=notes,
+                          without=without or {})
     report.price = bench.price(report.fixed_recipe, data, order, check.price_steps)
     fixed = next(row for row in report.price if row.recipe == report.fixed_recipe)
-    if fixed.skipped or not math.isfinite(fixed.loss):
-        report.notes.append(f"in the price race the fixed lane skipped {fixed.skipped} steps (loss {fixed.loss:.4g}) "
-                            "after the bisected steps: another step may need more modules kept")
+    if fixed.failure:  # a set that passes the bisected step but not the race after it is no fix: never printed as one
+        report.verdict = "not-fixed"
+        report.why = (f"keeping {', '.join(kept)} passes the bisected step{'s' if stop - bench.first_step > 1 else ''}"
+                      f" but not the price race after it ({fixed.failure}): not a fix; bisect that later step "
+                      "(--step) or a window (--window A:B) that holds both")
     return report
+
+
+def _one_minimal(kept: list[str], ordered: list[str], trials: list[Trial], bench: TrialBench,
+                 candidates: list[str], budget: int) -> tuple[list[str], dict[str, str] | None]:
+    """The 1-minimality check of a passing set: for each member, the trial that keeps the set without it (one the
+    search made already is read back, not run again) must fail. A member whose removal passes is dropped and the
+    check starts over. Returns (the set, {member: outcome without it}), or (the set, None) when the budget ran out
+    before every member was checked."""
+    def known(chosen: frozenset[str]) -> Trial | None:
+        return next((trial for trial in reversed(trials) if frozenset(trial.kept) == chosen), None)
+
+    current = list(kept)
+    while True:
+        without: dict[str, str] = {}
+        for name in current:
+            rest = frozenset(current) - {name}
+            if not rest:
+                without[name] = trials[0].outcome  # the lane as it is (trial 1) keeps nothing
+                continue
+            trial = known(rest)
+            if trial is None:
+                if len(trials) >= budget:
+                    return current, None
+                trial = bench.run([m for m in ordered if m in rest], candidates)
+                trials.append(trial)
+            if trial.passed:
+                current = [m for m in current if m != name]
+                break
+            without[name] = trial.outcome
+        else:
+            return current, without
 
 
 def record_bisect(manager: Any, report: BisectReport) -> None:

@@ -28,15 +28,49 @@ def _ratio(value: float) -> str:
     return "—" if value is None or not math.isfinite(value) else f"x{value:.2f}"
 
 
+UNMEASURED = ("not measured", "refused")
+"""Verdicts of candidates with no figure of their own: counted in `unmeasured_lines`, not given a row each."""
+
+
 def advice_table(advice: Advice) -> pd.DataFrame:
-    """One row per candidate, best first: its verdict, its step time and final loss against 32-true, its memory
-    peak and largest batch, why, and the figure that decided it."""
+    """One row per measured candidate, the decision first (the recommendation, the runner-up, the others that train
+    like fp32, 32-true, then every rejected one with its reason): its step time and final loss against 32-true, its
+    memory peak and largest batch, why, and the figure that decided it. Candidates with no figure are
+    `unmeasured_lines`."""
     rows = [{"recipe": v.recipe, "verdict": v.verdict, "time vs 32-true": _ratio(v.time_ratio),
              "final loss − 32-true": "—" if not math.isfinite(v.loss_delta) else f"{v.loss_delta:+.3g}",
              "peak MiB": "—" if not math.isfinite(v.peak_mib) else f"{v.peak_mib:,.2f}",
              "max batch": "—" if v.max_batch is None else f"{v.max_batch:,}", "reason": v.reason,
-             "layers to keep": _keep_cell(v.keep), "figure": v.figure} for v in advice.verdicts]
+             "layers to keep": _keep_cell(v.keep), "figure": v.figure}
+            for v in advice.verdicts if v.verdict not in UNMEASURED]
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+
+
+def unmeasured_lines(advice: Advice) -> list[str]:
+    """The candidates without a figure, one line each kind: the runnable ones not measured (how many were not
+    probed, not raced, or gave no figure, and about how much more budget would probe them), and those this device
+    refuses (with the reasons)."""
+    out = []
+    missing = [v for v in advice.verdicts if v.verdict == "not measured"]
+    if missing:
+        kinds: dict[str, int] = {}
+        for v in missing:
+            kinds[v.reason] = kinds.get(v.reason, 0) + 1
+        evidence = advice.evidence
+        unprobed = kinds.get("not probed within the budget", 0)
+        more = (f"; about {evidence.unprobed_s:.0f} s more of cost probes would measure the {unprobed} not probed "
+                f"(--budget-min {math.ceil(evidence.budget_for_all_s / 60)} plans them all)"
+                if unprobed and math.isfinite(evidence.unprobed_s) else "")
+        out.append(f"not measured: {len(missing)} runnable candidates (" + ", ".join(
+            f"{count} {reason}" for reason, count in kinds.items()) + f"){more}")
+    refused = [v for v in advice.verdicts if v.verdict == "refused"]
+    if refused:
+        reasons: dict[str, int] = {}
+        for v in refused:
+            reasons[v.reason] = reasons.get(v.reason, 0) + 1
+        out.append(f"refused here: {len(refused)} candidates (" + "; ".join(
+            f"{count}: {reason}" for reason, count in reasons.items()) + ")")
+    return out
 
 
 KEEP_CELL = 60
@@ -88,13 +122,22 @@ def evidence_lines(advice: Advice) -> list[str]:
             *(f"cost probe run {run_id}" for run_id in evidence.probe_runs)]
 
 
+def budget_lines(advice: Advice) -> list[str]:
+    """How the advice planned its budget, how much of it it used and why it stopped there."""
+    evidence = advice.evidence
+    return [line for line in (evidence.stopped, evidence.plan) if line]
+
+
 def advice_text(advice: Advice) -> str:
     """The CLI's output: the table, savings, what could not be told, the evidence runs, and last the line
     `recommend: RECIPE — why`."""
     evidence = advice.evidence
     table = advice_table(advice).drop(columns=["figure"])
-    lines = [f"advice for {evidence.workload} ({evidence.size}) on {evidence.device_name}", "",
-             table.to_string(index=False, max_colwidth=70), ""]
+    lines = [f"advice for {evidence.workload} ({evidence.size}) on {evidence.device_name}", advice.line()]
+    if advice.runner_up:
+        lines.append(f"runner-up: {advice.runner_up}")
+    lines += [*(f"budget: {line}" for line in budget_lines(advice)), "",
+              table.to_string(index=False, max_colwidth=70), *unmeasured_lines(advice), ""]
     lines += [f"figure · {line}" for line in figure_lines(advice)]
     lines += [f"keep · {line}" for line in keep_lines(advice)]
     lines += ["", *savings(advice), "", "could not be told here:", *(f"  - {line}" for line in advice.cannot_tell),
@@ -115,7 +158,8 @@ def advice_report_html(reader: RunReader, advice: Advice) -> str:
              f'{esc(time.strftime("%Y-%m-%d %H:%M:%S %Z"))}</p>',
              f"<h2>Recommendation</h2><p><b>{esc(advice.line())}</b></p>",
              "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in savings(advice)) + "</ul>",
-             "<h2>Every candidate</h2>" + report._table(advice_table(advice)),
+             "<h2>Every candidate</h2>" + report._table(advice_table(advice))
+             + "".join(f"<p>{esc(line)}</p>" for line in (*unmeasured_lines(advice), *budget_lines(advice))),
              *(["<h2>Layers to keep (the layer bisect)</h2><ul>"
                 + "".join(f"<li>{esc(line)}</li>" for line in keep_lines(advice)) + "</ul>"] if keep_lines(advice)
                else []),

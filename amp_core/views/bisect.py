@@ -7,6 +7,7 @@ import pandas as pd
 
 from amp_core.diagnostics.bisect import BisectReport
 from amp_core.fixes import fix_code
+from amp_core.precision import keep_output_note
 
 
 def _kept_text(kept: tuple[str, ...], limit: int = 4) -> str:
@@ -46,9 +47,12 @@ def bisect_text(report: BisectReport) -> str:
         lines.append("evidence (layer numerics on the failing step): " + "; ".join(
             f"{name}: {words}" for name, words in list(report.evidence.items())[:5]))
     if report.verdict == "fixed":
-        lines += [f"set: {', '.join(report.kept)}" + ("" if report.minimal else " (perhaps not minimal)"),
-                  f"fixed lane: {report.fixed_recipe}", "", price_frame(report).to_string(index=False), "",
-                  fix_code(report.kept, report.recipe), ""]
+        lines += [f"set: {', '.join(report.kept)}" + ("" if report.minimal else " (perhaps not minimal)")]
+        lines += [f"  1-minimal: without {name}: {outcome}" for name, outcome in report.without.items()]
+        lines += [f"fixed lane: {report.fixed_recipe}", f"keep: {keep_output_note(report.recipe)}", "",
+                  price_frame(report).to_string(index=False), "", fix_code(report.kept, report.recipe), ""]
+    elif report.price:  # a set that failed its price race: the race, never the set as a fix
+        lines += ["", price_frame(report).to_string(index=False), ""]
     lines += [f"note: {note}" for note in report.notes]
     lines.append(report.price_line())
     return "\n".join(lines)

@@ -33,6 +33,19 @@ class Gain(nn.Module):
         return (x * self.factor) / self.factor
 
 
+class Boost(nn.Module):
+    """x * factor: a module whose own output leaves fp16's range (factor 1e5 after values near 1) and that the code
+    after it scales back by plain arithmetic (a hand-written logit scale, a sum before a mean). Kept in fp32, its
+    fp32 output must reach that code as it is: cast back to fp16 at the module's boundary it is inf already."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
 class Block(nn.Module):
     def __init__(self, width: int, factor: float):
         super().__init__()
