@@ -284,6 +284,7 @@ from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
+from amp_core.views.chart_feed import figure_spec  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
@@ -307,6 +308,7 @@ from amp_core.views.summary import (  # noqa: E402
     replicate_table,
 )
 from amp_core.views.tables import markdown_table  # noqa: E402
+from pages.live_chart import live_chart  # noqa: E402
 
 
 @st.cache_data(show_spinner=False)
@@ -626,7 +628,8 @@ def replicates(series: list, seeds: dict[str, int]) -> None:
                "draw each mode as its mean across seeds inside the band from the lowest to the highest seed.")
 
 
-def charts(frame: LiveFrame, seeds: dict[str, int]) -> None:
+def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
+    """The run's charts; `whole`: the page was drawn anew (a live chart is then sent whole)."""
     series = frame.series
     o1, o2, o3, _ = st.columns([2, 2, 2, 2])
     axis = o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
@@ -638,25 +641,39 @@ def charts(frame: LiveFrame, seeds: dict[str, int]) -> None:
                          "it); this adds the measured step times themselves.")
     # Spikes by the band the Overflow debugger sets (its expander), else the default one.
     spike_rule = st.session_state.get("spike_rule", SpikeRule())
-    # This session's choices are part of the key: sessions that chose alike (a room on the defaults) share figures.
-    choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())))
-    figures = room.get(frame, choices, lambda: plots.train_figures(
-        series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw, bands=frame.bands, seeds=seeds,
-        spikes=spike_rule))
+    # This session's choices are part of the key: sessions that chose alike (a room on the defaults) share figures,
+    # and while the run goes, their JSON-ready specs: each session's live charts then get only the points they lack.
+    live = is_live(frame.info)
+    choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())), live)
+
+    def made() -> tuple[dict, dict]:
+        figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
+        return figures, {name: figure_spec(figure) for name, figure in figures.items()} if live else {}
+
+    figures, specs = room.get(frame, choices, made)
+
+    def draw(column, name: str) -> None:
+        if live:
+            with column:
+                live_chart(specs[name], key=f"train_live_{name}", whole=whole)
+        else:
+            column.plotly_chart(figures[name], key=f"train_chart_{name}")
+
     left, right = st.columns(2)
-    left.plotly_chart(figures["loss"], key="train_chart_loss")
+    draw(left, "loss")
     left.caption(f"○ a loss spike: above {spike_rule.describe()}; set on the Overflow debugger, which lists them "
                  "with a Replay button.")
-    right.plotly_chart(figures["step_time"], key="train_chart_step_time")
-    left.plotly_chart(figures["scale"], key="train_chart_scale")
-    right.plotly_chart(figures["memory"], key="train_chart_memory")
+    draw(right, "step_time")
+    draw(left, "scale")
+    draw(right, "memory")
     lr = plots.constant_lr(series)
     if lr is None:
-        left.plotly_chart(figures["lr"], key="train_chart_lr")
+        draw(left, "lr")
     else:
         left.markdown(f"**Learning rate** constant at **{lr:.3g}** in every lane (a chart appears when it moves).")
     if "ranks" in figures:  # a torchrun job: each rank's step time
-        right.plotly_chart(figures["ranks"], key="train_chart_ranks")
+        draw(right, "ranks")
         ranks = rank_table(series)
         st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
                      column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
@@ -674,7 +691,8 @@ def charts(frame: LiveFrame, seeds: dict[str, int]) -> None:
 def live_view() -> None:
     # This tick's reading of the run, shared by every session showing it; read anew when the page is drawn whole
     # (opened, or its user acted: a Pause shows paused at once), shared on the timer's redraws.
-    frame = room.frame(manager, run_id, fresh=st.session_state.pop("train_drawn_whole", False))
+    drawn_whole = st.session_state.pop("train_drawn_whole", False)
+    frame = room.frame(manager, run_id, fresh=drawn_whole)
     series, info = frame.series, frame.info
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
@@ -690,7 +708,7 @@ def live_view() -> None:
     seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)
-    charts(frame, seeds)
+    charts(frame, seeds, drawn_whole)
     if info.config.get("device") == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
