@@ -34,6 +34,7 @@ from bench.st_client import Room, Viewer
 from bench.viewers import (
     CHROMIUM,
     CHROMIUM_ARGS,
+    SCROLL_TO_TOP,
     VIEWPORT,
     cores_busy,
     cpu_seconds,
@@ -85,6 +86,20 @@ def follow_chart(page, seconds: float) -> list[tuple[float, str, int]]:
             last = drawn
         time.sleep(POLL_S)
     return seen
+
+
+PAINTED = """() => Promise.all([window, ...[...document.querySelectorAll('iframe')].map(f => f.contentWindow)]
+    .map(w => new Promise(done => w.requestAnimationFrame(() => w.requestAnimationFrame(done)))))"""
+"""Every frame has painted twice since: a chart scrolled into view is drawn, not the blank of a frame the browser left
+unpainted while it was out of sight."""
+
+
+def save_screenshot(page, path: Path) -> None:
+    """The presenter's Train page, its live view scrolled to the top, once every chart in view has painted."""
+    page.get_by_text("Run status:").first.evaluate(SCROLL_TO_TOP)
+    page.evaluate(PAINTED)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))
 
 
 def lags(store: Path, run_id: str, seen: list[tuple[float, str, int]]) -> list[float]:
@@ -144,10 +159,7 @@ def main() -> None:
                     statistics.mean((v.fragment_runs - f) / seconds
                                     for v, (_, f) in zip(room.viewers, counts, strict=True))))
                 if round_ == args.rounds - 1 and args.screenshot:
-                    page.get_by_text("Run", exact=True).first.scroll_into_view_if_needed()
-                    page.get_by_text("Run status:").first.evaluate("node => node.scrollIntoView({block: 'start'})")
-                    args.screenshot.parent.mkdir(parents=True, exist_ok=True)
-                    page.screenshot(path=str(args.screenshot))
+                    save_screenshot(page, args.screenshot)
                 context.close()
                 room.stop()
         finally:
@@ -155,8 +167,10 @@ def main() -> None:
             streamlit_server.stop(server)  # stops its run (its last records flushed)
         q, w = lane_steps_per_s(store, run_id, quiet), lane_steps_per_s(store, run_id, watched)
         lag = lags(store, run_id, seen)
-    for kind, windows in busy.items():
-        print(f"{kind}_server_cores_busy=" + "/".join(f"{found.get('server_and_run', 0.0):.2f}" for found in windows))
+    for kind, windows in busy.items():  # where the cores went: the server (its run's thread too), the browser
+        roles = sorted({role for found in windows for role in found})
+        print(f"{kind}_cores_busy=" + ",".join(
+            f"{role}:" + "/".join(f"{found.get(role, 0.0):.2f}" for found in windows) for role in roles))
     print("unwatched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in q))
     print("watched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in w))
     print("viewer_bytes_per_s=" + ",".join(f"{b:.0f}" for b, _ in received))
