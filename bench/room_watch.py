@@ -95,8 +95,8 @@ unpainted while it was out of sight."""
 
 
 def save_screenshot(page, path: Path) -> None:
-    """The presenter's Train page, its live view scrolled to the top, once every chart in view has painted."""
-    page.get_by_text("Run status:").first.evaluate(SCROLL_TO_TOP)
+    """The presenter's Train page, its run picker scrolled to the top, once every chart in view has painted."""
+    page.get_by_text("Run", exact=True).first.evaluate(SCROLL_TO_TOP)  # the run picker at the top, below the header
     page.evaluate(PAINTED)
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
