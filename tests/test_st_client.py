@@ -39,6 +39,6 @@ def test_viewers_open_pages_and_follow_a_live_run(fresh_store):
     assert not train.error and not compare.error
     assert "Train" in train.texts
     assert any("Run status: **running**" in text for text in train.texts)
-    assert train.elements["plotly_chart"] >= 4 and train.kinds["auto_rerun"] >= 1
+    assert train.elements["component_instance"] >= 4 and train.kinds["auto_rerun"] >= 1  # its live charts
     assert "Compare runs" in compare.texts
     assert compare.elements["dataframe"] >= 1
