@@ -52,8 +52,10 @@ SCROLL_TO_TOP = """label => {
     while (box && box.scrollHeight <= box.clientHeight) box = box.parentElement;
     if (box) box.scrollTop -= 110;
 }"""
-CHART_DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].some(div => div._fullData &&
-    div._fullData.some(trace => (trace._length || 0) > 0))"""
+# A chart drawn by Streamlit's plotly element, or in a live chart's frame (pages/live_chart.py, same origin).
+CHART_DRAWN = """() => [document, ...[...document.querySelectorAll('iframe')].map(f => f.contentDocument)]
+    .filter(doc => doc).flatMap(doc => [...doc.querySelectorAll('.js-plotly-plot')])
+    .some(div => div._fullData && div._fullData.some(trace => (trace._length || 0) > 0))"""
 
 
 def reader(store: Path) -> RunStore:
@@ -200,8 +202,8 @@ def launch_in_server(browser, url: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    # 10 s: a watched window holds exactly one of Compare's redraws (every 10 s) and three or four of Train's (every
-    # 3 s); an 8 s window held none or one of Compare's, so its figure depended on where the timer stood.
+    # 10 s: a watched window holds exactly one of Compare's redraws (every 10 s) and ten of Train's (every second);
+    # an 8 s window held none or one of Compare's, so its figure depended on where the timer stood.
     parser.add_argument("--window", type=float, default=10.0, help="seconds per window")
     parser.add_argument("--screenshot", type=Path, help="save the Train page watching the server's run here (PNG)")
     args = parser.parse_args()

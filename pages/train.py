@@ -21,6 +21,7 @@ from amp_core.config import (
     field_docs,
 )
 from amp_core.extras import missing_extras
+from amp_core.views.shared import live_refresh_s
 from pages.common import (
     app_frame,
     can_control,
@@ -35,11 +36,10 @@ from pages.common import (
 )
 from pages.common import control_note as presenter_note
 
-# The live view's redraw period while a run goes. What a viewer costs a run is mostly the browser redrawing the
-# charts on the same cores (Chromium, headless, 1440x900, a CLI run watched: ~22 CPU s per minute at a 2 s period, of
-# which ~3/4 the plotly charts, whatever their points; the server's own part ~6 s beside it): every 3 s takes a third
-# of both off a run, and the charts still move while one watches (Compare redraws every 10 s).
-REFRESH_S = 3.0
+# The live view's redraw period while a run goes (AMP_LAB_LIVE_REFRESH_S, default 1 s: charts that move every
+# second). What a viewer costs a run is kept small by sharing: a tick's reading of the run, its table and figures are
+# computed once for every session showing it (amp_core.views.shared), so a room costs the server about what one does.
+REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS, SCALER_DOCS = RUN_DEFAULTS, field_docs(RunConfig), field_docs(ScalerConfig)
 # The settings in the form's folded sections, as the form starts (RunConfig's defaults).
@@ -284,11 +284,11 @@ from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
+from amp_core.views.chart_feed import figure_spec  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
     PROGRESS_PX,
-    RecordFollower,
     baseline_mode,
     control_note,
     format_ratio,
@@ -297,17 +297,18 @@ from amp_core.views.live import (  # noqa: E402
     lanes_table,
     what_ran_warnings,
 )
+from amp_core.views.shared import LiveFrame, live_room  # noqa: E402
 from amp_core.views.summary import (  # noqa: E402
     DIFFERENCE_RULE,
     difference_sentences,
     has_replicates,
     lane_seeds,
-    lanes,
     rank_table,
     replicate_differences,
     replicate_table,
 )
 from amp_core.views.tables import markdown_table  # noqa: E402
+from pages.live_chart import live_chart  # noqa: E402
 
 
 @st.cache_data(show_spinner=False)
@@ -522,7 +523,7 @@ if run_id is None:
     st.stop()
 
 
-followers: dict[str, RecordFollower] = st.session_state.setdefault("train_followers", {})
+room = live_room()
 info_at_start = manager.run_info(run_id)
 live_at_start = is_live(info_at_start)
 
@@ -548,9 +549,11 @@ def controls(info: RunInfo) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-def lane_rows(info: RunInfo, series: list) -> None:
-    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane)."""
-    table = lanes_table(info, series)
+def lane_rows(frame: LiveFrame) -> None:
+    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane): made
+    once per tick for every session."""
+    series = frame.series
+    table = room.get(frame, ("lanes_table",), lambda: lanes_table(frame.info, series))
     if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
         table = table.drop(columns=["speed", "memory"])
     labels, widths, against = lane_headers(table, baseline_mode(series))
@@ -625,7 +628,9 @@ def replicates(series: list, seeds: dict[str, int]) -> None:
                "draw each mode as its mean across seeds inside the band from the lowest to the highest seed.")
 
 
-def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> None:
+def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
+    """The run's charts; `whole`: the page was drawn anew (a live chart is then sent whole)."""
+    series = frame.series
     o1, o2, o3, _ = st.columns([2, 2, 2, 2])
     axis = o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
                     help="auto: log when the loss spans a wide range, else linear with a spike left off the axis "
@@ -636,22 +641,39 @@ def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> Non
                          "it); this adds the measured step times themselves.")
     # Spikes by the band the Overflow debugger sets (its expander), else the default one.
     spike_rule = st.session_state.get("spike_rule", SpikeRule())
-    figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                  bands=follower.bands, seeds=seeds, spikes=spike_rule)
+    # This session's choices are part of the key: sessions that chose alike (a room on the defaults) share figures,
+    # and while the run goes, their JSON-ready specs: each session's live charts then get only the points they lack.
+    live = is_live(frame.info)
+    choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())), live)
+
+    def made() -> tuple[dict, dict]:
+        figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
+        return figures, {name: figure_spec(figure) for name, figure in figures.items()} if live else {}
+
+    figures, specs = room.get(frame, choices, made)
+
+    def draw(column, name: str) -> None:
+        if live:
+            with column:
+                live_chart(specs[name], key=f"train_live_{name}", whole=whole)
+        else:
+            column.plotly_chart(figures[name], key=f"train_chart_{name}")
+
     left, right = st.columns(2)
-    left.plotly_chart(figures["loss"], key="train_chart_loss")
+    draw(left, "loss")
     left.caption(f"○ a loss spike: above {spike_rule.describe()}; set on the Overflow debugger, which lists them "
                  "with a Replay button.")
-    right.plotly_chart(figures["step_time"], key="train_chart_step_time")
-    left.plotly_chart(figures["scale"], key="train_chart_scale")
-    right.plotly_chart(figures["memory"], key="train_chart_memory")
+    draw(right, "step_time")
+    draw(left, "scale")
+    draw(right, "memory")
     lr = plots.constant_lr(series)
     if lr is None:
-        left.plotly_chart(figures["lr"], key="train_chart_lr")
+        draw(left, "lr")
     else:
         left.markdown(f"**Learning rate** constant at **{lr:.3g}** in every lane (a chart appears when it moves).")
     if "ranks" in figures:  # a torchrun job: each rank's step time
-        right.plotly_chart(figures["ranks"], key="train_chart_ranks")
+        draw(right, "ranks")
         ranks = rank_table(series)
         st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
                      column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
@@ -667,24 +689,26 @@ def charts(series: list, follower: RecordFollower, seeds: dict[str, int]) -> Non
 @st.fragment(run_every=REFRESH_S if live_at_start else None)
 @store_guarded
 def live_view() -> None:
-    if run_id not in followers:
-        followers[run_id] = RecordFollower(run_id)
-    follower = followers[run_id]
-    series = lanes(follower.update(manager))  # split once: the table and every chart share it
-    info = manager.run_info(run_id)  # after the records: its steps and statuses are at least as new as they are
+    # This tick's reading of the run, shared by every session showing it; read anew when the page is drawn whole
+    # (opened, or its user acted: a Pause shows paused at once), shared on the timer's redraws.
+    drawn_whole = st.session_state.pop("train_drawn_whole", False)
+    frame = room.frame(manager, run_id, fresh=drawn_whole)
+    series, info = frame.series, frame.info
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
     st.markdown(f"{STATUS_SYMBOLS.get(info.status, '')} Run status: **{info.status}** · `{run_id}`")
+    if REFRESH_PROBLEM:
+        st.warning(REFRESH_PROBLEM)
     controls(info)
     what_ran(info)
     lane_problems(info)
-    lane_rows(info, series)
+    lane_rows(frame)
     compiled_lanes(info)
     seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)
-    charts(series, follower, seeds)
+    charts(frame, seeds, drawn_whole)
     if info.config.get("device") == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
@@ -697,6 +721,7 @@ def live_view() -> None:
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 
 
+st.session_state["train_drawn_whole"] = True
 live_view()
 if info_at_start is not None:  # a run's configuration never changes: drawn once, not at every redraw of the view
     with st.expander("Run configuration"):

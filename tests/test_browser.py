@@ -38,7 +38,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 # Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData: points per trace of the loss chart.
 LOSS_POINTS = """() => {
-    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+    // Streamlit's plotly elements, and a live run's charts in their frames (pages/live_chart.py, same origin).
+    const docs = [document, ...Array.from(document.querySelectorAll('iframe')).map(f => f.contentDocument)];
+    for (const div of docs.filter(doc => doc).flatMap(doc => Array.from(doc.querySelectorAll('.js-plotly-plot')))) {
         const title = div.layout && div.layout.title && div.layout.title.text;
         if (!title || !title.includes('Loss') || !div._fullData) continue;
         return Object.fromEntries(div._fullData.map(t => [t.name, t._length || 0]));

@@ -94,13 +94,16 @@ def aggregate(source, start: int, stop: int) -> Buckets:
 
 def envelope(source, start: int, stop: int, max_points: int) -> tuple[int, dict | None, Buckets | None]:
     """(steps per bucket, records, buckets) for [start, stop): (1, every record, None) when the range holds at most
-    `max_points` steps, else (bucket steps, None, an exact envelope in at most about max_points / 3 buckets)."""
+    `max_points` steps, else (bucket steps, None, an exact envelope in at most about max_points / 3 buckets, at least
+    half that many)."""
     span = stop - start
     if span <= max_points:
         return 1, source.raw_rows(start, stop), None
     target = max(1, max_points // POINTS_PER_BUCKET)
     if span <= RAW_BUCKETING_SPAN * max_points:  # a short range reads its records: finer than level 1 would be
-        size = -(-span // target)
+        # A power of two: a live range that grows keeps its buckets until it doubles (a size that followed the span
+        # step by step moved every bucket, and a live chart then got every point again, not the new ones).
+        size = 1 << (-(-span // target) - 1).bit_length()
         return size, None, from_records(source.raw_rows(start, stop), size)
     level = choose_level(span, target)
     size = level_steps(level)
