@@ -11,6 +11,8 @@ import streamlit as st
 from pages.common import (
     device_panel,
     get_manager,
+    loading_note,
+    page_failed,
     plugin_panel,
     sharing_panel,
     store_banner,
@@ -53,10 +55,12 @@ else:
 if not light_first:
     store_banner(get_manager())  # (the Train page says it itself when it draws light first)
 try:
-    navigation.run()
-except Exception as exc:  # the store's server unreachable: said on the page, which redraws once it answers
+    with loading_note():
+        navigation.run()
+except Exception as exc:  # the page's edge: never a traceback on a page (st.rerun / st.stop are BaseExceptions)
     from amp_core.records.store import StoreUnreachable
 
-    if not isinstance(exc, StoreUnreachable):
-        raise
-    wait_for_store(exc)
+    if isinstance(exc, StoreUnreachable):  # the store's server unreachable: the page redraws once it answers
+        wait_for_store(exc)
+    else:  # one line on the page, the stack in the server's log; the next draw runs the page again
+        page_failed(f"The {navigation.title} page", exc)
