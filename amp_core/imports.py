@@ -146,4 +146,8 @@ def _import_mended(name: str) -> types.ModuleType:
         for orphan, module in kept.items():
             if module.__spec__ is not specs[orphan]:  # the import machinery set ours; a config module refuses setattr
                 types.ModuleType.__setattr__(module, "__spec__", specs[orphan])
-            sys.modules.setdefault(orphan, module)  # one its package did not import this time stays as it was
+            sys.modules.setdefault(orphan, module)
+        for orphan in sorted(kept, key=lambda orphan: orphan.count(".")):  # ones their package did not import anew:
+            parent, _, child = orphan.rpartition(".")  # bound on it as their first import did (outer ones first)
+            if parent in sys.modules and not hasattr(sys.modules[parent], child):
+                setattr(sys.modules[parent], child, sys.modules[orphan])
