@@ -93,8 +93,9 @@ def read_device_facts() -> DeviceFacts:
 class WarmUp:
     """The server's imports and device facts, made on a background thread that the first script run starts: the
     first page is drawn from light data meanwhile. `core` is set once the device facts are read (torch imported),
-    `done` once everything is imported. Then the objects imported so far are frozen out of the garbage collector's
-    full passes: each would otherwise walk torch's objects while holding the GIL a training thread needs.
+    `done` once everything the pages draw with is imported (torch's compiler stack and torchao follow, through the
+    import gate: amp_core.imports). Then the objects imported so far are frozen out of the garbage collector's full
+    passes: each would otherwise walk torch's objects while holding the GIL a training thread needs.
 
     The imports wait until the first page has drawn what it can without them (`painted`, set when a page first waits
     for them) and the browser has fetched what it needs to show it: importing torch holds the interpreter for
@@ -131,7 +132,10 @@ class WarmUp:
         # Then torch's compiler stack and torchao, through the import gate: sessions arriving together would
         # otherwise import them from several threads at once (they import in cycles). A page that needs one meanwhile
         # waits at the gate, under a "loading" note (loading_note).
-        imports.warm()
+        try:
+            imports.warm()
+        except imports.ImportBroken as broken:  # each page that needs it says so, at its edge
+            LOG.error("the warm-up's imports failed", exc_info=broken)
         gc.collect()
         gc.freeze()
 
