@@ -35,13 +35,17 @@ _importing: list[str] = []
 """What the gate imports now (innermost last), for a page's "loading …" note."""
 
 
+RESTART = "restart the process (the dashboard: stop `amp-lab ui` and start it again)"
+
+
 class ImportBroken(RuntimeError):
     """A gated module could not be imported even after its broken leftovers were mended: only a restart mends it."""
 
 
 def importing() -> str | None:
     """The module the gate imports now, or None (read without the lock: a note, never a decision)."""
-    return _importing[0] if _importing else None
+    names = list(_importing)
+    return names[0] if names else None
 
 
 def heavy_import(name: str) -> types.ModuleType:
@@ -63,23 +67,27 @@ def heavy_import(name: str) -> types.ModuleType:
             except ModuleNotFoundError as missing:
                 if missing.name is not None and (name == missing.name or name.startswith(missing.name + ".")):
                     raise  # not installed here: the caller says which extra brings it
-                why = f"{type(missing).__name__}: {missing}"
+                why = _in_brief(missing)
             except Exception as error:  # a cycle entered by another thread outside the gate, or an earlier failure
-                why = f"{type(error).__name__}: {error}"
+                why = _in_brief(error)
             try:
                 module = _import_mended(name)
             except Exception as error:
-                raise ImportBroken(f"{name} cannot be imported in this process ({type(error).__name__}: "
-                                   f"{str(error).splitlines()[0] if str(error) else ''}; first: {why}): "
-                                   "restart it (the server: stop `amp-lab ui` and start it again)") from error
+                raise ImportBroken(f"{name} cannot be imported in this process ({_in_brief(error)}; first: {why}): "
+                                   f"{RESTART}") from error
             left = broken_modules(family(name))
             if left:
                 raise ImportBroken(f"{name} stays half-imported in this process ({', '.join(left[:3])}; first: "
-                                   f"{why}): restart it (the server: stop `amp-lab ui` and start it again)")
+                                   f"{why}): {RESTART}")
             _WHOLE.add(name)
             return module
         finally:
             _importing.pop()
+
+
+def _in_brief(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def compiler_ready() -> None:
