@@ -35,15 +35,17 @@ PAGES = (("", "Train"), ("advise", "Advise"), ("op_inspector", "Op inspector"),
          ("layer_numerics", "Layer numerics"), ("overflow_debugger", "Overflow debugger"), ("compare", "Compare runs"),
          ("workshop", "Workshop"), ("formats", "Number formats"))
 """Each page's URL path and the title it draws first (app.py's st.Page list)."""
-USABLE = """title => {
+USABLE = """([title, marker]) => {
     const app = document.querySelector('[data-testid="stApp"]');
     const heading = [...document.querySelectorAll('[data-testid="stMain"] h1')]
         .some(h => h.innerText.trim().startsWith(title));
-    const failed = document.querySelector('[data-testid="stException"]');
+    const failed = document.querySelector('[data-testid="stException"]')
+        || [...document.querySelectorAll('[data-testid="stAlert"]')].some(e => e.innerText.includes(marker));
     return (heading || failed) && app && app.dataset.testScriptState === 'notRunning'
         && document.querySelectorAll('[data-stale="true"]').length === 0;
 }"""
-"""The page's title (or a traceback) is drawn, its script run has ended and nothing of an older run is left."""
+"""The page's title (or a traceback, or the page edge's one line) is drawn, its script run has ended and nothing of
+an older run is left."""
 FAILURES = """marker => ({
     tracebacks: [...document.querySelectorAll('[data-testid="stException"]')].map(e => e.innerText.slice(0, 300)),
     lines: [...document.querySelectorAll('[data-testid="stAlert"]')].map(e => e.innerText)
@@ -72,7 +74,7 @@ async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, 
         await start.wait()
         started = time.perf_counter()
         await page.goto(f"{url}/{path}")
-        await page.wait_for_function(USABLE, arg=title, timeout=timeout_s * 1e3, polling=50)
+        await page.wait_for_function(USABLE, arg=[title, PAGE_FAILED], timeout=timeout_s * 1e3, polling=50)
         usable_s = time.perf_counter() - started
         found = await page.evaluate(FAILURES, PAGE_FAILED)
         return Visit(path, usable_s, found["tracebacks"], found["lines"])
