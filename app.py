@@ -10,6 +10,7 @@ import streamlit as st
 
 from pages.common import (
     device_panel,
+    framed,
     get_manager,
     loading_note,
     page_failed,
@@ -54,8 +55,9 @@ else:
         store_panel(get_manager())
 if not light_first:
     store_banner(get_manager())  # (the Train page says it itself when it draws light first)
+loading_note()
 try:
-    with loading_note():
+    with framed():  # the page's app_frame() knows it is drawn in this frame
         navigation.run()
 except Exception as exc:  # the page's edge: never a traceback on a page (st.rerun / st.stop are BaseExceptions)
     from amp_core.records.store import StoreUnreachable

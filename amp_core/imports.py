@@ -99,6 +99,8 @@ def compiler_ready() -> None:
 def warm() -> None:
     """Import WARM through the gate, in order (a server's warm-up thread: the pages that need them wait briefly)."""
     for name in WARM:
+        if not threading.main_thread().is_alive():  # the process is ending: an import now fails half-way
+            return
         try:
             heavy_import(name)
         except ModuleNotFoundError:  # an extra not installed here: the pages that need it say so

@@ -12,8 +12,9 @@ amp_core.imports gated those imports. Each try:
 - then a second fresh server that only the room's slowest page opens, alone: the lone session's first-usable time.
 
     python3 -m bench.room [--sessions 8] [--tries 5] [--timeout 120]   (from the repository root)
-Per try: pages_with_exception, slowest_s, lone_s, slowest_vs_lone. Last line: pages_with_exception=<sum over tries>.
-Targets: pages_with_exception=0 in every try; slowest_vs_lone <= 2.
+Per try: pages_with_exception, pages_unframed (drawn alone, without app.py's sidebar), slowest_s, lone_s,
+slowest_vs_lone. Last line: pages_with_exception=<sum over tries>.
+Targets: pages_with_exception=0 and pages_unframed=0 in every try; slowest_vs_lone <= 2.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ USABLE = """([title, marker]) => {
 """The page's title (or a traceback, or the page edge's one line) is drawn, its script run has ended and nothing of
 an older run is left."""
 FAILURES = """marker => ({
+    unframed: !document.querySelector('[data-testid="stSidebar"] [data-testid="stPageLink"]'),
     tracebacks: [...document.querySelectorAll('[data-testid="stException"]')].map(e => e.innerText.slice(0, 300)),
     lines: [...document.querySelectorAll('[data-testid="stAlert"]')].map(e => e.innerText)
         .filter(text => text.includes(marker)).map(text => text.slice(0, 300)),
 })"""
-"""What went wrong on a page: Streamlit's traceback elements, and our page edge's one-line errors."""
+"""What went wrong on a page: Streamlit's traceback elements, our page edge's one-line errors, and whether the page
+was drawn without app.py's frame (no sidebar: the page ran alone, narrow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class Visit:
     usable_s: float
     tracebacks: list[str]
     lines: list[str]
+    unframed: bool
 
     @property
     def failed(self) -> bool:
@@ -77,7 +81,7 @@ async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, 
         await page.wait_for_function(USABLE, arg=[title, PAGE_FAILED], timeout=timeout_s * 1e3, polling=50)
         usable_s = time.perf_counter() - started
         found = await page.evaluate(FAILURES, PAGE_FAILED)
-        return Visit(path, usable_s, found["tracebacks"], found["lines"])
+        return Visit(path, usable_s, found["tracebacks"], found["lines"], found["unframed"])
     finally:
         await context.close()
 
@@ -108,7 +112,7 @@ async def on_fresh_server(browser, pages: list[tuple[str, str]], timeout_s: floa
 
 def report(label: str, visits: list[Visit]) -> None:
     for one in visits:
-        for text in one.tracebacks + one.lines:
+        for text in one.tracebacks + one.lines + (["drawn alone, without the app's sidebar"] if one.unframed else []):
             print(f"# {label} /{one.path}: {' '.join(text.split())[:240]}")
 
 
@@ -116,7 +120,7 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
     from playwright.async_api import async_playwright
 
     pages = [PAGES[index % len(PAGES)] for index in range(sessions)]
-    failed_total, ratios = 0, []
+    failed_total, unframed_total, ratios = 0, 0, []
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -129,14 +133,18 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
                 report(f"try {attempt} reopened", again)
                 failed = sum(one.failed for one in first) + sum(one.failed for one in again)
                 failed_total += failed
+                unframed = sum(one.unframed for one in first + again)
+                unframed_total += unframed
                 ratios.append(slowest.usable_s / lone.usable_s)
                 print(f"try={attempt} pages_with_exception={failed} room_failed={sum(o.failed for o in first)} "
-                      f"reopened_failed={sum(o.failed for o in again)} slowest_page=/{slowest.path} "
+                      f"reopened_failed={sum(o.failed for o in again)} pages_unframed={unframed} "
+                      f"slowest_page=/{slowest.path} "
                       f"slowest_s={slowest.usable_s:.2f} lone_s={lone.usable_s:.2f} "
                       f"slowest_vs_lone={ratios[-1]:.2f}", flush=True)
         finally:
             await browser.close()
     print(f"sessions={sessions}")
+    print(f"pages_unframed={unframed_total}")
     print(f"slowest_vs_lone_median={statistics.median(ratios):.2f}")
     print(f"pages_with_exception={failed_total}")
 

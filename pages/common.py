@@ -150,16 +150,32 @@ class WarmUp:
         return self.facts or read_device_facts()
 
 
+_THIS_RUN = threading.local()
+"""Per script thread: `framed` while app.py runs the page (a session's script runs on its own thread)."""
+
+
+@contextlib.contextmanager
+def framed():
+    """app.py runs the page inside this: the page's app_frame() then knows it is drawn inside the app's frame."""
+    _THIS_RUN.framed = True
+    try:
+        yield
+    finally:
+        _THIS_RUN.framed = False
+
+
 def app_frame() -> None:
     """Draw this page inside app.py's frame (sidebar, wide layout, device panel); every page calls it first.
 
     Streamlit reads a pages/ folder the old way until an app's st.navigation has run once in the server: a page opened
     by its own URL first (a bookmark, a reload after a restart) then runs alone, narrow and without the sidebar. Here
     that is put right: say st.navigation has taken over (what its first run would set) and run again, so that app.py
-    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it."""
+    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it. Whether
+    this run is framed is asked of this run (`framed`), not of the switch: sessions that opened their pages at the same
+    moment all started alone, and the first to get here turns the switch for all of them."""
     from streamlit.runtime.pages_manager import PagesManager
 
-    if PagesManager.uses_pages_directory and not _under_app_test():
+    if not getattr(_THIS_RUN, "framed", False) and not _under_app_test():
         PagesManager.uses_pages_directory = False
         st.rerun()
 
@@ -227,20 +243,14 @@ def page_failed(what: str, error: BaseException) -> None:
     st.error(failure_line(what, error), icon=":material/error:")
 
 
-@contextlib.contextmanager
-def loading_note():
-    """A short note above the page while the import gate is busy (a fresh server's warm-up importing torch's compiler
-    stack): a page that needs it waits at the gate meanwhile. Gone once the page has drawn."""
+def loading_note() -> None:
+    """A short note while the import gate is busy (a fresh server's warm-up importing torch's compiler stack): a page
+    that needs it waits at the gate meanwhile. A toast, gone by itself: a note on the page would have to be cleared
+    after the page, and a page that ends with st.stop() draws nothing more."""
     busy = imports.importing()
-    if busy is None:
-        yield
-        return
-    slot = st.empty()
-    slot.caption(f":material/hourglass_top: Loading `{busy}` (a fresh server imports it once)…")
-    try:
-        yield
-    finally:
-        slot.empty()
+    if busy is not None:
+        st.toast(f"Loading `{busy}` (a fresh server imports it once)…", icon=":material/hourglass_top:",
+                 duration="long")
 
 
 def store_guarded(draw):

@@ -1,6 +1,7 @@
 """A room opens the dashboard at once (bench.room's room, in a real browser on a real server): a fresh server, every
 page opened by its own session at the same moment, then every page reopened in a new session; no page shows a
-traceback or the page edge's one-line error, in each of three tries (a fresh server each)."""
+traceback or the page edge's one-line error, and none is drawn alone without app.py's frame, in each of three tries (a
+fresh server each)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ async def rooms(store_folder: Path) -> list[str]:
                         for visit in await room(browser, url, list(PAGES), TIMEOUT_S):
                             failures += [f"try {attempt} {label} /{visit.path}: {text}"
                                          for text in visit.tracebacks + visit.lines]
+                            if visit.unframed:
+                                failures.append(f"try {attempt} {label} /{visit.path}: drawn alone, no sidebar")
                     log = streamlit_server.log_path(store_folder / f"try{attempt}" / "runs.sqlite3").read_text()
                     failures += [f"try {attempt} server log: {line}" for line in log.splitlines()
                                  if PAGE_FAILED in line]
