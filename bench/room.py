@@ -48,7 +48,7 @@ USABLE = """([title, marker]) => {
 """The page's title (or a traceback, or the page edge's one line) is drawn, its script run has ended and nothing of
 an older run is left."""
 FAILURES = """marker => ({
-    unframed: !document.querySelector('[data-testid="stSidebar"] [data-testid="stPageLink"]'),
+    unframed: !(document.querySelector('[data-testid="stSidebar"]')?.innerText || '').includes('Device'),
     tracebacks: [...document.querySelectorAll('[data-testid="stException"]')].map(e => e.innerText.slice(0, 300)),
     lines: [...document.querySelectorAll('[data-testid="stAlert"]')].map(e => e.innerText)
         .filter(text => text.includes(marker)).map(text => text.slice(0, 300)),
