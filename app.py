@@ -10,7 +10,10 @@ import streamlit as st
 
 from pages.common import (
     device_panel,
+    framed,
     get_manager,
+    loading_note,
+    page_failed,
     plugin_panel,
     sharing_panel,
     store_banner,
@@ -52,11 +55,14 @@ else:
         store_panel(get_manager())
 if not light_first:
     store_banner(get_manager())  # (the Train page says it itself when it draws light first)
+loading_note()
 try:
-    navigation.run()
-except Exception as exc:  # the store's server unreachable: said on the page, which redraws once it answers
+    with framed():  # the page's app_frame() knows it is drawn in this frame
+        navigation.run()
+except Exception as exc:  # the page's edge: never a traceback on a page (st.rerun / st.stop are BaseExceptions)
     from amp_core.records.store import StoreUnreachable
 
-    if not isinstance(exc, StoreUnreachable):
-        raise
-    wait_for_store(exc)
+    if isinstance(exc, StoreUnreachable):  # the store's server unreachable: the page redraws once it answers
+        wait_for_store(exc)
+    else:  # one line on the page, the stack in the server's log; the next draw runs the page again
+        page_failed(f"The {navigation.title} page", exc)

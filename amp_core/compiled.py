@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from amp_core import torch_private
+from amp_core.imports import compiler_ready
 from amp_core.precision import compile_option, parse_recipe
 from amp_core.probes.compiled_ops import CompiledSummary, GraphCapture
 
@@ -133,6 +134,7 @@ def compile_in_place(model: torch.nn.Module, mode: str) -> None:
     outside the compiled module; `lane_backend`): `nn.Module.compile`, so names and parameters stay the module's
     own; a deepcopy of it is eager (torch drops the compiled call when copying). Lazy: dynamo compiles on the first
     call."""
+    compiler_ready()
     model.compile(backend=lane_backend(mode))
 
 

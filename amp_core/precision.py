@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.imports import compiler_ready, heavy_import
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
 from amp_core.torch_private import forward_hooks, remove_forward_hooks
 from amp_core.torchao_logs import drop_expected_torchao_lines
@@ -150,6 +151,7 @@ class Precision:
         why = self.refuses_optimizer(optimizer, fused)
         if why:
             raise ValueError(why)
+        compiler_ready()  # torch's Optimizer imports torch._dynamo on its first build: through the gate, not here
         states = next((o for o in self.options if isinstance(o, OptimizerStates)), None)
         rounding = any(isinstance(o, StochasticRounding) for o in self.options)
         if states is not None or rounding:
@@ -326,6 +328,7 @@ class Float8Matmuls(RecipeOption):
         if out_features % FP8_DIM_MULTIPLE or in_features % FP8_DIM_MULTIPLE:
             return f"misshaped: {in_features}->{out_features} is not a multiple of {FP8_DIM_MULTIPLE}"
         if _device_type(device) == "cuda":
+            heavy_import("torchao.float8.float8_linear_utils")
             from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
             # torchao 0.18 has thresholds for tensorwise and rowwise only (rowwise_with_gw_hp raises
@@ -364,6 +367,7 @@ class Float8Matmuls(RecipeOption):
     def cast_scale(self, tensor: torch.Tensor, role: str, dtype: torch.dtype) -> torch.Tensor:
         """The scale torchao's own code gives `tensor` cast to `dtype` as this recipe casts `role` (tensorwise: one
         for the tensor; rowwise: one per row of the last dim, rounded down to a power of 2); broadcastable to it."""
+        heavy_import("torchao.float8")
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import tensor_to_scale
 
@@ -375,6 +379,7 @@ class Float8Matmuls(RecipeOption):
 
     def scaling(self) -> str:
         """How this recipe scales a tensor before its cast, for people."""
+        heavy_import("torchao.float8")
         from torchao.float8.config import ScalingGranularity
 
         rowwise = self.cast_config("input").scaling_granularity is ScalingGranularity.AXISWISE
@@ -383,6 +388,7 @@ class Float8Matmuls(RecipeOption):
         return ("one scale per row (last dim)" if rowwise else "one scale per tensor") + rounded
 
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
+        heavy_import("torchao.float8")
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
@@ -399,6 +405,7 @@ class Float8Matmuls(RecipeOption):
 
 @functools.lru_cache(maxsize=4)
 def _float8_config(torchao_recipe: str):
+    heavy_import("torchao.float8")
     from torchao.float8 import Float8LinearConfig
 
     return Float8LinearConfig.from_recipe_name(torchao_recipe)
@@ -1047,6 +1054,7 @@ def _torchao_adam(params: Iterable[torch.nn.Parameter], decoupled: bool, state_f
     """torchao's Adam(W) with moments in `state_format` (8bit | 4bit | fp8 | bf16 | "" = the parameter's dtype) and
     bf16 stochastic rounding on or off. Weight decay follows torch's defaults (Adam 0, AdamW 0.01) so a recipe lane
     differs from its plain twin only by the recipe."""
+    heavy_import("torchao.optim")
     import torchao.optim
 
     weight_decay = 1e-2 if decoupled else 0.0
@@ -1065,6 +1073,7 @@ def _torchao_adam(params: Iterable[torch.nn.Parameter], decoupled: bool, state_f
 def _bf16_state_adamw() -> type:
     """torchao's _AdamW whose moments are bf16 tensors (its update math stays fp32; each moment is rounded to bf16
     when stored), whatever the parameter's dtype."""
+    heavy_import("torchao.optim")
     import torchao.optim
 
     class AdamWBf16States(torchao.optim._AdamW):
@@ -1077,6 +1086,7 @@ def _bf16_state_adamw() -> type:
 def fused_optimizer_support(device: str = "auto") -> tuple[bool, str]:
     """(ok, reason): whether torch has fused Adam/AdamW kernels for `device` (asked by building one)."""
     device = resolve_device(device)
+    compiler_ready()
     try:
         torch.optim.Adam([torch.nn.Parameter(torch.zeros(1, device=device))], fused=True)
     except (RuntimeError, ValueError) as exc:

@@ -186,10 +186,10 @@ def remove_forward_hooks(module: torch.nn.Module, kind: type) -> int:
 
 # --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.compiled) and their op view --------
 def _private_module(name: str):
-    import importlib
+    from amp_core.imports import heavy_import  # torch's compiler stack imports in cycles: one thread at a time
 
     try:
-        return importlib.import_module(name)
+        return heavy_import(name)
     except ImportError:
         raise TorchAPIChanged(name) from None
 

@@ -11,7 +11,7 @@ from amp_core.diagnostics.advise import AdviceJob, AdviseConfig
 from amp_core.precision import BASELINE_MODE, recipe_candidates, resolve_device
 from amp_core.views import advise as views
 from amp_core.workloads import WORKLOADS
-from pages.common import app_frame, can_control, control_note, get_manager
+from pages.common import app_frame, can_control, control_note, get_manager, store_guarded
 
 REFRESH_S = 1.0  # the progress redraw period while the advisor measures
 JOB_KEY = "advise_job"
@@ -107,6 +107,7 @@ def draw_result(job: AdviceJob) -> None:
 
 
 @st.fragment(run_every=REFRESH_S if busy else None)
+@store_guarded
 def progress_view() -> None:
     if not job.done:
         message = job.progress[-1][1] if job.progress else "starting…"

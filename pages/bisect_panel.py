@@ -10,7 +10,7 @@ from amp_core.config import ConfigError
 from amp_core.diagnostics.bisect import fixed_race_config, recorded_bisects, start_bisect
 from amp_core.fixes import fix_code
 from amp_core.views.bisect import price_frame, trials_frame
-from pages.common import can_control, control_note
+from pages.common import can_control, control_note, store_guarded
 
 
 def bisect_panel(manager, run_id: str, lane: int, key: str) -> None:
@@ -31,6 +31,7 @@ def bisect_panel(manager, run_id: str, lane: int, key: str) -> None:
 
 
 @st.fragment(run_every=1.0)
+@store_guarded
 def _progress(manager, run_id: str, lane: int, key: str) -> None:
     job = st.session_state.get("bisect_jobs", {}).get((run_id, lane))
     if job is not None and not job.done:

@@ -7,6 +7,7 @@ amp_core.catalog while the warm-up imports the rest on a background thread.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import streamlit as st
+from streamlit.logger import get_logger
 
-from amp_core import background
+from amp_core import background, imports
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,6 +45,10 @@ PAINT_WAIT_S = 2.0
 """The longest the warm-up waits for the first page to draw before it imports (a page that fails before it says so)."""
 PAINT_SETTLE_S = 0.5
 """Then how long it leaves the browser to fetch the code of the page's widgets from this server (a request each)."""
+PAGE_FAILED = "could not be drawn"
+"""In the one line a page (or a live part of it) shows instead of a traceback when drawing it raised (page_failed)."""
+LOG = get_logger("amp_lab.pages")
+"""The server's log (Streamlit's format, on the server's output): where a page's failure goes with its stack."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +93,9 @@ def read_device_facts() -> DeviceFacts:
 class WarmUp:
     """The server's imports and device facts, made on a background thread that the first script run starts: the
     first page is drawn from light data meanwhile. `core` is set once the device facts are read (torch imported),
-    `done` once everything is imported. Then the objects imported so far are frozen out of the garbage collector's
-    full passes: each would otherwise walk torch's objects while holding the GIL a training thread needs.
+    `done` once everything the pages draw with is imported (torch's compiler stack and torchao follow, through the
+    import gate: amp_core.imports). Then the objects imported so far are frozen out of the garbage collector's full
+    passes: each would otherwise walk torch's objects while holding the GIL a training thread needs.
 
     The imports wait until the first page has drawn what it can without them (`painted`, set when a page first waits
     for them) and the browser has fetched what it needs to show it: importing torch holds the interpreter for
@@ -122,6 +129,15 @@ class WarmUp:
             gc.freeze()
         finally:
             self.done.set()
+        # Then torch's compiler stack and torchao, through the import gate: sessions arriving together would
+        # otherwise import them from several threads at once (they import in cycles). A page that needs one meanwhile
+        # waits at the gate, under a "loading" note (loading_note).
+        try:
+            imports.warm()
+        except imports.ImportBroken as broken:  # each page that needs it says so, at its edge
+            LOG.error("the warm-up's imports failed", exc_info=broken)
+        gc.collect()
+        gc.freeze()
 
     def wait_core(self) -> None:
         """Wait for torch and the device facts (a page that waits has drawn all it can without them)."""
@@ -134,16 +150,32 @@ class WarmUp:
         return self.facts or read_device_facts()
 
 
+_THIS_RUN = threading.local()
+"""Per script thread: `framed` while app.py runs the page (a session's script runs on its own thread)."""
+
+
+@contextlib.contextmanager
+def framed():
+    """app.py runs the page inside this: the page's app_frame() then knows it is drawn inside the app's frame."""
+    _THIS_RUN.framed = True
+    try:
+        yield
+    finally:
+        _THIS_RUN.framed = False
+
+
 def app_frame() -> None:
     """Draw this page inside app.py's frame (sidebar, wide layout, device panel); every page calls it first.
 
     Streamlit reads a pages/ folder the old way until an app's st.navigation has run once in the server: a page opened
     by its own URL first (a bookmark, a reload after a restart) then runs alone, narrow and without the sidebar. Here
     that is put right: say st.navigation has taken over (what its first run would set) and run again, so that app.py
-    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it."""
+    draws the frame and the page the URL names. Streamlit's own switch (1.67, pinned); nothing else reads it. Whether
+    this run is framed is asked of this run (`framed`), not of the switch: sessions that opened their pages at the same
+    moment all started alone, and the first to get here turns the switch for all of them."""
     from streamlit.runtime.pages_manager import PagesManager
 
-    if PagesManager.uses_pages_directory and not _under_app_test():
+    if not getattr(_THIS_RUN, "framed", False) and not _under_app_test():
         PagesManager.uses_pages_directory = False
         st.rerun()
 
@@ -194,9 +226,38 @@ def unreachable_notice(exc: Exception) -> None:
                f"(it looks every {STORE_RECHECK_S:.0f} s).", icon=":material/cloud_off:")
 
 
+def failure_line(what: str, error: BaseException) -> str:
+    """The one line a page shows for `error` raised while drawing `what`: what failed, why in brief, what to do."""
+    if isinstance(error, imports.ImportBroken):
+        return f"{what} {PAGE_FAILED}: {error}."
+    words = " ".join(str(error).split())
+    why = f"{type(error).__name__}: {words[:240]}{'…' if len(words) > 240 else ''}" if words else type(error).__name__
+    return (f"{what} {PAGE_FAILED} ({why}). The server's log has the details; reload the page to try again, and "
+            "restart the server if it keeps failing.")
+
+
+def page_failed(what: str, error: BaseException) -> None:
+    """Say in one line that drawing `what` raised `error`, and log it with its stack: never a traceback on a page.
+    The next draw runs the page again from the top."""
+    LOG.error("%s %s", what, PAGE_FAILED, exc_info=error)
+    st.error(failure_line(what, error), icon=":material/error:")
+
+
+def loading_note() -> None:
+    """A short note while the import gate is busy (a fresh server's warm-up importing torch's compiler stack): a page
+    that needs it waits at the gate meanwhile. A toast, gone by itself: a note on the page would have to be cleared
+    after the page, and a page that ends with st.stop() draws nothing more."""
+    busy = imports.importing()
+    if busy is not None:
+        st.toast(f"Loading `{busy}` (a fresh server imports it once)…", icon=":material/hourglass_top:",
+                 duration="long")
+
+
 def store_guarded(draw):
-    """A view (a live fragment's body) that says so when the store's server is unreachable, with no traceback, and
-    draws as before at its next run once the server answers."""
+    """A view (a live fragment's body) guarded as app.py guards a page: the store's server unreachable is said as
+    such, anything else in one line with its stack in the server's log (page_failed); with no traceback either way,
+    and its next run tries again. Every fragment's body goes through it: a fragment's own reruns run outside app.py's
+    edge. (Streamlit's st.rerun / st.stop raise BaseExceptions and pass through.)"""
 
     @functools.wraps(draw)
     def guarded(*args, **kwargs):
@@ -206,7 +267,9 @@ def store_guarded(draw):
             return draw(*args, **kwargs)
         except StoreUnreachable as exc:
             unreachable_notice(exc)
-            return None
+        except Exception as error:
+            page_failed("This part of the page", error)
+        return None
 
     return guarded
 
@@ -216,6 +279,7 @@ def wait_for_store(exc: Exception) -> None:
     unreachable_notice(exc)
 
     @st.fragment(run_every=STORE_RECHECK_S)
+    @store_guarded
     def watch() -> None:
         store = get_manager().store
         if store is None or store.reachable():
@@ -366,7 +430,7 @@ def sharing_panel() -> None:
         st.caption(f":material/groups: Shared: **{people} visitor{'' if people == 1 else 's'}** watching "
                    f"read-only{tabs}; only this machine controls the runs.")
 
-    st.fragment(visitors, run_every=VISITORS_REFRESH_S)()
+    st.fragment(store_guarded(visitors), run_every=VISITORS_REFRESH_S)()
 
 
 def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):

@@ -20,6 +20,7 @@ from pages.common import (
     get_manager,
     live_lane_probe,
     run_picker,
+    store_guarded,
 )
 
 DEVICE = resolve_device("auto")
@@ -113,7 +114,7 @@ def attached_trace() -> list[optrace.OpTrace]:
             st.rerun(scope="app")  # the run ended: draw the page once more, with no timer
 
     # While the run is live the status is looked at every second: a request asked again later is followed too.
-    st.fragment(status, run_every=1.0 if live else None)()
+    st.fragment(store_guarded(status), run_every=1.0 if live else None)()
     return [arrived[run_id][1]] if run_id in arrived else []
 
 

@@ -451,7 +451,7 @@ if maxbatch_slot is not None:
             start_maxbatch(float(budget_mib))
         job = st.session_state.get("train_maxbatch")
         polling = job is not None and not job.done
-        st.fragment(maxbatch_result, run_every=0.5 if polling else None)(polling)
+        st.fragment(store_guarded(maxbatch_result), run_every=0.5 if polling else None)(polling)
 
 
 if config is not None:
@@ -464,6 +464,7 @@ if config is not None:
     racing = not watching and not waits_for_user and not busy and known is None
 
     @st.fragment(run_every=PROBE_POLL_S if racing else None)
+    @store_guarded
     def cost_panel() -> None:
         with st.container(border=True):
             st.markdown(f"**What each mode costs here** · {entries[config.workload].title}, {config.size}, "

@@ -99,6 +99,7 @@ def shown(launch: ScenarioLaunch | None) -> ScenarioLaunch | None:
 current = shown(st.session_state.get("workshop_launch") if controlling else presented().get("latest"))
 if not controlling:
     @st.fragment(run_every=FOLLOW_S)
+    @store_guarded
     def follow_presenter() -> None:
         """A visitor's page turns to the presenter's next scenario by itself (compared as `current` was made: a
         launch of a replaced manager against None once reran the page without end)."""

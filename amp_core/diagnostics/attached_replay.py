@@ -47,6 +47,7 @@ from amp_core.diagnostics.replay_modes import (
     replay_targets,
     report_data,
 )
+from amp_core.imports import compiler_ready
 from amp_core.precision import Precision
 from amp_core.probes.numerics import prepare_batch, probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
@@ -199,6 +200,7 @@ class KeptState:
         params = list(model.parameters())
         groups = [{**hyper, "params": [params[index] for index in indices]}
                   for hyper, indices in zip(self.hyper, self.groups, strict=True)]
+        compiler_ready()  # torch's Optimizer imports torch._dynamo itself on a first build: through the gate instead
         optimizer = type(self.optimizer)(groups)
         numbered, start = [], 0
         for hyper, indices in zip(self.hyper, self.groups, strict=True):

@@ -9,8 +9,10 @@ import functools
 @functools.cache
 def transformers_module():
     """The transformers package, imported on first use; a ConfigError naming the extra when it is not installed."""
+    from amp_core.imports import heavy_import
+
     try:
-        import transformers
+        transformers = heavy_import("transformers")
     except ImportError as exc:
         from amp_core.config import ConfigError
 

@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from amp_core.imports import compiler_ready
 from amp_core.precision import Precision
 from amp_core.torch_private import inductor_backend
 
@@ -228,6 +229,7 @@ def trace_compiled(model: nn.Module, precision: Precision, loss: Callable[[torch
             return loss(work(inputs), targets)
 
     inputs, targets = (precision.prepare_input(t) for t in batch)
+    compiler_ready()
     compiled_step = torch.compile(step, backend=inductor_backend(capture.inner, mode))
     with torch.random.fork_rng(devices=[torch.device(precision.device)] if precision.device_type == "cuda" else []), \
             precision.cpu_context():

@@ -1,0 +1,162 @@
+"""A room opens the dashboard at once: a fresh server, N sessions each opening another page at the same moment.
+
+Streamlit runs each session's script on its own thread, so a room arriving together is N threads importing the
+engine (torch's compiler stack, torchao, transformers) for the first time at once: what broke pages before
+amp_core.imports gated those imports. Each try:
+- a fresh `streamlit run app.py` on a free port with an empty store;
+- one Chromium, N fresh contexts (sessions), each opening one page (Train, Advise, Op inspector, ...: the first N of
+  the eight, cycling past eight) at the same moment; a page is usable once its title shows and its script run has
+  ended with nothing stale left on it; then it is looked at for Streamlit's exception element and for the one-line
+  error the page's edge draws (pages.common.PAGE_FAILED), both counted;
+- then every page reopened at once in a new session (a module left broken in the server would show here);
+- then a second fresh server that only the room's slowest page opens, alone: the lone session's first-usable time.
+
+    python3 -m bench.room [--sessions 8] [--tries 5] [--timeout 120]   (from the repository root)
+Per try: pages_with_exception, pages_unframed (drawn alone, without app.py's sidebar), slowest_s, lone_s,
+slowest_vs_lone. Last line: pages_with_exception=<sum over tries>.
+Targets: pages_with_exception=0 and pages_unframed=0 in every try; slowest_vs_lone <= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.viewers import CHROMIUM, CHROMIUM_ARGS, VIEWPORT
+from pages.common import PAGE_FAILED
+from tests import streamlit_server
+
+PAGES = (("", "Train"), ("advise", "Advise"), ("op_inspector", "Op inspector"),
+         ("layer_numerics", "Layer numerics"), ("overflow_debugger", "Overflow debugger"), ("compare", "Compare runs"),
+         ("workshop", "Workshop"), ("formats", "Number formats"))
+"""Each page's URL path and the title it draws first (app.py's st.Page list)."""
+USABLE = """([title, marker]) => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    const heading = [...document.querySelectorAll('[data-testid="stMain"] h1')]
+        .some(h => h.innerText.trim().startsWith(title));
+    const failed = document.querySelector('[data-testid="stException"]')
+        || [...document.querySelectorAll('[data-testid="stAlert"]')].some(e => e.innerText.includes(marker));
+    return (heading || failed) && app && app.dataset.testScriptState === 'notRunning'
+        && document.querySelectorAll('[data-stale="true"]').length === 0;
+}"""
+"""The page's title (or a traceback, or the page edge's one line) is drawn, its script run has ended and nothing of
+an older run is left."""
+FAILURES = """marker => ({
+    unframed: !(document.querySelector('[data-testid="stSidebar"]')?.innerText || '').includes('Device'),
+    tracebacks: [...document.querySelectorAll('[data-testid="stException"]')].map(e => e.innerText.slice(0, 300)),
+    lines: [...document.querySelectorAll('[data-testid="stAlert"]')].map(e => e.innerText)
+        .filter(text => text.includes(marker)).map(text => text.slice(0, 300)),
+})"""
+"""What went wrong on a page: Streamlit's traceback elements, our page edge's one-line errors, and whether the page
+was drawn without app.py's frame (no sidebar: the page ran alone, narrow)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Visit:
+    path: str
+    usable_s: float
+    tracebacks: list[str]
+    lines: list[str]
+    unframed: bool
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.tracebacks or self.lines)
+
+
+async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, timeout_s: float) -> Visit:
+    """One session: a fresh context opens `url/path` when `start` is set; seconds until usable, and what failed."""
+    context = await browser.new_context(viewport=VIEWPORT)
+    try:
+        page = await context.new_page()
+        await start.wait()
+        started = time.perf_counter()
+        await page.goto(f"{url}/{path}")
+        await page.wait_for_function(USABLE, arg=[title, PAGE_FAILED], timeout=timeout_s * 1e3, polling=50)
+        usable_s = time.perf_counter() - started
+        found = await page.evaluate(FAILURES, PAGE_FAILED)
+        return Visit(path, usable_s, found["tracebacks"], found["lines"], found["unframed"])
+    finally:
+        await context.close()
+
+
+async def room(browser, url: str, pages: list[tuple[str, str]], timeout_s: float) -> list[Visit]:
+    """Every page opened at the same moment, each in its own session."""
+    start = asyncio.Event()
+    visits = [asyncio.create_task(visit(browser, url, path, title, start, timeout_s)) for path, title in pages]
+    await asyncio.sleep(0.5)  # every context made: the goto calls then leave together
+    start.set()
+    return list(await asyncio.gather(*visits))
+
+
+async def on_fresh_server(browser, pages: list[tuple[str, str]], timeout_s: float, reopen: bool):
+    """A fresh server (empty store), the room on it, and the room again in new sessions when `reopen`."""
+    port = streamlit_server.free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as folder:
+        proc = streamlit_server.start(port, Path(folder) / "runs.sqlite3", output=subprocess.DEVNULL)
+        try:
+            streamlit_server.wait_healthy(port, proc, timeout_s, poll_s=0.02)
+            first = await room(browser, url, pages, timeout_s)
+            again = await room(browser, url, pages, timeout_s) if reopen else []
+            return first, again
+        finally:
+            streamlit_server.stop(proc)
+
+
+def report(label: str, visits: list[Visit]) -> None:
+    for one in visits:
+        for text in one.tracebacks + one.lines + (["drawn alone, without the app's sidebar"] if one.unframed else []):
+            print(f"# {label} /{one.path}: {' '.join(text.split())[:240]}")
+
+
+async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
+    from playwright.async_api import async_playwright
+
+    pages = [PAGES[index % len(PAGES)] for index in range(sessions)]
+    failed_total, unframed_total, ratios = 0, 0, []
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            await (await browser.new_page()).goto("about:blank")  # the browser's own start is not the server's
+            for attempt in range(1, tries + 1):
+                first, again = await on_fresh_server(browser, pages, timeout_s, reopen=True)
+                slowest = max(first, key=lambda one: one.usable_s)
+                (lone,), _ = await on_fresh_server(browser, [pages[first.index(slowest)]], timeout_s, reopen=False)
+                report(f"try {attempt} room", first)
+                report(f"try {attempt} reopened", again)
+                failed = sum(one.failed for one in first) + sum(one.failed for one in again)
+                failed_total += failed
+                unframed = sum(one.unframed for one in first + again)
+                unframed_total += unframed
+                ratios.append(slowest.usable_s / lone.usable_s)
+                print(f"try={attempt} pages_with_exception={failed} room_failed={sum(o.failed for o in first)} "
+                      f"reopened_failed={sum(o.failed for o in again)} pages_unframed={unframed} "
+                      f"slowest_page=/{slowest.path} "
+                      f"slowest_s={slowest.usable_s:.2f} lone_s={lone.usable_s:.2f} "
+                      f"slowest_vs_lone={ratios[-1]:.2f}", flush=True)
+        finally:
+            await browser.close()
+    print(f"sessions={sessions}")
+    print(f"pages_unframed={unframed_total}")
+    print(f"slowest_vs_lone_median={statistics.median(ratios):.2f}")
+    print(f"pages_with_exception={failed_total}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--tries", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    asyncio.run(main_async(args.sessions, args.tries, args.timeout))
+
+
+if __name__ == "__main__":
+    main()
