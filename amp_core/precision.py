@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.formats.recipes import BLOCK_SCALED_HELP, BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
 from amp_core.torch_private import forward_hooks, remove_forward_hooks
 from amp_core.torchao_logs import drop_expected_torchao_lines
@@ -57,6 +58,7 @@ RECIPE_OPTION_HELP: dict[str, str] = {
     "compile": "the lane's model compiled with torch.compile (inductor); compile time is an event, never step time.",
     "compile-max-autotune": "torch.compile mode='max-autotune': inductor benchmarks kernel choices (a longer compile).",
     "compile-reduce-overhead": "torch.compile mode='reduce-overhead': CUDA graphs replay the step's kernels (CUDA).",
+    **BLOCK_SCALED_HELP,
 }
 """One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
 
@@ -98,6 +100,11 @@ class Precision:
     def float8(self) -> Float8Matmuls | None:
         """The FP8-matmul option of the recipe, if any."""
         return next((o for o in self.options if isinstance(o, Float8Matmuls)), None)
+
+    @property
+    def block_scaled(self) -> BlockScaledMatmuls | None:
+        """The block-scaled matmul option of the recipe (MXFP8, NVFP4, blockwise FP8), if any."""
+        return next((o for o in self.options if isinstance(o, BlockScaledMatmuls)), None)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
@@ -182,6 +189,10 @@ class Precision:
         if self.float8 is not None:
             converted, skipped = self.float8.plan(module, self.device, kept=kept)
             report["fp8_layers"], report["fp8_skipped"] = converted, skipped
+        if self.block_scaled is not None:
+            converted, skipped = self.block_scaled.plan(module, self.device, kept=kept)
+            report["block_format"] = self.block_scaled.format
+            report["block_layers"], report["block_skipped"] = converted, skipped
         return report
 
     def fsdp_policy(self):
@@ -701,6 +712,7 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
                   help=RECIPE_OPTION_HELP["compile-max-autotune"]),
     CompiledModel(name="compile-reduce-overhead", compile_mode="reduce-overhead",
                   help=RECIPE_OPTION_HELP["compile-reduce-overhead"]),
+    *BLOCK_SCALED_OPTIONS,
 )}
 """Every recipe option by name, in the order the UI lists them."""
 
@@ -726,7 +738,8 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
             raise ValueError(f"unknown recipe option {name!r} in {recipe!r}; choose from "
                              f"{', '.join(RECIPE_OPTIONS)}")
         options.append(RECIPE_OPTIONS[name])
-    for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option"),
+    for kind, what in (((Float8Matmuls, BlockScaledMatmuls), "matmul-format option"),
+                       (OptimizerStates, "optimizer-state option"),
                        (ReduceDtype, "reduction option"), (CompiledModel, "compile option")):
         chosen = [option.name for option in options if isinstance(option, kind)]
         if len(chosen) > 1:

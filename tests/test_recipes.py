@@ -50,7 +50,7 @@ def test_a_recipe_parses_into_its_mode_and_option_objects():
     ("fp9-mixed+sr", r"unknown mode 'fp9-mixed'"),
     ("32-true+fp8-rowwise", r"runs on top of bf16-mixed"),
     ("bf16-mixed+sr", r"use it with bf16-true"),
-    ("bf16-mixed+fp8-rowwise+fp8-tensorwise", r"2 FP8 options"),
+    ("bf16-mixed+fp8-rowwise+fp8-tensorwise", r"2 matmul-format options"),
     ("32-true+adamw-8bit+adamw-4bit", r"2 optimizer-state options"),
     ("bf16-true+states-bf16", r"already keeps Adam's states in bf16"),
     ("32-true+", r"unknown recipe option ''"),
