@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amp_core.formats.recipes import BLOCK_SCALED_HELP, BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
+from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
 from amp_core.torch_private import forward_hooks, remove_forward_hooks
 from amp_core.torchao_logs import drop_expected_torchao_lines
@@ -58,9 +58,9 @@ RECIPE_OPTION_HELP: dict[str, str] = {
     "compile": "the lane's model compiled with torch.compile (inductor); compile time is an event, never step time.",
     "compile-max-autotune": "torch.compile mode='max-autotune': inductor benchmarks kernel choices (a longer compile).",
     "compile-reduce-overhead": "torch.compile mode='reduce-overhead': CUDA graphs replay the step's kernels (CUDA).",
-    **BLOCK_SCALED_HELP,
 }
-"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
+"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them (then BLOCK_SCALED_HELP's). FP8 options
+go on bf16-mixed."""
 
 RECIPE_PRESETS: dict[str, tuple[str, ...]] = {
     "FP8 rowwise vs bf16": ("bf16-mixed", "bf16-mixed+fp8-rowwise"),
