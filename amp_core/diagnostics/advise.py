@@ -33,6 +33,7 @@ from amp_core.precision import (
     BASELINE_MODE,
     RECIPE_OPTIONS,
     device_name,
+    get_precision,
     recipe_candidates,
     recipe_mode,
     resolve_device,
@@ -351,6 +352,12 @@ def decide(evidence: Evidence) -> Advice:
                   cannot_tell=tuple(unknowns), decided=decided, evidence=evidence)
 
 
+def _emulated_block_scaled(recipe: str, device: str) -> bool:
+    """Whether `recipe` runs a block-scaled format (MXFP8, NVFP4, blockwise FP8) emulated on `device`."""
+    option = get_precision(recipe, device).block_scaled
+    return option is not None and not option.native(device)
+
+
 def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> list[str]:
     """The limits of this advice that come from the device or the budget, in words."""
     out = []
@@ -359,6 +366,10 @@ def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> l
     if cpu and fp8:
         out.append(f"FP8 on a CPU is emulated (real float8 casts, no FP8 tensor cores): {', '.join(fp8)} tell nothing "
                    "of their speed on a GPU here")
+    block = [c.recipe for c in evidence.candidates if c.runnable and _emulated_block_scaled(c.recipe, evidence.device)]
+    if block:
+        out.append(f"{', '.join(block)} are emulated here (each GEMM operand quantised and dequantised as the format, "
+                   "the products in fp32): judge them on their numerics, not their speed")
     unmeasured = [v.recipe for v in verdicts.values() if v.verdict == "not measured"]
     if unmeasured:
         out.append(f"{len(unmeasured)} runnable candidates were not measured within the budget or not raced "
