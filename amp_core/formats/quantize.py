@@ -62,6 +62,12 @@ class Blocked:
     then lose bits or flush to zero)."""
 
 
+def block_view(x: torch.Tensor, block: int, tile_2d: bool = False) -> torch.Tensor:
+    """`x` grouped as a format groups it: (..., blocks, values of one block), blocks of `block` along the last dim
+    or (tile_2d) square tiles of a 2-D tensor; what shares a scale is in one row."""
+    return _tiles(x, block) if tile_2d else _blocks(x, block)
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     if x.shape[-1] % block:
         raise ValueError(f"the last dimension ({x.shape[-1]}) is not a multiple of the block ({block})")
