@@ -13,12 +13,19 @@ from dataclasses import dataclass
 import torch
 
 from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
+from amp_core.torch_private import forward_hooks
 
 NATIVE_CAPABILITY = {"mxfp8": (10, 0), "nvfp4": (10, 0), "fp8-blockwise": (9, 0)}
 """CUDA compute capability whose tensor cores (and torchao's kernels) run each format: MXFP8 and NVFP4 on Blackwell
 (sm100), blockwise FP8 on Hopper (sm90, torchao's Triton GEMMs)."""
 NATIVE_DIM_MULTIPLE = 128
 """torchao's NVFP4 and blockwise FP8 training kernels need every GEMM dim a multiple of 128."""
+
+def carries_keep_hooks(module: torch.nn.Module) -> bool:
+    """precision.is_kept: whether `module` carries the keep-in-fp32 hooks (`+keep:`), asked by the hooks' class name
+    because precision imports this module (tests/test_block_formats.py checks both answers agree)."""
+    return any(type(hook).__name__ == "_KeepEnter" for hook in forward_hooks(module))
+
 
 BLOCK_SCALED_HELP: dict[str, str] = {
     "mxfp8": "MXFP8 matmuls: e4m3 values, one power-of-two (e8m0) scale per 32, RCEIL (torchao; Blackwell).",
@@ -78,10 +85,8 @@ class BlockScaledMatmuls:
         """(Linear layers converted, {layer: why not}) for `module`: a layer in a kept module (`kept`, or carrying
         the keep hooks) stays out, as do layers whose dims are not whole blocks (on a GPU with the kernels: not
         multiples of theirs)."""
-        from amp_core.precision import is_kept
-
         converted, skipped = [], {}
-        kept = {*kept, *(name for name, layer in module.named_modules() if is_kept(layer))}
+        kept = {*kept, *(name for name, layer in module.named_modules() if carries_keep_hooks(layer))}
         native = self.native(device)
         for name, layer in module.named_modules():
             if type(layer) is torch.nn.Linear:
