@@ -16,7 +16,7 @@ from amp_core.workshop.verdicts import CannotTell
 BASELINE, MXFP8, NVFP4, NO_RHT = ("bf16-mixed", "bf16-mixed+mxfp8", "bf16-mixed+nvfp4", "bf16-mixed+nvfp4-no-rht")
 MODES = (BASELINE, MXFP8, NVFP4, NO_RHT)
 SEEDS = 2
-STEPS = 100
+STEPS = 60
 BLOCK_NUMERICS_EVENT = "block_numerics"
 """Event kind of a block-scaled numerics probe recorded in a run (data: formats, layer SNRs)."""
 LOSS_SLACK = 0.05
