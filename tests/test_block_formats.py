@@ -275,3 +275,13 @@ def test_keep_leaves_a_module_out_of_the_nvfp4_conversion():
     assert isinstance(prepared.blocks[0].qkv, BlockScaledLinear)
     assert type(prepared.blocks[1].qkv) is torch.nn.Linear
     assert not math.isnan(prepared(torch.zeros(2, 32, dtype=torch.long)).float().sum().item())
+
+
+def test_the_advisor_lists_block_scaled_candidates_and_refuses_one_that_converts_nothing_with_why():
+    from amp_core.diagnostics.advise import AdviseConfig, check
+
+    _, found = check(AdviseConfig(workload="digits_mlp", budget_s=600))
+    by_recipe = {recipe: (ok, note) for recipe, ok, note in found}
+    assert by_recipe["bf16-mixed+nvfp4"][0] and "Emulated here" in by_recipe["bf16-mixed+nvfp4"][1]
+    ok, why = by_recipe["bf16-mixed+fp8-blockwise"]
+    assert not ok and why.startswith("+fp8-blockwise converts none of Net's Linear layers (fc1: misshaped")

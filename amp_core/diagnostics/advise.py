@@ -566,6 +566,21 @@ class BudgetClock:
         return time.monotonic() - self.started
 
 
+def _refuse_unconvertible(found: list[tuple[str, bool, str]], base: RunConfig) -> list[tuple[str, bool, str]]:
+    """The candidates, a block-scaled recipe none of whose layers the workload's model converts refused with why (a
+    launch would refuse it: it would race plain bf16 under its name)."""
+    model = None
+    out = []
+    for recipe, ok, note in found:
+        option = get_precision(recipe, base.device).block_scaled if ok else None
+        if option is not None:
+            model = model if model is not None else WORKLOADS[base.workload].seeded_model_and_batch(base)[0]
+            why = option.refuses_model(model, base.device)
+            ok, note = (False, why) if why else (ok, note)
+        out.append((recipe, ok, note))
+    return out
+
+
 def check(config: AdviseConfig) -> tuple[RunConfig, list[tuple[str, bool, str]]]:
     """(the runs' base config, the candidates) for `config`; ConfigError naming the field for bad input: an unknown
     workload or size, a candidate that is not a recipe, a budget too small to decide anything (it says what it could
@@ -576,7 +591,7 @@ def check(config: AdviseConfig) -> tuple[RunConfig, list[tuple[str, bool, str]]]
     base = RunConfig(workload=config.workload, size=config.size, device=device, modes=(BASELINE_MODE,),
                      batch_size=config.batch_size)
     check_launch(base)
-    found = recipe_candidates(device)
+    found = _refuse_unconvertible(recipe_candidates(device), base)
     if config.candidates:
         known = {recipe for recipe, _, _ in found}
         for recipe in config.candidates:
