@@ -90,7 +90,9 @@ class BlockScaledMatmuls:
         native = self.native(device)
         for name, layer in module.named_modules():
             if type(layer) is torch.nn.Linear:
-                holder = next((k for k in kept if name == k or name.startswith(f"{k}.") or not k), None)
+                # The outermost kept module that holds it (a glob can match a module and its children alike).
+                holder = next((k for k in sorted(kept, key=len) if name == k or name.startswith(f"{k}.") or not k),
+                              None)
                 out_features, in_features = layer.weight.shape
                 if holder is not None:
                     why = f"kept out (+keep: {holder or '(the model)'})"
