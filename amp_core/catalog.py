@@ -58,10 +58,14 @@ def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
 
 @functools.cache
 def recipes() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """(RECIPE_OPTION_HELP, RECIPE_PRESETS) as amp_core/precision.py defines them."""
+    """(RECIPE_OPTION_HELP then the block-scaled options' BLOCK_SCALED_HELP, RECIPE_PRESETS) as amp_core/precision.py
+    and amp_core/formats/recipes.py define them."""
     tree = ast.parse((PACKAGE / "precision.py").read_text(encoding="utf-8"))
     found = _constants(tree, {"RECIPE_OPTION_HELP", "RECIPE_PRESETS"})
-    return dict(found["RECIPE_OPTION_HELP"]), {name: tuple(lanes) for name, lanes in found["RECIPE_PRESETS"].items()}
+    block = _constants(ast.parse((PACKAGE / "formats" / "recipes.py").read_text(encoding="utf-8")),
+                       {"BLOCK_SCALED_HELP"})
+    return ({**found["RECIPE_OPTION_HELP"], **block["BLOCK_SCALED_HELP"]},
+            {name: tuple(lanes) for name, lanes in found["RECIPE_PRESETS"].items()})
 
 
 @functools.cache

@@ -177,9 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_command(sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and "
                                                                     "backward"),
                     "trace_mode", ("size", "device"), "write the op table here", cmd_trace)
-    inspect_command(sub.add_parser("numerics", parents=[plugins],
-                                   help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32"),
-                    "numerics_mode", ("size", "batch_size", "device"), "write the per-module table here", cmd_numerics)
+    numerics = sub.add_parser("numerics", parents=[plugins],
+                              help="per-layer ranges, the first inf/NaN, and each layer's error vs fp32")
+    inspect_command(numerics, "numerics_mode", ("size", "batch_size", "device"), "write the per-module table here",
+                    cmd_numerics)
+    numerics.add_argument("--format", default="", metavar="FORMATS",
+                          help="instead: each Linear's GEMM operands quantised in these block-scaled formats, "
+                               "comma-separated (mxfp8, nvfp4, fp8-blockwise or another block-scaled option): SNR, "
+                               "flush to zero, scale saturation, and the first layer below --snr-threshold")
+    numerics.add_argument("--snr-threshold", type=float, default=None, metavar="DB",
+                          help="with --format: name the first layer whose SNR is below this (default: per format)")
 
     replay = sub.add_parser("replay", parents=[plugins],
                             help="why did a step blow up, precision or data? replay it in every mode and in fp32",
@@ -657,6 +664,8 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     from amp_core.precision import resolve_device
     from amp_core.probes.numerics import MODULE_COLUMNS, probe_workload
 
+    if args.format:
+        return _block_numerics(args)
     try:
         report = probe_workload(args.workload, args.mode, size=args.size, device=resolve_device(args.device),
                                 batch_size=args.batch_size)
@@ -682,6 +691,27 @@ def cmd_numerics(args: argparse.Namespace) -> int:
         print(f"  why: {report.first_nonfinite.why}")
     return _write_csv(modules, args.csv, f"(pass --csv PATH to write all {len(MODULE_COLUMNS)} columns)",
                       f"per-module table: {len(report.modules)} rows")
+
+
+def _block_numerics(args: argparse.Namespace) -> int:
+    """`numerics --format F[,F...]`: the block-scaled table and, last, one verdict line per format; the CSV."""
+    from amp_core.precision import resolve_device
+    from amp_core.probes.block_numerics import probe_workload_formats
+    from amp_core.views.block_numerics import report_text
+
+    formats = parse_modes(args.format)
+    thresholds = dict.fromkeys(formats, args.snr_threshold) if args.snr_threshold is not None else None
+    try:
+        report = probe_workload_formats(args.workload, formats, size=args.size, device=resolve_device(args.device),
+                                        batch_size=args.batch_size, thresholds_db=thresholds)
+    except ValueError as error:  # a bad workload, format, size or device (a ConfigError is one too)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    code = 0
+    if args.csv is not None:  # said first, so the verdicts stay the report's last lines
+        code = _write_csv(report.frame(), args.csv, "", f"block-scaled numerics: {len(report.operands)} rows")
+    print(report_text(report))
+    return code
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

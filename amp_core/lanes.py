@@ -93,6 +93,9 @@ def started_event(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Mod
     skipped = "".join(f"; {recipe}: {len(report['fp8_layers'])} Linear layers in FP8, skipped "
                       f"{', '.join(report['fp8_skipped']) or 'none'}"
                       for recipe, report in recipes.items() if "fp8_layers" in report)
+    skipped += "".join(f"; {recipe}: {len(report['block_layers'])} Linear layers in {report['block_format']}, "
+                       f"skipped {', '.join(report['block_skipped']) or 'none'}"
+                       for recipe, report in recipes.items() if "block_layers" in report)
     message = f"{what} on {device}; {threads}{skipped}" + "".join(f"; {clause}" for clause, _ in described)
     data = {"intra_op_threads": torch.get_num_threads(), "recipes": recipes}
     return message, data | {key: value for _, extra in described for key, value in extra.items()}

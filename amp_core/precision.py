@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.imports import compiler_ready, heavy_import
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
 from amp_core.torch_private import forward_hooks, remove_forward_hooks
@@ -59,7 +60,8 @@ RECIPE_OPTION_HELP: dict[str, str] = {
     "compile-max-autotune": "torch.compile mode='max-autotune': inductor benchmarks kernel choices (a longer compile).",
     "compile-reduce-overhead": "torch.compile mode='reduce-overhead': CUDA graphs replay the step's kernels (CUDA).",
 }
-"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them. FP8 options go on bf16-mixed."""
+"""One line per recipe option (`MODE+OPTION`), in the order the UI lists them (then BLOCK_SCALED_HELP's). FP8 options
+go on bf16-mixed."""
 
 RECIPE_PRESETS: dict[str, tuple[str, ...]] = {
     "FP8 rowwise vs bf16": ("bf16-mixed", "bf16-mixed+fp8-rowwise"),
@@ -99,6 +101,11 @@ class Precision:
     def float8(self) -> Float8Matmuls | None:
         """The FP8-matmul option of the recipe, if any."""
         return next((o for o in self.options if isinstance(o, Float8Matmuls)), None)
+
+    @property
+    def block_scaled(self) -> BlockScaledMatmuls | None:
+        """The block-scaled matmul option of the recipe (MXFP8, NVFP4, blockwise FP8), if any."""
+        return next((o for o in self.options if isinstance(o, BlockScaledMatmuls)), None)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Context for forward + loss: autocast in mixed modes, nothing otherwise."""
@@ -184,6 +191,10 @@ class Precision:
         if self.float8 is not None:
             converted, skipped = self.float8.plan(module, self.device, kept=kept)
             report["fp8_layers"], report["fp8_skipped"] = converted, skipped
+        if self.block_scaled is not None:
+            converted, skipped = self.block_scaled.plan(module, self.device, kept=kept)
+            report["block_format"] = self.block_scaled.format
+            report["block_layers"], report["block_skipped"] = converted, skipped
         return report
 
     def fsdp_policy(self):
@@ -736,6 +747,7 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
                   help=RECIPE_OPTION_HELP["compile-max-autotune"]),
     CompiledModel(name="compile-reduce-overhead", compile_mode="reduce-overhead",
                   help=RECIPE_OPTION_HELP["compile-reduce-overhead"]),
+    *BLOCK_SCALED_OPTIONS,
 )}
 """Every recipe option by name, in the order the UI lists them."""
 
@@ -761,7 +773,8 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
             raise ValueError(f"unknown recipe option {name!r} in {recipe!r}; choose from "
                              f"{', '.join(RECIPE_OPTIONS)}")
         options.append(RECIPE_OPTIONS[name])
-    for kind, what in ((Float8Matmuls, "FP8 option"), (OptimizerStates, "optimizer-state option"),
+    for kind, what in (((Float8Matmuls, BlockScaledMatmuls), "matmul-format option"),
+                       (OptimizerStates, "optimizer-state option"),
                        (ReduceDtype, "reduction option"), (CompiledModel, "compile option")):
         chosen = [option.name for option in options if isinstance(option, kind)]
         if len(chosen) > 1:

@@ -74,6 +74,23 @@ with chart_slot:
     st.caption("Faint segment: subnormal range (fewer significant bits); thick segment: normal range; red tick: "
                "max. The dashed line is |value| from *Round this value* below.")
 
+st.subheader("A block of values in MXFP8, NVFP4 and blockwise FP8")
+block_text = st.text_input("Up to 32 values, comma-separated", key="fmt_block",
+                           value=", ".join(f"{v:g}" for v in formats.BLOCK_DEMO_VALUES),
+                           help="One MXFP8 block (32 values), two NVFP4 blocks (16 each); the outlier 30 sits in the "
+                                "second 16.")
+try:
+    block = formats.block_rounding([formats.parse_number(part) for part in block_text.split(",") if part.strip()])
+except ValueError as error:
+    st.error(f"Cannot round the block: {error}")
+else:
+    st.dataframe(block.frame, hide_index=True, key="fmt_block_table")
+    st.caption("Block-scaled formats share one scale per block, chosen from the block's largest |value|: "
+               + "; ".join(f"**{name}**: {text}" for name, text in block.scales.items())
+               + ". NVFP4 has 4-bit values (0, 0.5, 1, 1.5, 2, 3, 4, 6 times its scale), so beside an outlier its "
+               "neighbours round to zero; MXFP8's e4m3 values keep them. Computed by the same code as the emulated "
+               "lanes (bit for bit torchao's).")
+
 st.subheader("Why fp16 needs a GradScaler and bf16 does not")
 fp16, bf16, fp32 = (formats.format_info(name) for name in ("fp16", "bf16", "fp32"))
 small_gradient = 1e-8

@@ -5,8 +5,9 @@ import streamlit as st
 
 from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
-from amp_core.probes import numerics
+from amp_core.probes import block_numerics, numerics
 from amp_core.runs import RunInfo, SourceKind, is_live
+from amp_core.views import block_numerics as block_views
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
@@ -160,6 +161,45 @@ def show_report(report: numerics.NumericsReport) -> None:
                        mime="text/csv", key="lnum_csv")
 
 
+@st.cache_data(show_spinner="Quantising every Linear's GEMM operands in the block-scaled formats…", max_entries=16)
+def block_probed(workload: str, formats: tuple[str, ...], size: str, device: str,
+                 batch_size: int) -> block_numerics.BlockNumericsReport:
+    return block_numerics.probe_workload_formats(workload, formats, size=size, device=device, batch_size=batch_size)
+
+
+def show_block_formats() -> None:
+    """The workload above, its Linear layers' GEMM operands in MXFP8 / NVFP4 / blockwise FP8: verdicts, heatmap,
+    table."""
+    st.subheader("Block-scaled formats: what MXFP8, NVFP4 and blockwise FP8 do to each GEMM operand")
+    st.caption("One bf16-mixed step of the workload above; each Linear's input, weight and output gradient quantised "
+               "exactly as the recipe's emulated lane does. SNR counts the values beside each block's largest: the "
+               "ones a shared scale can crush.")
+    formats = st.multiselect("Formats", block_numerics.FORMAT_NAMES, default=["nvfp4", "mxfp8"], key="lnum_formats")
+    if not formats:
+        st.info("Pick a format.")
+        return
+    workload = st.session_state.get("lnum_workload", "tiny_transformer")
+    size = st.session_state.get("lnum_size", next(iter(WORKLOADS[workload].sizes)))
+    batch_size = int(st.session_state.get("lnum_batch", numerics.DEFAULT_NUMERICS_BATCH))
+    try:
+        report = block_probed(workload, tuple(formats), size, DEVICE, batch_size)
+    except (ConfigError, ValueError) as error:
+        st.error(f"Cannot probe: {error}")
+        return
+    except RuntimeError as error:  # e.g. out of memory at a large size
+        st.error(f"The probe failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+        return
+    for name in report.formats:
+        shown = st.info if report.lowest(name) is None else st.warning if report.first_below(name) else st.success
+        shown(report.verdict(name))
+    st.plotly_chart(block_views.snr_heatmap(report), key="lnum_block_heatmap")
+    st.dataframe(block_views.display_frame(report), hide_index=True, key="lnum_block_table",
+                 column_config={label: PERCENT for label in list(block_views.COLUMNS.values())[4:]})
+    st.caption(block_views.LEGEND + ".")
+    if report.skipped:
+        st.caption("Not measured: " + "; ".join(f"{name}: {why}" for name, why in report.skipped.items()))
+
+
 def launch_sampled_run() -> None:
     if not can_control():  # a visitor of a shared server: the presenter launches runs
         control_note()
@@ -310,6 +350,9 @@ source = st.radio("Probe", SOURCES, key="lnum_source", horizontal=True)
 report = lane_report() if source == SOURCES[1] else workload_report()
 if report is not None:
     show_report(report)
+if source == SOURCES[0] and report is not None:  # the same workload, once its plain probe ran
+    st.divider()
+    show_block_formats()
 
 st.divider()
 st.subheader("Over time: per-layer abs max of a run")

@@ -127,3 +127,14 @@ def test_softmax_tables(app):
     # The edge, checked with torch itself: exp of the page's logit is finite in fp32, exp of the next fp32 is not.
     logit = torch.tensor(float(safe.loc["fp32", "largest safe logit (measured)"]), dtype=torch.float32)
     assert torch.isfinite(torch.exp(logit)) and torch.isinf(torch.exp(torch.nextafter(logit, torch.tensor(math.inf))))
+
+
+def test_a_block_with_an_outlier_shows_nvfp4_flushing_its_neighbours_and_mxfp8_keeping_them(app):
+    [block] = [df.value for df in app.dataframe if "NVFP4" in df.value.columns]
+    outlier = block["value"].abs().idxmax()
+    neighbours = block.index[(block.index // 16 == outlier // 16) & (block.index != outlier)]
+    assert (block.loc[neighbours, "NVFP4"] == 0).sum() > 3  # its 16 share the outlier's scale
+    assert (block.loc[neighbours, "MXFP8"] != 0).all() and block.loc[outlier, "MXFP8"] == 30.0
+    assert any("one e8m0 scale for the 32" in c.value for c in app.caption)
+    app.text_input(key="fmt_block").set_value("1, 2, inf").run()
+    assert not app.exception and "finite values only" in app.error[0].value

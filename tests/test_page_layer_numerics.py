@@ -52,6 +52,20 @@ def test_default_view_probes_tiny_transformer_in_16_mixed(app):
     assert any("No runs yet" in i.value for i in app.info)
 
 
+def test_the_block_scaled_section_names_the_first_layer_below_its_threshold_with_a_heatmap(app):
+    assert app.multiselect(key="lnum_formats").value == ["nvfp4", "mxfp8"]
+    [heatmap] = titled(app, "Quantisation SNR of each GEMM operand")
+    assert heatmap["data"][0]["type"] == "heatmap" and "nvfp4 · grad_output" in heatmap["data"][0]["x"]
+    [table] = tables(app, "SNR dB")
+    assert set(table["format"]) == {"nvfp4", "mxfp8"} and "blocks.0.qkv" in set(table["layer"])
+    verdicts = [m.value for m in (*app.warning, *app.success) if m.value.startswith(("nvfp4:", "mxfp8:"))]
+    assert len(verdicts) == 2 and any(v.startswith("mxfp8: every layer keeps") for v in verdicts)
+    app.multiselect(key="lnum_formats").set_value(["fp8-blockwise"]).run()
+    assert not app.exception
+    assert any(i.value.startswith("fp8-blockwise: no Linear layer measured") for i in app.info)
+    assert any("misshaped" in c.value for c in app.caption)
+
+
 def test_the_first_non_finite_module_is_highlighted_with_why(app, monkeypatch):
     monkeypatch.setitem(WORKLOADS, OVERFLOW.name, OVERFLOW)
     app.run()  # the selectbox lists the workload registered at run time

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.measure import held_bytes, plain_tensors
 from amp_core.precision import RECIPE_OPTIONS, availability, get_precision, parse_recipe, recipe_mode, uses_scaler
 from amp_core.probes.optrace import trace_workload
@@ -27,11 +28,13 @@ FSDP_OPTIONS = ("reduce-bf16", "reduce-fp32")
 """Options of a model sharded with FSDP2: raced under torchrun in test_fsdp.py."""
 COMPILE_OPTIONS = ("compile", "compile-max-autotune", "compile-reduce-overhead")
 """Compiled lanes: raced with real inductor in test_compiled.py (reduce-overhead is CUDA graphs: refused on a CPU)."""
+BLOCK_SCALED = tuple(option.name for option in BLOCK_SCALED_OPTIONS)
+"""MXFP8, NVFP4 and blockwise FP8 lanes: raced in test_block_formats.py."""
 
 
 def test_every_option_is_raced_by_the_test():
-    assert {recipe.split("+")[1] for recipe in EVERY_OPTION} | set(FSDP_OPTIONS) | set(COMPILE_OPTIONS) == set(
-        RECIPE_OPTIONS)
+    raced = {recipe.split("+")[1] for recipe in EVERY_OPTION} | set(FSDP_OPTIONS) | set(COMPILE_OPTIONS)
+    assert raced | set(BLOCK_SCALED) == set(RECIPE_OPTIONS)
     assert {name for name, option in RECIPE_OPTIONS.items() if option.fsdp_only} == set(FSDP_OPTIONS)
 
 
@@ -50,7 +53,7 @@ def test_a_recipe_parses_into_its_mode_and_option_objects():
     ("fp9-mixed+sr", r"unknown mode 'fp9-mixed'"),
     ("32-true+fp8-rowwise", r"runs on top of bf16-mixed"),
     ("bf16-mixed+sr", r"use it with bf16-true"),
-    ("bf16-mixed+fp8-rowwise+fp8-tensorwise", r"2 FP8 options"),
+    ("bf16-mixed+fp8-rowwise+fp8-tensorwise", r"2 matmul-format options"),
     ("32-true+adamw-8bit+adamw-4bit", r"2 optimizer-state options"),
     ("bf16-true+states-bf16", r"already keeps Adam's states in bf16"),
     ("32-true+", r"unknown recipe option ''"),

@@ -39,6 +39,7 @@ from amp_core.precision import (
     BASELINE_MODE,
     RECIPE_OPTIONS,
     device_name,
+    get_precision,
     recipe_candidates,
     recipe_mode,
     resolve_device,
@@ -380,6 +381,12 @@ def decide(evidence: Evidence) -> Advice:
                   cannot_tell=tuple(unknowns), decided=decided, evidence=evidence)
 
 
+def _emulated_block_scaled(recipe: str, device: str) -> bool:
+    """Whether `recipe` runs a block-scaled format (MXFP8, NVFP4, blockwise FP8) emulated on `device`."""
+    option = get_precision(recipe, device).block_scaled
+    return option is not None and not option.native(device)
+
+
 def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> list[str]:
     """The limits of this advice that come from the device or the budget, in words."""
     out = []
@@ -388,6 +395,10 @@ def _cannot_tell(evidence: Evidence, verdicts: dict[str, CandidateVerdict]) -> l
     if cpu and fp8:
         out.append(f"FP8 on a CPU is emulated (real float8 casts, no FP8 tensor cores): {', '.join(fp8)} tell nothing "
                    "of their speed on a GPU here")
+    block = [c.recipe for c in evidence.candidates if c.runnable and _emulated_block_scaled(c.recipe, evidence.device)]
+    if block:
+        out.append(f"{', '.join(block)} are emulated here (each GEMM operand quantised and dequantised as the format, "
+                   "the products in fp32): judge them on their numerics, not their speed")
     told = [v.recipe for v in verdicts.values() if v.verdict == "cannot tell"]
     if told:
         out.append(f"{', '.join(told)}: the race left fewer than 2 finite seeds, so seed noise could not be measured")
@@ -621,6 +632,21 @@ class BudgetClock:
         return time.monotonic() - self.started
 
 
+def _refuse_unconvertible(found: list[tuple[str, bool, str]], base: RunConfig) -> list[tuple[str, bool, str]]:
+    """The candidates, a block-scaled recipe none of whose layers the workload's model converts refused with why (a
+    launch would refuse it: it would race plain bf16 under its name)."""
+    model = None
+    out = []
+    for recipe, ok, note in found:
+        option = get_precision(recipe, base.device).block_scaled if ok else None
+        if option is not None:
+            model = model if model is not None else WORKLOADS[base.workload].seeded_model_and_batch(base)[0]
+            why = option.refuses_model(model, base.device)
+            ok, note = (False, why) if why else (ok, note)
+        out.append((recipe, ok, note))
+    return out
+
+
 def check(config: AdviseConfig) -> tuple[RunConfig, list[tuple[str, bool, str]]]:
     """(the runs' base config, the candidates) for `config`; ConfigError naming the field for bad input: an unknown
     workload or size, a candidate that is not a recipe, a budget too small to decide anything (it says what it could
@@ -631,7 +657,7 @@ def check(config: AdviseConfig) -> tuple[RunConfig, list[tuple[str, bool, str]]]
     base = RunConfig(workload=config.workload, size=config.size, device=device, modes=(BASELINE_MODE,),
                      batch_size=config.batch_size)
     check_launch(base)
-    found = recipe_candidates(device)
+    found = _refuse_unconvertible(recipe_candidates(device), base)
     if config.candidates:
         known = {recipe for recipe, _, _ in found}
         for recipe in config.candidates:

@@ -495,3 +495,44 @@ def safe_logit_table() -> pd.DataFrame:
              "largest safe logit (measured)": largest_safe_logit(name)}
             for name, dtype in SOFTMAX_DTYPES.items()]
     return pd.DataFrame(rows)
+
+
+BLOCK_DEMO_VALUES = (0.5, -0.21, 0.9, 0.04, -0.62, 0.33, 0.011, -0.78, 0.27, -0.05, 0.6, -0.38, 0.15, 0.0024, -0.44,
+                     0.71, 30.0, -0.29, 0.47, -0.09, 0.83, -0.56, 0.19, 0.36, -0.68, 0.07, -0.13, 0.52, -0.95, 0.24,
+                     -0.017, 0.41)
+"""A block of 32 with one outlier (30, at index 16): what a shared scale does to its neighbours."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRounding:
+    """One block of values stored in MXFP8 (one block of 32), NVFP4 (two blocks of 16) and blockwise FP8 (one block
+    of 128, the rest zeros), each through amp_core.formats' quantisers (torchao's numerics)."""
+
+    frame: pd.DataFrame
+    """One row per value: the value, then what each format stores for it."""
+    scales: dict[str, str]
+    """Each format's block scale(s), in words."""
+
+
+def block_rounding(values: Sequence[float]) -> BlockRounding:
+    """`values` (1 to 32 numbers; padded with zeros to 32, which changes no block's largest) in each block-scaled
+    format. ValueError for more than 32 values or a non-finite one."""
+    from amp_core.formats.quantize import quantize_fp8_blockwise, quantize_mxfp8, quantize_nvfp4
+
+    values = [float(v) for v in values]
+    if not 1 <= len(values) <= 32:
+        raise ValueError(f"give 1 to 32 values (one MXFP8 block); got {len(values)}")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("block-scaled formats store finite values only: a block with inf or NaN has a NaN scale")
+    block = torch.tensor([values + [0.0] * (32 - len(values))], dtype=torch.float32)
+    mxfp8, nvfp4 = quantize_mxfp8(block), quantize_nvfp4(block)
+    blockwise = quantize_fp8_blockwise(torch.nn.functional.pad(block, (0, 96)))
+    shown = len(values)
+    frame = pd.DataFrame({"value": values, "MXFP8": mxfp8.values[0, :shown].tolist(),
+                          "NVFP4": nvfp4.values[0, :shown].tolist(),
+                          "FP8 blockwise": blockwise.values[0, :shown].tolist()})
+    scales = {"MXFP8": f"one e8m0 scale for the 32: {power_of_two_text(float(mxfp8.scales[0, 0]))}",
+              "NVFP4": "e4m3 scales per 16 × a tensor scale: " + ", ".join(
+                  f"{float(s):.4g}" for s in nvfp4.scales[0]),
+              "FP8 blockwise": f"one fp32 scale for the 128: {float(blockwise.scales[0, 0]):.4g}"}
+    return BlockRounding(frame=frame, scales=scales)

@@ -164,15 +164,22 @@ def check_launch(config: RunConfig) -> None:
 
 
 def _check_kept_modules(config: RunConfig) -> None:
-    """`+keep:PATTERN` names modules of the workload's model: a pattern that matches none is refused at launch."""
+    """`+keep:PATTERN` names modules of the workload's model: a pattern that matches none is refused at launch, as is a
+    block-scaled recipe (`+mxfp8`, `+nvfp4`, ...) none of whose Linear layers converts."""
     from amp_core.precision import get_precision, kept_module_names
 
-    recipes = [recipe for recipe in config.modes if get_precision(recipe, config.device).keep_patterns]
+    recipes = [recipe for recipe in config.modes if get_precision(recipe, config.device).keep_patterns
+               or get_precision(recipe, config.device).block_scaled]
     if not recipes:
         return
     model, _ = WORKLOADS[config.workload].seeded_model_and_batch(config)
     for recipe in recipes:
+        precision = get_precision(recipe, config.device)
         try:
-            kept_module_names(model, get_precision(recipe, config.device).keep_patterns)
+            kept = kept_module_names(model, precision.keep_patterns)
         except ValueError as error:
             raise ConfigError("modes", f"{recipe}: {error}") from None
+        # A block-scaled recipe none of whose layers converts would race a plain bf16 lane under its name.
+        why = precision.block_scaled.refuses_model(model, precision.device, kept) if precision.block_scaled else ""
+        if why:
+            raise ConfigError("modes", f"{recipe}: {why}")

@@ -11,6 +11,7 @@ import pandas as pd
 import amp_core.workshop.architectures as architectures
 import amp_core.workshop.checks as checks
 import amp_core.workshop.compiled as compiled_checks
+import amp_core.workshop.four_bits as four_bits
 import amp_core.workshop.keep as keep
 import amp_core.workshop.planted as planted
 import amp_core.workshop.speed as speed
@@ -340,6 +341,27 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         ),
         table=keep.price_table, table_title="The price race: from the failing step's snapshot, lanes interleaved",
         charts=("loss",), after_run=keep.bisect_the_failure),
+    Scenario(
+        name="four-bits", title="Four bits: MXFP8 and NVFP4 against bf16",
+        watch=f"bf16-mixed, +mxfp8, +nvfp4 and +nvfp4-no-rht race on the tiny transformer with {four_bits.SEEDS} "
+              "seeds each: every Linear's GEMMs read their operands in the block-scaled format. Watch the loss "
+              "chart: MXFP8 tracks bf16; NVFP4's 4-bit values lag, and the Hadamard transform is what it buys.",
+        caveat="On a CPU the formats are emulated (each GEMM operand quantised and dequantised exactly as the recipe, "
+               "the products in fp32): the numerics are the formats', the step times are the emulation's, and no "
+               "speed is judged. The SNR is measured on the run's first weights and batch (Layer numerics shows the "
+               "table per layer).",
+        build=four_bits.runs,
+        checks=(
+            Check("MXFP8 keeps up with bf16", "+mxfp8's final loss within seed noise (or 5%) of bf16-mixed's",
+                  four_bits.mxfp8_keeps_up),
+            Check("Four bits do not beat sixteen", "+nvfp4's final loss is not below bf16-mixed's beyond seed noise",
+                  four_bits.four_bits_order),
+            Check("What the Hadamard transform buys", "+nvfp4 ends below +nvfp4-no-rht beyond seed noise",
+                  four_bits.transform_effect),
+            Check("NVFP4 keeps fewer bits than MXFP8", f"NVFP4's median operand SNR at least "
+                  f"{four_bits.SNR_GAP_DB:g} dB below MXFP8's", four_bits.snr_gap),
+        ),
+        charts=("loss",), after_run=four_bits.measure_formats),
 )}
 
 
