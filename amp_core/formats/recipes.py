@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
+from amp_core.imports import heavy_import
 from amp_core.torch_private import forward_hooks
 
 NATIVE_CAPABILITY = {"mxfp8": (10, 0), "nvfp4": (10, 0), "fp8-blockwise": (9, 0)}
@@ -132,6 +133,7 @@ class BlockScaledMatmuls:
 
     def _native(self, module: torch.nn.Module, converted: set[str]) -> torch.nn.Module:
         """torchao's training kernels on the layers `converted` (torchao's documented `quantize_` entry points)."""
+        heavy_import("torchao.quantization")  # through the one gate: torchao imports in cycles (amp_core.imports)
         from torchao.quantization import quantize_
 
         if self.format == "mxfp8":
