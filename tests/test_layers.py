@@ -39,8 +39,14 @@ def direct_imports(path: Path) -> set[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {module_name(path): direct_imports(path) for path in PACKAGE.rglob("*.py")}
+def import_graph(with_packages: bool = False) -> dict[str, set[str]]:
+    """Each module's imports; `with_packages`: with the packages above it too (importing `a.b.c` runs `a/__init__.py`
+    and `a/b/__init__.py` first, so what a package's `__init__` imports is reached by every module inside it)."""
+    graph = {module_name(path): direct_imports(path) for path in PACKAGE.rglob("*.py")}
+    for module, names in graph.items() if with_packages else ():
+        parts = module.split(".")
+        names.update(".".join(parts[:end]) for end in range(2, len(parts)))
+    return graph
 
 
 def reached(graph: dict[str, set[str]], start: str) -> dict[str, str]:
@@ -65,6 +71,18 @@ def test_the_graph_sees_every_module_and_its_lazy_imports():
     graph = import_graph()
     assert {"amp_core.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
     assert "amp_core.precision" in graph["amp_core.workloads"], "a function-level import is part of the graph"
+
+
+def test_the_workloads_never_reach_the_monitor():
+    """A workload is below the race and the Monitor: the real architectures reach transformers through
+    amp_core.integrations.hf_models, and that package's `__init__` imports nothing (it once imported the Monitor, a
+    loop from workloads back up through attach mode to workloads)."""
+    graph = import_graph(with_packages=True)
+    assert "amp_core.integrations" in graph["amp_core.integrations.hf_models"], "a package's __init__ is counted"
+    problems = [f"{module} reaches {name} (imported by {via})"
+                for module in graph if is_under(module, "amp_core.workloads")
+                for name, via in reached(graph, module).items() if name in ("amp_core.monitor", "amp_core.runner")]
+    assert not problems, "\n".join(problems)
 
 
 def test_engine_imports_no_plotly_streamlit_or_views():

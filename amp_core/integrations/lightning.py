@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from amp_core.integrations import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
+from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
 from amp_core.monitor import Monitor
 from amp_core.monitor_guard import reason
 

@@ -31,7 +31,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from amp_core.integrations import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
+from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
 from amp_core.monitor import Monitor
 
 INTEGRATION = "Hugging Face Trainer"
