@@ -23,7 +23,7 @@ from amp_core.records.opening import open_store  # noqa: E402
 from amp_core.runner import Run  # noqa: E402
 from bench.viewers import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402
 from tests import streamlit_server  # noqa: E402
-from tests.test_browser import DRAWN, LOSS_POINTS_AT_LEAST, enter_number, pick  # noqa: E402
+from tests.test_browser import DRAWN, LOSS_POINTS_AT_LEAST, PAINTED, enter_number, pick  # noqa: E402
 
 RACE_MODES = ("32-true", "bf16-mixed", "16-mixed")
 RACE_STEPS = 3000  # long enough to be still training while the page is shot
@@ -39,6 +39,7 @@ def spike_race(store: Path) -> None:
 
 def shoot(page, path: Path) -> None:
     page.wait_for_function(DRAWN, timeout=120_000)
+    page.evaluate(PAINTED)  # the live charts' frames scrolled into view have painted
     if page.locator("[data-testid='stException']").count():
         raise SystemExit(f"{path.name}: the page shows a traceback")
     page.screenshot(path=str(path))
