@@ -70,10 +70,16 @@ SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 
            "&& document.fonts.status === 'loaded'")
 """Streamlit has redrawn everything, and its own web fonts have loaded: a width measured then is the same on every
 machine (before, it is the system fallback font's, which differs between machines)."""
+LIVE_FRAMES = "() => Array.from(document.querySelectorAll('iframe[src*=\"amp_live_chart\"]'))"
+"""The frames of the live charts (pages/live_chart.py's component, amp_live_chart)."""
 DRAWN = ("() => (" + SETTLED + ")() && (" + PLOTS + ")()"
-         ".filter(chart => chart.getClientRects().length).every(chart => chart.querySelector('.main-svg'))")
+         ".filter(chart => chart.getClientRects().length).every(chart => chart.querySelector('.main-svg'))"
+         " && (" + LIVE_FRAMES + ")().every(frame => frame.contentWindow.liveChart"
+         " && frame.contentWindow.liveChart.resets > 0 && frame.getBoundingClientRect().height > 0)")
 """SETTLED, and every chart shown has drawn (plotly draws a moment after Streamlit settles; a chart in a closed expander
-draws nothing): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
+draws nothing), a live chart's frame too: it has drawn its whole figure and been given its height (a frame that loads
+after its first update asks for the whole figure and draws a tick or two later; undrawn, it has no plotly chart for
+PLOTS to find): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
 reads a grid through a locator inside it, which waits for it.)"""
 
 
