@@ -44,6 +44,7 @@ from bench.viewers import (
     reader,
 )
 from tests import streamlit_server
+from tests.test_browser import PAINTED
 
 SETTLE_S = 2.0
 """After every viewer's first page run, before a window starts: the room's openings are not the window's work."""
@@ -86,12 +87,6 @@ def follow_chart(page, seconds: float) -> list[tuple[float, str, int]]:
             last = drawn
         time.sleep(POLL_S)
     return seen
-
-
-PAINTED = """() => Promise.all([window, ...[...document.querySelectorAll('iframe')].map(f => f.contentWindow)]
-    .map(w => new Promise(done => w.requestAnimationFrame(() => w.requestAnimationFrame(done)))))"""
-"""Every frame has painted twice since: a chart scrolled into view is drawn, not the blank of a frame the browser left
-unpainted while it was out of sight."""
 
 
 def save_screenshot(page, path: Path) -> None:

@@ -35,6 +35,7 @@ from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore, StoreError
 from tests import streamlit_server
 from tests.cli_process import start_cli_run
+from tests.test_browser import PLOTS
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -53,8 +54,7 @@ SCROLL_TO_TOP = """label => {
     if (box) box.scrollTop -= 110;
 }"""
 # A chart drawn by Streamlit's plotly element, or in a live chart's frame (pages/live_chart.py, same origin).
-CHART_DRAWN = """() => [document, ...[...document.querySelectorAll('iframe')].map(f => f.contentDocument)]
-    .filter(doc => doc).flatMap(doc => [...doc.querySelectorAll('.js-plotly-plot')])
+CHART_DRAWN = f"""() => ({PLOTS})()
     .some(div => div._fullData && div._fullData.some(trace => (trace._length || 0) > 0))"""
 
 

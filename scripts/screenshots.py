@@ -23,7 +23,14 @@ from amp_core.records.opening import open_store  # noqa: E402
 from amp_core.runner import Run  # noqa: E402
 from bench.viewers import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402
 from tests import streamlit_server  # noqa: E402
-from tests.test_browser import DRAWN, LOSS_POINTS_AT_LEAST, enter_number, pick  # noqa: E402
+from tests.test_browser import (  # noqa: E402
+    DRAWN,
+    LIVE_FRAMES,
+    LOSS_POINTS_AT_LEAST,
+    PAINTED,
+    enter_number,
+    pick,
+)
 
 RACE_MODES = ("32-true", "bf16-mixed", "16-mixed")
 RACE_STEPS = 3000  # long enough to be still training while the page is shot
@@ -37,8 +44,16 @@ def spike_race(store: Path) -> None:
     Run(config, open_store(store)).start().join(300)
 
 
-def shoot(page, path: Path) -> None:
+def shoot(page, path: Path, live_charts: int = 0) -> None:
+    """A screenshot once every chart has drawn (`live_charts`: how many live charts' frames the page must hold); the
+    mouse rests in the main block's empty right margin, so no chart shows its hover toolbar over its legend and the
+    sidebar hides its collapse button."""
+    page.mouse.move(VIEWPORT["width"] - 4, VIEWPORT["height"] // 2)
     page.wait_for_function(DRAWN, timeout=120_000)
+    frames = page.evaluate(f"() => ({LIVE_FRAMES})().length")
+    if frames != live_charts:
+        raise SystemExit(f"{path.name}: {frames} live charts' frames, not {live_charts}")
+    page.evaluate(PAINTED)  # the live charts' frames scrolled into view have painted
     if page.locator("[data-testid='stException']").count():
         raise SystemExit(f"{path.name}: the page shows a traceback")
     page.screenshot(path=str(path))
@@ -82,8 +97,10 @@ def main() -> None:
                     page.screenshot(path=str(args.out / "train_failed.png"))
                     raise
                 # The live part at the top of the window: the run's status, its lanes and the charts below them.
-                page.get_by_text("Run status:").first.evaluate("e => e.scrollIntoView({block: 'start'})")
-                shoot(page, args.out / "train.png")
+                # (its scroll margin keeps the line below the app's header, which covers the top of the window)
+                page.get_by_text("Run status:").first.evaluate(
+                    "e => { e.style.scrollMarginTop = '70px'; e.scrollIntoView({block: 'start'}); }")
+                shoot(page, args.out / "train.png", live_charts=4)  # loss, step time, scale, memory
                 page.get_by_role("button", name="Stop").click()
             finally:
                 browser.close()

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from amp_core.precision import default_modes
-from tests.test_browser import CHROMIUM, SETTLED
+from tests.test_browser import CHROMIUM, PLOTS, SETTLED
 
 VIEWPORT = {"width": 1440, "height": 900}
 PAGES = {"train": ("", "Train"), "workshop": ("workshop", "Workshop"), "compare": ("compare", "Compare runs"),
@@ -48,13 +48,15 @@ BUTTONS = """() => Array.from(document.querySelectorAll(['stMain', 'stSidebarUse
            || button.getAttribute('aria-label') || '(no label)'))"""
 """The page's and the sidebar's buttons (not Streamlit's own header, nor a table's toolbar): their label (an icon's
 name left out), a download button's marked "download: "."""
-LAST_STEP = """() => {
-    const plot = document.querySelector('.js-plotly-plot');
+LAST_STEP = f"""() => {{
+    const plot = ({PLOTS})().find(div => ((div.layout && div.layout.title && div.layout.title.text) || '')
+        .includes('Loss'));
     if (!plot || !plot._fullData) return 0;
     const drawn = plot._fullData.filter(trace => trace.x && trace.x.length);
     return Math.max(0, ...drawn.map(trace => Number(trace.x[trace.x.length - 1])));
-}"""
-"""The last step the first chart (the loss) draws: a long run's chart is decimated, so its point count stops growing."""
+}}"""
+"""The last step the loss chart draws (a live run's, in its frame): a long run's chart is decimated, so its point count
+stops growing."""
 
 
 def chromium_in(namespace: str, folder: Path) -> Path:

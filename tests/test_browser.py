@@ -36,17 +36,25 @@ def server(tmp_path):
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]  # this machine's network is closed: no phoning home
 
+PLOTS = """() => [document, ...Array.from(document.querySelectorAll('iframe'), frame => frame.contentDocument)]
+    .filter(doc => doc).flatMap(doc => Array.from(doc.querySelectorAll('.js-plotly-plot')))"""
+"""Every plotly chart of the page: Streamlit's plotly elements in the document, and a live run's charts, each in a
+same-origin frame of its own (pages/live_chart.py; a frame of another origin has no contentDocument here). Every
+reader of the page's charts starts from this, so none misses the live ones."""
+PAINTED = """() => Promise.all([window, ...Array.from(document.querySelectorAll('iframe'))
+        .filter(frame => frame.contentDocument).map(frame => frame.contentWindow)]
+    .map(w => new Promise(done => w.requestAnimationFrame(() => w.requestAnimationFrame(done)))))"""
+"""Resolves once the page and each of its same-origin frames has painted twice more: a chart resized or scrolled into
+view is drawn in a screenshot then, not the blank of a frame the browser left unpainted while it was out of sight."""
 # Plotly keeps the drawn traces, typed arrays decoded, in the chart div's _fullData: points per trace of the loss chart.
-LOSS_POINTS = """() => {
-    // Streamlit's plotly elements, and a live run's charts in their frames (pages/live_chart.py, same origin).
-    const docs = [document, ...Array.from(document.querySelectorAll('iframe')).map(f => f.contentDocument)];
-    for (const div of docs.filter(doc => doc).flatMap(doc => Array.from(doc.querySelectorAll('.js-plotly-plot')))) {
+LOSS_POINTS = f"""() => {{
+    for (const div of ({PLOTS})()) {{
         const title = div.layout && div.layout.title && div.layout.title.text;
         if (!title || !title.includes('Loss') || !div._fullData) continue;
         return Object.fromEntries(div._fullData.map(t => [t.name, t._length || 0]));
-    }
-    return {};
-}"""
+    }}
+    return {{}};
+}}"""
 # True once every mode's loss trace has at least `atLeast` points (Playwright re-checks it on each animation frame).
 LOSS_POINTS_AT_LEAST = f"""([modes, atLeast]) => {{
     const points = ({LOSS_POINTS})();
@@ -62,10 +70,16 @@ SETTLED = ("() => document.querySelectorAll('[data-stale=\"true\"]').length === 
            "&& document.fonts.status === 'loaded'")
 """Streamlit has redrawn everything, and its own web fonts have loaded: a width measured then is the same on every
 machine (before, it is the system fallback font's, which differs between machines)."""
-DRAWN = ("() => (" + SETTLED + ")() && Array.from(document.querySelectorAll('.js-plotly-plot'))"
-         ".filter(chart => chart.getClientRects().length).every(chart => chart.querySelector('.main-svg'))")
+LIVE_FRAMES = "() => Array.from(document.querySelectorAll('iframe[src*=\"amp_live_chart\"]'))"
+"""The frames of the live charts (pages/live_chart.py's component, amp_live_chart)."""
+DRAWN = ("() => (" + SETTLED + ")() && (" + PLOTS + ")()"
+         ".filter(chart => chart.getClientRects().length).every(chart => chart.querySelector('.main-svg'))"
+         " && (" + LIVE_FRAMES + ")().every(frame => frame.contentWindow.liveChart"
+         " && frame.contentWindow.liveChart.resets > 0 && frame.getBoundingClientRect().height > 0)")
 """SETTLED, and every chart shown has drawn (plotly draws a moment after Streamlit settles; a chart in a closed expander
-draws nothing): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
+draws nothing), a live chart's frame too: it has drawn its whole figure and been given its height (a frame that loads
+after its first update asks for the whole figure and draws a tick or two later; undrawn, it has no plotly chart for
+PLOTS to find): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
 reads a grid through a locator inside it, which waits for it.)"""
 
 

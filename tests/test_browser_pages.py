@@ -17,7 +17,7 @@ from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, PAINTED, PLOTS, SETTLED
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -31,43 +31,43 @@ pytestmark = [
 
 # Every tick label plotly drew on a log axis, with the value it stands for (10^x). Plotly's default writes the
 # in-between ticks as a bare leading digit ("2", "5"), which reads as a number of its own.
-LOG_TICKS = """() => {
+LOG_TICKS = f"""() => {{
     const out = [];
-    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+    for (const div of ({PLOTS})()) {{
         const layout = div._fullLayout;
         if (!layout) continue;
-        for (const name of Object.keys(layout).filter(k => /^[xy]axis\\d*$/.test(k))) {
+        for (const name of Object.keys(layout).filter(k => /^[xy]axis\\d*$/.test(k))) {{
             const axis = layout[name];
             if (axis.type !== 'log' || !axis._vals) continue;
             for (const tick of axis._vals) out.push([tick.x, tick.text]);
-        }
-    }
+        }}
+    }}
     return out;
-}"""
+}}"""
 # Screen boxes of the SVG texts whose content starts with one of the prefixes, with their plot's box.
-TEXT_BOXES = """(prefixes) => {
+TEXT_BOXES = f"""(prefixes) => {{
     const out = [];
-    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+    for (const div of ({PLOTS})()) {{  // a box in a chart's frame is measured in the frame, as is its plot's
         const plot = div.getBoundingClientRect();
-        for (const text of div.querySelectorAll('text')) {
+        for (const text of div.querySelectorAll('text')) {{
             const content = text.textContent;
             if (!prefixes.some(p => content.startsWith(p))) continue;
             const box = text.getBoundingClientRect();
-            out.push({text: content, left: box.left, right: box.right, top: box.top, bottom: box.bottom,
+            out.push({{text: content, left: box.left, right: box.right, top: box.top, bottom: box.bottom,
                       plotLeft: plot.left, plotRight: plot.right,
-                      areaTop: plot.top + div._fullLayout.yaxis._offset});  // the top of y's plot area
-        }
-    }
+                      areaTop: plot.top + div._fullLayout.yaxis._offset}});  // the top of y's plot area
+        }}
+    }}
     return out;
-}"""
+}}"""
 # Charts whose legend box overlaps their x axis's title (the title's text).
-LEGEND_ON_TITLE = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).flatMap(div => {
+LEGEND_ON_TITLE = f"""() => ({PLOTS})().flatMap(div => {{
     const legend = div.querySelector('g.legend'), title = div.querySelector('text.xtitle');
     if (!legend || !title || !title.textContent) return [];
     const l = legend.getBoundingClientRect(), t = title.getBoundingClientRect();
     const apart = l.top >= t.bottom || l.bottom <= t.top || l.left >= t.right || l.right <= t.left;
     return apart ? [] : [(div.layout.title && div.layout.title.text) || '(untitled chart)'];
-})"""
+}})"""
 # Glide's scroller inside each st.dataframe: wider content than box means a column is off screen.
 TABLE_OVERFLOW = """() => Array.from(document.querySelectorAll('[data-testid="stDataFrame"] .dvn-scroller'))
     .map(s => [s.scrollWidth, s.clientWidth])"""
@@ -76,8 +76,6 @@ CUT_SHORT = """() => Array.from(document.querySelectorAll('[data-testid="stMain"
             && e.scrollWidth > e.clientWidth + 1)
     .map(e => e.textContent.trim())"""
 """Text the page draws cut short with an ellipsis (a label wider than its column)."""
-NEXT_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
-"""Resolves after the browser has drawn two more frames."""
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "m": 1e-3, "μ": 1e-6, "n": 1e-9}
 
 
@@ -134,7 +132,7 @@ def screenshot(page, name: str) -> None:
     height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
     page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)})
     page.wait_for_function(DRAWN, timeout=60_000)
-    page.evaluate(NEXT_FRAMES)  # the charts' own redraw for the new size
+    page.evaluate(PAINTED)  # the charts' own redraw for the new size
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
     page.set_viewport_size(VIEWPORT)

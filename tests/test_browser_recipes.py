@@ -14,6 +14,7 @@ from tests.test_browser import (  # noqa: F401  (server: the real server fixture
     CHROMIUM,
     CHROMIUM_ARGS,
     LOSS_POINTS_AT_LEAST,
+    PLOTS,
     SETTLED,
     choose,
     enter_number,
@@ -35,14 +36,14 @@ pytestmark = [
 ]
 
 # Bars of the memory chart: trace name -> number of bars with a value.
-MEMORY_BARS = """() => {
-    for (const div of document.querySelectorAll('.js-plotly-plot')) {
+MEMORY_BARS = f"""() => {{
+    for (const div of ({PLOTS})()) {{
         const title = div.layout && div.layout.title && div.layout.title.text;
         if (!title || !title.includes('Memory') || !div._fullData) continue;
         return Object.fromEntries(div._fullData.map(t => [t.name, (t.y || []).filter(v => v > 0).length]));
-    }
-    return {};
-}"""
+    }}
+    return {{}};
+}}"""
 
 
 def add_lane(page, mode: str, option: str) -> None:

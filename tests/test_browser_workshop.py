@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from amp_core.workshop import SCENARIOS
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED, pick, server  # noqa: F401  (the real server fixture)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, PLOTS, SETTLED, pick, server  # noqa: F401  (the real server fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "artifacts" / "workshop_presenter.png"
@@ -30,8 +30,7 @@ CHECK_MARKS = """() => Array.from(document.querySelectorAll('[data-testid="stMar
 ALL_HELD = f"(count) => {{ const marks = ({CHECK_MARKS})(); return marks.length === count && " \
            "marks.every(m => m === '✓'); }"
 # The text size of every chart as plotly drew it.
-CHART_FONT = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
-    .map(div => div._fullLayout && div._fullLayout.font.size)"""
+CHART_FONT = f"""() => ({PLOTS})().map(div => div._fullLayout && div._fullLayout.font.size)"""
 
 
 def test_a_scenario_end_to_end_in_the_presenter_view(server):  # noqa: F811  (the fixture)
