@@ -19,6 +19,7 @@ from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, StepResult
+from amp_core.torch_private import scale_tensor
 
 NOT_SOON = 2**62
 """A FullStepAt answer: nothing here needs a full step."""
@@ -35,7 +36,8 @@ class MonitorDesk:
     def __init__(self, monitor: Any, store: RunStore | None):
         config = monitor.config
         self.monitor = monitor
-        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share())
+        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share(),
+                                 scale_of=lambda: scale_tensor(monitor.scaler))
         self.layers.between_steps(-1, 0)
         self.forecaster = Forecaster()
         """The race's forecaster, fed each layer sample as it is recorded: the same `forecast` events."""

@@ -160,7 +160,7 @@ class Forecast:
     format: str
     limit: str
     """"max" or "smallest normal"."""
-    at_step: int
+    sample_step: int
     """The latest sample's step."""
     headroom_bits: float
     """At the latest sample (a scaled gradient at the latest scale)."""
@@ -173,13 +173,14 @@ class Forecast:
 
     @property
     def steps_ahead(self) -> int:
-        return self.predicted_step - self.at_step
+        return self.predicted_step - self.sample_step
 
     def message(self) -> str:
         which = "max" if self.limit == "max" else "smallest normal"
         what = self.module if self.tensor == "output" else f"{self.module}'s gradient"
-        return (f"{what} reaches {self.format}'s {which} in ~{self.steps_ahead} steps ({self.lo_step - self.at_step}–"
-                f"{self.hi_step - self.at_step}): step {self.predicted_step}, {self.headroom_bits:.1f} bits of "
+        ahead = f"{self.lo_step - self.sample_step}–{self.hi_step - self.sample_step}"
+        return (f"{what} reaches {self.format}'s {which} in ~{self.steps_ahead} steps ({ahead}): step "
+                f"{self.predicted_step}, {self.headroom_bits:.1f} bits of "
                 f"headroom left, {-self.slope_bits_per_step:.3g} bits/step lost")
 
     def event_data(self) -> dict:
@@ -194,7 +195,7 @@ class LayerHeadroom:
     tensor: str
     format: str
     limit: str
-    at_step: int
+    sample_step: int
     headroom_bits: float | None
     """None: the latest sample held inf/NaN or nothing there."""
     forecast: Forecast | None
@@ -315,7 +316,7 @@ def _forecast(module: str, tensor: str, name: str, limit: str, limits: FormatLim
     ahead = max(remaining, 0.0) / slope
     if ahead > HORIZON_SPANS * span:
         return None, "beyond the horizon"
-    return Forecast(module=module, tensor=tensor, format=name, limit=limit, at_step=step,
+    return Forecast(module=module, tensor=tensor, format=name, limit=limit, sample_step=step,
                     headroom_bits=round(headroom, 3), slope_bits_per_step=-slope,
                     predicted_step=step + round(ahead), lo_step=step + round(max(remaining, 0.0) / hi),
                     hi_step=step + round(max(remaining, 0.0) / lo), samples=samples), ""
