@@ -9,9 +9,11 @@ import contextlib
 import io
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
 from amp_core.config import RunConfig
@@ -26,7 +28,10 @@ from amp_core.probes.headroom import (
 )
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
+from amp_core.views.forecast import lane_forecast_lines, told_line
 from amp_core.workshop import planted
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EVERY = 10
 
@@ -91,7 +96,7 @@ def test_formats_of_mode(mode, formats):
 # --- real runs ----------------------------------------------------------------------------------------------------
 
 def first_failure(frame) -> int:
-    failed = frame[frame["skipped"].astype(bool) | ~frame["loss"].map(math.isfinite)]
+    failed = frame[~frame["loss"].map(math.isfinite)]
     return int(failed["step"].min())
 
 
@@ -160,6 +165,21 @@ def test_the_monitor_forecasts_what_the_race_does(growing_race, fresh_store):
     # The same growth seen through another batch order: each forecast falls in the other's interval.
     assert race_first.data["lo_step"] <= first["predicted_step"] <= race_first.data["hi_step"]
     assert first["lo_step"] <= race_first.data["predicted_step"] <= first["hi_step"]
+    # The Train page's line for the lane: the layer, the format's limit, the steps.
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=180).run()
+    at.switch_page("pages/train.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    (line,) = [w.value for w in at.warning if w.value.startswith("Forecast")]
+    assert line == f"Forecast · 16-mixed: {told_line('16-mixed', first).split(': ', 1)[1]}"
+    assert planted.GROWING_MODULE in line and "fp16's max" in line and f"at step {first['predicted_step']}" in line
+
+
+def test_the_view_line_of_a_race_names_the_layer(growing_race):
+    store, run = growing_race
+    lines = lane_forecast_lines(open_store(store).events(run.run_id), {0: "16-mixed", 1: "32-true"})
+    told = [e for e in run.events() if e.kind == FORECAST_EVENT][-1]
+    assert lines == [told_line("16-mixed", told.data)]
+    assert lines[0].startswith(f"16-mixed: {planted.GROWING_MODULE} reaches fp16's max in ~")
 
 
 def cli(store, *args: str) -> subprocess.CompletedProcess:

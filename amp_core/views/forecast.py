@@ -66,3 +66,25 @@ def forecast_table(headroom: LaneHeadroom, formats: Iterable[str], rows: int = 2
             told = row.why_none
         lines.append(f"{row.module:<{width}}  {row.tensor:<6}  {row.format:<10} {row.limit:<15} {bits:>9}  {told}")
     return lines
+
+
+def told_line(mode: str, data: dict) -> str:
+    """A told forecast (its event's data) as the Train page's line for its lane: absolute steps, since the page
+    shows it while the run moves on."""
+    what = data["module"] if data["tensor"] == "output" else f"{data['module']}'s gradient"
+    which = "max" if data["limit"] == "max" else "smallest normal"
+    ahead = data["predicted_step"] - data["sample_step"]
+    return (f"{mode}: {what} reaches {data['format']}'s {which} in ~{ahead} steps "
+            f"({data['lo_step'] - data['sample_step']}–{data['hi_step'] - data['sample_step']}) from step "
+            f"{data['sample_step']}: at step {data['predicted_step']} ({data['lo_step']}–{data['hi_step']})")
+
+
+def lane_forecast_lines(events: pd.DataFrame, modes: dict[int, str]) -> list[str]:
+    """Per lane (`modes`: lane -> mode), the line of its latest told forecast; lanes with none are left out."""
+    told = told_forecasts(events)
+    lines = []
+    for lane, mode in modes.items():
+        mine = told[told["lane"] == lane] if not told.empty else told
+        if not mine.empty:
+            lines.append(told_line(mode, mine.iloc[-1]["data"]))
+    return lines
