@@ -206,3 +206,42 @@ def test_cli_forecast_table_and_exit_codes(growing_race, fresh_store):
     assert unsampled.stderr.strip().count("\n") == 0 and unsampled.stdout == ""
     missing = cli(fresh_store, "forecast", "nope")
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+def test_the_lightning_callback_forecasts_what_the_race_does(growing_race, fresh_store):
+    """The same growing layer trained by a real Lightning Trainer in 16-true (fp16 weights, no scaler), recorded by
+    the AMP Lab callback: its Monitor tells the forecast the race told, for the same layer and format."""
+    L = pytest.importorskip("lightning", reason="the `lightning` extra (pip install -e .[lightning]) is not installed")
+    from amp_core.integrations.lightning import AmpLabCallback
+
+    _, run = growing_race
+    race_first = next(e for e in run.events() if e.kind == FORECAST_EVENT)
+    workload = planted.GrowingPlantedDigits()
+    data = workload.load_data(RunConfig(workload=workload.name))
+
+    class Growing(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = workload.build_model("small", data)
+
+        def training_step(self, batch, batch_idx):
+            return workload.loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)  # Adam's eps is 0 in fp16 weights
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.inputs, data.targets), batch_size=64,
+                                         shuffle=True, generator=torch.Generator().manual_seed(0))
+    callback = AmpLabCallback(name="growing", store=str(fresh_store), layers_every=EVERY, probe_budget=0)
+    trainer = L.Trainer(max_steps=race_first.step + 1, precision="16-true", accelerator="cpu", devices=1,
+                        callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Growing(), loader)
+    events = open_store(fresh_store).events(callback.monitor.run_id)
+    told = events[events["kind"] == FORECAST_EVENT]
+    assert len(told), "the callback told no forecast"
+    first = told.iloc[0]["data"]
+    assert first["module"] == f"net.{race_first.data['module']}"
+    assert (first["tensor"], first["format"], first["limit"]) == ("output", "fp16", "max")
+    assert race_first.data["lo_step"] <= first["predicted_step"] <= race_first.data["hi_step"]
