@@ -55,7 +55,7 @@ def forecast_table(headroom: LaneHeadroom, formats: Iterable[str], rows: int = 2
     picked += [row for row in table if row.forecast is None][:max(rows - len(picked), 0)]
     picked.sort(key=lambda row: (row.headroom_bits is None, row.headroom_bits or 0.0))
     width = max([len("layer"), *(len(row.module) for row in picked)])
-    lines = [f"{'layer':<{width}}  tensor  {'format':<10} {'limit':<15} {'headroom':>9}  forecast"]
+    lines = [f"{'layer':<{width}}  tensor  {'format':<10} {'limit':<15} {'headroom':>10}  forecast"]
     for row in picked:
         bits = "—" if row.headroom_bits is None else f"{row.headroom_bits:.1f} bits"
         if row.forecast is not None:
@@ -64,7 +64,7 @@ def forecast_table(headroom: LaneHeadroom, formats: Iterable[str], rows: int = 2
                     f"{-f.slope_bits_per_step:.3g} bits/step")
         else:
             told = row.why_none
-        lines.append(f"{row.module:<{width}}  {row.tensor:<6}  {row.format:<10} {row.limit:<15} {bits:>9}  {told}")
+        lines.append(f"{row.module:<{width}}  {row.tensor:<6}  {row.format:<10} {row.limit:<15} {bits:>10}  {told}")
     return lines
 
 
