@@ -250,9 +250,10 @@ class LaneHeadroom:
                     series.steps.append(step)
                     series.log2_amax.append(log2_amax)
 
-    def rows(self, formats: Iterable[str] = tuple(FORMAT_LIMITS)) -> list[LayerHeadroom]:
-        """Every layer's tensor against each limit of each of `formats`, least headroom first."""
-        formats = [name for name in formats if name in FORMAT_LIMITS]
+    def rows(self, formats: Iterable[str] | None = None) -> list[LayerHeadroom]:
+        """Every layer's tensor against each limit of each of `formats` (default: every format in the table), least
+        headroom first."""
+        formats = [name for name in (FORMAT_LIMITS if formats is None else formats) if name in FORMAT_LIMITS]
         out = []
         for (module, tensor), series in self.series.items():
             trend = theil_sen(series.steps, series.log2_amax) if len(series.steps) >= 2 else None
