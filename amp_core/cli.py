@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "workload needs where it is missing").set_defaults(handler=cmd_workloads,
                                                                            uses_workloads=True)
 
+    forecast = sub.add_parser("forecast", help="a run's layers by headroom to their formats' limits, and the step "
+                                               "each one's trend reaches it (needs sampled layers: --amax-every)")
+    forecast.add_argument("run_id")
+    forecast.add_argument("--lane", type=int, default=None, help="only this lane (default: every lane)")
+    forecast.set_defaults(handler=cmd_forecast)
+
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
                                            "self-contained HTML report (charts, summary, config, events)")
     export.add_argument("run_id")
@@ -551,6 +557,34 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(Path(out).resolve())
         return 0
     print(store.export(args.run_id, args.format, out))
+    return 0
+
+
+def cmd_forecast(args: argparse.Namespace) -> int:
+    """Per lane: the layers by headroom with their forecasts, then the lane's one line. Exit 0; 2 with one line for a
+    run without sampled layers or a lane it does not have."""
+    from amp_core.views.forecast import forecast_line, forecast_table, lane_headrooms, shown_formats
+
+    store = open_store(args.store)
+    run = store.run(args.run_id)
+    if run is None:
+        raise ConfigError("run_id", f"no run {args.run_id!r} in {store.location}")
+    modes = {int(lane["lane"]): lane["mode"] for lane in run["lanes"]}
+    if args.lane is not None and args.lane not in modes:
+        raise ConfigError("lane", f"run {args.run_id} has no lane {args.lane}; it has {', '.join(map(str, modes))}")
+    lanes = lane_headrooms(store.events(args.run_id))
+    if args.lane is not None:
+        lanes = {args.lane: lanes[args.lane]} if args.lane in lanes else {}
+    if not lanes:
+        raise ConfigError("run_id", f"run {args.run_id} has no sampled layers: race with --amax-every N (a Monitor: "
+                                    "layers_every=N) to sample them every N steps")
+    for lane, headroom in sorted(lanes.items()):
+        mode = modes.get(lane, "?")
+        formats = shown_formats(mode)
+        print(f"lane {lane} · {mode} · sampled up to step {headroom.last_step}")
+        print("\n".join(forecast_table(headroom, formats)))
+        print(forecast_line(headroom.earliest(formats), mode))
+        print()
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from amp_core.probes.headroom import FORECAST_EVENT, Forecaster
 from amp_core.probes.layerwatch import layer_sampler
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, LayerAmaxSampler
 
@@ -19,6 +20,8 @@ class LayerAmaxHook:
         """Steps between two samples: the steps in between may be plain ones (RunHooks.plain_steps)."""
         self._samplers: dict[int, LayerAmaxSampler] = {}
         """Per lane, the shadow copy layer amax is sampled on (one more copy of the weights while the lane lives)."""
+        self.forecaster = Forecaster()
+        """Each sample's headroom and trend: a `forecast` event when a lane's earliest forecast appears or moves."""
 
     def __call__(self, run: Any, lane: Any, step: int) -> None:
         """Per-module abs max on the shadow copy (the lane's weights after this step, this step's batch), after the
@@ -38,8 +41,16 @@ class LayerAmaxHook:
         except Exception as exc:  # a failed sample must not stop the lane
             run.sink.event("warning", f"layer amax sampling failed: {type(exc).__name__}: {exc}", lane.index, step)
             return
-        run.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **sample.event_data(),
+        data = sample.event_data()
+        run.sink.event(LAYER_AMAX_EVENT, sample.message(), lane.index, step, **data,
                        sample_ms=(time.perf_counter() - start) * 1e3)
+        try:
+            told = self.forecaster.observe(lane.index, step, data, state.precision.mode)
+        except Exception as exc:  # a failed forecast must not stop the lane either
+            run.sink.event("warning", f"forecast failed: {type(exc).__name__}: {exc}", lane.index, step)
+            return
+        if told is not None:
+            run.sink.event(FORECAST_EVENT, told[0], lane.index, step, **told[1])
 
     def lane_end(self, run: Any, lane: Any) -> None:
         self._samplers.pop(lane.index, None)

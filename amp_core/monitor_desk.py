@@ -12,11 +12,14 @@ import math
 import time
 from typing import Any
 
+from amp_core.probes.headroom import FORECAST_EVENT, Forecaster
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
 from amp_core.probes.nonfinite import sentinel_for
+from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
 from amp_core.telemetry import LaneTrack, StepResult
+from amp_core.torch_private import scale_tensor
 
 NOT_SOON = 2**62
 """A FullStepAt answer: nothing here needs a full step."""
@@ -33,8 +36,11 @@ class MonitorDesk:
     def __init__(self, monitor: Any, store: RunStore | None):
         config = monitor.config
         self.monitor = monitor
-        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share())
+        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share(),
+                                 scale_of=lambda: scale_tensor(monitor.scaler))
         self.layers.between_steps(-1, 0)
+        self.forecaster = Forecaster()
+        """The race's forecaster, fed each layer sample as it is recorded: the same `forecast` events."""
         self.requests = Desk(store, monitor.run_id)  # a page's requests, rank 0 only
         self.half_flush_s = config.flush_every_s / 2
         self.read_at = time.monotonic() + self.half_flush_s
@@ -141,6 +147,10 @@ class MonitorDesk:
         try:
             for kind, message, step, data in layers.read():
                 note(kind, message, at_step=step, **data)
+                if kind == LAYER_AMAX_EVENT:
+                    told = self.forecaster.observe(0, step, data, monitor.mode or "")
+                    if told is not None:
+                        note(FORECAST_EVENT, told[0], at_step=step, **told[1])
         except Exception as exc:
             layers.pending = []
             if not guard.failed(LAYER_WATCH, exc, monitor.steps_done):

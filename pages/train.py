@@ -283,6 +283,7 @@ from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
+from amp_core.views import forecast as forecast_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.chart_feed import figure_spec  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
@@ -618,6 +619,16 @@ def compiled_lanes(info: RunInfo) -> None:
     st.caption(compiled_views.COMPILE_NOTE)
 
 
+def forecasts(info: RunInfo) -> None:
+    """Each lane's latest forecast (amp_core.probes.headroom: a layer heading for its format's limit), read from the
+    run's events only when it samples its layers."""
+    if not (info.config.get("amax_every") or info.config.get("layers_every")):
+        return
+    lines = forecast_views.lane_forecast_lines(manager.events(run_id), {lane.lane: lane.mode for lane in info.lanes})
+    for line in lines:
+        st.warning(f"Forecast · {line}")
+
+
 def replicates(series: list, seeds: dict[str, int]) -> None:
     """Each mode across its seeds, and whether two modes differ by more than the spread across seeds."""
     table = replicate_table(series, seeds)
@@ -706,6 +717,7 @@ def live_view() -> None:
     lane_problems(info)
     lane_rows(frame)
     compiled_lanes(info)
+    forecasts(info)
     seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,8 @@ class WatchedStep:
     """(step, why) of an earlier failed step this one was armed after."""
     request_ids: list[int] = field(default_factory=list)
     """Requests from the dashboard this step answers."""
+    scale: torch.Tensor | float | None = None
+    """The loss scale its backward used (a copy of the scaler's device tensor, read with the figures), or None."""
 
 
 @dataclass(slots=True)
@@ -176,6 +179,9 @@ class LayerWatch:
     """(request id, answer) of requested steps read so far, for the Monitor to write."""
     off: bool = False
     """Switched off for the run (its own failure, amp_core.monitor_guard): no step is watched any more."""
+    scale_of: Callable[[], torch.Tensor | float | None] | None = None
+    """The loss scale now, without a host sync (torch_private.scale_tensor of the loop's GradScaler): a watched
+    step's gradients are held scaled, and its sample says by how much (the forecast unscales them)."""
 
     def __post_init__(self) -> None:
         self.names = {module: name or ROOT for name, module in self.model.named_modules()}
@@ -268,6 +274,8 @@ class LayerWatch:
         if self.watch_next is not None:
             watched.after_failure, self.watch_next = self.watch_next, None
         watched.request_ids, self.requests = self.requests, []
+        scale = self.scale_of() if self.scale_of is not None else None
+        watched.scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else scale  # the scaler updates it
         watched.recorder.__enter__()
         self.current = watched
 
@@ -281,7 +289,8 @@ class LayerWatch:
         calls = recorder.calls
         rows = [figures(vector) for vector in torch.stack(recorder.kept).cpu().tolist()]  # the step's one transfer
         inputs = [_combined(rows, call.inputs) for call in calls]
-        sample, outputs, grads = _sample(calls, rows, None, FORMATS)
+        scale = float(watched.scale) if watched.scale is not None else None  # read at the flush, with the figures
+        sample, outputs, grads = _sample(calls, rows, scale, FORMATS)
         modules = sample.modules
         data = {**sample.event_data(), "why": watched.why, "sample_ms": watched.recorder.hook_s * 1e3}
         events = [(LAYER_AMAX_EVENT, sample.message(), watched.step, data)]

@@ -95,3 +95,61 @@ def register() -> None:
     problems = load_plugins([__name__])
     if problems:
         raise RuntimeError(problems[0].message())
+
+
+# --- "see it coming": a layer whose output grows steadily until fp16 overflows -----------------------------------
+
+GROWING_MODULE = f"blocks.{PLANTED_BLOCK}.gain"
+"""The module whose output grows (in GrowingPlantedDigits)."""
+GROWTH_START = 64.0
+"""The growing gain's factor at step 0: its output starts some 8 bits below fp16's largest value."""
+GROWTH_RATES = {"small": 0.04, "medium": 0.02, "large": 0.01}
+"""Size name -> bits per step the growing gain's factor gains (it doubles every 1 / rate steps): fp16 overflows after
+roughly 200, 400 and 800 steps (a larger size is a longer run, the model is the same)."""
+
+
+class GrowingGain(nn.Module):
+    """x * GROWTH_START * 2**(rate * steps), `steps` counting its training forwards: the LayerNorm after it takes the
+    factor out again, so training is untouched in fp32 while the output's range grows geometrically — in a 16-bit
+    format it overflows at the step the factor passes the format's range. (The count is an integer buffer: the model's
+    casts leave it exact, and a shadow copy takes it with the weights.)"""
+
+    def __init__(self, rate: float):
+        super().__init__()
+        self.rate = rate
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A 0-d tensor: no host read, and x keeps its dtype (a 16-bit x overflows as the layer would).
+        factor = GROWTH_START * torch.exp2(self.rate * self.steps.double()).float()
+        if self.training:
+            self.steps += 1
+        return x * factor
+
+
+class GrowingNet(PlantedNet):
+    def __init__(self, features: int, classes: int, rate: float):
+        super().__init__(features, classes)
+        self.blocks[PLANTED_BLOCK].gain = GrowingGain(rate)
+        for index, block in enumerate(self.blocks):
+            if index != PLANTED_BLOCK:
+                block.gain = Gain(1.0)
+
+
+class GrowingPlantedDigits(Workload):
+    name = "workshop_growing_digits"
+    title = "Digits through blocks with one layer whose output grows until fp16 overflows (workshop)"
+    description = (f"The shipped 8x8 digits through {DEPTH} blocks of Linear -> gain -> LayerNorm -> GELU; block "
+                   f"{PLANTED_BLOCK}'s gain grows by a rate per step (size: {', '.join(GROWTH_RATES)}) and the "
+                   "LayerNorm after it undoes it: fine in fp32, an fp16 overflow after a few hundred steps that the "
+                   "forecast should see coming.")
+    sizes = {name: {"rate": rate} for name, rate in GROWTH_RATES.items()}
+
+    def load_data(self, config) -> Data:
+        return DigitsMLP().load_data(config)
+
+    def build_model(self, size: str, data: Data) -> nn.Module:
+        return GrowingNet(data.inputs.shape[1], 10, GROWTH_RATES[size])
+
+    def loss(self, output, target):
+        return nn.functional.cross_entropy(output.float(), target)
