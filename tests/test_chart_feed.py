@@ -25,10 +25,10 @@ def line(n: int, start: int = 0, **style) -> dict:
 
 
 @pytest.mark.parametrize("modes", [("32-true",), ("32-true", "bf16-mixed")])
-def test_a_live_runs_next_update_carries_only_its_new_steps(stepped_launches, fresh_store, modes):
+def test_a_live_runs_next_update_carries_only_its_new_steps(stepped_launches, fresh_store, modes, monkeypatch):
     manager = RunManager(open_store(fresh_store))
     lanes = len(modes)
-    stepped_launches.pause_after = frozenset({4 * lanes, 7 * lanes})
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4 * lanes, 7 * lanes}))  # not the class's for good
     run = manager.launch(RunConfig(workload="mlp_regression", modes=modes, steps=100_000, batch_size=16))
     try:
         run.wait_until(stepped_launches.parked)
