@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amp_core.imports import parse_python
+
 PACKAGE = Path(__file__).resolve().parent
 PLUGINS_ENV = "AMP_LAB_WORKLOADS"
 """The environment variable naming workload plugin modules (comma-separated), loaded at start-up."""
@@ -51,7 +53,7 @@ def _constants(tree: ast.AST, names: set[str]) -> dict[str, Any]:
 @functools.cache
 def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
     """(MODES, BASELINE_MODE, MODE_HELP) as amp_core/precision.py defines them."""
-    tree = ast.parse((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    tree = parse_python((PACKAGE / "precision.py").read_text(encoding="utf-8"))
     found = _constants(tree, {"MODES", "BASELINE_MODE", "MODE_HELP"})
     return tuple(found["MODES"]), found["BASELINE_MODE"], dict(found["MODE_HELP"])
 
@@ -60,9 +62,9 @@ def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
 def recipes() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """(RECIPE_OPTION_HELP then the block-scaled options' BLOCK_SCALED_HELP, RECIPE_PRESETS) as amp_core/precision.py
     and amp_core/formats/recipes.py define them."""
-    tree = ast.parse((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    tree = parse_python((PACKAGE / "precision.py").read_text(encoding="utf-8"))
     found = _constants(tree, {"RECIPE_OPTION_HELP", "RECIPE_PRESETS"})
-    block = _constants(ast.parse((PACKAGE / "formats" / "recipes.py").read_text(encoding="utf-8")),
+    block = _constants(parse_python((PACKAGE / "formats" / "recipes.py").read_text(encoding="utf-8")),
                        {"BLOCK_SCALED_HELP"})
     return ({**found["RECIPE_OPTION_HELP"], **block["BLOCK_SCALED_HELP"]},
             {name: tuple(lanes) for name, lanes in found["RECIPE_PRESETS"].items()})
@@ -75,7 +77,7 @@ def builtin_workloads() -> tuple[WorkloadEntry, ...]:
     entries = []
     for path in sorted((PACKAGE / "workloads").glob("*.py")):
         workload_classes = {"Workload"}
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in parse_python(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.ClassDef) and any(getattr(base, "id", "") in workload_classes
                                                       for base in node.bases):
                 workload_classes.add(node.name)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from amp_core.catalog import modes as catalog_modes
+from amp_core.imports import parse_python
 
 
 class ConfigError(ValueError):
@@ -336,7 +337,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _own_field_docs(cls: type) -> dict[str, str]:
-    tree = ast.parse(inspect.getsource(cls))
+    tree = parse_python(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
     for node, after in itertools.pairwise(body):

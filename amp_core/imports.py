@@ -15,6 +15,7 @@ torch imports torch._dynamo by itself, lazily, the first time an optimizer is bu
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -161,3 +162,14 @@ def _import_mended(name: str) -> types.ModuleType:
             parent, _, child = orphan.rpartition(".")  # bound on it as their first import did (outer ones first)
             if parent in sys.modules and not hasattr(sys.modules[parent], child):
                 setattr(sys.modules[parent], child, sys.modules[orphan])
+
+
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str, **kwargs) -> ast.AST:
+    """`ast.parse`, one thread at a time: CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not
+    per thread, so two sessions' threads parsing at once (a room opening the dashboard) can fail with "SystemError:
+    AST constructor recursion depth mismatch". Every parse AMP Lab makes at run time goes through here."""
+    with _AST_LOCK:
+        return ast.parse(source, **kwargs)

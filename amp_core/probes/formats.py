@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from amp_core.imports import parse_python
+
 # Display name -> storage dtype. TF32 has no torch dtype: its values live in fp32 tensors.
 FORMATS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -347,7 +349,7 @@ def parse_number(text: str) -> float:
     except ValueError:
         pass
     try:
-        result = _evaluate(ast.parse(cleaned.replace("^", "**"), mode="eval"))
+        result = _evaluate(parse_python(cleaned.replace("^", "**"), mode="eval"))
     except SyntaxError:
         raise ValueError(f"{text!r} is not a number (try 65520, 1e-8 or 1 + 2^-8)") from None
     except ValueError as error:
