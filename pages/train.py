@@ -21,7 +21,6 @@ from amp_core.config import (
     field_docs,
 )
 from amp_core.extras import missing_extras
-from amp_core.views.shared import live_refresh_s
 from pages.common import (
     app_frame,
     can_control,
@@ -36,10 +35,6 @@ from pages.common import (
 )
 from pages.common import control_note as presenter_note
 
-# The live view's redraw period while a run goes (AMP_LAB_LIVE_REFRESH_S, default 1 s: charts that move every
-# second). What a viewer costs a run is kept small by sharing: a tick's reading of the run, its table and figures are
-# computed once for every session showing it (amp_core.views.shared), so a room costs the server about what one does.
-REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
 PROBE_POLL_S = 0.5  # how often the cost panel looks whether its race is done (only while one is under way)
 DEFAULTS, DOCS, SCALER_DOCS = RUN_DEFAULTS, field_docs(RunConfig), field_docs(ScalerConfig)
 # The settings in the form's folded sections, as the form starts (RunConfig's defaults).
@@ -298,7 +293,7 @@ from amp_core.views.live import (  # noqa: E402
     lanes_table,
     what_ran_warnings,
 )
-from amp_core.views.shared import LiveFrame, live_room  # noqa: E402
+from amp_core.views.shared import LiveFrame, live_refresh_s, live_room  # noqa: E402
 from amp_core.views.summary import (  # noqa: E402
     DIFFERENCE_RULE,
     difference_sentences,
@@ -310,6 +305,12 @@ from amp_core.views.summary import (  # noqa: E402
 )
 from amp_core.views.tables import markdown_table  # noqa: E402
 from pages.live_chart import live_chart  # noqa: E402
+
+# The live view's redraw period while a run goes (AMP_LAB_LIVE_REFRESH_S, default 1 s: charts that move every
+# second). What a viewer costs a run is kept small by sharing: a tick's reading of the run, its table and figures are
+# computed once for every session showing it (amp_core.views.shared), so a room costs the server about what one does.
+# Read here, after the first paint: amp_core.views.shared imports pandas.
+REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
 
 
 @st.cache_data(show_spinner=False)
