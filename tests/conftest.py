@@ -133,3 +133,21 @@ def stepped_launches(monkeypatch) -> type[SteppedRun]:
     """Runs a RunManager launches (the pages' too) are SteppedRuns: real runs a test can wait on instead of sleeping."""
     monkeypatch.setattr(runner, "Run", SteppedRun)
     return SteppedRun
+
+
+@pytest.fixture
+def fragment_timers(monkeypatch) -> dict:
+    """How often each live part of a page redraws itself (`st.fragment`'s run_every), by function name: AppTest runs
+    no timers, so the period is read where the fragment is declared."""
+    import streamlit as st
+
+    timers, fragment = {}, st.fragment
+
+    def recorded(func=None, *, run_every=None):
+        if func is None:
+            return lambda inner: recorded(inner, run_every=run_every)
+        timers[func.__name__] = run_every
+        return fragment(func, run_every=run_every)
+
+    monkeypatch.setattr(st, "fragment", recorded)
+    return timers

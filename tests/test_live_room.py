@@ -143,8 +143,8 @@ def test_a_bad_refresh_setting_says_so_and_keeps_the_default(text):
 
 @pytest.mark.parametrize(("setting", "period", "warned"), [(None, 1.0, False), ("2.5", 2.5, False),
                                                            ("soon", 1.0, True)])
-def test_the_train_pages_live_view_redraws_at_the_setting(stepped_launches, monkeypatch, setting, period, warned):
-    import streamlit as st
+def test_the_train_pages_live_view_redraws_at_the_setting(stepped_launches, monkeypatch, fragment_timers, setting,
+                                                          period, warned):
     from streamlit.testing.v1 import AppTest
 
     from pages.common import get_manager
@@ -153,16 +153,7 @@ def test_the_train_pages_live_view_redraws_at_the_setting(stepped_launches, monk
         monkeypatch.delenv(REFRESH_ENV, raising=False)
     else:
         monkeypatch.setenv(REFRESH_ENV, setting)
-    # AppTest runs no timers: how often the live view redraws itself is read where it is declared.
-    timers, fragment = {}, st.fragment
-
-    def recorded(func=None, *, run_every=None):
-        if func is None:
-            return lambda inner: recorded(inner, run_every=run_every)
-        timers[func.__name__] = run_every
-        return fragment(func, run_every=run_every)
-
-    monkeypatch.setattr(st, "fragment", recorded)
+    timers = fragment_timers
     monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4}))
     run = get_manager().launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000,
                                          batch_size=16))

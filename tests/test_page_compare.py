@@ -185,21 +185,11 @@ def test_zero_lanes_chosen_says_what_to_do(fresh_store):
     assert at.multiselect(key="cmp_lanes").value == [f"{run_id}/0"]
 
 
-def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_threads, monkeypatch):
-    import streamlit as st
+def test_a_live_run_can_be_picked_and_refreshes(stepped_launches, no_leaked_threads, monkeypatch, fragment_timers):
 
     from pages.common import get_manager
 
-    # AppTest runs no timers: which part of the page redraws itself, and how often, is read where it is declared.
-    timers, fragment = {}, st.fragment
-
-    def recorded(func=None, *, run_every=None):
-        if func is None:
-            return lambda inner: recorded(inner, run_every=run_every)
-        timers[func.__name__] = run_every
-        return fragment(func, run_every=run_every)
-
-    monkeypatch.setattr(st, "fragment", recorded)
+    timers = fragment_timers
     monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10}))  # lane steps: two lanes, 2 then 5 steps
     run = get_manager().launch(tiny(("32-true", "16-mixed"), steps=100_000))
     try:
