@@ -15,8 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
+from amp_core.imports import compiler_ready, heavy_import
+
 try:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 except ImportError as exc:  # pragma: no cover - only on a torch that moved it
     raise ImportError(f"torch {torch.__version__}: torch.utils._python_dispatch.TorchDispatchMode is gone "
                       "(the op inspector's dispatch mode needs it)") from exc
@@ -39,6 +41,17 @@ class TorchAPIChanged(RuntimeError):
         super().__init__(f"torch {torch.__version__}: private API {api} {why}; amp_core/torch_private.py must follow "
                          "the change")
         self.api = api
+
+
+class TorchDispatchMode(_TorchDispatchMode):
+    """torch's dispatch mode, made only after torch's compiler stack is imported through the gate: torch wraps a
+    mode's `__torch_dispatch__` in its lazy `_disable_dynamo`, which imports torch._dynamo on whichever thread runs
+    it first. A page's probe running there while the server's warm-up imports the stack saw it half
+    made ("cannot import name 'IndentedBuffer' from partially initialized module 'torch._inductor.utils'")."""
+
+    def __init__(self, *args, **kwargs):
+        compiler_ready()
+        super().__init__(*args, **kwargs)
 
 
 PYTREE_LOGGER = "torch.utils._pytree"
@@ -186,9 +199,7 @@ def remove_forward_hooks(module: torch.nn.Module, kind: type) -> int:
 
 # --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.compiled) and their op view --------
 def _private_module(name: str):
-    from amp_core.imports import heavy_import  # torch's compiler stack imports in cycles: one thread at a time
-
-    try:
+    try:  # through the gate: torch's compiler stack imports in cycles, one thread at a time (amp_core.imports)
         return heavy_import(name)
     except ImportError:
         raise TorchAPIChanged(name) from None

@@ -139,3 +139,39 @@ def test_a_module_that_cannot_be_mended_says_restart_and_a_missing_one_is_missin
     assert "torchao.float8 cannot be imported in this process" in result["said"]
     assert "restart the process" in result["said"]
     assert result["missing"] == "no_such_extra_package"
+
+
+PAGE_PROBES = """
+import importlib.abc, json, sys, threading, traceback
+from amp_core import imports
+
+outside = []
+
+
+class Spy(importlib.abc.MetaPathFinder):
+    '''Names every first import of a gated package's module made by a thread that does not hold the gate.'''
+
+    def find_spec(self, fullname, path, target=None):
+        if imports.family(fullname) is not None and not imports._GATE._is_owned():
+            outside.append(fullname + " from " + traceback.format_stack(limit=6)[0].strip())
+        return None
+
+
+sys.meta_path.insert(0, Spy())
+from amp_core.probes import block_numerics, numerics, optrace
+
+optrace.trace_workload("digits_mlp", "16-mixed")
+optrace.autocast_demo("cpu")
+numerics.probe_workload("digits_mlp", "bf16-mixed")
+block_numerics.probe_workload_formats("digits_mlp", ["mxfp8", "nvfp4"])
+print(json.dumps({"outside": outside, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+"""What the Op inspector and Layer numerics pages compute, in a fresh process with a spy on the import system."""
+
+
+def test_the_pages_probes_enter_torchs_compiler_stack_only_through_the_gate():
+    """torch imports torch._dynamo lazily from inside a dispatch mode; a page tracing a model while the warm-up imported
+    the stack through the gate saw torch._inductor.utils half made (CI, a room opening every page at once)."""
+    result = run_fresh(PAGE_PROBES)
+    assert result["dynamo"], "the probes never reached torch's compiler stack: the spy saw nothing to judge"
+    assert result["outside"] == []
