@@ -344,7 +344,7 @@ def _print_recipe_notes(config: RunConfig) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from amp_core.distributed import job_rank
+    from amp_core.race.distributed import job_rank
     from amp_core.workloads import check_launch
 
     config = config_from_args(args)
@@ -355,18 +355,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("fsdp", "FSDP2 shards each lane's model across the ranks of a torchrun job: add --nproc 2 "
                                   "or more (one rank would shard nothing)")
     if args.nproc > 1 and job is None:
-        from amp_core.distributed import check_job
+        from amp_core.race.distributed import check_job
 
         check_launch(config)  # a bad setting is said once, here, not by every rank
         check_job(config)
         return _run_under_torchrun(args)
     if job is not None:
-        from amp_core.distributed import DistributedRun, init_job
+        from amp_core.race.distributed import DistributedRun, init_job
 
         init_job(config, job)
         run = DistributedRun(config, open_store(args.store) if job.rank == 0 else None).start()
     else:
-        from amp_core.runner import Run
+        from amp_core.race.runner import Run
 
         run = Run(config, open_store(args.store)).start()
     if job is None or job.rank == 0:
@@ -380,7 +380,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run.join()
     code = 0 if run.status in ("finished", "stopped") else 1
     if job is not None:
-        from amp_core.distributed import finish_job, leave_job
+        from amp_core.race.distributed import finish_job, leave_job
 
         leave_job()
         if job.rank != 0:
@@ -444,7 +444,7 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
     the job); torchrun's exit status."""
     import subprocess
 
-    from amp_core.distributed import torchrun_command
+    from amp_core.race.distributed import torchrun_command
 
     argv = _without_flag(_without_flag(args.argv, "--nproc"), "--store")
     if args.store is not None:  # through the environment: a URL's password never shows in the workers' command lines
@@ -751,7 +751,7 @@ def _block_numerics(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     """`replay RUN_ID --lane L --step S`: the table and, last, `verdict: precision|data|unclear — <why>`."""
     from amp_core.diagnostics.replay import replay_run
-    from amp_core.runner import RunManager
+    from amp_core.race.runner import RunManager
     from amp_core.views.replay import replay_text
 
     report = replay_run(RunManager(open_store(args.store)), args.run_id, args.lane, args.step)
@@ -763,7 +763,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     """`bisect RUN_ID --lane L [--step S | --window A:B] [--budget N]`: every trial, the set, the price race, the fix
     as code and, last, the price line; the report is recorded as a `bisected` event of the run."""
     from amp_core.diagnostics.bisect import BisectConfig, bisect_run
-    from amp_core.runner import RunManager
+    from amp_core.race.runner import RunManager
     from amp_core.views.bisect import bisect_text
 
     check = BisectConfig() if args.budget is None else BisectConfig(budget=args.budget)
@@ -790,7 +790,7 @@ def cmd_workshop(args: argparse.Namespace) -> int:
         return 2
     if args.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("device", f"unknown value {args.device!r}; choose from auto, cpu, cuda")
-    from amp_core.runner import RunManager
+    from amp_core.race.runner import RunManager
 
     manager = RunManager(open_store(args.store))
     launch = ScenarioLaunch(manager, scenario, args.device)

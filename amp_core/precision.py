@@ -494,7 +494,8 @@ class CompiledModel(RecipeOption):
     """`+compile` / `+compile-max-autotune` / `+compile-reduce-overhead`: the lane's model compiled with
     torch.compile's inductor backend (`nn.Module.compile`, in place, so parameter names and the optimizer's parameters
     stay the lane's own); the step is otherwise the same. The weights are not changed: `prepare_module` leaves the
-    module eager, and the run compiles its lane (amp_core.compiled), so every copy a probe makes is an eager one."""
+    module eager, and the run compiles its lane (amp_core.race.compiled), so every copy a probe makes is an eager
+    one."""
 
     name: str
     compile_mode: str

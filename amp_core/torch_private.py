@@ -197,7 +197,7 @@ def remove_forward_hooks(module: torch.nn.Module, kind: type) -> int:
     return removed
 
 
-# --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.compiled) and their op view --------
+# --- torch.compile's own accounting (dynamo, inductor): compiled lanes (amp_core.race.compiled) and their op view ----
 def _private_module(name: str):
     try:  # through the gate: torch's compiler stack imports in cycles, one thread at a time (amp_core.imports)
         return heavy_import(name)

@@ -22,7 +22,7 @@ from torch import nn
 
 from amp_core.config import RunConfig, ScalerConfig
 from amp_core.diagnostics.bisect import bisect_run
-from amp_core.runner import RunManager
+from amp_core.race.runner import RunManager
 from amp_core.workloads import WORKLOADS, Data, Workload
 from amp_core.workshop.planted import Boost
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python b
 
 from amp_core.config import RunConfig
 from amp_core.probes.headroom import FORECAST_EVENT
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.workshop import planted
 
 PLANTED_STEPS = {"small": 400, "medium": 700, "large": 1300}

@@ -6,7 +6,7 @@ bf16-mixed).
 For each option: its median ms/step against bf16-mixed's in the same interleaved race (the emulation's cost on this
 CPU: goal <= 6x, so a workshop race stays interactive; on a GPU with the kernels, the speed-up), and its final loss
 (mean of the last steps, mean over seeds) minus bf16-mixed's, judged against the spread across seeds
-(amp_core.seednoise's rule).
+(amp_core.diagnostics.seednoise's rule).
 
     python3 -m bench.formats [--size small] [--steps 300] [--seeds 3] [--blockwise-size medium]
 Last line: emulation_cost_worst=<the largest ms/step ratio to bf16-mixed> (goal <= 6)
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.precision import get_precision
-from amp_core.runner import Run
-from amp_core.seednoise import difference_verdict
+from amp_core.race.runner import Run
 
 BASELINE = "bf16-mixed"
 LOSS_TAIL = 20

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from amp_core.attach.monitor import Monitor, MonitorConfig
 from amp_core.config import RunConfig
-from amp_core.monitor import Monitor, MonitorConfig
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 from amp_core.workloads import WORKLOADS

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python b
 
 from amp_core.config import RunConfig
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, probe_step
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from bench.trace import one_step, time_ms
 
 WORKLOADS_TIMED = ("digits_mlp", "tiny_transformer")

@@ -39,7 +39,6 @@ import time
 
 import torch
 
-from amp_core.compiled import COMPILED_EVENT, compile_in_place, eager_recipe, is_compiled_recipe
 from amp_core.config import RunConfig
 from amp_core.precision import (
     BASELINE_MODE,
@@ -49,7 +48,8 @@ from amp_core.precision import (
     is_fp8_recipe,
     parse_modes,
 )
-from amp_core.runner import Run
+from amp_core.race.compiled import COMPILED_EVENT, compile_in_place, eager_recipe, is_compiled_recipe
+from amp_core.race.runner import Run
 from amp_core.views.summary import summarize
 from amp_core.workloads import WORKLOADS
 from bench.overhead import TurnTaker, one_heap, paused_start, run_threads, steps_for, take_turns

@@ -19,7 +19,7 @@ import torch
 
 from amp_core.config import RunConfig
 from amp_core.precision import BASELINE_MODE
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.workloads import WORKLOADS
 
 RECIPES = (BASELINE_MODE, "bf16-mixed", "bf16-mixed+fp8-rowwise", "32-true+adamw-8bit", "bf16-true+sr")

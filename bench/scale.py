@@ -45,11 +45,11 @@ import psutil
 from plotly.tools import return_figure_from_figure_or_data
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import Run, RunManager
 from amp_core.records.opening import open_store
 from amp_core.records.schema import STEP_COLUMNS
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import RunStore, is_postgres_url
-from amp_core.runner import Run, RunManager
 from amp_core.views import plots
 from amp_core.views.live import RecordFollower
 from amp_core.views.summary import lanes, summarize

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from amp_core.access import Sharing
     from amp_core.diagnostics.cost import ProbeBoard
-    from amp_core.runner import RunManager
+    from amp_core.race.runner import RunManager
 
 # Marks in Streamlit's own icon font (Markdown only): an emoji needs an emoji font, which a plain Linux box may lack
 # (Debian's Chromium with no emoji font drew each as an empty box). Plain-text labels (a picker's options, a table's
@@ -37,7 +37,7 @@ LIVE_MARK = ":green[:material/radio_button_checked:]"
 CORE_MODULES = ("amp_core.config", "amp_core.precision", "amp_core.workloads")
 """What the Train form needs beyond the light catalog: which modes this device runs (imports torch), and the workload
 plugins named in $AMP_LAB_WORKLOADS (loaded once per server, never from anything typed on a page)."""
-OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.runner",
+OTHER_MODULES = ("pandas", "plotly.graph_objects", "amp_core.records.store", "amp_core.race.runner",
                  "amp_core.diagnostics.cost", "amp_core.views.summary", "amp_core.views.plots", "amp_core.views.live",
                  "amp_core.views.compare", "amp_core.views.tables")
 """The rest of what the Train and Compare pages draw with."""
@@ -199,9 +199,9 @@ def warm_up() -> WarmUp:
 @st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
+    from amp_core.race.runner import RunManager
     from amp_core.records.opening import open_store
     from amp_core.records.store import StoreError
-    from amp_core.runner import RunManager
 
     try:
         return RunManager(open_store())
@@ -437,8 +437,8 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
     """Widgets to probe a running lane of a live run in this process (`verb` "trace" / "probe", `what` says what the
     click does): `probe(run, lane_index)` on the click, kept in session state under `state_key`; returns the result
     of the last click, or None. A lane that ends meanwhile, or a probe that fails, gets a message, not a traceback."""
-    from amp_core.compiled import is_compiled_recipe
     from amp_core.config import ConfigError
+    from amp_core.race.compiled import is_compiled_recipe
 
     lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
              for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}

@@ -2,11 +2,11 @@
 
 import streamlit as st
 
-from amp_core.compiled import eager_recipe, lane_compiles
-from amp_core.compiled import one_line as compiled_one_line
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import compiled_ops, optrace
+from amp_core.race.compiled import eager_recipe, lane_compiles
+from amp_core.race.compiled import one_line as compiled_one_line
 from amp_core.runs import is_live
 from amp_core.views import compiled as compiled_views
 from amp_core.views import optrace as trace_views

@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's 
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig  # noqa: E402
 from amp_core.precision import default_modes  # noqa: E402
+from amp_core.race.runner import Run  # noqa: E402
 from amp_core.records.opening import open_store  # noqa: E402
-from amp_core.runner import Run  # noqa: E402
 from bench.viewers import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402
 from tests import streamlit_server  # noqa: E402
 from tests.test_browser import (  # noqa: E402

@@ -24,9 +24,10 @@ import pytest  # noqa: E402
 from pg_cluster import Cluster, missing  # noqa: E402
 from stepped_run import SteppedRun  # noqa: E402
 
-from amp_core import background, runner  # noqa: E402
+from amp_core import background  # noqa: E402
 from amp_core.extras import missing_extras  # noqa: E402
 from amp_core.precision import CPU_NATIVE_ENV  # noqa: E402
+from amp_core.race import runner  # noqa: E402
 from tests import streamlit_server  # noqa: E402
 
 # The suite runs on the device as it is: an override exported in the shell would change what the workshop expects

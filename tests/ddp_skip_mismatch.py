@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import sys
 import torch
 from torch import nn
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 
 
 def numbers(text: str) -> set[int]:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 
 AMPLIFY = 300.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 
 
 class SteppedRun(Run):

@@ -26,10 +26,10 @@ from amp_core.diagnostics.advise import (
     record_advice,
     replay_failures,
 )
+from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.precision import availability, resolve_device
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
-from amp_core.seednoise import difference_verdict
 from amp_core.views.advise import advice_report_html, advice_table, advice_text, unmeasured_lines
 from tests.cli_process import ROOT
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from amp_core.attach.monitor import MonitorConfig
 from amp_core.config import ConfigError
 from amp_core.diagnostics.attached_replay import (
     REPLAY_AUTO_MAX_BYTES,
@@ -25,9 +26,8 @@ from amp_core.diagnostics.attached_replay import (
     REPLAY_ON_EVENT,
 )
 from amp_core.diagnostics.replay_modes import REPLAYED_EVENT, recorded_replays
-from amp_core.monitor import MonitorConfig
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame
 from tests.test_browser import CHROMIUM, SETTLED
 from tests.test_replay_page import SHOTS, served_page
@@ -172,7 +172,7 @@ def test_a_loop_without_a_loss_closure_keeps_nothing_by_default_and_a_failed_ste
     import torch
     from torch import nn
 
-    from amp_core.monitor import Monitor
+    from amp_core.attach.monitor import Monitor
 
     def loop(**settings) -> str:
         torch.manual_seed(0)

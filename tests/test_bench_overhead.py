@@ -4,7 +4,7 @@ which the run took its probes or snapshots (their records' probe_ms), by the run
 from __future__ import annotations
 
 from amp_core.config import RunConfig
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from bench.overhead import sampled_steps
 
 

@@ -18,9 +18,9 @@ from cli_process import ROOT
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.diagnostics.bisect import BisectConfig, KeepSetMarker, bisect_run, recorded_bisects
 from amp_core.fixes import fix_code, float8_module_filter, keep_in_fp32
+from amp_core.race.runner import RunManager
+from amp_core.race.snapshots import ReplayError
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
-from amp_core.snapshots import ReplayError
 from amp_core.views.bisect import price_frame
 from amp_core.workloads import WORKLOADS
 

@@ -18,8 +18,8 @@ from amp_core.config import RunConfig, ScalerConfig
 from amp_core.diagnostics.bisect import bisect_run
 from amp_core.fixes import keep_in_fp32
 from amp_core.precision import get_precision, keep_output_note
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views.bisect import bisect_text
 from amp_core.workloads import WORKLOADS
 

@@ -18,7 +18,7 @@ from amp_core.formats import quantize as q
 from amp_core.formats.linear import GRAD_OUTPUT, INPUT, WEIGHT, BlockScaledLinear, GemmRecipe
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, carries_keep_hooks
 from amp_core.precision import availability, get_precision, is_kept, parse_recipe
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.workloads import check_launch
 
 pytestmark = pytest.mark.extra("recipes")  # the reference is torchao's own code

@@ -13,8 +13,8 @@ import pytest
 from bisect_workloads import PlantedStack
 
 from amp_core.config import RunConfig, ScalerConfig
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from amp_core.workloads import WORKLOADS
 from tests import streamlit_server
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED

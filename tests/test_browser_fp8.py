@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from tests import streamlit_server
 from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED, choose
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views import plots
 from amp_core.views.chart_feed import TAIL_POINTS, ChartFeed, figure_spec, new_points
 from amp_core.views.shared import LiveRoom

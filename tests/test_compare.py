@@ -10,9 +10,9 @@ import pytest
 from cli_process import start_cli_run, wait_for_stored_steps
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import Run, RunManager
 from amp_core.records import STEP_FIELDS
 from amp_core.records.opening import open_store
-from amp_core.runner import Run, RunManager
 from amp_core.views import compare
 from amp_core.views.plots import mode_color
 from amp_core.views.summary import summarize

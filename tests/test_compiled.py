@@ -10,7 +10,9 @@ import pytest
 import torch
 from compile_workloads import FusedChain, PlantedBreak
 
-from amp_core.compiled import (
+from amp_core.config import ConfigError, RunConfig
+from amp_core.precision import availability, cpp_compiler
+from amp_core.race.compiled import (
     COMPILED_EVENT,
     COMPILED_OPS_EVENT,
     FIRST_COMPILE,
@@ -24,9 +26,7 @@ from amp_core.compiled import (
     lane_compiles,
     one_line,
 )
-from amp_core.config import ConfigError, RunConfig
-from amp_core.precision import availability, cpp_compiler
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.views import compiled as compiled_views
 from amp_core.workloads import WORKLOADS, check_launch
 
@@ -198,7 +198,7 @@ class _Reader:
     """The RunReader view of one finished in-memory run, as the pages read it."""
 
     def __init__(self, run: Run):
-        from amp_core.runner import RunManager
+        from amp_core.race.runner import RunManager
 
         self.manager = RunManager()
         self.manager._runs[run.run_id] = run
@@ -318,7 +318,7 @@ def test_a_copy_of_a_compiled_lane_model_is_eager_with_the_same_weights():
     """What layer numerics, the op trace and replay run on: torch drops the compiled call when it copies a module."""
     import copy
 
-    from amp_core.compiled import compile_lane_model
+    from amp_core.race.compiled import compile_lane_model
 
     model = torch.nn.Linear(4, 2)
     compile_lane_model(model, "default", lambda: None)  # lazy: nothing compiles until the model is called

@@ -20,7 +20,7 @@ from amp_core.precision import (
     mode_from_dtypes,
     parse_modes,
 )
-from amp_core.runner import RunManager
+from amp_core.race.runner import RunManager
 from amp_core.switches import lane_step_switches
 from amp_core.workloads import check_launch
 

@@ -9,7 +9,7 @@ import torch
 from test_cuda import per_step_syncs
 from torch import nn
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
 

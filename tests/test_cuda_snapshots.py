@@ -10,7 +10,7 @@ import torch
 from test_cuda import bare_loop, finished, per_step_syncs
 
 from amp_core.config import RunConfig
-from amp_core.runner import Run, RunHooks
+from amp_core.race.runner import Run, RunHooks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

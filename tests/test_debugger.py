@@ -16,11 +16,11 @@ from format_layouts import LAYOUTS
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults, gradstats
+from amp_core.race.runner import Run, RunManager, build_lane_state
+from amp_core.race.step import train_step
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import Run, RunManager, build_lane_state
 from amp_core.runs import LaneInfo
-from amp_core.step import train_step
 from amp_core.views import debugger, tables
 from amp_core.workloads import WORKLOADS, param_names
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
+from amp_core.attach.monitor import Monitor
 from amp_core.cli import main
 from amp_core.config import RunConfig
-from amp_core.monitor import Monitor
 from amp_core.probes.headroom import (
     FORECAST_EVENT,
     FORMAT_LIMITS,
@@ -26,8 +26,8 @@ from amp_core.probes.headroom import (
     headroom_bits,
     theil_sen,
 )
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from amp_core.views.forecast import lane_forecast_lines, told_line
 from amp_core.workshop import planted
 

@@ -137,7 +137,7 @@ def test_what_fsdp_does_not_offer_is_refused_in_one_line_before_the_job(tmp_path
 
 def test_a_plain_run_refuses_fsdp_with_the_command_that_offers_it():
     from amp_core.config import ConfigError
-    from amp_core.runner import Run
+    from amp_core.race.runner import Run
 
     with pytest.raises(ConfigError, match=r"amp-lab run --nproc N --fsdp"):
         Run(RunConfig(workload="mlp_regression", modes=("bf16-mixed",), fsdp=True, steps=1)).start()

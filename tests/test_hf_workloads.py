@@ -22,8 +22,8 @@ import torch
 from amp_core import catalog, workloads
 from amp_core.cli import main
 from amp_core.config import RunConfig
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views.numerics import amax_samples
 from amp_core.workloads import WORKLOADS, load_plugins, parameter_count
 from amp_core.workloads.hf import IGNORE_INDEX, MaskedText

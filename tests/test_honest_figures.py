@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from amp_core import step as step_module
 from amp_core.config import SIZES, ConfigError, FaultSpec, RunConfig, ScalerConfig
 from amp_core.diagnostics.cost import StepEstimate, estimate_step, step_flops
-from amp_core.measure import SavedTensorsProbe
-from amp_core.runner import Run, build_lane_state
-from amp_core.step import train_step
+from amp_core.probes.memory import SavedTensorsProbe
+from amp_core.race import step as step_module
+from amp_core.race.runner import Run, build_lane_state
+from amp_core.race.step import train_step
 from amp_core.telemetry import HostMeter, Meter, Window
 from amp_core.telemetry.sampled import grad_norms
 from amp_core.workloads import WORKLOADS, check_launch

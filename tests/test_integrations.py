@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED, WHAT_RAN_EVENTS
-from amp_core.runner import RunManager
 from amp_core.runs import SourceKind
 from amp_core.views.live import RecordFollower
 from amp_core.views.numerics import amax_samples

@@ -69,7 +69,7 @@ def is_under(name: str, package: str) -> bool:
 
 def test_the_graph_sees_every_module_and_its_lazy_imports():
     graph = import_graph()
-    assert {"amp_core.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
+    assert {"amp_core.race.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
     assert "amp_core.precision" in graph["amp_core.workloads"], "a function-level import is part of the graph"
 
 
@@ -81,7 +81,8 @@ def test_the_workloads_never_reach_the_monitor():
     assert "amp_core.integrations" in graph["amp_core.integrations.hf_models"], "a package's __init__ is counted"
     problems = [f"{module} reaches {name} (imported by {via})"
                 for module in graph if is_under(module, "amp_core.workloads")
-                for name, via in reached(graph, module).items() if name in ("amp_core.monitor", "amp_core.runner")]
+                for name, via in reached(graph, module).items()
+                if name in ("amp_core.attach.monitor", "amp_core.race.runner")]
     assert not problems, "\n".join(problems)
 
 
@@ -142,17 +143,17 @@ def test_records_import_no_probe():
 
 def test_views_read_run_sources_never_the_run_manager():
     graph = import_graph()
-    problems = arrows_broken(graph, "amp_core.views", "amp_core.runner")
+    problems = arrows_broken(graph, "amp_core.views", "amp_core.race.runner")
     assert not problems, "\n".join(problems)
 
 
 def test_the_monitor_drives_the_telemetry_never_the_runner():
     graph = import_graph()
-    assert "amp_core.telemetry" in graph["amp_core.monitor"] or any(
-        is_under(name, "amp_core.telemetry") for name in graph["amp_core.monitor"])
-    problems = [*arrows_broken(graph, "amp_core.monitor", "amp_core.runner"),
-                *arrows_broken(graph, "amp_core.monitor", "amp_core.step"),
-                *arrows_broken(graph, "amp_core.telemetry", "amp_core.runner")]
+    assert "amp_core.telemetry" in graph["amp_core.attach.monitor"] or any(
+        is_under(name, "amp_core.telemetry") for name in graph["amp_core.attach.monitor"])
+    problems = [*arrows_broken(graph, "amp_core.attach.monitor", "amp_core.race.runner"),
+                *arrows_broken(graph, "amp_core.attach.monitor", "amp_core.race.step"),
+                *arrows_broken(graph, "amp_core.telemetry", "amp_core.race.runner")]
     assert not problems, "\n".join(problems)
 
 
@@ -161,7 +162,7 @@ def test_probes_are_instruments_that_drive_nothing():
     the telemetry's driver) are in diagnostics/, above them; so no probe reaches the runner, the step, the telemetry,
     the Monitor or diagnostics/."""
     graph = import_graph()
-    above = ("amp_core.runner", "amp_core.step", "amp_core.telemetry", "amp_core.monitor", "amp_core.diagnostics")
+    above = ("amp_core.race", "amp_core.telemetry", "amp_core.attach", "amp_core.diagnostics")
     problems = [problem for forbidden in above for problem in arrows_broken(graph, "amp_core.probes", forbidden)]
     assert not problems, "\n".join(problems)
 
@@ -170,11 +171,11 @@ def test_the_runner_reaches_nothing_in_diagnostics():
     """diagnostics/ sits above the runner (the cost probe and replay drive a Run): the runner, and every module it
     reaches (the step, the telemetry, the snapshot ring), imports nothing from it."""
     graph = import_graph()
-    problems = [*arrows_broken(graph, "amp_core.runner", "amp_core.diagnostics"),
-                *arrows_broken(graph, "amp_core.step", "amp_core.diagnostics"),
+    problems = [*arrows_broken(graph, "amp_core.race.runner", "amp_core.diagnostics"),
+                *arrows_broken(graph, "amp_core.race.step", "amp_core.diagnostics"),
                 *arrows_broken(graph, "amp_core.telemetry", "amp_core.diagnostics")]
     assert not problems, "\n".join(problems)
-    assert "amp_core.runner" in reached(graph, "amp_core.diagnostics.cost"), "the graph sees diagnostics above"
+    assert "amp_core.race.runner" in reached(graph, "amp_core.diagnostics.cost"), "the graph sees diagnostics above"
 
 
 def test_config_imports_no_workload():

@@ -13,7 +13,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 from torch import nn
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, FORMATS, figures, tensor_figures
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.records.opening import open_store

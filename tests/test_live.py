@@ -10,10 +10,10 @@ import pytest
 from step_records import records
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import RunManager
 from amp_core.records import STEP_FIELDS, StepRecord
 from amp_core.records.opening import open_store
 from amp_core.records.sink import RecordSink
-from amp_core.runner import RunManager
 from amp_core.views.live import RecordFollower, format_ratio, format_scale
 from amp_core.views.summary import lanes, summarize
 

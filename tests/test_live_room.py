@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from amp_core.config import RunConfig
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views import plots
 from amp_core.views.live import lanes_table
 from amp_core.views.shared import DEFAULT_REFRESH_S, REFRESH_ENV, LiveRoom, TickCache, live_refresh_s

@@ -24,6 +24,7 @@ from streamlit.testing.v1 import AppTest
 
 from amp_core.cli import main
 from amp_core.config import RunConfig
+from amp_core.race.runner import Run, RunManager
 from amp_core.records import STEP_COLUMNS, StepRecord
 from amp_core.records.chunks import CHUNK_MAX, CHUNK_MIN
 from amp_core.records.levels import FIELD_INDEX, FLAG_FIELDS, SUMMARY_FIELDS, level_steps
@@ -32,7 +33,6 @@ from amp_core.records.query import MAX_POINTS, aggregate, read_lane
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import SCHEMA_VERSION, StoreError
 from amp_core.records.tracks import TrackRecords, marked
-from amp_core.runner import Run, RunManager
 from amp_core.views import compare
 from amp_core.views.live import RecordFollower
 

@@ -18,12 +18,12 @@ import torch
 from streamlit.testing.v1 import AppTest
 from torch import nn
 
+from amp_core.attach.monitor import Monitor, MonitorConfig
 from amp_core.config import ConfigError
-from amp_core.measure import optimizer_state_tensors, tensor_bytes
-from amp_core.monitor import Monitor, MonitorConfig
+from amp_core.probes.memory import optimizer_state_tensors, tensor_bytes
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import RunManager
 from amp_core.runs import SourceKind
 from amp_core.views.live import RecordFollower
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from amp_core.monitor import Monitor
-from amp_core.monitor_guard import EXTRA_CALL_EVENT, FAILED_EVENT, MISSED_CALL_EVENT
+from amp_core.attach.guard import EXTRA_CALL_EVENT, FAILED_EVENT, MISSED_CALL_EVENT
+from amp_core.attach.monitor import Monitor
 from amp_core.probes import layerwatch
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore

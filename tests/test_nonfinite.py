@@ -19,12 +19,12 @@ from bisect_workloads import OVERFLOW, SAFE, Amplify
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_core.monitor import Monitor
+from amp_core.attach.monitor import Monitor
 from amp_core.probes import nonfinite
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT
 from amp_core.probes.nonfinite import RECHECK_DRAWS, ForwardReplaySentinel, NonfiniteSentinel, sentinel_for
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 
 
 class PlantedAt(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 from amp_core.config import ConfigError, RunConfig, ScalerConfig
 from amp_core.precision import get_precision
 from amp_core.probes import numerics
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.workloads import WORKLOADS, Data, Workload
 
 FP16_MAX = torch.finfo(torch.float16).max

@@ -16,8 +16,8 @@ from torch import nn
 from amp_core.cli import main
 from amp_core.config import RunConfig
 from amp_core.probes import numerics
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from amp_core.views import numerics as views
 from amp_core.workloads import WORKLOADS, Data, Workload
 from tests.test_numerics import OVERFLOW

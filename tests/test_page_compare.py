@@ -7,8 +7,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from amp_core.views import tables
 from amp_core.views.plots import mode_color
 

@@ -15,8 +15,8 @@ from test_requests import go_on
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.probes import faults
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "overflow_debugger.py")

@@ -270,7 +270,7 @@ def test_the_lr_chart_appears_when_the_lr_moves(app):
 def test_a_planted_outlier_is_marked_as_a_spike_on_the_loss_chart(fresh_store):
     from figure_json import values
 
-    from amp_core.runner import Run
+    from amp_core.race.runner import Run
 
     config = RunConfig(workload="mlp_regression", modes=("32-true", "16-mixed"), steps=45, device="cpu",
                        faults=(FaultSpec.parse("batch_outlier:30@40"),))

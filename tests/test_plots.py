@@ -214,8 +214,8 @@ def test_row_quantiles_are_numpys_for_every_row_with_records_missing():
 
 
 def test_a_band_over_a_very_long_run_is_estimated_from_the_summary_and_agrees_with_every_record(tmp_path):
+    from amp_core.race.runner import RunManager
     from amp_core.records.opening import open_store
-    from amp_core.runner import RunManager
     from bench.scale import write_synthetic
 
     path = tmp_path / "runs.sqlite3"

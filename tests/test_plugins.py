@@ -21,8 +21,8 @@ from amp_core import workloads
 from amp_core.config import RunConfig
 from amp_core.probes.numerics import probe_workload
 from amp_core.probes.optrace import trace_workload
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
-from amp_core.runner import Run
 from amp_core.workloads import BUILT_IN, WORKLOADS, load_plugins, param_names
 from tests import streamlit_server
 

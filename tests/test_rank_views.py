@@ -10,7 +10,7 @@ import pytest
 from figure_json import values
 from step_records import records
 
-from amp_core.monitor import SOURCE as MONITOR_SOURCE
+from amp_core.attach.monitor import SOURCE as MONITOR_SOURCE
 from amp_core.runs import PROBE_RUN_PREFIX, RunInfo, SourceKind, source_kind, writer_words
 from amp_core.views import plots
 from amp_core.views.live import control_note, progress

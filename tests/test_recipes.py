@@ -12,10 +12,10 @@ import torch
 
 from amp_core.config import ConfigError, RunConfig
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
-from amp_core.measure import held_bytes, plain_tensors
 from amp_core.precision import RECIPE_OPTIONS, availability, get_precision, parse_recipe, recipe_mode, uses_scaler
+from amp_core.probes.memory import held_bytes, plain_tensors
 from amp_core.probes.optrace import trace_workload
-from amp_core.runner import Run
+from amp_core.race.runner import Run
 from amp_core.switches import onednn_off
 from amp_core.workloads import WORKLOADS, check_launch
 from tests.cli_process import ROOT

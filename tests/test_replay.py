@@ -18,8 +18,8 @@ from amp_core.config import ConfigError, FaultSpec, RunConfig
 from amp_core.diagnostics.replay import ReplayError, replay_run
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.spikes import SpikeRule
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.views.replay import replay_frame, replay_text, spike_loss_figure, steps_to_review
 from amp_core.workloads import WORKLOADS
 

@@ -15,9 +15,9 @@ import pytest
 from figure_json import values
 
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.race.runner import Run, RunManager
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import Run, RunManager
 from amp_core.views import report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
+from amp_core.attach.monitor import Monitor
 from amp_core.cli import main
-from amp_core.monitor import Monitor
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,10 +17,10 @@ from torch.nn import functional as F
 
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import MODES, availability
+from amp_core.race.runner import Run, RunHooks, RunLimitError, RunManager, build_lane_state
+from amp_core.race.step import train_step
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import Run, RunHooks, RunLimitError, RunManager, build_lane_state
-from amp_core.step import train_step
 from amp_core.workloads import WORKLOADS
 
 CPU_MODES = [m for m in MODES if availability(m, "cpu")[0]]

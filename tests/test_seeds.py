@@ -15,11 +15,11 @@ from figure_json import values
 from streamlit.testing.v1 import AppTest
 
 from amp_core.config import MAX_SEEDS, ConfigError, RunConfig
-from amp_core.distributed import DistributedRun
+from amp_core.race.distributed import DistributedRun
+from amp_core.race.runner import Run, RunManager
 from amp_core.records import STEP_FIELDS
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.runner import Run, RunManager
 from amp_core.views import compare, plots, summary
 from tests.test_runner import RecordingRun
 

@@ -185,7 +185,7 @@ def test_a_visitor_asks_nothing_of_an_attached_run(monkeypatch, fresh_store):
     import torch
     from torch import nn
 
-    from amp_core.monitor import Monitor
+    from amp_core.attach.monitor import Monitor
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from amp_core.config import RunConfig
-from amp_core.lanes import build_bases
-from amp_core.runner import Run, RunHooks
-from amp_core.snapshots import SnapshotRing
-from amp_core.step import build_lane_state, train_step
+from amp_core.race.lanes import build_bases
+from amp_core.race.runner import Run, RunHooks
+from amp_core.race.snapshots import SnapshotRing
+from amp_core.race.step import build_lane_state, train_step
 from amp_core.workloads import WORKLOADS
 
 

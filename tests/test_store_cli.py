@@ -17,10 +17,10 @@ from cli_process import start_cli_run, wait_for_stored_steps
 
 from amp_core.cli import main
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
+from amp_core.race.runner import Run
 from amp_core.records import STEP_FIELDS
 from amp_core.records.opening import open_store
 from amp_core.records.store import StoreError
-from amp_core.runner import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,10 +16,10 @@ from cli_process import ROOT, start_cli_run, store_sql, wait_for_stored_steps
 
 from amp_core.cli import main
 from amp_core.config import RunConfig
+from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
 from amp_core.records.sink import RecordSink
 from amp_core.records.store import SCHEMA_VERSION, StoreError, StoreUnreachable
-from amp_core.runner import Run
 
 pytestmark = pytest.mark.slow  # minutes on two cores: scheduled first (tests/conftest.py)
 

@@ -7,8 +7,8 @@ import pytest
 
 from amp_core.config import RunConfig
 from amp_core.precision import MODES, availability
+from amp_core.race.runner import Run
 from amp_core.records import STEP_FIELDS
-from amp_core.runner import Run
 from amp_core.views.summary import SUMMARY_COLUMNS, default_baseline, lane_key, peak_bytes, summarize
 
 CPU_MODES = [mode for mode in MODES if availability(mode, "cpu")[0]]

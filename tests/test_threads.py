@@ -9,9 +9,10 @@ import pytest
 from interleave import HookedEvent, HookedLock, WatchedLock, wait
 from stepped_run import SteppedRun
 
-from amp_core import background, runner
+from amp_core import background
 from amp_core.config import RunConfig
-from amp_core.runner import Run, RunLimitError, RunManager
+from amp_core.race import runner
+from amp_core.race.runner import Run, RunLimitError, RunManager
 
 
 def config(steps: int = 40, modes: tuple[str, ...] = ("32-true",)) -> RunConfig:

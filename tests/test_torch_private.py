@@ -113,7 +113,7 @@ def test_a_missing_api_is_named():
 
 
 def test_torch_compile_accounting_wrappers_answer_on_this_torch():
-    """The dynamo / inductor names compiled lanes read (amp_core.compiled, the compiled op view), each called once;
+    """The dynamo / inductor names compiled lanes read (amp_core.race.compiled, the compiled op view), each called once;
     nothing here compiles (a compiled module's call is lazy)."""
     import logging
 

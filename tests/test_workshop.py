@@ -20,8 +20,8 @@ from amp_core.cli import main
 from amp_core.config import RunConfig, ScalerConfig
 from amp_core.extras import EXTRAS, missing_extras
 from amp_core.precision import CPU_NATIVE_ENV, cpu_math, parse_recipe
+from amp_core.race.runner import RunManager
 from amp_core.records.opening import open_store
-from amp_core.runner import RunManager
 from amp_core.workshop import (
     EXIT_CANNOT_TELL,
     EXIT_FAILED,

@@ -35,6 +35,7 @@ from amp_core import background
 from amp_core.config import RUN_DEFAULTS, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
+from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.precision import (
     BASELINE_MODE,
     RECIPE_OPTIONS,
@@ -45,7 +46,6 @@ from amp_core.precision import (
     resolve_device,
 )
 from amp_core.runs import RunReader
-from amp_core.seednoise import difference_verdict
 from amp_core.workloads import WORKLOADS, check_launch
 
 ADVISED_EVENT = "advised"
@@ -683,7 +683,7 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     """Measure and decide (see the module's docstring) within `config.budget_s`, every run kept in `store`.
     `progress(message, fraction)` is told what it does; `stop` set from another thread ends it at the next step of
     the run under way (Stopped); `on_run(run)` is called with each run it starts. ConfigError for bad input."""
-    from amp_core.runner import RunManager
+    from amp_core.race.runner import RunManager
 
     base, found = check(config)
     clock = BudgetClock(config.budget_s)

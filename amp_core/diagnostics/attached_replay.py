@@ -311,7 +311,7 @@ class AttachedReplay:
         return self._on
 
     def switch_off(self, why: str) -> None:
-        """Off for the rest of the run (its own failure, amp_core.monitor_guard): nothing more is kept or replayed."""
+        """Off for the rest of the run (its own failure, amp_core.attach.guard): nothing more is kept or replayed."""
         self._on = self.every_step = False
         self.kept = self._make = None
         self.why = why

@@ -42,7 +42,6 @@ from amp_core.diagnostics.replay import (
     start_from_seed,
 )
 from amp_core.diagnostics.replay_modes import set_rng
-from amp_core.measure import held_bytes
 from amp_core.precision import (
     BASELINE_MODE,
     KEEP_PREFIX,
@@ -53,10 +52,11 @@ from amp_core.precision import (
     recipe_mode,
     resolve_device,
 )
+from amp_core.probes.memory import held_bytes
 from amp_core.probes.numerics import probe_step
+from amp_core.race.snapshots import ReplayError
+from amp_core.race.step import LaneState
 from amp_core.runs import SourceKind
-from amp_core.snapshots import ReplayError
-from amp_core.step import LaneState
 from amp_core.switches import pin_intra_op_threads
 from amp_core.workloads import WORKLOADS, Data
 

@@ -28,8 +28,8 @@ import torch
 from amp_core import background
 from amp_core.config import RunConfig
 from amp_core.precision import BASELINE_MODE, get_precision, resolve_device
+from amp_core.race.runner import Run
 from amp_core.records.store import RunStore
-from amp_core.runner import Run
 from amp_core.runs import PROBE_RUN_PREFIX
 from amp_core.workloads import WORKLOADS, check_launch
 

@@ -12,7 +12,7 @@ import torch
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
-from amp_core.measure import held_bytes
+from amp_core.probes.memory import held_bytes
 from amp_core.workloads import WORKLOADS, check_launch
 
 PROBE_BATCHES = (4, 16)
@@ -59,7 +59,7 @@ def available_bytes(device: str) -> int:
 
 
 def _lane(config: RunConfig, recipe: str, batch: int):
-    from amp_core.step import build_lane_state
+    from amp_core.race.step import build_lane_state
 
     workload = WORKLOADS[config.workload]
     model, _ = workload.seeded_model_and_batch(config)
@@ -70,7 +70,7 @@ def _lane(config: RunConfig, recipe: str, batch: int):
 
 def _step_bytes(config: RunConfig, recipe: str, batch: int) -> tuple[int, int]:
     """(held after a step, bytes saved for backward) of one real step of `recipe` at `batch`."""
-    from amp_core.step import train_step
+    from amp_core.race.step import train_step
 
     state, sample = _lane(config, recipe, batch)
     result = train_step(state, sample, 0, measure_memory=True)
@@ -91,7 +91,7 @@ def modelled_max_batch(config: RunConfig, recipe: str, budget: int) -> MaxBatch:
 def searched_max_batch(config: RunConfig, recipe: str, budget: int) -> MaxBatch:
     """CUDA: real steps at growing batches (doubling, then bisection), an out-of-memory caught and the allocator
     emptied; the budget caps the allocator's peak. Throughput timed at the batch found."""
-    from amp_core.step import train_step
+    from amp_core.race.step import train_step
 
     def fits(batch: int) -> bool:
         try:

@@ -12,7 +12,7 @@ Where the weights before step S come from (said in every report's `source`):
   that draw no random numbers in their step (every built-in); a model with dropout gets the RNG state of the
   snapshot, which other lanes' interleaved draws moved in the run, and the report says so when its loss differs.
 
-A compiled lane (`+compile...`) re-trains and replays compiled, with its compile options (amp_core.compiled): the
+A compiled lane (`+compile...`) re-trains and replays compiled, with its compile options (amp_core.race.compiled): the
 program the run ran. Every compiled recipe is replayed twice, compiled and as `<recipe> (eager)`, and the report's notes
 say whether compiling changed the loss, whether the step breaks, and the verdict (judged on the compiled rows). Where
 inf/NaN first appears is probed on an eager copy (layer numerics hooks each module; a compiled graph has no modules).
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from amp_core.compiled import compile_in_place
 from amp_core.config import RunConfig
 from amp_core.diagnostics.replay_modes import (
     EAGER_TWIN,
@@ -53,9 +52,10 @@ from amp_core.precision import (
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.numerics import probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
+from amp_core.race.compiled import compile_in_place
+from amp_core.race.snapshots import ReplayError, StateSnapshot, copy_tree, load_scaler
+from amp_core.race.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.runs import RunInfo
-from amp_core.snapshots import ReplayError, StateSnapshot, copy_tree, load_scaler
-from amp_core.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.switches import pin_intra_op_threads
 from amp_core.telemetry import SamplingSchedule, resolve_step
 from amp_core.workloads import WORKLOADS, Data, Workload

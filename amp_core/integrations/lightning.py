@@ -5,7 +5,7 @@
     trainer = L.Trainer(max_steps=500, callbacks=[AmpLabCallback(name="my module")])
     trainer.fit(module, loader)
 
-One record per optimizer step (accumulate_grad_batches folded in) through a Monitor (amp_core.monitor): the loss
+One record per optimizer step (accumulate_grad_batches folded in) through a Monitor (amp_core.attach.monitor): the loss
 (the sum of the step's batches' losses as Lightning backpropagates them, each divided by accumulate_grad_batches),
 the LR the optimizer used, the gradient norm (fp32, every `grad_norm_every` steps, after Lightning's gradient
 clipping), the scale and skipped steps of the precision plugin's GradScaler when it has one, memory. The callback
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from amp_core.attach.guard import reason
+from amp_core.attach.monitor import Monitor
 from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
-from amp_core.monitor import Monitor
-from amp_core.monitor_guard import reason
 
 INTEGRATION = "Lightning"
 TRAINER = "Lightning"

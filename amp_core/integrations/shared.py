@@ -8,9 +8,9 @@ import sys
 
 import torch
 
+from amp_core.attach.guard import reason
+from amp_core.attach.monitor import Monitor
 from amp_core.config import ConfigError
-from amp_core.monitor import Monitor
-from amp_core.monitor_guard import reason
 from amp_core.precision import mode_from_dtypes
 from amp_core.records.schema import FP16_WITHOUT_SCALING, PRECISION_NOT_APPLIED
 from amp_core.records.store import StoreError

@@ -5,8 +5,8 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[AmpLabCallback(name="my fine-tune")])
     trainer.train()
 
-One record per optimizer step (gradient accumulation folded in) through a Monitor (amp_core.monitor): the loss the
-Trainer computed for the step (what it logs with logging_steps=1: the sum of its micro-batches' losses, each as the
+One record per optimizer step (gradient accumulation folded in) through a Monitor (amp_core.attach.monitor): the loss
+the Trainer computed for the step (what it logs with logging_steps=1: the sum of its micro-batches' losses, each as the
 Trainer scales it for accumulation; a non-finite one is recorded as it was, where the Trainer's logging_nan_inf_filter
 would log an average instead), the LR the optimizer used, the gradient norm (fp32, every `grad_norm_every` steps, after
 the Trainer's clipping to max_grad_norm), the scale and skipped steps of the Trainer's own GradScaler (fp16), memory.
@@ -31,8 +31,8 @@ import os
 import torch
 from transformers import TrainerCallback
 
+from amp_core.attach.monitor import Monitor
 from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
-from amp_core.monitor import Monitor
 
 INTEGRATION = "Hugging Face Trainer"
 TRAINER = "Hugging Face Trainer"

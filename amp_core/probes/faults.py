@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from amp_core.config import RUN_DEFAULTS, ConfigError, FaultSpec, RunConfig, ScalerConfig
-from amp_core.measure import local_tensor
+from amp_core.probes.memory import local_tensor
 from amp_core.workloads import check_launch
 
 

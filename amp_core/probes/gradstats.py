@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from amp_core.measure import local_tensor
+from amp_core.probes.memory import local_tensor
 from amp_core.records.schema import GradStats
 
 HIST_LO = -140

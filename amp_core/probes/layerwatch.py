@@ -178,7 +178,7 @@ class LayerWatch:
     answers: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     """(request id, answer) of requested steps read so far, for the Monitor to write."""
     off: bool = False
-    """Switched off for the run (its own failure, amp_core.monitor_guard): no step is watched any more."""
+    """Switched off for the run (its own failure, amp_core.attach.guard): no step is watched any more."""
     scale_of: Callable[[], torch.Tensor | float | None] | None = None
     """The loss scale now, without a host sync (torch_private.scale_tensor of the loop's GradScaler): a watched
     step's gradients are held scaled, and its sample says by how much (the forecast unscales them)."""

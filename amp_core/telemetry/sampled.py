@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_core.measure import held_bytes, local_tensor
 from amp_core.probes import gradstats
+from amp_core.probes.memory import held_bytes, local_tensor
 from amp_core.telemetry.meters import Meter
 from amp_core.telemetry.recorder import StepResult, peek_scale_and_skip
 from amp_core.telemetry.schedule import SamplingSchedule

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from amp_core.seednoise import DIFFERENCE_RULE
+from amp_core.diagnostics.seednoise import DIFFERENCE_RULE
 from amp_core.views import report
 
 if TYPE_CHECKING:

@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.compiled import (
+from amp_core.precision import BASELINE_MODE
+from amp_core.race.compiled import (
     COMPILE_SLOW_EVENT,
     COMPILED_EVENT,
     GRAPH_BREAK_EVENT,
@@ -19,7 +20,6 @@ from amp_core.compiled import (
     eager_recipe,
     is_compiled_recipe,
 )
-from amp_core.precision import BASELINE_MODE
 from amp_core.runs import LaneInfo, RunReader
 
 DRIFT_COLUMNS = ["run_id", "lane", "mode", "seed", "step", "vs_eager", "vs_fp32", "eager_vs_fp32"]
@@ -230,7 +230,7 @@ def compiled_view(reader: RunReader, run_ids: Sequence[str]) -> tuple[pd.DataFra
     return pd.concat(tables, ignore_index=True), drift, drift_summary(drift, steps, seeds)
 
 
-# --- a compiled lane's own compile, as the op inspector shows it (amp_core.compiled.LaneCompile) ----------------------
+# --- a compiled lane's own compile, as the op inspector shows it (amp_core.race.compiled.LaneCompile) -----------------
 def compiled_lanes(info) -> dict[int, str]:
     """A run's compiled lanes (RunInfo): lane -> recipe."""
     return {lane.lane: lane.mode for lane in info.lanes if is_compiled_recipe(lane.mode)} if info else {}

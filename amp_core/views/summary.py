@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from amp_core.diagnostics.seednoise import (
+    DIFFERENCE_RULE as DIFFERENCE_RULE,  # the rule lives with the engine; said here too
+)
+from amp_core.diagnostics.seednoise import DIFFERENCE_SDS, difference_verdict
 from amp_core.precision import BASELINE_MODE
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.schema import HELD_PARTS, STEP_COLUMNS, typed
 from amp_core.records.tracks import TrackRecords
-from amp_core.seednoise import DIFFERENCE_RULE as DIFFERENCE_RULE  # the rule lives with the engine; said here too
-from amp_core.seednoise import DIFFERENCE_SDS, difference_verdict
 
 if TYPE_CHECKING:
     from amp_core.runs import LaneInfo

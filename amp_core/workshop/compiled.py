@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from amp_core.compiled import COMPILED_EVENT
+from amp_core.race.compiled import COMPILED_EVENT
 from amp_core.workshop.evidence import Evidence, Waiting
 from amp_core.workshop.speed import INTERVAL_Z, MIN_STEPS, WARMUP_STEPS, SpeedRatio, _cannot_decide
 from amp_core.workshop.verdicts import CannotTell

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from amp_core.config import RunConfig
-from amp_core.seednoise import difference_verdict
+from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.workshop.evidence import Evidence, Part, Waiting, final_loss
 from amp_core.workshop.verdicts import CannotTell
 

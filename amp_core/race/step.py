@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from amp_core.config import RunConfig
-from amp_core.measure import SavedTensorsProbe
 from amp_core.precision import NO_CONTEXT, Precision, get_precision
 from amp_core.probes.faults import FaultPlan, init_scale_override
+from amp_core.probes.memory import SavedTensorsProbe
 from amp_core.telemetry import Meter, OptimizerWatch, SamplingSchedule, StepDriver, StepResult, meter_for
 from amp_core.telemetry.driver import PlainWork
 from amp_core.telemetry.sampled import StepProbes, named_grad_norms

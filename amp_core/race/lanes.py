@@ -9,7 +9,7 @@ import torch
 from amp_core.config import RunConfig
 from amp_core.precision import Precision
 from amp_core.probes.faults import param_by_name
-from amp_core.step import LaneState
+from amp_core.race.step import LaneState
 from amp_core.telemetry import LaneTrack
 from amp_core.workloads import Data, Workload
 
@@ -25,7 +25,7 @@ class Lane:
         self.replicate = replicate
         """Which seed replicate of its mode the lane is (0 .. RunConfig.seeds - 1)."""
         self.status = "pending"
-        """pending | running | compiling (amp_core.compiled) | finished | stopped | diverged | failed."""
+        """pending | running | compiling (amp_core.race.compiled) | finished | stopped | diverged | failed."""
         self.error = ""
         self.steps_done = 0
         self.state: LaneState | None = None

@@ -2,7 +2,7 @@
 layerwatch: each module's ranges on sampled steps, the first inf/NaN module of a failed step), the dashboard's
 requests (amp_core.records.requests: "layer numerics at the next step", "trace the next step") and the op traces
 that answer them. The Monitor calls it between steps; it tells the Monitor's step driver which steps it watches. Each
-of them that fails is told through the Monitor's guard (amp_core.monitor_guard) and, failing again, switched off: the
+of them that fails is told through the Monitor's guard (amp_core.attach.guard) and, failing again, switched off: the
 user's loop never sees it."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TRACE_NAME = "the op trace"
 
 class MonitorDesk:
     """The layer watch, the requests and op traces of one Monitor (see the module's docstring): `monitor` is the
-    amp_core.monitor.Monitor it serves (not imported: the Monitor imports this module)."""
+    amp_core.attach.monitor.Monitor it serves (not imported: the Monitor imports this module)."""
 
     def __init__(self, monitor: Any, store: RunStore | None):
         config = monitor.config

@@ -14,16 +14,16 @@ import torch
 
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
-from amp_core.lanes import Lane, build_bases, divergence_hint, plan_plain_steps, run_outcome, started_event
 from amp_core.precision import resolve_device
+from amp_core.race.hooks import with_engine_hooks
+from amp_core.race.lanes import Lane, build_bases, divergence_hint, plan_plain_steps, run_outcome, started_event
+from amp_core.race.reading import RunReading
+from amp_core.race.snapshots import SnapshotRing
+from amp_core.race.step import LaneState, build_lane_state, plain_work, train_step
 from amp_core.records import Event
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
-from amp_core.run_hooks import with_engine_hooks
-from amp_core.run_reading import RunReading
 from amp_core.runs import RunReader
-from amp_core.snapshots import SnapshotRing
-from amp_core.step import LaneState, build_lane_state, plain_work, train_step
 from amp_core.switches import choose_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
 from amp_core.workloads import WORKLOADS, Data, check_launch
@@ -134,10 +134,10 @@ class Run(RunReading):
         self._samples = 0
         """Samples in the current batch (for samples/s)."""
         self.snapshots = SnapshotRing(config.snapshot_every, config.snapshot_keep)
-        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.snapshots, read
+        """[replay] Each lane's rolling state snapshots (RunConfig.snapshot_every/keep): amp_core.race.snapshots, read
         by amp_core.diagnostics.replay; taken by a SnapshotHook, the first before_lane_step hook."""
         self.compile_captures: dict[int, list] = {}
-        """[compiled lanes] Per lane, what its own compiles produced (amp_core.compiled.LaneCompile: graphs' ops,
+        """[compiled lanes] Per lane, what its own compiles produced (amp_core.race.compiled.LaneCompile: graphs' ops,
         kernels, casts; the first compile and the latest recompiles), made by the compile hooks while it compiles."""
         self.hooks = with_engine_hooks(self.hooks, config, self.snapshots)
 

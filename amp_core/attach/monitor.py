@@ -1,6 +1,6 @@
 """Monitor: AMP Lab's records from a user's own training loop, and from every rank of a torchrun job.
 
-    from amp_core.monitor import Monitor
+    from amp_core.attach.monitor import Monitor
 
     with Monitor(model, optimizer, scaler=scaler, scheduler=scheduler, name="my run") as monitor:
         for x, y in loader:
@@ -59,6 +59,9 @@ from typing import Any
 
 import torch
 
+from amp_core.attach.desk import NOT_SOON, MonitorDesk
+from amp_core.attach.guard import EXTRA_CALL_EVENT, MISSED_CALL_EVENT, Guard, reason, usage_error
+from amp_core.attach.saved import SOURCE, attached_run_config, user_module
 from amp_core.config import ConfigError, SamplingSettings
 from amp_core.diagnostics.attached_replay import (
     REPLAY_SETTINGS,
@@ -66,9 +69,6 @@ from amp_core.diagnostics.attached_replay import (
     LossFn,
     ReplayOnFailure,
 )
-from amp_core.monitor_desk import NOT_SOON, MonitorDesk
-from amp_core.monitor_guard import EXTRA_CALL_EVENT, MISSED_CALL_EVENT, Guard, reason, usage_error
-from amp_core.monitor_run import SOURCE, attached_run_config, user_module
 from amp_core.precision import MODES, mode_from_dtypes
 from amp_core.records.opening import open_store
 from amp_core.records.ranks import RankSink
@@ -235,7 +235,7 @@ class Monitor:
         self.step_hooks: list[Callable[[Monitor, StepResult], None]] = []
         """Run at the end of every `step()` (see the class docstring)."""
         self.guard = Guard(self.note, config.name or self.run_id)
-        """The Monitor's own failures, kept from the loop (amp_core.monitor_guard)."""
+        """The Monitor's own failures, kept from the loop (amp_core.attach.guard)."""
         self._unchecked = True
         """The next call of `step` takes its first look (the loss is usable) or finds the Monitor closed."""
         self._extra_calls = 0

@@ -8,11 +8,11 @@ import threading
 import pandas as pd
 import torch
 
-from amp_core.lanes import Lane
+from amp_core.race.lanes import Lane
+from amp_core.race.snapshots import LaneSnapshot, copy_lane
 from amp_core.records import Event
 from amp_core.records.schema import GradStats
 from amp_core.records.sink import RecordSink
-from amp_core.snapshots import LaneSnapshot, copy_lane
 
 
 class RunReading:

@@ -17,7 +17,7 @@ import torch
 
 from amp_core.config import ConfigError
 from amp_core.precision import Precision
-from amp_core.step import LaneState
+from amp_core.race.step import LaneState
 from amp_core.torch_private import scaler_tensors
 from amp_core.workloads import Workload
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from amp_core.compiled import compile_hooks
 from amp_core.config import RunConfig
-from amp_core.layer_amax import LayerAmaxHook
-from amp_core.snapshots import SnapshotHook, SnapshotRing
+from amp_core.race.compiled import compile_hooks
+from amp_core.race.layer_amax import LayerAmaxHook
+from amp_core.race.snapshots import SnapshotHook, SnapshotRing
 
 
 def with_engine_hooks(hooks, config: RunConfig, snapshots: SnapshotRing):

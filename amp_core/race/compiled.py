@@ -41,8 +41,8 @@ from amp_core.imports import compiler_ready
 from amp_core.precision import compile_option, parse_recipe
 from amp_core.probes.compiled_ops import CompiledSummary, GraphCapture
 
-# The run, its lanes and its hooks are the runner's (amp_core.runner imports this module; the views read its names):
-# annotated loosely here so that importing this module never reaches the runner.
+# The run, its lanes and its hooks are the runner's (amp_core.race.runner imports this module; the views read its
+# names): annotated loosely here so that importing this module never reaches the runner.
 Run = Lane = RunHooks = Any
 
 COMPILING_EVENT = "compiling"
