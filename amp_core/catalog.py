@@ -1,9 +1,9 @@
 """What the dashboard lists before torch is imported: the precision modes and the built-in workloads, read from the
 modules that define them (their constants and class attributes, by `ast`) without running them.
 
-Importing torch takes seconds; the Train page's form needs only names, titles and sizes. precision.py and the
-workload modules stay the one place those are written (tests/test_catalog.py checks both readings agree). Plugin
-workloads and what the device can run are known once torch is imported.
+Importing torch takes seconds; the Train page's form needs only names, titles and sizes. precision/modes.py,
+precision/options.py and the workload modules stay the one place those are written (tests/test_catalog.py checks
+both readings agree). Plugin workloads and what the device can run are known once torch is imported.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ def _constants(tree: ast.AST, names: set[str]) -> dict[str, Any]:
 
 @functools.cache
 def modes() -> tuple[tuple[str, ...], str, dict[str, str]]:
-    """(MODES, BASELINE_MODE, MODE_HELP) as amp_core/precision.py defines them."""
-    tree = parse_python((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    """(MODES, BASELINE_MODE, MODE_HELP) as amp_core/precision/modes.py defines them."""
+    tree = parse_python((PACKAGE / "precision" / "modes.py").read_text(encoding="utf-8"))
     found = _constants(tree, {"MODES", "BASELINE_MODE", "MODE_HELP"})
     return tuple(found["MODES"]), found["BASELINE_MODE"], dict(found["MODE_HELP"])
 
 
 @functools.cache
 def recipes() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """(RECIPE_OPTION_HELP then the block-scaled options' BLOCK_SCALED_HELP, RECIPE_PRESETS) as amp_core/precision.py
-    and amp_core/formats/recipes.py define them."""
-    tree = parse_python((PACKAGE / "precision.py").read_text(encoding="utf-8"))
+    """(RECIPE_OPTION_HELP then the block-scaled options' BLOCK_SCALED_HELP, RECIPE_PRESETS) as
+    amp_core/precision/options.py and amp_core/formats/recipes.py define them."""
+    tree = parse_python((PACKAGE / "precision" / "options.py").read_text(encoding="utf-8"))
     found = _constants(tree, {"RECIPE_OPTION_HELP", "RECIPE_PRESETS"})
     block = _constants(parse_python((PACKAGE / "formats" / "recipes.py").read_text(encoding="utf-8")),
                        {"BLOCK_SCALED_HELP"})

@@ -251,7 +251,7 @@ class RunConfig(SamplingSettings):
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError("modes", f"each mode may appear once, got {list(self.modes)}")
         # A plain mode has no options to parse or refuse: checked against the mode names read without torch, so
-        # RUN_DEFAULTS (built at import) and the Train page's first paint do not import torch through precision.py.
+        # RUN_DEFAULTS (built at import) and the Train page's first paint do not import torch (amp_core.precision).
         recipes = [mode for mode in self.modes if mode not in catalog_modes()[0]]
         if recipes:
             from amp_core.precision import fsdp_refusal, parse_recipe

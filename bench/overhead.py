@@ -75,11 +75,11 @@ import numpy as np
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.precision.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.race.runner import Run
 from amp_core.race.step import sampling_schedule
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.switches import pin_intra_op_threads, process_intra_op_threads
 from amp_core.workloads import WORKLOADS
 
 WARMUP = 50

@@ -15,10 +15,10 @@ import time
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.precision.switches import pin_intra_op_threads
 from amp_core.race.runner import build_lane_state
 from amp_core.race.snapshots import SnapshotRing
 from amp_core.race.step import train_step
-from amp_core.switches import pin_intra_op_threads
 from amp_core.workloads import WORKLOADS
 
 

@@ -20,8 +20,8 @@ from amp_core.precision import (
     mode_from_dtypes,
     parse_modes,
 )
+from amp_core.precision.switches import lane_step_switches
 from amp_core.race.runner import RunManager
-from amp_core.switches import lane_step_switches
 from amp_core.workloads import check_launch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,8 @@ import torch
 from test_honest_figures import GRADS, LinearInW
 from test_runner import _figures, _no_op
 
-from amp_core import switches
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
-from amp_core.precision import availability
+from amp_core.precision import availability, switches
 from amp_core.race.runner import Run, RunHooks, build_lane_state
 from amp_core.race.step import train_step
 from amp_core.telemetry import resolve_step

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RACE = """
 import json, sys, threading
 import torch
-import amp_core.integrations.hf_models
+import amp_core.workloads.hf_models
 import amp_core.precision
 from amp_core import imports
 
@@ -55,7 +55,7 @@ ENGINE = {
     "8-bit states": f"from amp_core.precision import get_precision\n"  # torchao.optim
                     f"get_precision('32-true+adamw-8bit').build_optimizer({PARAMETER}, 'adamw', lr=1e-3, eps=1e-8)",
     "inductor codegen": "imports.heavy_import('torch._inductor.codegen.common')",
-    "transformers": "from amp_core.integrations.hf_models import transformers_module\ntransformers_module()",
+    "transformers": "from amp_core.workloads.hf_models import transformers_module\ntransformers_module()",
 }
 """The engine's own doors, as a room's pages and their threads use them."""
 

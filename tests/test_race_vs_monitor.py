@@ -12,11 +12,11 @@ import torch
 
 from amp_core.attach.monitor import Monitor
 from amp_core.config import FaultSpec, RunConfig
+from amp_core.precision.switches import pin_intra_op_threads
 from amp_core.race.runner import Run
 from amp_core.race.step import build_lane_state
 from amp_core.records.opening import open_store
 from amp_core.records.store import RunStore
-from amp_core.switches import pin_intra_op_threads
 from amp_core.workloads import WORKLOADS
 
 STEPS = 36

@@ -13,10 +13,10 @@ import torch
 from amp_core.config import ConfigError, RunConfig
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.precision import RECIPE_OPTIONS, availability, get_precision, parse_recipe, recipe_mode, uses_scaler
+from amp_core.precision.switches import onednn_off
 from amp_core.probes.memory import held_bytes, plain_tensors
 from amp_core.probes.optrace import trace_workload
 from amp_core.race.runner import Run
-from amp_core.switches import onednn_off
 from amp_core.workloads import WORKLOADS, check_launch
 from tests.cli_process import ROOT
 
@@ -235,7 +235,7 @@ def test_an_fp8_lanes_steps_alone_run_with_onednn_off_where_its_float8_kernel_is
     """Where switches.float8_matmuls_need_onednn_off decides so (an AMX Xeon here: 14 s a step of tiny_transformer in
     oneDNN's reference kernel), every forward and backward of an FP8 lane, plain steps and full ones, the op trace's
     and the thread choice's included, runs with oneDNN off, and nothing else does; elsewhere nothing is switched."""
-    import amp_core.precision as precision_module
+    import amp_core.precision as precision_module  # (its lane and options modules read the answer)
 
     seen: dict[str, set] = {}
 
@@ -246,7 +246,8 @@ def test_an_fp8_lanes_steps_alone_run_with_onednn_off_where_its_float8_kernel_is
         seen.setdefault(kind, set()).add(torch.backends.mkldnn.enabled)
 
     for reference_kernel in (True, False):
-        monkeypatch.setattr(precision_module, "float8_matmuls_need_onednn_off", lambda answer=reference_kernel: answer)
+        for module in (precision_module.lane, precision_module.options):  # the step context and the lane's note
+            monkeypatch.setattr(module, "float8_matmuls_need_onednn_off", lambda answer=reference_kernel: answer)
         seen.clear()
         handle = torch.nn.modules.module.register_module_forward_hook(note)
         try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from amp_core import switches
 from amp_core.config import RunConfig
+from amp_core.precision import switches
 from amp_core.race.runner import Run
 from amp_core.workloads import WORKLOADS
 from amp_core.workloads.mlp_regression import MLPRegression

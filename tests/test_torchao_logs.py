@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from amp_core.torchao_logs import drop_expected_torchao_lines
+from amp_core.precision.torchao_logs import drop_expected_torchao_lines
 from tests.cli_process import ROOT
 
 LOADER = "Failed to load {}: Could not load this library: {}"

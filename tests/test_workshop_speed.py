@@ -37,9 +37,9 @@ HELD, FAILED, UNTOLD = Verdict.HELD, Verdict.FAILED, Verdict.CANNOT_TELL
 
 
 def detects(monkeypatch, *formats: str) -> None:
-    """Pin what torch detects on the CPU running the test (`precision._detected_formats`): a sentence that names the
-    detection, or groups modes by it, must not depend on which CPU the suite happens to run on."""
-    monkeypatch.setattr(precision, "_detected_formats", lambda: frozenset(formats))
+    """Pin what torch detects on the CPU running the test (`precision.device._detected_formats`): a sentence that names
+    the detection, or groups modes by it, must not depend on which CPU the suite happens to run on."""
+    monkeypatch.setattr(precision.device, "_detected_formats", lambda: frozenset(formats))
 
 
 def recorded(size: str) -> pd.DataFrame:

@@ -180,7 +180,7 @@ class Monitor:
 
     A Monitor is optimizer hooks (an OptimizerWatch) and a step driver (telemetry.driver: the timed window from one
     `step` to the next, plain or full steps from the SamplingSchedule, a StepRecorder writing the records), exactly as
-    a lane of the race; its diagnostics hang on it as hooks (monitor_desk: layer watch, requests, op traces;
+    a lane of the race; its diagnostics hang on it as hooks (desk.py: layer watch, requests, op traces;
     diagnostics.attached_replay: replays). Extension point: `step_hooks`, callables `(monitor, result)` run at the end
     of every `step()` on the loop's thread, after the step was measured and handed to the recorder (`result`: a
     telemetry.StepResult; on CUDA its device figures may still be on their way); while there are any, every step takes

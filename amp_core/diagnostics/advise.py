@@ -1,7 +1,7 @@
 """Which precision to train this model in, here: a recommendation measured on this device, with its evidence.
 
 `advise` composes the tools that exist, within a time budget: (1) the candidates, every mode and recipe this device
-can run as precision.py enumerates them (`recipe_candidates`), each refused one with its reason; (2) the cost probe
+can run as precision/ enumerates them (`recipe_candidates`), each refused one with its reason; (2) the cost probe
 ranks them (a real race through the runner, kept in the store); (3) a seeded race of the promising ones against
 32-true, replicates per recipe; (4) stability from that race's records: skipped steps after warm-up, non-finite
 losses, diverged lanes, the final loss against 32-true's beyond seed noise (views.summary's DIFFERENCE_RULE), and the

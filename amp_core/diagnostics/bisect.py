@@ -52,12 +52,12 @@ from amp_core.precision import (
     recipe_mode,
     resolve_device,
 )
+from amp_core.precision.switches import pin_intra_op_threads
 from amp_core.probes.memory import held_bytes
 from amp_core.probes.numerics import probe_step
 from amp_core.race.snapshots import ReplayError
 from amp_core.race.step import LaneState
 from amp_core.runs import SourceKind
-from amp_core.switches import pin_intra_op_threads
 from amp_core.workloads import WORKLOADS, Data
 
 BISECTED_EVENT = "bisected"

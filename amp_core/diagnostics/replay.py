@@ -49,6 +49,7 @@ from amp_core.precision import (
     compile_option,
     resolve_device,
 )
+from amp_core.precision.switches import pin_intra_op_threads
 from amp_core.probes.faults import FaultPlan
 from amp_core.probes.numerics import probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
@@ -56,7 +57,6 @@ from amp_core.race.compiled import compile_in_place
 from amp_core.race.snapshots import ReplayError, StateSnapshot, copy_tree, load_scaler
 from amp_core.race.step import LaneState, build_lane_state, build_optimizer, train_step
 from amp_core.runs import RunInfo
-from amp_core.switches import pin_intra_op_threads
 from amp_core.telemetry import SamplingSchedule, resolve_step
 from amp_core.workloads import WORKLOADS, Data, Workload
 

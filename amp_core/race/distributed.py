@@ -22,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import Precision, get_precision, resolve_device
+from amp_core.precision.switches import process_intra_op_threads
 from amp_core.probes.optrace import dtype_name
 from amp_core.race.runner import Lane, Run, RunHooks
 from amp_core.race.step import build_lane_state
 from amp_core.records.ranks import RankSink
 from amp_core.records.sink import new_run_id
 from amp_core.records.store import RunStore
-from amp_core.switches import process_intra_op_threads
 
 RANK_SEED_STRIDE = 1_000_003
 """Rank r samples its batches with seed + r * this: rank 0 sees exactly the batches of a one-process run."""

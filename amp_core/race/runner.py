@@ -15,6 +15,7 @@ import torch
 from amp_core import background
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import resolve_device
+from amp_core.precision.switches import choose_threads
 from amp_core.race.hooks import with_engine_hooks
 from amp_core.race.lanes import Lane, build_bases, divergence_hint, plan_plain_steps, run_outcome, started_event
 from amp_core.race.reading import RunReading
@@ -24,7 +25,6 @@ from amp_core.records import Event
 from amp_core.records.sink import RecordSink, new_run_id
 from amp_core.records.store import RunStore
 from amp_core.runs import RunReader
-from amp_core.switches import choose_threads
 from amp_core.telemetry import LaneTrack, StepRecorder, StepResult
 from amp_core.workloads import WORKLOADS, Data, check_launch
 
@@ -92,7 +92,7 @@ class Run(RunReading):
 
     Run owns the lifecycle (start, pause, resume, stop, join) and the interleaved loop; a StepRecorder (telemetry)
     turns each lane step into records through its RecordSink; what can be read of it from any thread is RunReading's
-    (run_reading.py). It is extended through `hooks` (RunHooks, run_hooks.py), never by overriding its methods.
+    (reading.py). It is extended through `hooks` (RunHooks; the engine's: hooks.py), never by overriding its methods.
     `sink`: where the records go (default a RecordSink on `store`; torchrun: a RankSink).
     """
 

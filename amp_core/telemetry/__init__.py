@@ -5,6 +5,9 @@
 - watch.py: what the optimizer tells (the LR it used, whether GradScaler let it step, a fused optimizer's flag);
 - recorder.py: StepResult and the StepRecorder (in-flight queue, resolve, StepRecords and events);
 - driver.py: the StepDriver (the timed window, plain or full steps, a full step's assembly, records to the recorder).
+
+May import: probes (the sampled figures), records, config and torch_private. Never race/ or attach/, which
+both drive it.
 """
 
 from amp_core.telemetry.driver import StepDriver

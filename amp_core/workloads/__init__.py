@@ -1,6 +1,10 @@
 """Workload registry: name -> Workload (model + data + loss). Built-ins one file each; plugins are modules named at
 start-up (`AMP_LAB_WORKLOADS=pkg.module,...` or the CLI's `--workload-module pkg.module`), never anything typed into
-the browser."""
+the browser.
+
+May import: config, precision, catalog and extras; transformers only through hf_models, on first use. Nothing
+that trains: race/, attach/ and diagnostics/ read workloads.
+"""
 
 from __future__ import annotations
 

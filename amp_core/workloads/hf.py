@@ -35,8 +35,8 @@ MASK_SHARE, MASK_AS_MASK, MASK_AS_RANDOM = 0.15, 0.8, 0.1
 
 
 def _transformers():
-    """The transformers package (amp_core.integrations.hf_models: the one place it is imported, on first use)."""
-    from amp_core.integrations.hf_models import transformers_module
+    """The transformers package (amp_core.workloads.hf_models: the one place it is imported, on first use)."""
+    from amp_core.workloads.hf_models import transformers_module
 
     return transformers_module()
 

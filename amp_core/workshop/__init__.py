@@ -10,6 +10,9 @@ measured.
 
 The package by role: `evidence` (what the runs recorded), `verdicts` (a check, its verdict, what they add up to),
 `checks` and `speed` (the measures), `catalogue` (the scenarios), `launch` (running one).
+
+May import: diagnostics, race, probes, workloads, runs, config, precision and the utilities at amp_core's top;
+never attach/ or views/ (the views read the workshop).
 """
 
 from amp_core.workshop.catalogue import SCENARIOS, Scenario, unknown_scenario
