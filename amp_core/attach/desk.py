@@ -3,7 +3,11 @@ layerwatch: each module's ranges on sampled steps, the first inf/NaN module of a
 requests (amp_core.records.requests: "layer numerics at the next step", "trace the next step") and the op traces
 that answer them. The Monitor calls it between steps; it tells the Monitor's step driver which steps it watches. Each
 of them that fails is told through the Monitor's guard (amp_core.attach.guard) and, failing again, switched off: the
-user's loop never sees it."""
+user's loop never sees it.
+
+The layer watch is a sampled probe (amp_core.probes.sampled), as a race lane's layer amax is: the Monitor's step
+driver carries it, calls it after each full step and has it read when a read is due; this desk only configures it
+(MonitorConfig.layers_every) and answers the page's requests with what it read."""
 
 from __future__ import annotations
 
@@ -12,18 +16,15 @@ import math
 import time
 from typing import Any
 
-from amp_core.probes.headroom import FORECAST_EVENT, Forecaster
-from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
+from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatchProbe
 from amp_core.probes.nonfinite import sentinel_for
-from amp_core.probes.numerics import LAYER_AMAX_EVENT
+from amp_core.probes.sampled import NOT_SOON, ProbeTrack
 from amp_core.records.requests import LAYERS, TRACE, Desk
 from amp_core.records.store import RunStore
-from amp_core.telemetry import LaneTrack, StepResult
+from amp_core.telemetry import LaneTrack, StepDriver, StepResult
 from amp_core.torch_private import scale_tensor
 
-NOT_SOON = 2**62
-"""A FullStepAt answer: nothing here needs a full step."""
-LAYER_WATCH = "the layer watch"
+LAYER_WATCH = LayerWatchProbe.name
 SENTINEL = "the failing-step sentinel"
 REQUESTS = "the page's requests"
 TRACE_NAME = "the op trace"
@@ -33,14 +34,14 @@ class MonitorDesk:
     """The layer watch, the requests and op traces of one Monitor (see the module's docstring): `monitor` is the
     amp_core.attach.monitor.Monitor it serves (not imported: the Monitor imports this module)."""
 
-    def __init__(self, monitor: Any, store: RunStore | None):
+    def __init__(self, monitor: Any, store: RunStore | None, driver: StepDriver):
         config = monitor.config
         self.monitor = monitor
-        self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share(),
-                                 scale_of=lambda: scale_tensor(monitor.scaler))
-        self.layers.between_steps(-1, 0)
-        self.forecaster = Forecaster()
-        """The race's forecaster, fed each layer sample as it is recorded: the same `forecast` events."""
+        self.driver = driver
+        probe = LayerWatchProbe(config.layers_every, config.probe_share())
+        driver.carry([probe], monitor_probe_track(monitor))
+        self.layers = probe.watch
+        """The layer watch the probe made: its requests, answers and failures are this desk's to handle."""
         self.requests = Desk(store, monitor.run_id)  # a page's requests, rank 0 only
         self.half_flush_s = config.flush_every_s / 2
         self.read_at = time.monotonic() + self.half_flush_s
@@ -54,15 +55,9 @@ class MonitorDesk:
         """What names a failed step's first inf/NaN module in that step (MonitorConfig.failing_step)."""
 
     def full_at(self, step: int) -> int:
-        """The driver's FullStepAt: the first step from `step` on that is watched or arms the watch for the next
-        (`step` itself while a trace, a layer request or a failure is being answered)."""
-        layers = self.layers
-        if not layers.idle(step, self.monitor.loop_s) or self.trace_asked or self.trace is not None:
-            return step
-        if not layers.every or layers.off:
-            return NOT_SOON
-        watched = -(-(step + 1) // layers.every) * layers.every
-        return watched - 1  # the step before a watched one arms it
+        """The driver's FullStepAt: `step` itself while an op trace is asked for or under way (the layer watch says
+        which steps it needs itself: LayerWatchProbe.full_at)."""
+        return step if self.trace_asked or self.trace is not None else NOT_SOON
 
     def recorded(self, track: LaneTrack, result: StepResult) -> None:
         """The recorder's on_record hook: a step that failed (skipped, or a loss or gradient norm not finite) has the
@@ -106,14 +101,7 @@ class MonitorDesk:
             except Exception as exc:
                 self.trace = None
                 self._refuse_traces(guard, exc, step)
-        layers = self.layers
-        error = layers.hook_error()
-        try:
-            layers.between_steps(step, step + 1, self.monitor.loop_s)
-        except Exception as exc:
-            error = exc
-        if error is not None and not guard.failed(LAYER_WATCH, error, step):
-            layers.switch_off()
+        self.driver.after_step(step)  # the layer watch's hooks off the step that ended, on for the next when watched
         if time.monotonic() >= self.read_at:
             self.answer()
         if self.trace_asked and self.trace is None:
@@ -143,18 +131,8 @@ class MonitorDesk:
         flush may); answer what the layer watch read; take the page's new requests."""
         self.read_at = time.monotonic() + self.half_flush_s
         monitor = self.monitor
-        note, guard, layers = monitor.note, monitor.guard, self.layers
-        try:
-            for kind, message, step, data in layers.read():
-                note(kind, message, at_step=step, **data)
-                if kind == LAYER_AMAX_EVENT:
-                    told = self.forecaster.observe(0, step, data, monitor.mode or "")
-                    if told is not None:
-                        note(FORECAST_EVENT, told[0], at_step=step, **told[1])
-        except Exception as exc:
-            layers.pending = []
-            if not guard.failed(LAYER_WATCH, exc, monitor.steps_done):
-                layers.switch_off()
+        guard = monitor.guard
+        self.driver.read_probes()
         if not guard.on(REQUESTS):
             return
         try:
@@ -202,9 +180,23 @@ class MonitorDesk:
             self.requests.answer(request_id, f"every op of step {step} ({len(trace.records)} ops)", to_answer(trace))
 
     def close(self) -> None:
-        self.layers.close()
+        self.driver.end_probes()
         if self.sentinel is not None:
             self.sentinel.close()
         if self.trace is not None:
             self.trace.stop()
             self.trace = None
+
+
+def monitor_probe_track(monitor: Any) -> ProbeTrack:
+    """What the user's loop under `monitor` (an amp_core.attach.monitor.Monitor) offers its sampled probes: the
+    user's model, the mode (learned at the loop's first step where not given), the scale without a host sync, the
+    loop's own time; events are the Monitor's, and a probe's failure goes through its guard (a second one switches it
+    off). No batch: the loop is the user's."""
+
+    def event(kind: str, message: str, step: int, **data) -> None:
+        monitor.note(kind, message, at_step=step, **data)
+
+    return ProbeTrack(lane=0, mode=lambda: monitor.mode or "", model=monitor.inner_model, event=event,
+                      failed=monitor.guard.failed, steps_done=lambda: monitor.steps_done,
+                      scale=lambda: scale_tensor(monitor.scaler), loop_s=lambda: monitor.loop_s)

@@ -277,7 +277,7 @@ class Monitor:
             self._open()
         atexit.register(_flush_at_exit, weakref.ref(self))
         # Layer diagnostics and the dashboard's requests ride on the recorder and the driver, like any extension.
-        self._desk = MonitorDesk(self, opened)
+        self._desk = MonitorDesk(self, opened, self._driver)
         self._layers = self._desk.layers
         self._recorder.on_record.append(self._desk.recorded)
         if self._replay.on:  # the band of a failed step's replay: the losses as they are recorded

@@ -14,12 +14,16 @@ its abs max before and after.
 
 Steps between watched ones carry no hook at all: arming registers the hooks before a step and removes them after it.
 
+`LayerWatchProbe` is the layer watch as a sampled probe (probes.sampled): a Monitor's step driver carries it, and a
+race lane's can too (RunHooks.probes), recording the same figures of the same loop.
+
 A race's lane with FP8 matmuls samples its layers (RunConfig.amax_every) with `Fp8RangeSampler`: the same figures on
 the lane's shadow copy, plus e4m3fn / e5m2 after the scale torchao's own code gives each tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -31,6 +35,7 @@ from torch import nn
 
 from amp_core.precision import Precision
 from amp_core.probes.numerics import LAYER_AMAX_EVENT, ROOT, LayerAmax, LayerAmaxSampler, _label, _Recorder
+from amp_core.probes.sampled import NOT_SOON, ProbeTrack, SampledProbe
 
 FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8 e4m3fn": torch.float8_e4m3fn,
                                    "fp8 e5m2": torch.float8_e5m2}
@@ -453,3 +458,79 @@ def layer_sampler(model: nn.Module, precision: Precision, loss) -> LayerAmaxSamp
     """A race lane's layer amax sampler: an FP8 lane's also measures its ranges against e4m3fn / e5m2."""
     cls = Fp8RangeSampler if precision.float8 is not None else LayerAmaxSampler
     return cls(model, precision, loss)
+
+
+class LayerWatchProbe(SampledProbe):
+    """The layer watch as a sampled probe (probes.sampled): hooks on the track's own model during its own step, armed
+    after the step before a watched one, its figures read when the owner says a read is due (a Monitor: every half
+    flush interval). It needs no batch: it runs in a user's loop as in a race lane."""
+
+    name = "the layer watch"
+
+    def __init__(self, every: int, budget: float = 0.0):
+        super().__init__()
+        self.every = every
+        self.budget = budget
+        """LayerWatch.budget: the share of the loop's own time the sampled watches may take (0: no limit)."""
+        self.watch: LayerWatch | None = None
+        """The layer watch itself, made on the track's model when the probe is attached (its requests, answers and
+        failures are read by the Monitor's desk)."""
+
+    def attach(self, track: ProbeTrack) -> None:
+        super().attach(track)
+        self.watch = LayerWatch(track.model, self.every, self.budget, scale_of=track.scale)
+        self.watch.between_steps(-1, 0)
+
+    def full_at(self, step: int) -> int:
+        """`step` while a step is watched or would be armed now; else the step before the next sampled one (it arms
+        the watch for the next)."""
+        watch = self.watch
+        if not watch.idle(step, self.track.loop_s()):
+            return step
+        if not watch.every or watch.off:
+            return NOT_SOON
+        watched = -(-(step + 1) // watch.every) * watch.every
+        return watched - 1
+
+    def after_step(self, step: int) -> None:
+        """The hooks off the step that ended (its figures wait for `read`), on for the next when it is watched; a hook
+        that failed in the step, or arming that fails, is told to the track."""
+        watch = self.watch
+        error = watch.hook_error()
+        try:
+            watch.between_steps(step, step + 1, self.track.loop_s())
+        except Exception as exc:
+            error = exc
+        if error is not None and not self.track.failed(self.name, error, step):
+            watch.switch_off()
+
+    def read(self) -> None:
+        """The watched steps' figures as events (one host transfer each), `layer_amax` samples feeding the forecast."""
+        watch, track = self.watch, self.track
+        try:
+            for kind, message, step, data in watch.read():
+                self.tell(kind, message, step, data)
+        except Exception as exc:
+            watch.pending = []
+            if not track.failed(self.name, exc, track.steps_done()):
+                watch.switch_off()
+
+    @contextlib.contextmanager
+    def aside(self):
+        """The watched step's hooks off while the model runs a forward that is not the step's, then on again (nothing
+        has been recorded yet: the step's own forward follows)."""
+        watched = self.watch.current
+        if watched is None:
+            yield
+            return
+        watched.recorder.__exit__()
+        try:
+            yield
+        finally:
+            watched.recorder.__enter__()
+
+    def switch_off(self) -> None:
+        self.watch.switch_off()
+
+    def end(self) -> None:
+        self.watch.close()

@@ -16,7 +16,8 @@ from amp_core import background
 from amp_core.config import ConfigError, RunConfig
 from amp_core.precision import resolve_device
 from amp_core.precision.switches import choose_threads
-from amp_core.race.hooks import with_engine_hooks
+from amp_core.probes.sampled import SampledProbe
+from amp_core.race.hooks import lane_probe_track, with_engine_hooks
 from amp_core.race.lanes import Lane, build_bases, divergence_hint, plan_plain_steps, run_outcome, started_event
 from amp_core.race.reading import RunReading
 from amp_core.race.snapshots import SnapshotRing
@@ -50,8 +51,11 @@ class RunHooks:
       that measures returns the host seconds it took (else None): they join the step's probe_ms, outside its step_ms.
       A hook that acts only every N steps says so with an `every` attribute (an int > 0): the steps in between may
       then be plain ones, which no hook sees; a hook without it sees every step (the replay snapshots,
-      snapshots.SnapshotHook, are the first before hook when RunConfig.snapshot_every is set; the layer amax,
-      layer_amax.LayerAmaxHook, the first after hook when RunConfig.amax_every is);
+      snapshots.SnapshotHook, are the first before hook when RunConfig.snapshot_every is set);
+    - `probes(run, lane) -> SampledProbe`: each lane's per-step diagnostics (probes.sampled), one made per lane, which
+      its step driver carries (the layer amax, probes.layer_amax.LayerAmaxProbe, is the first when
+      RunConfig.amax_every is set); they join the steps' plain-or-full choice through their `full_at`, and their
+      figures are read at each flush;
     - `lane_end(run, lane)`: a lane's state is let go (it failed, diverged or the run ended);
     - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
       ranks agree first);
@@ -71,6 +75,7 @@ class RunHooks:
     after_lane_step: list[LaneHook] = field(default_factory=list)
     on_divergence: Callable[[Run, Lane, str, int], None] | None = None
     lane_end: list[Callable[[Run, Lane], None]] = field(default_factory=list)
+    probes: list[Callable[[Run, Lane], SampledProbe]] = field(default_factory=list)
     run_end: list[Callable[[Run], None]] = field(default_factory=list)
 
     def plain_steps(self) -> tuple[int, ...] | None:
@@ -237,6 +242,8 @@ class Run(RunReading):
         self.sink.event("diverged", f"lane stopped: {lane.error}", lane.index, step, steps_run_after=dropped)
 
     def _free(self, lane: Lane) -> None:
+        if lane.state is not None:
+            lane.state.driver.end_probes()
         lane.state = None
         for hook in self.hooks.lane_end:
             hook(self, lane)
@@ -296,6 +303,9 @@ class Run(RunReading):
             state = lane.state if lane.plain else None
             lane.plain_step = None if state is None else \
                 state.driver.plain_step(plain_work(state), state.precision.step_context)
+            if lane.state is not None and hooks.probes:
+                lane.state.driver.carry([make(self, lane) for make in hooks.probes], lane_probe_track(self, lane))
+        reading = [lane.state.driver for lane in self.lanes if lane.state is not None and lane.state.driver.sampled]
         flush_at, workload = 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up or Python call made is a few hundred ns to a
         # microsecond with the caches holding the model.
@@ -341,11 +351,15 @@ class Run(RunReading):
                     stepped = True
                 if monotonic() >= flush_at:  # one clock read a step (a RankSink's flush counts steps: each)
                     self._drain()  # what the flush writes holds every step made
+                    for driver in reading:  # the sampled probes' figures kept on the device, as events
+                        driver.read_probes()
                     sink.flush_if_due()
                     flush_at = sink.flush_due_at if plain_run else 0.0
             if (self._asked and self._stop.is_set()) or not stepped:
                 break
         self._drain()
+        for driver in reading:
+            driver.read_probes()
         recorder.resolve(wait=True)
         stopped = self._stop.is_set()
         for lane in self.lanes:
@@ -372,6 +386,7 @@ class Run(RunReading):
             self._lane_failed(lane, step, exc)
             return
         state.driver.record(result, self._samples)
+        state.driver.after_step(step)
 
     def _drain(self) -> None:
         """Every lane's kept plain steps become records, oldest first (lane by lane: each lane's are in step order)."""

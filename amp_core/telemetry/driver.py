@@ -9,16 +9,23 @@ and then the window, as the last thing before the training work; `end` closes it
 only: `step.train_step` / `step.plain_work` for a race lane, the user's own loop between two `Monitor.step` calls.
 A gradient norm measured as a figure only, the figures' copies and the sampled probes come after `end` (`finish`),
 their host time being the step's probe_ms.
+
+A per-step diagnostic is written once, as a SampledProbe (amp_core.probes.sampled), and carried by the driver of a
+race lane or of a Monitor's loop alike (`carry`): the driver asks it which steps it needs full, calls it after each
+full step (`after_step`), has it read what it kept (`read_probes`) and lets it go (`end_probes`); its owner only
+chooses which probes a track carries and says when a step ended or a read is due.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
 
 import torch
 
+from amp_core.probes.sampled import ProbeTrack, SampledProbe
 from amp_core.telemetry.meters import Meter, Window
 from amp_core.telemetry.recorder import LaneTrack, PlainStep, StepRecorder, StepResult, send_figures
 from amp_core.telemetry.sampled import NOTHING_OPENED, GradFigures, StepProbes, named_grad_norms
@@ -51,8 +58,8 @@ class StepDriver:
     N steps (a run's replay snapshots); `watchers`: FullStepAt callables of the owner's own diagnostics."""
 
     __slots__ = ("also_every", "always_norm", "contain", "end", "failing_since", "host_kept", "kept", "meter",
-                 "open_plain", "opened", "plain", "plain_until", "probes", "recorder", "scaler", "schedule", "track",
-                 "watch", "watchers")
+                 "open_plain", "opened", "plain", "plain_until", "probes", "recorder", "sampled", "scaler", "schedule",
+                 "track", "watch", "watchers")
 
     def __init__(self, meter: Meter, probes: StepProbes, watch: OptimizerWatch,
                  scaler: torch.amp.GradScaler | None, *, always_norm: bool = False):
@@ -68,6 +75,8 @@ class StepDriver:
         self.plain = False
         self.also_every: tuple[int, ...] = ()
         self.watchers: list[FullStepAt] = []
+        self.sampled: list[SampledProbe] = []
+        """The per-step diagnostics this track carries (`carry`)."""
         self.plain_until = 0
         """Steps before this one are plain (`plan`)."""
         self.contain: Callable[[str, Exception, int], object] | None = None
@@ -90,6 +99,47 @@ class StepDriver:
     def attach(self, recorder: StepRecorder, track: LaneTrack) -> None:
         """Where the steps' records go."""
         self.recorder, self.track = recorder, track
+
+    # --- the sampled probes ------------------------------------------------------------------------------------------
+    def carry(self, probes: list[SampledProbe], track: ProbeTrack) -> None:
+        """The sampled probes this track carries: each is handed the track and joins the watchers (the steps it needs
+        on the full path)."""
+        for probe in probes:
+            probe.attach(track)
+            self.watchers.append(probe.full_at)
+        self.sampled = [*self.sampled, *probes]
+
+    def after_step(self, step: int) -> None:
+        """After full step `step` was recorded, each sampled probe's own work; one that raises is told to its track,
+        which may have it switched off (a Monitor's guard: the loop never sees it)."""
+        for probe in self.sampled:
+            try:
+                probe.after_step(step)
+            except Exception as exc:
+                if not probe.track.failed(probe.name, exc, step):
+                    probe.switch_off()
+
+    def _unwatched(self, measure: Callable[[], int]) -> Callable[[], int]:
+        """`measure` (a forward of the track's own, outside the step: the saved-tensor bytes) run with the sampled
+        probes set aside, so a probe watching the step sees the step's forward alone."""
+
+        def unwatched() -> int:
+            with contextlib.ExitStack() as aside:
+                for probe in self.sampled:
+                    aside.enter_context(probe.aside())
+                return measure()
+
+        return unwatched
+
+    def read_probes(self) -> None:
+        """What the sampled probes kept on the device becomes events (the owner calls it when a read is due)."""
+        for probe in self.sampled:
+            probe.read()
+
+    def end_probes(self) -> None:
+        """The track ended: the sampled probes let go of what they hold."""
+        for probe in self.sampled:
+            probe.end()
 
     # --- plain or full --------------------------------------------------------------------------------------------
     def is_plain(self, step: int) -> bool:
@@ -118,6 +168,8 @@ class StepDriver:
         backward, parameter copies, the allocator's window), then the timed window, which takes `scale` (the scale
         the step begins with) before it starts."""
         if not plain:
+            if saved_bytes is not None and self.sampled:
+                saved_bytes = self._unwatched(saved_bytes)
             self.opened = self.probes.open(step, memory, grad_stats, saved_bytes)
         return self.meter.open(scale)
 
