@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from amp_core import access
 from amp_core.config import (
+    ADVISE_BUDGET_S,
     FAULT_GRAMMAR,
     INSPECT_DEFAULTS,
     RUN_DEFAULTS,
@@ -171,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "largest batch, and recommend the fastest that trains like fp32 within seed "
                                         "noise. Every figure is a run in the store.")
     advise.add_argument("--workload", required=True)
-    advise.add_argument("--size", default="small")
-    advise.add_argument("--budget-min", type=float, default=5.0, help="minutes it may measure (default: %(default)s)")
-    advise.add_argument("--device", default="auto")
+    advise.add_argument("--size", default=RUN_DEFAULTS.size)
+    advise.add_argument("--budget-min", type=float, default=ADVISE_BUDGET_S / 60,
+                        help="minutes it may measure (default: %(default)s)")
+    advise.add_argument("--device", default=RUN_DEFAULTS.device)
     advise.add_argument("--candidates", default="",
                         help="only these recipes, comma-separated (32-true always; default: every one this device "
                              "runs)")
@@ -806,7 +808,7 @@ def cmd_workshop(args: argparse.Namespace) -> int:
     launch.wait()
     for run_id in launch.run_ids:
         info = manager.run_info(run_id)
-        print(f"run {run_id}: {info.status} ({info.config['workload']}, {info.config['size']})")
+        print(f"run {run_id}: {info.status} ({info.settings.workload}, {info.settings.size})")
         for lane in info.lanes:
             if lane.error:
                 print(f"  {lane.mode} {lane.status}: {lane.error}")

@@ -370,3 +370,10 @@ class InspectConfig:
 
 INSPECT_DEFAULTS = InspectConfig()
 """The one-step tools' defaults (the CLI's trace and numerics flags and the pages' first picks start from these)."""
+
+FINAL_LOSS_WINDOW = 20
+"""A lane's final loss is the mean of its last this many losses: the Compare page's default window, the report's, the
+workshop's checks' and the advisor's."""
+ADVISE_BUDGET_S = 300.0
+"""How long `amp-lab advise` (and the Advise page) may measure unless told (AdviseConfig.budget_s; the CLI and the
+page ask for minutes)."""

@@ -18,9 +18,11 @@ import contextlib
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
+from amp_core.config import RUN_DEFAULTS
 from amp_core.records import empty_steps_frame
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.schema import GradStats
@@ -44,11 +46,60 @@ PROBE_RUN_PREFIX = "probe-"
 """The run id of a cost probe's race starts with this."""
 
 
+@dataclass(frozen=True, slots=True)
+class StoredConfig:
+    """A run's saved config read back typed (`read`): the one reader of what a run stored of its settings. A race saves
+    RunConfig.to_dict(); a Monitor its own (attach.saved.attached_run_config), with keys a race has not and without
+    the race's own. A race setting a run did not save reads as RunConfig's default (RUN_DEFAULTS: the one source of
+    defaults); an attached-only one as a race has it (not watched, no budget, one rank, no trainer)."""
+
+    name: str = RUN_DEFAULTS.name
+    workload: str = RUN_DEFAULTS.workload
+    size: str = RUN_DEFAULTS.size
+    modes: tuple[str, ...] = RUN_DEFAULTS.modes
+    steps: int = RUN_DEFAULTS.steps
+    """The steps it was asked for (a Monitor's loop that did not say: 0)."""
+    seeds: int = RUN_DEFAULTS.seeds
+    device: str = RUN_DEFAULTS.device
+    scheduler: str = RUN_DEFAULTS.scheduler
+    faults: tuple[dict[str, Any], ...] = ()
+    """The planned faults as saved (FaultSpec fields), read fault by fault where they are used
+    (views.debugger.lane_faults): a run whose modes this machine cannot run still shows them."""
+    gradstats_every: int = RUN_DEFAULTS.gradstats_every
+    amax_every: int = RUN_DEFAULTS.amax_every
+    source: str = ""
+    """"monitor" for a Monitor's run (attach.saved.SOURCE), "" for a race."""
+    integration: str = ""
+    """The trainer whose callback drives the Monitor ("" when none)."""
+    script: str = ""
+    """The script a Monitor runs in."""
+    world_size: int = 1
+    layers_every: int = 0
+    """A Monitor's layer watch (MonitorConfig.layers_every); a race has none."""
+    probe_budget: float = 0.0
+    replay: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """A Monitor's replay setting (AttachedReplay.describe), {} when it saved none."""
+
+    @classmethod
+    def read(cls, data: dict[str, Any]) -> StoredConfig:
+        """`data` (a run's saved config) typed: its known settings, each absent or null one at its default; keys
+        that no reader asks for (a Monitor's host and pid, the scaler's settings) are left in RunInfo.config."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in known and value is not None}
+        for key in ("modes", "faults"):
+            if key in values:
+                values[key] = tuple(values[key])
+        if "replay" in values:
+            values["replay"] = dict(values["replay"])
+        return cls(**values)
+
+
 def source_kind(run_id: str, config: dict) -> SourceKind:
     """The kind of a run from its id and saved config: a Monitor saves "source" (and "integration" when a trainer's
     callback drives it); a race saves its RunConfig."""
-    if config.get("source") == SourceKind.MONITOR:
-        return SourceKind.INTEGRATION if config.get("integration") else SourceKind.MONITOR
+    settings = StoredConfig.read(config)
+    if settings.source == SourceKind.MONITOR:
+        return SourceKind.INTEGRATION if settings.integration else SourceKind.MONITOR
     return SourceKind.PROBE if run_id.startswith(PROBE_RUN_PREFIX) else SourceKind.RACE
 
 
@@ -56,8 +107,9 @@ def writer_words(kind: SourceKind, config: dict, in_process: bool) -> str:
     """Who writes a run, in words: "a Monitor in `train.py`", "the AMP Lab callback of a Hugging Face Trainer in
     `finetune.py`", "this process" (a race held here), "another AMP Lab process" (e.g. `amp-lab run`)."""
     if kind in (SourceKind.MONITOR, SourceKind.INTEGRATION):
-        script = f"`{config['script']}`" if config.get("script") else "a script"
-        return (f"the AMP Lab callback of a {config['integration']} in {script}" if kind is SourceKind.INTEGRATION
+        settings = StoredConfig.read(config)
+        script = f"`{settings.script}`" if settings.script else "a script"
+        return (f"the AMP Lab callback of a {settings.integration} in {script}" if kind is SourceKind.INTEGRATION
                 else f"a Monitor in {script}")
     return "this process" if in_process else "another AMP Lab process"
 
@@ -102,6 +154,11 @@ class RunInfo:
     """The host its writer runs on ("" for a run held in this process)."""
     pid: int | None = None
     """Its writer's process id on `host` (None for a run held in this process)."""
+
+    @property
+    def settings(self) -> StoredConfig:
+        """Its saved config, typed (StoredConfig): what every reader asks of it."""
+        return StoredConfig.read(self.config)
 
     @property
     def attached(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from amp_core.config import ConfigError
+from amp_core.config import ADVISE_BUDGET_S, ConfigError
 from amp_core.diagnostics.advise import AdviceJob, AdviseConfig
 from amp_core.precision import BASELINE_MODE, recipe_candidates, resolve_device
 from amp_core.views import advise as views
@@ -49,7 +49,7 @@ with st.container(border=True):
                             index=names.index("tiny_transformer") if "tiny_transformer" in names else 0,
                             key="advise_workload")
     c2.selectbox("Size", list(WORKLOADS[workload].sizes) or ["small"], key="advise_size")
-    c3.number_input("Budget (minutes)", value=5.0, min_value=0.0, step=0.5, key="advise_budget",
+    c3.number_input("Budget (minutes)", value=ADVISE_BUDGET_S / 60, min_value=0.0, step=0.5, key="advise_budget",
                     help="How long it may measure; a phase that would overrun it is cut short or left out, and the "
                          "advice says so.")
     runnable = [recipe for recipe, ok, _ in recipe_candidates(device) if ok and recipe != BASELINE_MODE]

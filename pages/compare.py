@@ -4,6 +4,7 @@ from functools import partial
 
 import streamlit as st
 
+from amp_core.config import FINAL_LOSS_WINDOW
 from amp_core.records.store import StoreError
 from amp_core.views import compare, plots, report
 from amp_core.views import compiled as compiled_views
@@ -108,7 +109,7 @@ baseline = left.selectbox("Baseline lane", chosen_lanes, format_func=lane_labels
                           on_change=lambda: st.session_state.update(cmp_baseline_pinned=True),
                           help="Speedup, memory ratio and loss Δ are measured against this lane "
                                "(by default the first 32-true lane).")
-last_k = right.number_input("k (final-loss window)", min_value=1, max_value=1_000_000, value=20, step=1,
+last_k = right.number_input("k (final-loss window)", min_value=1, max_value=1_000_000, value=FINAL_LOSS_WINDOW, step=1,
                             key="cmp_k", help="Final loss = mean of the last k steps' losses (inf/NaN left out).")
 
 try:

@@ -6,7 +6,7 @@ import streamlit as st
 from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import block_numerics, numerics
-from amp_core.runs import RunInfo, SourceKind, is_live
+from amp_core.runs import RunInfo, SourceKind, StoredConfig, is_live
 from amp_core.views import block_numerics as block_views
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
@@ -249,7 +249,7 @@ def attached_note(info: RunInfo) -> None:
     """Where an attached run's samples come from (its own step, not a shadow copy)."""
     if not info.attached:
         return
-    every, budget = info.config.get("layers_every", 0), info.config.get("probe_budget", 0)
+    every, budget = info.settings.layers_every, info.settings.probe_budget
     spaced = f" every {every} steps" if every else ""
     if every and budget:
         spaced += (f" while its costly probes stay within {budget:.2%} of the loop's time (a watched step costs a few "
@@ -311,12 +311,12 @@ def amax_view(run_id: str) -> None:
     info = manager.run_info(run_id)
     events = manager.events(run_id)
     samples = numerics_views.amax_samples(events)
-    config = info.config if info is not None else {}
+    settings = info.settings if info is not None else StoredConfig()
     attached = info is not None and info.attached
     if attached:
         attached_note(info)
         requested_layers(run_id, is_live(info))
-    every = config.get("amax_every", 0) or config.get("layers_every", 0)
+    every = settings.amax_every or settings.layers_every
     if samples.empty:
         if every:
             st.info(f"This run samples every {every} steps; no sample has arrived yet.")

@@ -234,14 +234,14 @@ def eager_lane_trace(run_id: str, lane: int, info, eager_mode: str) -> list[optr
             except (ValueError, RuntimeError) as error:
                 st.error(f"Cannot trace this lane: {str(error).splitlines()[0]}")
         return [traces[(run_id, lane)]] if (run_id, lane) in traces else []
-    config = info.config
+    config = info.settings
     try:
-        trace = traced(config["workload"], eager_mode, config.get("size", "small"), DEVICE,
+        trace = traced(config.workload, eager_mode, config.size, DEVICE,
                        optrace.DEFAULT_TRACE_BATCH)
     except (ConfigError, ValueError, KeyError, RuntimeError) as error:
         st.caption(f"No eager trace to set beside it here: {str(error).splitlines()[0]}")
         return []
-    st.caption(f"Below: the eager trace of `{eager_mode}` on a fresh build of {config['workload']} (the lane has "
+    st.caption(f"Below: the eager trace of `{eager_mode}` on a fresh build of {config.workload} (the lane has "
                "ended and freed its model).")
     return [trace]
 

@@ -175,7 +175,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
         for row in effects.itertuples(index=False):
             st.markdown(f"- lane {row.lane} `{row.mode}` · {row.fault}: {row.outcome}")
     st.plotly_chart(debugger.scale_timeline_figure(steps, events, lane, mode, windows), key="dbg_timeline")
-    scheduler_note = st.container() if info.config.get("scheduler", "none") != "none" else st.expander(
+    scheduler_note = st.container() if info.settings.scheduler != "none" else st.expander(
         "LR schedulers and skipped steps (this run has no scheduler)")
     scheduler_note.markdown(LR_SCHEDULER_NOTE)
     table = debugger.skipped_steps_table(events, lane)
@@ -204,7 +204,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
 
 
 if live:
-    total = info.config.get("steps") or 0  # 0: unknown (a Monitor's loop that did not say)
+    total = info.settings.steps  # 0: unknown (a Monitor's loop that did not say)
     progress = ", ".join(f"lane {i} {lane_info.steps_done}" + (f"/{total}" if total else " steps")
                          for i, lane_info in lanes.items())
     st.caption(f"{LIVE_MARK} live: redrawn every second ({progress} at page load)")
@@ -282,7 +282,7 @@ st.caption("A step is replayed from the lane's weights before it, once in every 
               if attached else "A run this server holds replays from its snapshots; a stored run is re-trained from "
                                "its seed to the step."))
 if attached:
-    replay_setting = info.config.get("replay") or {}
+    replay_setting = info.settings.replay
     st.caption(replay_views.sentence(replay_setting.get("why", "this Monitor recorded no replay setting (it predates "
                                                                 "replays)")))
 default_rule = SpikeRule()
@@ -318,7 +318,7 @@ if attached:
     else:
         st.info("No step of this run has been replayed"
                 + (" so far." if live else ".") + (" Replays are off for it (see above)."
-                                                   if not (info.config.get("replay") or {}).get("on") else ""))
+                                                   if not info.settings.replay.get("on") else ""))
 else:
     replay_panel(run_id, lane, lanes[lane].steps_done, review, spike_rule, recorded)
     st.subheader("Keep layers in fp32: find the smallest set that fixes it, and its price")
@@ -328,7 +328,7 @@ else:
 st.subheader("Gradient magnitudes against fp16 and bf16")
 stat_steps = manager.grad_stat_steps(run_id, lane)
 if not stat_steps:
-    every = info.config.get("gradstats_every", 0)
+    every = info.settings.gradstats_every
     st.info(f"No gradient statistics for lane {lane} yet: they are sampled every {every} steps and on every "
             "skipped step." if every else "This run was launched with gradient statistics off (gradstats_every 0).")
     st.stop()

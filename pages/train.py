@@ -623,7 +623,7 @@ def compiled_lanes(info: RunInfo) -> None:
 def forecasts(info: RunInfo) -> None:
     """Each lane's latest forecast (amp_core.probes.headroom: a layer heading for its format's limit), read from the
     run's events only when it samples its layers."""
-    if not (info.config.get("amax_every") or info.config.get("layers_every")):
+    if not (info.settings.amax_every or info.settings.layers_every):
         return
     lines = forecast_views.lane_forecast_lines(manager.events(run_id), {lane.lane: lane.mode for lane in info.lanes})
     for line in lines:
@@ -723,7 +723,7 @@ def live_view() -> None:
     if has_replicates(series, seeds):
         replicates(series, seeds)
     charts(frame, seeds, drawn_whole)
-    if info.config.get("device") == "cuda":
+    if info.settings.device == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
                    "behind each other and that host time is hidden: compare such a lane with a run of it alone.")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from amp_core import background
-from amp_core.config import RUN_DEFAULTS, ConfigError, RunConfig
+from amp_core.config import ADVISE_BUDGET_S, FINAL_LOSS_WINDOW, RUN_DEFAULTS, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
 from amp_core.diagnostics.seednoise import difference_verdict
@@ -57,7 +57,7 @@ MIN_RACE_STEPS = 40
 MAX_RACE_STEPS = 3000
 """A race longer than this is not needed for the verdicts it gives: its step-time and final-loss means are steady long
 before (a race that reaches it ends the advice early, and the advice says so)."""
-LAST_K = 20
+LAST_K = FINAL_LOSS_WINDOW
 """Final loss: the mean of each lane's last LAST_K losses (the Compare page's default)."""
 WARMUP_SHARE = 0.2
 """Steps before this share of the race are its warm-up: the GradScaler finds its scale there (skips are expected)."""
@@ -440,17 +440,17 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
     info = reader.run_info(race_run)
     if info is None:
         raise ValueError(f"no run {race_run!r}")
-    config = info.config
+    config = info.settings
     events = reader.events(race_run)
     advised = events[events["kind"] == ADVISED_EVENT]
     data = advised["data"].iloc[-1] if not advised.empty else {}
     data = data if isinstance(data, dict) else {}
-    listed = data.get("candidates") or [{"recipe": mode, "runnable": True, "note": ""} for mode in config["modes"]]
+    listed = data.get("candidates") or [{"recipe": mode, "runnable": True, "note": ""} for mode in config.modes]
     probe_runs = tuple(data.get("probe_runs", ()))
     probes = _probe_figures(reader, probe_runs)
     batches = data.get("max_batch", {})
     steps_frame = reader.steps(race_run)
-    race_steps = int(config["steps"])
+    race_steps = int(config.steps)
     warmup = int(data.get("warmup_steps", max(1, round(WARMUP_SHARE * race_steps))))
     series = {lane.lane: lane for lane in reader.lane_series(race_run) if lane.rank == 0}
     firsts = _first_nonfinite(events)
@@ -471,8 +471,8 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
             fields["keep"] = keep_line(fixes[recipe])
         out.append(CandidateEvidence(**fields))
     out += [_fixed_candidate(reader, fix, warmup) for fix in fixes.values() if fix.get("race_run")]
-    device = str(data.get("device") or resolve_device(config.get("device", "auto")))
-    return Evidence(workload=config["workload"], size=config["size"], device=device,
+    device = str(data.get("device") or resolve_device(config.device))
+    return Evidence(workload=config.workload, size=config.size, device=device,
                     device_name=str(data.get("device_name") or device), race_run=race_run, probe_runs=probe_runs,
                     candidates=tuple(out), race_steps=race_steps, warmup_steps=warmup,
                     budget_s=float(data.get("budget_s", math.nan)), spent_s=float(data.get("spent_s", math.nan)),
@@ -555,12 +555,12 @@ class AdviseConfig:
 
     workload: str
     """A registered workload (built-in or plugin)."""
-    size: str = "small"
+    size: str = RUN_DEFAULTS.size
     """The workload's size."""
-    budget_s: float = 300.0
+    budget_s: float = ADVISE_BUDGET_S
     """Seconds it may spend measuring (cost probes, race, replays, largest batches); a phase that would overrun it
     is cut short or left out, and the advice says so."""
-    device: str = "auto"
+    device: str = RUN_DEFAULTS.device
     """auto | cpu | cuda."""
     batch_size: int = RUN_DEFAULTS.batch_size
     """Samples per step of every run it makes."""

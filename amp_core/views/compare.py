@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from amp_core.config import FINAL_LOSS_WINDOW
 from amp_core.records import STEP_FIELDS, empty_steps_frame
 from amp_core.records.query import LaneSeries
 from amp_core.records.schema import steps_frame
@@ -468,7 +469,7 @@ def _number(value: float, spec: str, suffix: str = "") -> str:
 
 
 def format_summary(summary: pd.DataFrame, labels: dict[str, str] | None = None, baseline: str | None = None,
-                   last_k: int = 20) -> pd.DataFrame:
+                   last_k: int = FINAL_LOSS_WINDOW) -> pd.DataFrame:
     """`amp_core.summary.summarize` output as the table a person reads: speedup "1.23×", memory in MiB, ratios,
     the latest loss (what the Train page shows), the final loss named by its window ("final loss (mean of last 20)",
     the figure `last_k` gave summarize) and its signed delta to the baseline; the baseline lane marked ★."""
@@ -521,7 +522,7 @@ def _mean_sd_text(mean: float, sd: float, spec: str) -> str:
     return f"{mean:{spec}}" + ("" if sd is None or pd.isna(sd) else f" ± {sd:.2g}")
 
 
-def format_replicates(table: pd.DataFrame, last_k: int = 20, several_runs: bool = False) -> pd.DataFrame:
+def format_replicates(table: pd.DataFrame, last_k: int = FINAL_LOSS_WINDOW, several_runs: bool = False) -> pd.DataFrame:
     """`summary.replicate_table` as the table a person reads: per mode (of a run), its seeds and, across them, the
     final loss and median ms/step as "mean ± sd" (sample standard deviation; no ± with one seed)."""
     columns = {

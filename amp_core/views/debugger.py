@@ -18,6 +18,7 @@ from amp_core.config import FaultSpec
 from amp_core.precision import uses_scaler
 from amp_core.probes import formats
 from amp_core.probes.gradstats import HIST_HI, HIST_LO, GradStats, combine
+from amp_core.runs import StoredConfig
 from amp_core.views import plots
 
 if TYPE_CHECKING:
@@ -307,7 +308,7 @@ def lane_faults(config: dict[str, Any], mode: str) -> list[FaultSpec]:
     run (a CUDA run viewed on a laptop) still shows its faults.
     """
     specs = [f if isinstance(f, FaultSpec) else FaultSpec(**dict(f, modes=tuple(f.get("modes", ()))))
-             for f in config.get("faults", [])]
+             for f in StoredConfig.read(config).faults]
     return [f for f in specs if not f.modes or mode in f.modes]
 
 

@@ -78,7 +78,7 @@ def lane_status(run_status: str, lane_status: str) -> str:
 def lanes_table(info: RunInfo, series: list[LaneSeries]) -> pd.DataFrame:
     """One row per lane of a run (`RunReader.run_info`), its figures from `series`: every figure of the run's
     headline, readable whole in a narrow table however many lanes there are (LANE_COLUMNS)."""
-    total = int(info.config.get("steps") or 0)
+    total = int(info.settings.steps)
     alone = len(info.lanes) == 1
     replicated = len({lane.mode for lane in info.lanes}) < len(info.lanes)
     heads = summarize(series).set_index("lane") if series else pd.DataFrame()
@@ -137,11 +137,11 @@ def control_note(info: RunInfo) -> str:
     process runs it, a Monitor in the user's own script or a CLI run (or a torchrun job of either)."""
     if info.controllable or not is_live(info):
         return ""
-    ranks = info.config.get("world_size", 1)
+    ranks = info.settings.world_size
     job = f" (a torchrun job of {ranks} ranks)" if ranks > 1 else ""
     where = f", pid {info.pid} on {info.host}" if info.pid else ""
     if info.attached:
-        owner = f"that {info.config['integration']}" if info.kind is SourceKind.INTEGRATION else \
+        owner = f"that {info.settings.integration}" if info.kind is SourceKind.INTEGRATION else \
             "that script (its own loop decides)"
         return (f"Watched live: {info.writer}{where}{job} writes this run. Pause and stop belong to {owner}, so they "
                 "are not offered here.")

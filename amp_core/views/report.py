@@ -18,6 +18,7 @@ import pandas as pd
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
+from amp_core.config import FINAL_LOSS_WINDOW
 from amp_core.views import compare, compiled, plots
 from amp_core.views.live import what_ran_warnings
 from amp_core.views.summary import (
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from amp_core.records.store import RunStore
     from amp_core.runs import LaneInfo, RunInfo, RunReader
 
-LAST_K = 20
+LAST_K = FINAL_LOSS_WINDOW
 """The final-loss window of the report's summary (the Compare page's default)."""
 MAX_EVENTS = 2000
 """Events listed at most (a long run sampling layer amax has one per lane every few steps); the rest are counted."""
@@ -141,15 +142,15 @@ def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     info = reader.run_info(run_id)
     if info is None:
         raise ValueError(f"no run {run_id!r}")
-    config = info.config
+    settings = info.settings
     labels = lane_labels(run_id, info.lanes)
     series = reader.lane_series(run_id)
     esc = html.escape
-    name = config.get("name") or run_id
+    name = settings.name or run_id
     parts = [f"<h1>AMP Lab report · {esc(str(name))}</h1>",
-             f'<p class="meta">run <code>{esc(run_id)}</code> · {esc(str(config.get("workload", "")))} · modes '
-             f'{esc(", ".join(map(str, config.get("modes", []))))}'
-             + (f" · {int(config['seeds'])} seeds per mode" if int(config.get("seeds", 1) or 1) > 1 else "")
+             f'<p class="meta">run <code>{esc(run_id)}</code> · {esc(str(settings.workload))} · modes '
+             f'{esc(", ".join(map(str, settings.modes)))}'
+             + (f" · {int(settings.seeds)} seeds per mode" if int(settings.seeds) > 1 else "")
              + f" · status <b>{esc(info.status)}</b> · report written "
                f"{esc(time.strftime('%Y-%m-%d %H:%M:%S %Z'))}</p>"]
     for problem in info.problems:
@@ -188,7 +189,8 @@ def run_report_html(source: RunReader | RunStore, run_id: str) -> str:
     parts.append("<h2>Charts</h2>")
     parts += [_figure_block(i, figure) for i, figure in enumerate(figures)] or ["<p>No steps to chart.</p>"]
     parts.append("<h2>Events</h2>" + _events_section(events, labels, run_id))
-    parts.append(f"<h2>Configuration</h2><pre>{esc(json.dumps(config, indent=2, sort_keys=True, default=str))}</pre>")
+    saved = json.dumps(info.config, indent=2, sort_keys=True, default=str)  # as the writer saved it, every key
+    parts.append(f"<h2>Configuration</h2><pre>{esc(saved)}</pre>")
 
     title = esc(f"AMP Lab report · {name}")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from amp_core.config import FINAL_LOSS_WINDOW
 from amp_core.diagnostics.seednoise import (
     DIFFERENCE_RULE as DIFFERENCE_RULE,  # the rule lives with the engine; said here too
 )
@@ -98,7 +99,7 @@ def _mean_finite(values) -> float:
     return float(finite.mean()) if finite.size else float(values[0]) if values.size else np.nan
 
 
-def rank_table(records: pd.DataFrame | list[LaneSeries], last_k: int = 20) -> pd.DataFrame:
+def rank_table(records: pd.DataFrame | list[LaneSeries], last_k: int = FINAL_LOSS_WINDOW) -> pd.DataFrame:
     """One row per rank of every lane that has more than one: its steps, median ms/step and how that compares with
     the lane's fastest rank (vs_fastest: 1.0 is the fastest), skipped steps, latest and final loss (mean of its last
     `last_k` steps). Empty when no lane has several ranks."""
@@ -140,7 +141,8 @@ def default_baseline(lanes_or_frame: pd.DataFrame | list[LaneSeries]) -> str | N
     return lane_key(run_id, lane)
 
 
-def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = None, last_k: int = 20) -> pd.DataFrame:
+def summarize(records: pd.DataFrame | list[LaneSeries], baseline: str | None = None,
+              last_k: int = FINAL_LOSS_WINDOW) -> pd.DataFrame:
     """One row per (run, lane), in order of first appearance, compared with the `baseline` lane ("run_id/lane";
     None: `default_baseline`).
 
@@ -253,7 +255,8 @@ def _mean_sd(values: list[float]) -> tuple[float, float, int]:
     return float(finite.mean()), float(finite.std(ddof=1)) if finite.size > 1 else np.nan, int(finite.size)
 
 
-def replicate_table(series: list[LaneSeries], seeds: dict[str, int] | None, last_k: int = 20) -> pd.DataFrame:
+def replicate_table(series: list[LaneSeries], seeds: dict[str, int] | None,
+                    last_k: int = FINAL_LOSS_WINDOW) -> pd.DataFrame:
     """One row per mode of a run (`seed_groups`, lanes of one seed each), in order of first appearance: how many
     lanes (seeds) it has, the mean and sample standard deviation across them of the final loss (mean of each lane's
     last `last_k` losses) and of the median ms/step, with n (the seeds whose figure is finite: a diverged lane's

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from amp_core.config import FaultSpec, RunConfig
+from amp_core.config import FINAL_LOSS_WINDOW, FaultSpec, RunConfig
 from amp_core.precision import resolve_device
 from amp_core.runs import LaneInfo, RunInfo, RunReader, is_live
 
-FINAL_WINDOW = 20
+FINAL_WINDOW = FINAL_LOSS_WINDOW
 """A lane's final loss: the mean of its last this many finite losses."""
 
 
