@@ -278,6 +278,7 @@ from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
+from amp_core.views import costs as cost_views  # noqa: E402
 from amp_core.views import forecast as forecast_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
 from amp_core.views.chart_feed import figure_spec  # noqa: E402
@@ -287,7 +288,6 @@ from amp_core.views.live import (  # noqa: E402
     PROGRESS_PX,
     baseline_mode,
     control_note,
-    format_ratio,
     lane_headers,
     lane_medians,
     lanes_table,
@@ -339,15 +339,8 @@ device = facts.device
 
 # --- what each mode costs here, measured before launch -----------------------------------------------------------
 def cost_table(costs: pd.DataFrame) -> None:
-    table = pd.DataFrame({
-        "mode": costs["mode"],
-        "ms / step": costs["ms_per_step"].map(lambda v: f"{v:.3g}"),
-        f"time vs {BASELINE_MODE}": costs["time_vs_baseline"].map(format_ratio),
-        "steps timed": costs["steps_timed"].map(lambda n: f"{n:,}") + costs["capped"].map({True: " (capped)",
-                                                                                          False: ""}),
-        "measured by": costs["source"],
-    })
-    st.markdown(markdown_table(table))  # text, not a data grid: the first view loads no grid code
+    # Text, not a data grid: the first view loads no grid code.
+    st.markdown(markdown_table(cost_views.cost_table(costs)))
     for row in costs[costs["far_slower"]].itertuples():
         st.warning(f"**{row.mode}** takes {row.time_vs_baseline:.1f}× the time of {BASELINE_MODE} per step here "
                    f"({availability(row.mode, device)[1]}).")
@@ -361,20 +354,15 @@ def cost_table(costs: pd.DataFrame) -> None:
 
 @st.cache_data(show_spinner="Estimating what a step would take…")
 def step_estimates(workload: str, size: str, batch_size: int, modes: tuple[str, ...], device: str) -> pd.DataFrame:
-    """Per mode: an estimate of one step's time (counted FLOPs ÷ this device's measured matmul rate), or why not."""
-    rows = []
+    """Per mode: an estimate of one step's time, or why not (its table shaped by amp_core.views.costs), kept for these
+    settings."""
+    estimates: dict[str, object] = {}
     for mode in modes:
         try:
-            estimate = estimate_step(workload, size, batch_size, mode, device)
+            estimates[mode] = estimate_step(workload, size, batch_size, mode, device)
         except (ConfigError, RuntimeError) as error:
-            rows.append({"mode": mode, "estimated time / step": f"cannot estimate: {error}", "basis": ""})
-            continue
-        seconds = estimate.ms_per_step / 1e3
-        rows.append({"mode": mode, "estimated time / step": f"≈ {seconds:.3g} s (estimate)" if seconds >= 1
-                     else f"≈ {estimate.ms_per_step:.3g} ms (estimate)",
-                     "basis": f"{estimate.flops_per_step / 1e9:,.0f} GFLOP ÷ {estimate.matmul_flops_per_s / 1e9:.3g} "
-                              f"GFLOP/s ({estimate.compute_dtype} matmul)"})
-    return pd.DataFrame(rows, columns=["mode", "estimated time / step", "basis"])
+            estimates[mode] = str(error)
+    return cost_views.step_estimates(estimates)
 
 
 def draw_costs(outcomes: dict[str, ProbeResult | str]) -> None:
@@ -415,9 +403,7 @@ def maxbatch_result(polling: bool) -> None:
     if job.error:
         st.error(f"The search failed: {job.error}")
         return
-    table = pd.DataFrame(job.rows())
-    modelled = bool((table["found by"] == "modelled").any())
-    table = table.drop(columns=["samples / s"] if modelled else ["bytes / sample", "fixed MiB"])
+    table, modelled = cost_views.maxbatch_table(job.rows())
     st.dataframe(table, hide_index=True, key="train_maxbatch_table", column_config={
         "max batch": st.column_config.NumberColumn(format="%d"),
         "bytes / sample": st.column_config.NumberColumn(format="%.0f"),

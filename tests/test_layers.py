@@ -338,3 +338,49 @@ def test_the_first_paint_imports_no_torch_pandas_or_numpy():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"the first paint imports {done.stdout.strip()}"
+
+
+PAGE_ENGINE_SURFACE = {
+    "amp_core.access", "amp_core.background", "amp_core.catalog", "amp_core.config", "amp_core.extras",
+    "amp_core.fixes", "amp_core.imports", "amp_core.precision", "amp_core.runs", "amp_core.workloads",
+    "amp_core.workshop",
+    "amp_core.diagnostics.advise", "amp_core.diagnostics.bisect", "amp_core.diagnostics.cost",
+    "amp_core.diagnostics.maxbatch", "amp_core.diagnostics.replay", "amp_core.diagnostics.replay_modes",
+    "amp_core.probes.block_numerics", "amp_core.probes.compiled_ops", "amp_core.probes.faults",
+    "amp_core.probes.formats", "amp_core.probes.numerics", "amp_core.probes.optrace", "amp_core.probes.spikes",
+    "amp_core.probes.steptrace",
+    "amp_core.race.compiled", "amp_core.race.runner",
+    "amp_core.records.opening", "amp_core.records.requests", "amp_core.records.store",
+}
+"""The engine modules a page (app.py, pages/*.py) may import besides amp_core.views: the engine's surface as the pages
+see it. A page that needs another asks a view, or the list grows here, where a reviewer sees it."""
+
+
+def page_imports(path: Path) -> set[str]:
+    """The amp_core modules a page script imports (`from pkg import module` counted as the module)."""
+    names = set()
+    for name in direct_imports(path):
+        if not name.startswith("amp_core"):
+            continue
+        as_module = ROOT / (name.replace(".", "/") + ".py")
+        as_package = ROOT / name.replace(".", "/") / "__init__.py"
+        if as_module.exists() or as_package.exists():
+            names.add(name)
+    return {name for name in names if not any(other.startswith(name + ".") for other in names)}
+
+
+def test_pages_import_the_views_and_a_named_engine_surface_only():
+    scripts = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
+    beyond = sorted(f"{path.name}: {name}" for path in scripts for name in page_imports(path)
+                    if not is_under(name, "amp_core.views") and name not in PAGE_ENGINE_SURFACE)
+    assert not beyond, "\n".join(beyond)
+    assert "amp_core.race.runner" in page_imports(ROOT / "pages" / "common.py"), "the check sees what pages import"
+
+
+def test_pages_shape_no_tables():
+    """A table a page shows is shaped in amp_core/views (the cost table, step estimates and the largest-batch result
+    once were shaped in pages/train.py): a page builds no DataFrame."""
+    built = [f"{path.name}:{node.lineno}" for path in sorted((ROOT / "pages").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "DataFrame"]
+    assert not built, "\n".join(built)
