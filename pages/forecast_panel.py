@@ -11,6 +11,7 @@ from amp_core.fixes import fix_code
 from amp_core.probes.headroom import FORMAT_LIMITS, LIMITS
 from amp_core.views import forecast as forecast_views
 from amp_core.views import headroom as headroom_views
+from amp_core.views.tables import content_widths, fit_widths
 from pages.common import can_control, control_note, store_guarded
 
 
@@ -23,7 +24,7 @@ def headroom_panel(events, steps, lane: int, mode: str, tensor: str, key: str) -
                          format_func={"max": "largest value", "smallest normal": "smallest normal"}.get)
     st.plotly_chart(headroom_views.headroom_figure(events, steps, lane, mode, tensor, format_name, limit),
                     key=f"{key}_headroom_chart")
-    told = forecast_views.lane_forecast_lines(events, {lane: mode})
+    told = forecast_views.lane_forecast_lines(events, {lane: mode})  # the Train page's line for the lane
     if told:
         st.warning(f"Forecast · {told[0].split(': ', 1)[1]}", icon=":material/trending_up:")
     else:
@@ -47,10 +48,12 @@ def was_it_forecast_panel(steps, events, lane: int, key: str) -> None:
         return
     seen = (table["forecast"] != "no").sum()
     st.markdown(f"**Was it forecast?** {seen} of {len(table)} failed steps had a forecast told before them")
+    widths = fit_widths(content_widths(table, max_px=2000), "layer")  # the one column that may run long
+    helps = {"told at": "The step the forecast was first told (its first warning)",
+             "steps ahead": "How many steps before the failure it was told",
+             "interval": "The forecast's interval for the step the limit is reached"}
     st.dataframe(table, hide_index=True, key=f"{key}_was_forecast", column_config={
-        "told at": st.column_config.NumberColumn(help="The step the forecast was first told (its first warning)"),
-        "steps ahead": st.column_config.NumberColumn(help="How many steps before the failure it was told"),
-        "interval": st.column_config.Column(help="The forecast's interval for the step the limit is reached")})
+        column: st.column_config.Column(width=width, help=helps.get(column)) for column, width in widths.items()})
 
 
 def fix_race_panel(manager, run_id: str, lane: int, mode: str, key: str) -> None:
@@ -90,11 +93,16 @@ def _race_progress(manager, run_id: str, lane: int, key: str) -> None:
     if race is None:
         return
     (st.success if race.verdict == "avoided" else st.warning)(race.line())
-    st.dataframe(headroom_views.fix_race_frame(race), hide_index=True, key=f"{key}_fix_race_table",
-                 column_config={"last finite loss": st.column_config.NumberColumn(format="%.4g")})
+    table = headroom_views.fix_race_frame(race)
+    widths = fit_widths(content_widths(table, max_px=2000), "what it changes")  # a cut cell shows whole on click
+    st.dataframe(table, hide_index=True, key=f"{key}_fix_race_table", column_config={
+        **{column: st.column_config.Column(width=width) for column, width in widths.items()},
+        "last finite loss": st.column_config.NumberColumn(format="%.4g", width=widths["last finite loss"])})
     st.caption(f"From: {race.source}. {race.seconds:.1f} s." + "".join(f" {note}." for note in race.notes))
     kept = f"{race.recipe}+keep:{race.forecast['module']}"
     held = race.lane_of(kept)
     if race.verdict == "avoided" and held is not None and held.broke_at is None:
         st.markdown(f"**The fix for your own job** (keep `{race.forecast['module']}` in fp32):")
-        st.code(fix_code([race.forecast["module"]], race.recipe), language="python")
+        code = fix_code([race.forecast["module"]], race.recipe).splitlines()
+        code[0] = f"# Keep 1 module in fp32 (named by the forecast on {race.recipe}, raced by amp-lab)"
+        st.code("\n".join(code), language="python")

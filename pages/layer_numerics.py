@@ -369,11 +369,11 @@ else:
     show_amax_over_time(run_id)
     run_info = get_manager().run_info(run_id)
     if run_info is not None and run_info.kind not in (SourceKind.MONITOR, SourceKind.INTEGRATION):
-        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
         lane_modes = {entry.lane: entry.mode for entry in run_info.lanes}
         forecast_lane = st.session_state.get(f"lnum_amax_lane_{run_id}")
         if forecast_lane in lane_modes:
             fix_race_panel(get_manager(), run_id, forecast_lane, lane_modes[forecast_lane], "lnum")
+        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
         bisect_lane = st.selectbox("Lane to bisect", list(lane_modes), key=f"lnum_bisect_lane_{run_id}",
                                    format_func=lambda i: f"lane {i} · {lane_modes[i]}")
         bisect_panel(get_manager(), run_id, bisect_lane, "lnum")

@@ -31,7 +31,7 @@ from amp_core.diagnostics.replay import (
 )
 from amp_core.diagnostics.replay_modes import set_rng
 from amp_core.precision import BASELINE_MODE, KEEP_PREFIX, get_precision, resolve_device
-from amp_core.probes.headroom import FORECAST_EVENT
+from amp_core.probes.headroom import FORECAST_EVENT, first_warning
 from amp_core.runs import SourceKind
 from amp_core.snapshots import ReplayError
 from amp_core.switches import pin_intra_op_threads
@@ -56,8 +56,7 @@ def forecast_fixes(recipe: str, forecast: dict) -> list[tuple[str, str]]:
     module, limit = forecast["module"], forecast["limit"]
     which = "largest value" if limit == "max" else "smallest normal"
     fixes = [(f"{recipe}+{KEEP_PREFIX}{module}",
-              f"{module} computes in fp32 (its output stays fp32 in a mixed mode): it never meets "
-              f"{forecast['format']}'s {which}")]
+              f"the layer computes in fp32 and never meets {forecast['format']}'s {which}")]
     base, *options = recipe.split("+")
     if forecast["format"] == "fp16" and base in BF16_OF:
         fixes.append(("+".join([BF16_OF[base], *options]),
@@ -159,16 +158,7 @@ def acted_forecast(events, lane: int, told_at: int | None = None) -> tuple[int, 
             raise ConfigError("told_at", f"lane {lane} told no forecast at step {told_at}; it told forecasts at steps "
                                          f"{', '.join(str(int(s)) for s in told['step'])}")
         return told_at, at.iloc[-1]["data"]
-    rows = list(zip(told["step"], told["data"], strict=True))
-    key = _target(rows[-1][1])
-    first = len(rows) - 1
-    while first > 0 and _target(rows[first - 1][1]) == key:
-        first -= 1
-    return int(rows[first][0]), rows[first][1]
-
-
-def _target(data: dict) -> tuple:
-    return data["module"], data["tensor"], data["format"], data["limit"]
+    return first_warning(list(zip(told["step"], told["data"], strict=True)))
 
 
 def race_fix(manager: Any, run_id: str, lane: str | int, *, told_at: int | None = None, steps: int | None = None,

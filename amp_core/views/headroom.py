@@ -5,15 +5,18 @@ forecast and how early; a fix race's lanes as a table."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from amp_core.diagnostics.forecast_fix import FixRace, acted_forecast
-from amp_core.probes.headroom import FORECAST_EVENT, FORMAT_LIMITS, LOSS_PSEUDO_MODULE, headroom_bits
+from amp_core.probes.headroom import FORECAST_EVENT, FORMAT_LIMITS, LOSS_PSEUDO_MODULE, first_warning, headroom_bits
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.views.plots import LEGEND_BELOW, chart_layout, empty_figure
+
+if TYPE_CHECKING:
+    from amp_core.diagnostics.forecast_fix import FixRace
 
 SHOWN_LAYERS = 6
 """Layers drawn: those with the least headroom at the latest sample (and any a forecast names)."""
@@ -83,7 +86,7 @@ def headroom_figure(events: pd.DataFrame, steps: pd.DataFrame, lane: int, mode: 
     latest = history[history["step"] == history["step"].max()].sort_values("headroom_bits", na_position="first")
     shown = list(dict.fromkeys(latest["module"].head(SHOWN_LAYERS)))
     told = told_for(events, lane, tensor, format_name, limit)
-    first = acted_forecast(told, lane) if not told.empty else None
+    first = first_warning(list(zip(told["step"], told["data"], strict=True))) if not told.empty else None
     last = (int(told.iloc[-1]["step"]), told.iloc[-1]["data"]) if not told.empty else None
     for _, data in filter(None, (first, last)):
         if data["module"] not in shown:
@@ -165,7 +168,7 @@ def was_it_forecast(steps: pd.DataFrame, events: pd.DataFrame, lane: int, limit_
                                  skipped[failed.index], strict=True):
         what = f"loss {value}" if not math.isfinite(value) else "skipped (gradients inf/NaN)" if skip else ""
         before = told[told["step"] < step] if not told.empty else told
-        found = acted_forecast(before, lane) if not before.empty else None
+        found = first_warning(list(zip(before["step"], before["data"], strict=True))) if not before.empty else None
         if found is None:
             rows.append((step, what, "no", None, None, None, "", ""))
             continue
