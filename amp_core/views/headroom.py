@@ -78,7 +78,7 @@ def headroom_figure(events: pd.DataFrame, steps: pd.DataFrame, lane: int, mode: 
     format and limit (its first warning, and its latest when that moved) as a line down to zero with its interval;
     the predicted step and the lane's break (its first non-finite loss) as vertical lines."""
     which = "largest value" if limit == "max" else "smallest normal"
-    what = "outputs" if tensor == "output" else "output gradients (as held, times the loss scale)"
+    what = "outputs" if tensor == "output" else "gradients w.r.t. its output (as held: times the loss scale)"
     title = f"Headroom of each layer's {what} to {format_name}'s {which} · lane {lane} · {mode}"
     history = headroom_history(events, lane, tensor, format_name, limit)
     if history.empty:
