@@ -19,8 +19,8 @@ another failure, counted apart (other_limits= per run), not as wrong layers.
 
 Healthy: digits_mlp, mlp_regression and tiny_transformer (--all-workloads adds checkerboard_cnn and the transformers
 ones) in 16-mixed and bf16-mixed for --healthy-steps steps (default 300) across the seeds, and digits_mlp (with
---all-workloads every one of them) once for --long-steps (default 2000: a trend that only shows late). Any `forecast` event there is a
-false alarm.
+--all-workloads every one of them) once for --long-steps (default 2000: a trend that only shows late). Any
+`forecast` event there is a false alarm.
 
 Prints per run lines, then: wrong_layer= (forecasts naming another layer before a planted failure), per format
 fp16_lead_steps_min= / e4m3_lead_steps_min=, then over both lead_steps_min= (the shortest warning; goal >= 100),
