@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="race the fixes the lane's forecast names (+keep: its layer; the bf16 recipe for an "
                                "fp16 limit) against the lane as it is and 32-true, from its weights at the step the "
                                "forecast was told, past the forecast's interval; exit 0 when a fix avoids the break")
+    forecast.add_argument("--told-at", type=int, default=None, metavar="STEP",
+                          help="with --race-fix: act on the forecast told at this step (default: the first warning "
+                               "of the lane's latest forecast)")
     forecast.set_defaults(handler=cmd_forecast, uses_workloads=True)
 
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
@@ -603,7 +606,7 @@ def race_fix_command(args: argparse.Namespace) -> int:
 
     if args.lane is None:
         raise ConfigError("lane", "--race-fix races one lane's forecast: name it with --lane L")
-    race = race_fix(RunManager(open_store(args.store)), args.run_id, args.lane, record=True)
+    race = race_fix(RunManager(open_store(args.store)), args.run_id, args.lane, told_at=args.told_at, record=True)
     for lane in race.lanes:
         broke = "trained through" if lane.broke_at is None else f"broke at step {lane.broke_at}"
         print(f"{lane.recipe:<40} {broke:<20} {lane.steps:>6} steps  {lane.skipped:>4} skipped  {lane.why}")

@@ -113,8 +113,15 @@ def test_cli_race_fix_exit_codes(growing, fresh_store):
     assert code == 2 and "has no forecast" in err and err.strip().count("\n") == 0
     code, _, err = cli(fresh_store, "forecast", growing.run_id, "--race-fix")
     assert code == 2 and "--lane" in err
+    told = [e.step for e in growing.events() if e.kind == FORECAST_EVENT and e.lane == 0]
+    code, out, err = cli(fresh_store, "forecast", growing.run_id, "--lane", "0", "--race-fix", "--told-at",
+                         str(told[-1]))  # the latest told forecast, from its own (later) weights
+    assert code == 0, err
+    code, _, err = cli(fresh_store, "forecast", growing.run_id, "--lane", "0", "--race-fix", "--told-at", "7")
+    assert code == 2 and "told no forecast at step 7" in err
     events = open_store(fresh_store).events(growing.run_id)
-    assert (events["kind"] == FIX_RACED_EVENT).sum() == 1
+    assert (events["kind"] == FIX_RACED_EVENT).sum() == 2
+    assert recorded_fix_races(events, 0)[-1].told_step == told[-1]
 
 
 def figure_titled(app: AppTest, text: str) -> dict:
@@ -180,3 +187,27 @@ def test_the_overflow_debugger_marks_whether_each_failure_was_forecast(growing):
     marked = was_it_forecast(manager.steps(spike.run_id), manager.events(spike.run_id), 0)
     assert marked["step"].tolist() == [30, 31] and set(marked["forecast"]) == {"no"}
     assert set(marked["what failed"]) == {"skipped (gradients inf/NaN)"}
+
+
+def test_was_it_forecast_says_how_the_failure_fell_against_the_interval_and_held_gradients_are_scaled():
+    """The view's arithmetic on records written by hand: a failure before, inside and after the first warning's
+    interval; a scaled gradient's headroom is the held value's (amax as the backward held it, at that scale)."""
+    import pandas as pd
+
+    forecast = {"module": "m", "tensor": "output", "format": "fp16", "limit": "max", "predicted_step": 200,
+                "lo_step": 180, "hi_step": 220, "sample_step": 50, "headroom_bits": 3.0}
+    events = pd.DataFrame([
+        {"kind": "layer_amax", "lane": 0, "step": 40, "data": {"modules": ["m", "(loss)"], "output_amax": [8.0, 1.0],
+                                                               "grad_amax": [2.0**10, 2.0**16], "scale": 2.0**16}},
+        {"kind": FORECAST_EVENT, "lane": 0, "step": 50, "data": forecast},
+        {"kind": FORECAST_EVENT, "lane": 0, "step": 90, "data": {**forecast, "predicted_step": 210}}])
+    steps = pd.DataFrame({"lane": [0, 0, 0, 0], "step": [30, 150, 200, 250],
+                          "loss": [1.0, float("inf"), float("nan"), 1.0], "skipped": [True, False, False, True]})
+    table = was_it_forecast(steps, events, 0)
+    assert table["forecast"].tolist() == ["no", "yes, 30 steps before its interval", "yes, within its interval",
+                                          "yes, 30 steps after its interval"]
+    assert table["told at"].tolist()[1:] == [50, 50, 50] and table["steps ahead"].tolist()[1:] == [100, 150, 200]
+    assert table["what failed"].tolist() == ["skipped (gradients inf/NaN)", "loss inf", "loss nan",
+                                             "skipped (gradients inf/NaN)"]
+    grads = headroom_history(events, 0, "grad", "fp16", "max")
+    assert grads["module"].tolist() == ["m"] and grads["headroom_bits"].iloc[0] == pytest.approx(math.log2(65504) - 10)
