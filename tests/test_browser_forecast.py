@@ -28,7 +28,9 @@ pytestmark = [
 
 
 def screenshot(page, name: str) -> Path:
-    """The whole page (Streamlit scrolls inside its main block: the window grows to its height first)."""
+    """The whole page (Streamlit scrolls inside its main block: the window grows to its height first), with no
+    tooltip of the button last clicked over it."""
+    page.mouse.move(0, 0)
     height = page.evaluate("() => document.querySelector('[data-testid=stMain]').scrollHeight")
     page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], height)})
     page.wait_for_function(DRAWN, timeout=60_000)
