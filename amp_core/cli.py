@@ -140,11 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "workload needs where it is missing").set_defaults(handler=cmd_workloads,
                                                                            uses_workloads=True)
 
-    forecast = sub.add_parser("forecast", help="a run's layers by headroom to their formats' limits, and the step "
-                                               "each one's trend reaches it (needs sampled layers: --amax-every)")
+    forecast = sub.add_parser("forecast", parents=[plugins],
+                              help="a run's layers by headroom to their formats' limits, and the step "
+                                   "each one's trend reaches it (needs sampled layers: --amax-every)")
     forecast.add_argument("run_id")
     forecast.add_argument("--lane", type=int, default=None, help="only this lane (default: every lane)")
-    forecast.set_defaults(handler=cmd_forecast)
+    forecast.add_argument("--race-fix", action="store_true",
+                          help="race the fixes the lane's forecast names (+keep: its layer; the bf16 recipe for an "
+                               "fp16 limit) against the lane as it is and 32-true, from its weights at the step the "
+                               "forecast was told, past the forecast's interval; exit 0 when a fix avoids the break")
+    forecast.add_argument("--told-at", type=int, default=None, metavar="STEP",
+                          help="with --race-fix: act on the forecast told at this step (default: the first warning "
+                               "of the lane's latest forecast)")
+    forecast.set_defaults(handler=cmd_forecast, uses_workloads=True)
 
     export = sub.add_parser("export", help="write a run's step records to CSV or Parquet, or the run as a "
                                            "self-contained HTML report (charts, summary, config, events)")
@@ -567,6 +575,8 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     run without sampled layers or a lane it does not have."""
     from amp_core.views.forecast import forecast_line, forecast_table, lane_headrooms, shown_formats
 
+    if args.race_fix:
+        return race_fix_command(args)
     store = open_store(args.store)
     run = store.run(args.run_id)
     if run is None:
@@ -588,6 +598,23 @@ def cmd_forecast(args: argparse.Namespace) -> int:
         print(forecast_line(headroom.earliest(formats), mode))
         print()
     return 0
+
+
+def race_fix_command(args: argparse.Namespace) -> int:
+    """`forecast RUN --race-fix --lane L`: the race's lanes, then its line; exit 0 when a fix avoided the break, 1
+    when none did or the lane did not break (the report is recorded as a `forecast_fix` event of the run)."""
+    from amp_core.diagnostics.forecast_fix import race_fix
+    from amp_core.race.runner import RunManager
+
+    if args.lane is None:
+        raise ConfigError("lane", "--race-fix races one lane's forecast: name it with --lane L")
+    race = race_fix(RunManager(open_store(args.store)), args.run_id, args.lane, told_at=args.told_at, record=True)
+    for lane in race.lanes:
+        broke = "trained through" if lane.broke_at is None else f"broke at step {lane.broke_at}"
+        print(f"{lane.recipe:<40} {broke:<20} {lane.steps:>6} steps  {lane.skipped:>4} skipped  {lane.why}")
+    print(f"from: {race.source}")
+    print(race.line())
+    return 0 if race.verdict == "avoided" else 1
 
 
 def cmd_store_copy(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from pages.common import (
     run_picker,
     store_guarded,
 )
+from pages.forecast_panel import fix_race_panel, headroom_panel
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -334,6 +335,7 @@ def amax_view(run_id: str) -> None:
                          format_func={"output": "outputs", "grad": "output gradients"}.get)
     st.markdown(f"**{numerics_views.amax_story(samples, lane, which)}**")
     st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
+    headroom_panel(events, manager.steps(run_id), lane, lanes.get(lane, "?"), which, "lnum")
     first_nonfinite_list(events, "lnum_first_nonfinite")
     show_cast_shares(events, lane, which)
 
@@ -367,8 +369,11 @@ else:
     show_amax_over_time(run_id)
     run_info = get_manager().run_info(run_id)
     if run_info is not None and run_info.kind not in (SourceKind.MONITOR, SourceKind.INTEGRATION):
-        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
         lane_modes = {entry.lane: entry.mode for entry in run_info.lanes}
+        forecast_lane = st.session_state.get(f"lnum_amax_lane_{run_id}")
+        if forecast_lane in lane_modes:
+            fix_race_panel(get_manager(), run_id, forecast_lane, lane_modes[forecast_lane], "lnum")
+        st.subheader("Keep layers in fp32: find the smallest set that fixes a lane, and its price")
         bisect_lane = st.selectbox("Lane to bisect", list(lane_modes), key=f"lnum_bisect_lane_{run_id}",
                                    format_func=lambda i: f"lane {i} · {lane_modes[i]}")
         bisect_panel(get_manager(), run_id, bisect_lane, "lnum")

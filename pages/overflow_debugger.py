@@ -25,6 +25,7 @@ from pages.common import (
     run_picker,
     store_guarded,
 )
+from pages.forecast_panel import fix_race_panel, was_it_forecast_panel
 
 DEMO_WORKLOADS = ("digits_mlp", "mlp_regression")
 FAULT_HELP = {
@@ -196,6 +197,7 @@ def draw_run(run_id: str, lane: int, mode: str, was_live: bool) -> None:
             st.caption(debugger.APPLIED_UNSCALED)
         elif table["NaN"].sum() > table["inf"].sum():
             st.caption(debugger.NAN_FROM_OVERFLOW)
+    was_it_forecast_panel(steps, events, lane, "dbg")
     if not first_nonfinite_list(events, "dbg_first_nonfinite", lane) and attached:
         st.caption("No first inf/NaN named so far: after a failed step the run's layer hooks name the first module "
                    "whose output (or, failing that, gradient) held inf/NaN.")
@@ -321,6 +323,7 @@ if attached:
                                                    if not info.settings.replay.get("on") else ""))
 else:
     replay_panel(run_id, lane, lanes[lane].steps_done, review, spike_rule, recorded)
+    fix_race_panel(manager, run_id, lane, mode, "dbg")
     st.subheader("Keep layers in fp32: find the smallest set that fixes it, and its price")
     bisect_panel(manager, run_id, lane, "dbg")
 

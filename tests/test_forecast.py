@@ -170,15 +170,18 @@ def test_the_monitor_forecasts_what_the_race_does(growing_race, fresh_store):
     at.switch_page("pages/train.py").run()
     assert not at.exception, [e.value for e in at.exception]
     (line,) = [w.value for w in at.warning if w.value.startswith("Forecast")]
-    assert line == f"Forecast · 16-mixed: {told_line('16-mixed', first).split(': ', 1)[1]}"
+    assert line.startswith(f"Forecast · 16-mixed: {told_line('16-mixed', first).split(': ', 1)[1]}")
     assert planted.GROWING_MODULE in line and "fp16's max" in line and f"at step {first['predicted_step']}" in line
 
 
 def test_the_view_line_of_a_race_names_the_layer(growing_race):
     store, run = growing_race
     lines = lane_forecast_lines(open_store(store).events(run.run_id), {0: "16-mixed", 1: "32-true"})
-    told = [e for e in run.events() if e.kind == FORECAST_EVENT][-1]
-    assert lines == [told_line("16-mixed", told.data)]
+    told = [e for e in run.events() if e.kind == FORECAST_EVENT]
+    assert len({(e.data["module"], e.data["limit"]) for e in told}) == 1  # one layer's forecast, told as it moved
+    latest = "" if len(told) == 1 else \
+        f" · latest, told at step {told[-1].step}: at step {told[-1].data['predicted_step']}"
+    assert lines == [told_line("16-mixed", told[0].data) + latest]  # its first warning, where the latest stands
     assert lines[0].startswith(f"16-mixed: {planted.GROWING_MODULE} reaches fp16's max in ~")
 
 
@@ -239,6 +242,57 @@ def test_the_lightning_callback_forecasts_what_the_race_does(growing_race, fresh
                         enable_model_summary=False)
     trainer.fit(Growing(), loader)
     events = open_store(fresh_store).events(callback.monitor.run_id)
+    told = events[events["kind"] == FORECAST_EVENT]
+    assert len(told), "the callback told no forecast"
+    first = told.iloc[0]["data"]
+    assert first["module"] == f"net.{race_first.data['module']}"
+    assert (first["tensor"], first["format"], first["limit"]) == ("output", "fp16", "max")
+    assert race_first.data["lo_step"] <= first["predicted_step"] <= race_first.data["hi_step"]
+
+
+def test_the_hf_trainer_callback_forecasts_what_the_race_does(growing_race, fresh_store):
+    """The same growing layer trained by a real Hugging Face Trainer with its weights in fp16 (16-true: the Trainer's
+    own fp16 flag is not applied on a CPU), recorded by the AMP Lab callback: its Monitor tells the forecast the race
+    told, for the same layer and format, within the race's interval."""
+    pytest.importorskip("transformers", reason="the `hf` extra (pip install -e .[hf]) is not installed")
+    from transformers import Trainer, TrainingArguments
+
+    from amp_core.integrations.transformers import AmpLabCallback
+
+    _, run = growing_race
+    race_first = next(e for e in run.events() if e.kind == FORECAST_EVENT)
+    workload = planted.GrowingPlantedDigits()
+    data = workload.load_data(RunConfig(workload=workload.name))
+
+    class Growing(torch.nn.Module):
+        """The Trainer's shape of a model: named inputs in, a dict with the loss out."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = workload.build_model("small", data)
+
+        def forward(self, inputs, labels):
+            return {"loss": workload.loss(self.net(inputs), labels)}
+
+    class Digits(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data.targets)
+
+        def __getitem__(self, index):
+            return {"inputs": data.inputs[index].half(), "labels": data.targets[index]}
+
+    model = Growing().half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # Adam's eps is 0 in fp16 weights
+    callback = AmpLabCallback(name="growing", store=str(fresh_store), layers_every=EVERY, probe_budget=0)
+    args = TrainingArguments(output_dir=str(fresh_store.parent / "hf"), max_steps=race_first.step + 1,
+                             per_device_train_batch_size=64, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_steps=10, remove_unused_columns=False, disable_tqdm=True, seed=0,
+                             dataloader_num_workers=0)
+    Trainer(model=model, args=args, train_dataset=Digits(), optimizers=(optimizer, None),
+            callbacks=[callback]).train()
+    events = open_store(fresh_store).events(callback.monitor.run_id)
+    assert open_store(fresh_store).run(callback.monitor.run_id)["lanes"][0]["mode"] == "16-true"
     told = events[events["kind"] == FORECAST_EVENT]
     assert len(told), "the callback told no forecast"
     first = told.iloc[0]["data"]

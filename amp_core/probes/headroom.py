@@ -350,3 +350,20 @@ class Forecaster:
 
 def _same(a: Forecast, b: Forecast) -> bool:
     return (a.module, a.tensor, a.format, a.limit) == (b.module, b.tensor, b.format, b.limit)
+
+
+def first_warning(told: list[tuple[int, dict]]) -> tuple[int, dict] | None:
+    """Of a lane's told forecasts ((step, event data), in step order), the first warning of the latest: the earliest
+    told of the same layer, tensor, format and limit since another was told. What a reader acts on (the most notice
+    it gave) and what a failure is judged against; None when nothing was told."""
+    if not told:
+        return None
+    key = _target(told[-1][1])
+    first = len(told) - 1
+    while first > 0 and _target(told[first - 1][1]) == key:
+        first -= 1
+    return int(told[first][0]), told[first][1]
+
+
+def _target(data: dict) -> tuple:
+    return data["module"], data["tensor"], data["format"], data["limit"]

@@ -7,7 +7,14 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from amp_core.probes.headroom import FORECAST_EVENT, FORMAT_LIMITS, Forecast, LaneHeadroom, formats_of_mode
+from amp_core.probes.headroom import (
+    FORECAST_EVENT,
+    FORMAT_LIMITS,
+    Forecast,
+    LaneHeadroom,
+    first_warning,
+    formats_of_mode,
+)
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
 
 COULD_USE = ("fp16", "bf16")
@@ -80,11 +87,18 @@ def told_line(mode: str, data: dict) -> str:
 
 
 def lane_forecast_lines(events: pd.DataFrame, modes: dict[int, str]) -> list[str]:
-    """Per lane (`modes`: lane -> mode), the line of its latest told forecast; lanes with none are left out."""
+    """Per lane (`modes`: lane -> mode), the line of its latest forecast as first told (its first warning: the most
+    notice it gave), and where the latest told puts the step when that moved; lanes with none are left out."""
     told = told_forecasts(events)
     lines = []
     for lane, mode in modes.items():
-        mine = told[told["lane"] == lane] if not told.empty else told
-        if not mine.empty:
-            lines.append(told_line(mode, mine.iloc[-1]["data"]))
+        mine = told[told["lane"] == lane].sort_values("step", kind="stable") if not told.empty else told
+        if mine.empty:
+            continue
+        step, data = first_warning(list(zip(mine["step"], mine["data"], strict=True)))
+        line = told_line(mode, data)
+        latest = mine.iloc[-1]
+        if int(latest["step"]) != step:
+            line += f" · latest, told at step {int(latest['step'])}: at step {latest['data']['predicted_step']}"
+        lines.append(line)
     return lines

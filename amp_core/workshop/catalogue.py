@@ -14,6 +14,7 @@ import amp_core.workshop.compiled as compiled_checks
 import amp_core.workshop.four_bits as four_bits
 import amp_core.workshop.keep as keep
 import amp_core.workshop.planted as planted
+import amp_core.workshop.see_it_coming as see_it_coming
 import amp_core.workshop.speed as speed
 from amp_core.config import FaultSpec, RunConfig, ScalerConfig
 from amp_core.precision import resolve_device
@@ -341,6 +342,25 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         ),
         table=keep.price_table, table_title="The price race: from the failing step's snapshot, lanes interleaved",
         charts=("loss",), after_run=keep.bisect_the_failure),
+    Scenario(
+        name="see-it-coming", title="See it coming: a forecast of the step a layer breaks",
+        watch="A 16-mixed lane whose one layer's output grows a little every step races 32-true, every layer sampled "
+              f"every {see_it_coming.EVERY} steps. Watch the forecast line on the Train page name the layer and the "
+              "step fp16 overflows, long before the loss turns inf; Layer numerics draws its headroom shrinking.",
+        caveat="A forecast is a robust trend through the recent samples: it is told only when the growth is clear "
+               "beyond the samples' scatter and keeps its pace, so a run whose layers grow and then settle is told "
+               "nothing. The fix race starts from the lane's weights at the first warning, on copies.",
+        build=see_it_coming.runs,
+        checks=(
+            Check("The forecast came first", f"told {see_it_coming.LEAD_MIN} steps or more before the lane broke, "
+                  f"naming {planted.GROWING_MODULE} and fp16's max", see_it_coming.forecast_came_first),
+            Check("It came true", f"the break within the forecast's interval, or within "
+                  f"{see_it_coming.ERROR_MAX:.0%} of the warning's lead", see_it_coming.it_came_true),
+            Check("Keeping the layer avoids it", "from the weights at the first warning the lane breaks again and the "
+                  "lane with the layer kept in fp32 trains through", see_it_coming.keeping_avoids_it),
+        ),
+        table=see_it_coming.forecast_table, table_title="What the forecast said, and when the lane broke",
+        charts=("loss",), after_run=see_it_coming.race_the_fix),
     Scenario(
         name="four-bits", title="Four bits: MXFP8 and NVFP4 against bf16",
         watch=f"bf16-mixed, +mxfp8, +nvfp4 and +nvfp4-no-rht race on the tiny transformer with {four_bits.SEEDS} "

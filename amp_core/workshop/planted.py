@@ -106,6 +106,8 @@ GROWTH_START = 64.0
 GROWTH_RATES = {"small": 0.04, "medium": 0.02, "large": 0.01}
 """Size name -> bits per step the growing gain's factor gains (it doubles every 1 / rate steps): fp16 overflows after
 roughly 200, 400 and 800 steps (a larger size is a longer run, the model is the same)."""
+E4M3_START = GROWTH_START * 448.0 / 65504.0
+"""GrowingE4m3Digits's factor at step 0: as far below e4m3's largest value (448) as GROWTH_START is below fp16's."""
 
 
 class GrowingGain(nn.Module):
@@ -114,23 +116,23 @@ class GrowingGain(nn.Module):
     format it overflows at the step the factor passes the format's range. (The count is an integer buffer: the model's
     casts leave it exact, and a shadow copy takes it with the weights.)"""
 
-    def __init__(self, rate: float):
+    def __init__(self, rate: float, start: float = GROWTH_START):
         super().__init__()
-        self.rate = rate
+        self.rate, self.start = rate, start
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A 0-d tensor: no host read, and x keeps its dtype (a 16-bit x overflows as the layer would).
-        factor = GROWTH_START * torch.exp2(self.rate * self.steps.double()).float()
+        factor = self.start * torch.exp2(self.rate * self.steps.double()).float()
         if self.training:
             self.steps += 1
         return x * factor
 
 
 class GrowingNet(PlantedNet):
-    def __init__(self, features: int, classes: int, rate: float):
+    def __init__(self, features: int, classes: int, rate: float, start: float = GROWTH_START):
         super().__init__(features, classes)
-        self.blocks[PLANTED_BLOCK].gain = GrowingGain(rate)
+        self.blocks[PLANTED_BLOCK].gain = GrowingGain(rate, start)
         for index, block in enumerate(self.blocks):
             if index != PLANTED_BLOCK:
                 block.gain = Gain(1.0)
@@ -149,7 +151,20 @@ class GrowingPlantedDigits(Workload):
         return DigitsMLP().load_data(config)
 
     def build_model(self, size: str, data: Data) -> nn.Module:
-        return GrowingNet(data.inputs.shape[1], 10, GROWTH_RATES[size])
+        return GrowingNet(data.inputs.shape[1], 10, **self.sizes[size])
 
     def loss(self, output, target):
         return nn.functional.cross_entropy(output.float(), target)
+
+
+class GrowingE4m3Digits(GrowingPlantedDigits):
+    """The growing layer started as far below e4m3's largest value as GrowingPlantedDigits starts below fp16's: its
+    output passes 448 where the other's passes 65504 (bench.forecast's e4m3 cases: where an unscaled e4m3 cast of
+    it would overflow; it trains in fp32 or bf16 untouched)."""
+
+    name = "workshop_growing_digits_e4m3"
+    title = "Digits through blocks with one layer whose output grows past e4m3's largest value (workshop)"
+    description = (f"{GrowingPlantedDigits.description.split(';')[0]}; block {PLANTED_BLOCK}'s gain grows by a rate "
+                   f"per step (size: {', '.join(GROWTH_RATES)}) from {E4M3_START:.3g}, its output passing e4m3's "
+                   "largest value (448) after a few hundred steps.")
+    sizes = {name: {"rate": rate, "start": E4M3_START} for name, rate in GROWTH_RATES.items()}
