@@ -63,7 +63,7 @@ class PlantedFormats(Workload):
     title = "Blocks with planted outlier channels (plan search)"
     description = ("6 residual blocks x + GELU(LN(linear(spread(x)))); a planted spread puts one feature of every 16 "
                    "at x1000 (NVFP4 flushes its block neighbours); the head (32->8) is not whole NVFP4 blocks.")
-    sizes = {"xl": {"planted": ()}, "small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (0, 3, 5)}}
+    sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (0, 3, 5)}}
     features, width, depth, classes = 32, 32, 6, 8
 
     def load_data(self, config) -> Data:

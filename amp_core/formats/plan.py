@@ -275,3 +275,55 @@ def parse_plan_option(name: str, recipe: str) -> PlanOption:
     if "," in path:
         raise ValueError(f"+{PLAN_PREFIX}{path}: a plan file's path cannot hold ',' (modes are comma-separated)")
     return PlanOption(path=path)
+
+
+def convert_layers(model: nn.Module, format_name: str, filter_fn, device: str = "cpu") -> list[str]:
+    """Put the nn.Linear layers of `model` that `filter_fn(module, fqn)` picks (torchao's module_filter_fn shape) in
+    `format_name`, as a plan lane does: fp32 kept (`keep_in_fp32`), bf16/fp16 under their own autocast, a block
+    format through torchao's kernels where the device has them, else emulated. For the user's own job (the printed
+    plan uses it where torchao has no kernel for the device); returns the names converted."""
+    names = [fqn for fqn, layer in model.named_modules() if type(layer) is nn.Linear and filter_fn(layer, fqn)]
+    if format_name == "fp32":
+        already = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
+        precision.keep_in_fp32(model, [*already, *names])
+    elif format_name in DTYPE_FORMATS:
+        for name in names:
+            _set_module(model, name, PlannedLinear(model.get_submodule(name), format_name))
+    elif isinstance(matmul_option(format_name), BlockScaledMatmuls):
+        matmul_option(format_name).convert(model, device, set(names))
+    else:
+        for name in names:
+            _set_module(model, name, matmul_option(format_name).prepare_module(model.get_submodule(name), device))
+    return names
+
+
+def formats_of(model: nn.Module) -> dict[str, str]:
+    """The matmul format each Linear of a prepared `model` computes in, read from the layers themselves: fp32 (kept),
+    bf16 / fp16 (a plan's), mxfp8 / nvfp4 / fp8-blockwise (block-scaled), fp8 (torchao's Float8Linear), or bf16 (a
+    plain Linear: a bf16-mixed loop's autocast dtype)."""
+    from amp_core.formats.linear import BlockScaledLinear
+
+    kept = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
+    out = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, nn.Linear):
+            continue
+        if any(name == k or name.startswith(f"{k}.") or not k for k in kept):
+            out[name] = "fp32"
+        elif isinstance(layer, PlannedLinear):
+            out[name] = layer.format
+        elif isinstance(layer, BlockScaledLinear):
+            out[name] = layer.recipe.format
+        elif type(layer).__name__ == "Float8Linear":
+            out[name] = "fp8"
+        else:
+            out[name] = "bf16"
+    return out
+
+
+def gemm_format(format_name: str) -> str:
+    """What `formats_of` reads for a layer planned `format_name` (a matmul option: its element format)."""
+    option = matmul_option(format_name)
+    if option is None:
+        return format_name
+    return option.format if isinstance(option, BlockScaledMatmuls) else "fp8"
