@@ -17,6 +17,13 @@ OUTLIER_EVERY = 16
 """One outlier feature per NVFP4 block."""
 
 
+SKEW = 1e5
+"""A skewed block's token gain: every other token reads x1e5 (its gradient /1e5). NVFP4's e4m3
+block scales span ~1/28000 of the tensor's scale: the small tokens' blocks (inputs of the one, gradients of the
+rest) underflow to zero. MXFP8's power-of-two scale per block of 32 spans 2^254 and holds both."""
+SKEW_EVERY = 2
+
+
 class Spread(nn.Module):
     """x * factor on one feature of every OUTLIER_EVERY (factor 1: the identity): an outlier channel."""
 
@@ -31,7 +38,10 @@ class Spread(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, factor: float):
+    """x + GELU(LN(linear(spread(x)))); a skewed block's linear reads each token scaled by its own gain and its
+    output is scaled back (`skew`), so its GEMM operands span SKEW between tokens."""
+
+    def __init__(self, width: int, factor: float, skew: bool = False):
         super().__init__()
         self.spread = Spread(width, factor)
         self.linear = nn.Linear(width, width)
@@ -39,16 +49,23 @@ class Block(nn.Module):
             self.linear.weight[:, ::OUTLIER_EVERY] /= factor
         self.norm = nn.LayerNorm(width)
         self.act = nn.GELU()
+        self.skew = skew
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.act(self.norm(self.linear(self.spread(x))))
+        spread = self.spread(x)
+        if self.skew:  # (W (g x) - b) / g + b = W x + b exactly; the gradient reaching W's output is dy / g
+            gain = torch.where(torch.arange(x.shape[0], device=x.device) % SKEW_EVERY == 0, 1.0, SKEW)[:, None]
+            out = (self.linear(spread * gain) - self.linear.bias) / gain + self.linear.bias
+        else:
+            out = self.linear(spread)
+        return x + self.act(self.norm(out))
 
 
 class Stack(nn.Module):
-    def __init__(self, features: int, width: int, factors: list[float], classes: int):
+    def __init__(self, features: int, width: int, factors: list[float], classes: int, skewed: tuple[int, ...] = ()):
         super().__init__()
         self.inp = nn.Linear(features, width)
-        self.blocks = nn.Sequential(*(Block(width, factor) for factor in factors))
+        self.blocks = nn.Sequential(*(Block(width, factor, index in skewed) for index, factor in enumerate(factors)))
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,13 +74,14 @@ class Stack(nn.Module):
 
 class PlantedFormats(Workload):
     """8-class classification of 32 features through 6 residual blocks; planted outlier channels at the size's
-    blocks (small: one, medium: two, large: three)."""
+    blocks (small: one, medium: two), large: one outlier block and one skewed block (tokens x1e5 apart)."""
 
     name = "planted_formats"
     title = "Blocks with planted outlier channels (plan search)"
     description = ("6 residual blocks x + GELU(LN(linear(spread(x)))); a planted spread puts one feature of every 16 "
-                   "at x1000 (NVFP4 flushes its block neighbours); the head (32->8) is not whole NVFP4 blocks.")
-    sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (0, 3, 5)}}
+                   "at x1000 (NVFP4 flushes its block neighbours); a skewed block's tokens are x1e5 apart (NVFP4's "
+                   "block scales underflow); the head (32->8) is not whole NVFP4 blocks.")
+    sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (1,), "skewed": (4,)}}
     features, width, depth, classes = 32, 32, 6, 8
 
     def load_data(self, config) -> Data:
@@ -76,7 +94,7 @@ class PlantedFormats(Workload):
     def build_model(self, size: str, data: Data) -> nn.Module:
         planted = self.sizes[size]["planted"]
         factors = [OUTLIER if index in planted else 1.0 for index in range(self.depth)]
-        return Stack(self.features, self.width, factors, self.classes)
+        return Stack(self.features, self.width, factors, self.classes, self.sizes[size].get("skewed", ()))
 
     def loss(self, output, target):
         return nn.functional.cross_entropy(output.float(), target)
@@ -84,4 +102,5 @@ class PlantedFormats(Workload):
 
 def planted_linears(size: str) -> list[str]:
     """The Linear layers a plan search of `PlantedFormats` at `size` with an NVFP4 target should promote."""
-    return [f"blocks.{index}.linear" for index in PlantedFormats.sizes[size]["planted"]]
+    spec = PlantedFormats.sizes[size]
+    return [f"blocks.{index}.linear" for index in sorted((*spec["planted"], *spec.get("skewed", ())))]

@@ -66,7 +66,9 @@ def plan_text(report: PlanReport) -> str:
     if report.stopped:
         lines.append(f"stopped: {report.stopped}")
     if report.final:
-        lines += ["", "final race (same weights, same seeds):"]
+        lines += ["", "final race (same weights, same seeds)" + ("" if report.native else
+                                                                   ": the trials' races, each from the same weights "
+                                                                   "and seeds (deterministic here)") + ":"]
         ref = report.final.get(config.baseline)
         for recipe, figures in report.final.items():
             versus = ""
