@@ -140,3 +140,21 @@ def test_a_target_the_workload_cannot_use_is_one_line_and_exit_2(planted, tmp_pa
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error:")
     assert __import__("re").search(says, err[0]), err
+
+
+def test_the_advisor_offers_a_plan_where_a_matmul_format_trains_worse():
+    from amp_core.diagnostics.advise import CandidateEvidence, Evidence, decide
+
+    def raced(recipe: str, loss: float) -> CandidateEvidence:
+        return CandidateEvidence(recipe=recipe, runnable=True, note="", raced=True, seeds=3, steps=40,
+                                 loss_mean=loss, loss_sd=0.01, loss_n=3, ms_mean=10.0, ms_sd=0.1, ms_n=3,
+                                 steps_after_warmup=100)
+
+    evidence = Evidence(workload="llama", size="small", device="cpu", device_name="cpu", race_run="r", probe_runs=(),
+                        candidates=(raced("32-true", 1.0), raced("bf16-mixed+nvfp4", 1.3), raced("bf16-true", 1.3)),
+                        race_steps=40, warmup_steps=4)
+    advice = decide(evidence)
+    assert advice.verdict("bf16-mixed+nvfp4").verdict == "rejected"
+    assert "amp-lab plan --workload llama --size small --target bf16-mixed+nvfp4" in advice.verdict(
+        "bf16-mixed+nvfp4").keep
+    assert advice.verdict("bf16-true").keep == ""  # no matmul format: nothing for a plan to promote

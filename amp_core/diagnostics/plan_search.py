@@ -398,3 +398,18 @@ def _base_of(report: PlanReport) -> RunConfig:
     return RunConfig(workload=config.workload, size=config.size, device=report.device, modes=(config.baseline,),
                      seeds=config.seeds, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                      snapshot_every=0)
+
+
+def plan_hint(recipe: str, workload: str, size: str, baseline: str) -> str:
+    """For a recipe with a matmul format that trains worse than `baseline` (the advisor's rejection): the plan search
+    that may save it, as a command ("" for a recipe a plan cannot help: no matmul format, or one with a keep or plan
+    already)."""
+    try:
+        options = parse_recipe(recipe)[1]
+    except ValueError:
+        return ""
+    if "+plan:" in recipe or "+keep:" in recipe or not any(o.name in MATMUL_FORMATS for o in options):
+        return ""
+    return (f"a per-layer plan may save it — amp-lab plan --workload {workload} --size {size} --target {recipe} "
+            f"--baseline {baseline}: promotes the layers that hurt most until it trains like {baseline} "
+            "(docs/plans.md)")
