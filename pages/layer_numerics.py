@@ -24,6 +24,7 @@ from pages.common import (
     run_picker,
     store_guarded,
 )
+from pages.plan_panel import plan_panel
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -198,6 +199,7 @@ def show_block_formats() -> None:
     st.caption(block_views.LEGEND + ".")
     if report.skipped:
         st.caption("Not measured: " + "; ".join(f"{name}: {why}" for name, why in report.skipped.items()))
+    plan_panel(workload, size, DEVICE, "lnum")
 
 
 def launch_sampled_run() -> None:

@@ -158,3 +158,33 @@ def test_the_advisor_offers_a_plan_where_a_matmul_format_trains_worse():
     assert "amp-lab plan --workload llama --size small --target bf16-mixed+nvfp4" in advice.verdict(
         "bf16-mixed+nvfp4").keep
     assert advice.verdict("bf16-true").keep == ""  # no matmul format: nothing for a plan to promote
+
+
+def test_the_layer_numerics_page_finds_a_plan_off_its_thread_and_stops(planted):
+    """The *Find a plan* button: a target the workload cannot use is one line; a search shows its progress while the
+    page stays usable, and Stop ends it with a line saying so."""
+    import time
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
+    app = AppTest.from_file(page, default_timeout=180).run()
+    app.selectbox(key="lnum_workload").set_value(planted.name).run()
+    app.selectbox(key="lnum_size").set_value("medium").run()
+    app.selectbox(key="lnum_plan_target").set_value("bf16-mixed+fp8-blockwise").run()
+    app.button(key="lnum_plan_go").click().run()
+    assert any("Cannot search: **target**" in e.value and "converts none" in e.value for e in app.error)
+
+    app.selectbox(key="lnum_plan_target").set_value("bf16-mixed+nvfp4").run()
+    app.button(key="lnum_plan_go").click().run()
+    assert not app.exception
+    job = app.session_state["plan_jobs"]["lnum"]
+    assert not job.done and app.get("progress")  # the search runs on its own thread; the page drew its progress
+    app.button(key="lnum_plan_stop").click().run()
+    deadline = time.monotonic() + 120
+    while not job.done and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job.done and job.error.startswith("stopped")
+    app.run()
+    assert any("No plan: stopped" in e.value for e in app.error)

@@ -413,3 +413,40 @@ def plan_hint(recipe: str, workload: str, size: str, baseline: str) -> str:
     return (f"a per-layer plan may save it — amp-lab plan --workload {workload} --size {size} --target {recipe} "
             f"--baseline {baseline}: promotes the layers that hurt most until it trains like {baseline} "
             "(docs/plans.md)")
+
+
+class PlanJob:
+    """`search` off the caller's thread (a page's *Find a plan* button): the input is checked at once (ConfigError);
+    `progress` lists what it did, `stop()` ends it within a lane step, `done` says when `report` (or `error`, one
+    line) is there."""
+
+    def __init__(self, config: PlanSearchConfig, store):
+        from amp_core import background
+
+        check(config)
+        self.config, self.store = config, store
+        self.progress: list[tuple[float, str, float]] = []
+        """(seconds since start, message, fraction done)."""
+        self.report: PlanReport | None = None
+        self.error = ""
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = background.start(self._work, "amp-plan", stop=self.stop)
+
+    def _say(self, message: str, fraction: float) -> None:
+        self.progress.append((time.monotonic() - self._started, message, fraction))
+
+    def _work(self) -> None:
+        try:
+            self.report = search(self.config, self.store, progress=self._say, stop=self._stop)
+        except Stopped:
+            self.error = "stopped: the races made so far are in the store"
+        except Exception as error:  # a page shows one line, not a traceback
+            self.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
