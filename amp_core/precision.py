@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.formats.plan import PLAN_PREFIX, bind_precision, parse_plan_option
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.imports import compiler_ready, heavy_import
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
@@ -759,6 +760,8 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     *BLOCK_SCALED_OPTIONS,
 )}
 """Every recipe option by name, in the order the UI lists them."""
+bind_precision({name: option for name, option in RECIPE_OPTIONS.items()
+                if isinstance(option, (Float8Matmuls, BlockScaledMatmuls))}, keep_in_fp32, is_kept)
 
 
 def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
@@ -771,9 +774,7 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
         raise ValueError(f"unknown mode {mode!r} in {recipe!r}; choose from {', '.join(MODES)}")
     options = []
     for name in names:
-        if name.startswith("plan:"):
-            from amp_core.formats.plan import parse_plan_option  # the plan module imports this one
-
+        if name.startswith(PLAN_PREFIX):
             options.append(parse_plan_option(name, recipe))
             continue
         if name.startswith(KEEP_PREFIX):

@@ -10,12 +10,13 @@ from pathlib import Path
 import streamlit as st
 
 from amp_core.config import ConfigError
-from amp_core.diagnostics.plan_search import LADDER, PlanJob, PlanSearchConfig
+from amp_core.diagnostics.plan_report import LADDER, PlanSearchConfig
+from amp_core.diagnostics.plan_search import PlanJob
 from amp_core.views.plan import plan_text
 from pages.common import can_control, control_note, get_manager
 
+# The targets offered: bf16-mixed with each matmul format the ladder knows how to promote.
 TARGETS = tuple(f"bf16-mixed+{name}" for name in LADDER if name not in ("bf16", "fp16"))
-"""The targets offered: bf16-mixed with each matmul format the ladder knows how to promote."""
 
 
 def plan_panel(workload: str, size: str, device: str, key: str) -> None:

@@ -13,8 +13,8 @@ import torch
 from amp_core import cli
 from amp_core.config import ConfigError, RunConfig
 from amp_core.diagnostics.plan_search import PlanSearchConfig, search
-from amp_core.formats.plan import PlanOption, formats_of, gemm_format, write_plan
-from amp_core.formats.plan_code import plan_code
+from amp_core.formats.plan import PlanOption, gemm_format, write_plan
+from amp_core.formats.plan_code import formats_of, plan_code
 from amp_core.precision import get_precision
 from amp_core.records.opening import open_store
 from amp_core.runner import RunManager

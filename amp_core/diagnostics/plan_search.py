@@ -14,135 +14,32 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from amp_core.config import ConfigError, RunConfig
-from amp_core.formats.plan import MATMUL_FORMATS, lane_format, write_plan
-from amp_core.precision import availability, parse_recipe, recipe_mode, resolve_device
+from amp_core.diagnostics.plan_report import LADDER, LAST_K, Figures, PlanReport, PlanSearchConfig, Trial
+from amp_core.formats.plan import matmul_formats, write_plan
+from amp_core.precision import availability, low_precision_dtype, parse_recipe, recipe_mode, resolve_device
 from amp_core.seednoise import DIFFERENCE_RULE, difference_verdict
-
-LADDER = {"nvfp4": ("mxfp8", "bf16"), "nvfp4-no-rht": ("mxfp8", "bf16"), "nvfp4-no-sr": ("mxfp8", "bf16"),
-          "nvfp4-1d": ("mxfp8", "bf16"), "mxfp8": ("bf16",), "mxfp8-wgrad-hp": ("bf16",),
-          "fp8-blockwise": ("bf16",), "fp8-tensorwise": ("fp8-rowwise", "bf16"), "fp8-rowwise": ("bf16",),
-          "fp8-rowwise-gw-hp": ("bf16",), "bf16": ("fp32",), "fp16": ("fp32",)}
-"""The formats above each target format, nearest first: where a promoted layer goes."""
-LAST_K = 20
-"""A lane's final loss: the mean of its last this many losses (as the advisor reads it)."""
-SEEDS = 3
-STEPS = 80
-
-
-@dataclass(frozen=True, slots=True)
-class PlanSearchConfig:
-    """One search: a workload, the recipe to reach and the one to train like, and how long it may take."""
-
-    workload: str
-    target: str
-    """The recipe whose format every layer starts in (e.g. bf16-mixed+nvfp4)."""
-    baseline: str = "bf16-mixed"
-    """The recipe the plan must train like, within seed noise."""
-    size: str = "small"
-    budget_s: float = 300.0
-    device: str = "auto"
-    seeds: int = SEEDS
-    steps: int = STEPS
-    batch_size: int = 32
-    lr: float = 3e-3
-    plan_path: str = ""
-    """Where the plan is written (default: plan-WORKLOAD-FORMAT.toml here); trials' files beside it."""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.budget_s, (int, float)) and self.budget_s > 0):
-            raise ConfigError("budget_min", f"must be > 0, got {self.budget_s!r}")
-        if self.seeds < 2:
-            raise ConfigError("seeds", "seed noise needs at least 2 seeds")
-
-
-@dataclass(frozen=True, slots=True)
-class Figures:
-    """One recipe's seeded race: final losses per seed, and its median ms/step."""
-
-    recipe: str
-    losses: tuple[float, ...]
-    ms: float
-    run_id: str
-
-    @property
-    def mean(self) -> float:
-        finite = [x for x in self.losses if math.isfinite(x)]
-        return float(np.mean(finite)) if finite else math.nan
-
-    @property
-    def sd(self) -> float:
-        finite = [x for x in self.losses if math.isfinite(x)]
-        return float(np.std(finite, ddof=1)) if len(finite) > 1 else math.nan
-
-    @property
-    def finite(self) -> int:
-        return sum(math.isfinite(x) for x in self.losses)
-
-
-@dataclass(frozen=True, slots=True)
-class Trial:
-    number: int
-    promoted: tuple[str, ...]
-    """The layers promoted in this trial (all at `rung`)."""
-    rung: str
-    what: str
-    figures: Figures
-    verdict: str
-    """passes | fails: and why."""
-    seconds: float
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "passes"
-
-
-@dataclass(slots=True)
-class PlanReport:
-    config: PlanSearchConfig
-    target_format: str
-    candidates: list[str]
-    """The Linear layers the target converts (the search's n)."""
-    evidence: list[tuple[str, float, float, str]]
-    """(layer, lowest operand SNR dB, flush share, why) in the search's order (most hurt first)."""
-    threshold_db: float
-    evidence_format: str
-    baseline: Figures | None = None
-    trials: list[Trial] = field(default_factory=list)
-    plan: dict[str, str] = field(default_factory=dict)
-    """Layer -> the format it was promoted to (the rest stay in the target's)."""
-    minimal: list[str] = field(default_factory=list)
-    """The 1-minimality proof: one line per promoted layer."""
-    found: bool = False
-    why: str = ""
-    plan_file: str = ""
-    plan_recipe: str = ""
-    final: dict[str, Figures] = field(default_factory=dict)
-    """The final race: baseline, target and the plan lane, same weights, same seeds."""
-    flops: dict[str, float] = field(default_factory=dict)
-    """Layer -> matmul FLOPs of one step (forward + both backward GEMMs); '(not a Linear)' for attention's etc."""
-    device: str = "cpu"
-    native: bool = False
-    seconds: float = 0.0
-    stopped: str = ""
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.found else 1
-
-    def formats(self) -> dict[str, str]:
-        """Every candidate layer's format in the plan."""
-        return {name: self.plan.get(name, self.target_format) for name in self.candidates}
 
 
 class Stopped(Exception):
     """The search was stopped from another thread."""
+
+
+def lane_format(recipe: str) -> str:
+    """The format a lane of `recipe` gives a Linear a plan does not name: its matmul option, else its mode's
+    autocast dtype (fp32 for 32-true)."""
+    _, options = parse_recipe(recipe)
+    option = next((o for o in options if o.name in matmul_formats()), None)
+    if option is not None:
+        return option.name
+    dtype = low_precision_dtype(recipe_mode(recipe))
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
 
 
 def _target_format(target: str) -> str:
@@ -173,7 +70,7 @@ def check(config: PlanSearchConfig) -> tuple[RunConfig, str, list[str], dict[str
                      seeds=config.seeds, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                      snapshot_every=0, name=f"plan · {config.workload}")
     model, _ = WORKLOADS[config.workload].seeded_model_and_batch(base)
-    option = next((o for o in parse_recipe(config.target)[1] if o.name in MATMUL_FORMATS), None)
+    option = next((o for o in parse_recipe(config.target)[1] if o.name in matmul_formats()), None)
     if option is not None:
         converted, skipped = option.plan(model, device)
         if not converted:
@@ -256,7 +153,7 @@ def search(config: PlanSearchConfig, store, *, progress: Callable[[str, float], 
     report = PlanReport(config=config, target_format=target_format, candidates=candidates, evidence=evidence,
                         threshold_db=threshold, evidence_format=measured, device=base.device,
                         flops=matmul_flops(config.workload, base))
-    option = next((o for o in parse_recipe(config.target)[1] if o.name in MATMUL_FORMATS), None)
+    option = next((o for o in parse_recipe(config.target)[1] if o.name in matmul_formats()), None)
     report.native = bool(option is not None and base.device.startswith("cuda") and
                          (option.native(base.device) if hasattr(option, "native") else True))
     manager = RunManager(store, max_running=1)
@@ -408,7 +305,7 @@ def plan_hint(recipe: str, workload: str, size: str, baseline: str) -> str:
         options = parse_recipe(recipe)[1]
     except ValueError:
         return ""
-    if "+plan:" in recipe or "+keep:" in recipe or not any(o.name in MATMUL_FORMATS for o in options):
+    if "+plan:" in recipe or "+keep:" in recipe or not any(o.name in matmul_formats() for o in options):
         return ""
     return (f"a per-layer plan may save it — amp-lab plan --workload {workload} --size {size} --target {recipe} "
             f"--baseline {baseline}: promotes the layers that hurt most until it trains like {baseline} "

@@ -18,42 +18,60 @@ import fnmatch
 import functools
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from amp_core import precision
 from amp_core.formats.recipes import BlockScaledMatmuls
 
 PLAN_PREFIX = "plan:"
 """`MODE+plan:FILE`: the modules FILE names take its formats."""
 DTYPE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Formats that are a dtype: fp32 keeps the module (as `+keep:`), bf16 and fp16 set its matmuls' autocast dtype."""
-MATMUL_FORMATS = tuple(name for name, option in precision.RECIPE_OPTIONS.items()
-                       if isinstance(option, (precision.Float8Matmuls, BlockScaledMatmuls)))
-"""Formats that are a matmul recipe option (fp8-tensorwise, fp8-rowwise, ..., mxfp8, nvfp4, fp8-blockwise)."""
-FORMATS = (*DTYPE_FORMATS, *MATMUL_FORMATS)
-"""Every format a plan may name."""
 PLAN_MODES = ("bf16-mixed", "16-mixed")
 """A plan sets formats under autocast: the mixed modes (the matmul formats need bf16-mixed, as their options do)."""
 
 
+@dataclass(slots=True)
+class _Precision:
+    """What this module uses of amp_core.precision, handed over by precision itself when it is imported: precision
+    imports this module to parse `+plan:`, so importing precision here would close an import circle."""
+
+    matmul_options: dict = field(default_factory=dict)
+    """Format name -> its matmul recipe option (Float8Matmuls, BlockScaledMatmuls), in the UI's order."""
+    keep_in_fp32: Callable | None = None
+    is_kept: Callable | None = None
+
+
+PRECISION = _Precision()
+
+
+def bind_precision(matmul_options: dict, keep_in_fp32: Callable, is_kept: Callable) -> None:
+    """Called once by amp_core.precision (see _Precision)."""
+    PRECISION.matmul_options, PRECISION.keep_in_fp32, PRECISION.is_kept = dict(matmul_options), keep_in_fp32, is_kept
+
+
+def matmul_formats() -> tuple[str, ...]:
+    """Formats that are a matmul recipe option (fp8-tensorwise, fp8-rowwise, ..., mxfp8, nvfp4, fp8-blockwise)."""
+    return tuple(PRECISION.matmul_options)
+
+
+def plan_formats() -> tuple[str, ...]:
+    """Every format a plan may name."""
+    return (*DTYPE_FORMATS, *matmul_formats())
+
+
 def matmul_option(format_name: str):
     """The recipe option of a matmul format, None for a dtype format."""
-    return precision.RECIPE_OPTIONS[format_name] if format_name in MATMUL_FORMATS else None
+    return PRECISION.matmul_options.get(format_name)
 
 
-def lane_format(recipe: str) -> str:
-    """The format a lane of `recipe` gives a Linear the plan does not name: its matmul option, else its mode's
-    autocast dtype (fp32 for 32-true)."""
-    _, options = precision.parse_recipe(recipe)
-    option = next((o for o in options if o.name in MATMUL_FORMATS), None)
-    if option is not None:
-        return option.name
-    dtype = precision.low_precision_dtype(precision.recipe_mode(recipe))
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
+def is_float8(option) -> bool:
+    """Whether a matmul option is torchao's float8 (tensorwise / rowwise), not a block-scaled format."""
+    return option is not None and not isinstance(option, BlockScaledMatmuls)
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,9 +87,9 @@ def _read(path: str, stamp: int) -> tuple[tuple[str, str], ...]:
                          + (f" (found {', '.join(extra)})" if extra else ""))
     entries = []
     for glob, format_name in table["modules"].items():
-        if format_name not in FORMATS:
+        if format_name not in plan_formats():
             raise ValueError(f"plan file {path}: {glob!r} = {format_name!r} is not a format; choose from "
-                             f"{', '.join(FORMATS)}")
+                             f"{', '.join(plan_formats())}")
         entries.append((glob, format_name))
     if not entries:
         raise ValueError(f"plan file {path}: [modules] names no module")
@@ -134,19 +152,20 @@ class PlannedLinear(nn.Linear):
         return f"{super().extra_repr()}, format={self.format} (plan)"
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 @dataclass(frozen=True, slots=True)
-class PlanOption(precision.RecipeOption):
+class PlanOption:
     """`+plan:FILE`: the modules FILE names take its formats (see the module's docstring). The file is read when
     the lane is checked or built, not when a stored run's recipe is parsed (a run stays readable without it)."""
 
     path: str
     """The plan file, as written after `plan:`."""
     needs_torchao = False
+    fsdp_only = False
     takes_argument = True
     """Not a candidate of its own (`recipe_candidates`): it needs a file."""
     prepares_first = True
@@ -167,7 +186,7 @@ class PlanOption(precision.RecipeOption):
     @property
     def runs_float8(self) -> bool:
         """Whether the plan puts a Linear in torchao's float8 (a CPU step then runs with oneDNN off)."""
-        return any(isinstance(matmul_option(f), precision.Float8Matmuls) for _, f in self.entries)
+        return any(is_float8(matmul_option(f)) for _, f in self.entries)
 
     def refusal(self, mode: str, device: str | None) -> str:
         if mode not in PLAN_MODES:
@@ -211,19 +230,19 @@ class PlanOption(precision.RecipeOption):
     def prepare_module(self, module: nn.Module, device: str) -> nn.Module:
         plan = self.assign(module, device)
         if plan.fp32:
-            already = [name for name, layer in module.named_modules() if precision.is_kept(layer)]
-            precision.keep_in_fp32(module, [*already, *plan.fp32])  # keep_in_fp32 replaces hooks: keep +keep:'s
+            already = [name for name, layer in module.named_modules() if PRECISION.is_kept(layer)]
+            PRECISION.keep_in_fp32(module, [*already, *plan.fp32])  # keep_in_fp32 replaces hooks: keep +keep:'s
         blocks: dict[str, set[str]] = {}
         for name, format_name in plan.linear.items():
             if name in plan.skipped or format_name == "fp32":
                 continue
             layer = module.get_submodule(name)
             if format_name in DTYPE_FORMATS:
-                _set_module(module, name, PlannedLinear(layer, format_name))
+                set_module(module, name, PlannedLinear(layer, format_name))
             elif isinstance(matmul_option(format_name), BlockScaledMatmuls):
                 blocks.setdefault(format_name, set()).add(name)
             else:  # torchao's float8 swaps a lone Linear and hands back the new layer
-                _set_module(module, name, matmul_option(format_name).prepare_module(layer, device))
+                set_module(module, name, matmul_option(format_name).prepare_module(layer, device))
         for format_name, names in blocks.items():
             module = matmul_option(format_name).convert(module, device, names)
         return module
@@ -275,50 +294,6 @@ def parse_plan_option(name: str, recipe: str) -> PlanOption:
     if "," in path:
         raise ValueError(f"+{PLAN_PREFIX}{path}: a plan file's path cannot hold ',' (modes are comma-separated)")
     return PlanOption(path=path)
-
-
-def convert_layers(model: nn.Module, format_name: str, filter_fn, device: str = "cpu") -> list[str]:
-    """Put the nn.Linear layers of `model` that `filter_fn(module, fqn)` picks (torchao's module_filter_fn shape) in
-    `format_name`, as a plan lane does: fp32 kept (`keep_in_fp32`), bf16/fp16 under their own autocast, a block
-    format through torchao's kernels where the device has them, else emulated. For the user's own job (the printed
-    plan uses it where torchao has no kernel for the device); returns the names converted."""
-    names = [fqn for fqn, layer in model.named_modules() if type(layer) is nn.Linear and filter_fn(layer, fqn)]
-    if format_name == "fp32":
-        already = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
-        precision.keep_in_fp32(model, [*already, *names])
-    elif format_name in DTYPE_FORMATS:
-        for name in names:
-            _set_module(model, name, PlannedLinear(model.get_submodule(name), format_name))
-    elif isinstance(matmul_option(format_name), BlockScaledMatmuls):
-        matmul_option(format_name).convert(model, device, set(names))
-    else:
-        for name in names:
-            _set_module(model, name, matmul_option(format_name).prepare_module(model.get_submodule(name), device))
-    return names
-
-
-def formats_of(model: nn.Module) -> dict[str, str]:
-    """The matmul format each Linear of a prepared `model` computes in, read from the layers themselves: fp32 (kept),
-    bf16 / fp16 (a plan's), mxfp8 / nvfp4 / fp8-blockwise (block-scaled), fp8 (torchao's Float8Linear), or bf16 (a
-    plain Linear: a bf16-mixed loop's autocast dtype)."""
-    from amp_core.formats.linear import BlockScaledLinear
-
-    kept = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
-    out = {}
-    for name, layer in model.named_modules():
-        if not isinstance(layer, nn.Linear):
-            continue
-        if any(name == k or name.startswith(f"{k}.") or not k for k in kept):
-            out[name] = "fp32"
-        elif isinstance(layer, PlannedLinear):
-            out[name] = layer.format
-        elif isinstance(layer, BlockScaledLinear):
-            out[name] = layer.recipe.format
-        elif type(layer).__name__ == "Float8Linear":
-            out[name] = "fp8"
-        else:
-            out[name] = "bf16"
-    return out
 
 
 def gemm_format(format_name: str) -> str:

@@ -5,8 +5,10 @@ the optimizer) and trains in the loop's own `torch.autocast(dtype=torch.bfloat16
 
 from __future__ import annotations
 
-from amp_core import precision
-from amp_core.formats.plan import DTYPE_FORMATS, matmul_option
+from torch import nn
+
+from amp_core import precision  # importing it binds formats.plan's formats (plan.bind_precision)
+from amp_core.formats.plan import DTYPE_FORMATS, PlannedLinear, is_float8, matmul_option, set_module
 from amp_core.formats.recipes import NATIVE_CAPABILITY, BlockScaledMatmuls
 
 
@@ -21,7 +23,7 @@ def plan_code(formats: dict[str, str], *, title: str = "", autocast: str = "bf16
              "import torch",
              "",
              "from amp_core.fixes import keep_in_fp32",
-             "from amp_core.formats.plan import convert_layers",
+             "from amp_core.formats.plan_code import convert_layers",
              "",
              "FORMATS = {  # every Linear layer's matmul format",
              listed + "}",
@@ -41,7 +43,7 @@ def plan_code(formats: dict[str, str], *, title: str = "", autocast: str = "bf16
         if fmt in DTYPE_FORMATS:
             lines += [f"# {fmt}: the layer's matmul under its own torch.autocast({fmt})",
                       f"convert_layers(model, {fmt!r}, in_format({fmt!r}))"]
-        elif isinstance(option, precision.Float8Matmuls):
+        elif is_float8(option):
             lines += [f"# {fmt}: torchao float8 training on these layers",
                       "from torchao.float8 import Float8LinearConfig, convert_to_float8_training",
                       "",
@@ -74,3 +76,48 @@ def _torchao_config(option: BlockScaledMatmuls) -> list[str]:
                 "    config = NVFP4TrainingConfig()"]
     return ["    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinearConfig",
             "    config = Float8BlockwiseLinearConfig()"]
+
+
+def convert_layers(model: nn.Module, format_name: str, filter_fn, device: str = "cpu") -> list[str]:
+    """Put the nn.Linear layers of `model` that `filter_fn(module, fqn)` picks (torchao's module_filter_fn shape) in
+    `format_name`, as a plan lane does: fp32 kept (`keep_in_fp32`), bf16/fp16 under their own autocast, a block
+    format through torchao's kernels where the device has them, else emulated. For the user's own job (the printed
+    plan uses it where torchao has no kernel for the device); returns the names converted."""
+    names = [fqn for fqn, layer in model.named_modules() if type(layer) is nn.Linear and filter_fn(layer, fqn)]
+    if format_name == "fp32":
+        already = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
+        precision.keep_in_fp32(model, [*already, *names])
+    elif format_name in DTYPE_FORMATS:
+        for name in names:
+            set_module(model, name, PlannedLinear(model.get_submodule(name), format_name))
+    elif isinstance(matmul_option(format_name), BlockScaledMatmuls):
+        matmul_option(format_name).convert(model, device, set(names))
+    else:
+        for name in names:
+            set_module(model, name, matmul_option(format_name).prepare_module(model.get_submodule(name), device))
+    return names
+
+
+def formats_of(model: nn.Module) -> dict[str, str]:
+    """The matmul format each Linear of a prepared `model` computes in, read from the layers themselves: fp32 (kept),
+    bf16 / fp16 (a plan's), mxfp8 / nvfp4 / fp8-blockwise (block-scaled), fp8 (torchao's Float8Linear), or bf16 (a
+    plain Linear: a bf16-mixed loop's autocast dtype)."""
+    from amp_core.formats.linear import BlockScaledLinear
+
+    kept = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
+    out = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, nn.Linear):
+            continue
+        if any(name == k or name.startswith(f"{k}.") or not k for k in kept):
+            out[name] = "fp32"
+        elif isinstance(layer, PlannedLinear):
+            out[name] = layer.format
+        elif isinstance(layer, BlockScaledLinear):
+            out[name] = layer.recipe.format
+        elif type(layer).__name__ == "Float8Linear":
+            out[name] = "fp8"
+        else:
+            out[name] = "bf16"
+    return out
+

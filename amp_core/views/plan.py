@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from amp_core.diagnostics.plan_price import GPUS, flop_shares, modelled_gemm_ms
-from amp_core.diagnostics.plan_search import PlanReport
+from amp_core.diagnostics.plan_report import PlanReport
 from amp_core.formats.plan_code import plan_code
 from amp_core.seednoise import DIFFERENCE_RULE, difference_verdict
 
