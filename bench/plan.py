@@ -1,7 +1,8 @@
 """The plan search on held-in models with planted sensitive layers (bench.plan_workloads: outlier channels one NVFP4
-block cannot hold; a block whose tokens sit 1e5 apart, so NVFP4's e4m3 block scales underflow) and, with --real, on tiny_transformer and llama small: per case the planted layers found (recall,
-precision), the trials against the bound 3·k·log2(n) + 6, the wall time, the plan lane's loss against the baseline's
-seed noise, and the share of matmul FLOPs kept in the target format (goal >= 0.8 on the real models).
+block cannot hold; a block whose tokens sit 1e5 apart, so NVFP4's e4m3 block scales underflow) and, with --real, on
+tiny_transformer and llama small: per case the planted layers found (recall, precision), the trials against the
+bound 3·k·log2(n) + 6, the wall time, the plan lane's loss against the baseline's seed noise, and the share of matmul
+FLOPs kept in the target format (goal >= 0.8 on the real models).
 
     python3 -m bench.plan [--real] [--target bf16-mixed+nvfp4]
 

@@ -164,7 +164,6 @@ class PlanOption:
 
     path: str
     """The plan file, as written after `plan:`."""
-    needs_torchao = False
     fsdp_only = False
     takes_argument = True
     """Not a candidate of its own (`recipe_candidates`): it needs a file."""
@@ -182,6 +181,14 @@ class PlanOption:
     @property
     def entries(self) -> tuple[tuple[str, str], ...]:
         return read_plan(self.path)
+
+    @property
+    def needs_torchao(self) -> bool:
+        """Whether a layer's format is torchao's float8 (the block formats' emulation is torch alone)."""
+        try:
+            return self.runs_float8
+        except ValueError:  # no file to read: refusal() says so
+            return False
 
     @property
     def runs_float8(self) -> bool:
@@ -219,7 +226,11 @@ class PlanOption:
 
     def note(self, device: str) -> str:
         counts: dict[str, int] = {}
-        for _, format_name in self.entries:
+        try:
+            entries = self.entries
+        except ValueError as error:  # a stored run's plan file gone: say so, never raise while describing it
+            return str(error)
+        for _, format_name in entries:
             counts[format_name] = counts.get(format_name, 0) + 1
         return f"plan {self.path}: " + ", ".join(f"{n} entr{'y' if n == 1 else 'ies'} {f}" for f, n in counts.items())
 
