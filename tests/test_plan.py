@@ -20,6 +20,7 @@ from amp_core.records.opening import open_store
 from amp_core.runner import RunManager
 from amp_core.views.plan import plan_text
 from amp_core.workloads import WORKLOADS, check_launch
+from bench.plan import PLANTED_STEPS
 from bench.plan_workloads import PlantedFormats, planted_linears
 
 MIXED = {"blocks.0.linear": "fp16", "blocks.1.linear": "mxfp8", "blocks.2": "fp32", "blocks.3.linear": "fp8-rowwise",
@@ -70,7 +71,7 @@ def test_the_search_promotes_exactly_the_two_planted_layers(planted, tmp_path):
     """Two planted among 7 Linear layers: the plan is exactly them (in MXFP8), each proven needed, within
     3·k·log2(n) + 6 trials, and the plan lane trains within seed noise of bf16-mixed in the final race."""
     config = PlanSearchConfig(workload=planted.name, size="medium", target="bf16-mixed+nvfp4", budget_s=600,
-                              device="cpu", plan_path=str(tmp_path / "plan.toml"))
+                              device="cpu", steps=PLANTED_STEPS, plan_path=str(tmp_path / "plan.toml"))
     report = search(config, open_store(str(tmp_path / "store.sqlite")))
     assert report.found, report.why
     assert report.plan == {name: "mxfp8" for name in planted_linears("medium")}
