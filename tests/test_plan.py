@@ -189,3 +189,23 @@ def test_the_layer_numerics_page_finds_a_plan_off_its_thread_and_stops(planted):
     assert job.done and job.error.startswith("stopped")
     app.run()
     assert any("No plan: stopped" in e.value for e in app.error)
+
+
+def test_the_train_page_adds_a_plan_lane_or_says_why_not(tmp_path):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    plan = write_plan(tmp_path / "plan.toml", {"blocks.0.mlp.0": "mxfp8", "head": "fp32"})
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "train.py"), default_timeout=120).run()
+    at.session_state["train_recipes_open"] = True  # the folded recipes section holds the builder
+    at.run()
+    at.selectbox(key="train_recipe_mode").set_value("bf16-mixed")
+    at.multiselect(key="train_recipe_options").set_value(["nvfp4"])
+    at.text_input(key="train_recipe_plan").set_value(str(tmp_path / "missing.toml"))
+    at.button(key="train_recipe_add").click().run()
+    assert any("missing.toml: no such file" in e.value for e in at.error)
+    at.text_input(key="train_recipe_plan").set_value(str(plan)).run()
+    at.button(key="train_recipe_add").click().run()
+    assert f"bf16-mixed+nvfp4+plan:{plan}" in at.multiselect(key="train_modes").options
+    assert not at.exception
