@@ -190,6 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--html", default=None, metavar="PATH", help="also write the advice as an HTML report")
     advise.set_defaults(handler=cmd_advise, uses_workloads=True)
 
+    plan = sub.add_parser("plan", parents=[plugins],
+                          help="the cheapest format per layer that still trains like the baseline (exit 0 found, 1 "
+                               "not found, 2 bad input)",
+                          description="Start with every Linear layer in the target recipe's format; promote the ones "
+                                      "block numerics says hurt most until a seeded race trains within seed noise of "
+                                      "the baseline, then demote each back where it still does (1-minimal). Prints "
+                                      "every trial, the final race, FLOP shares, the price (modelled off the formats' "
+                                      "GPUs) and the plan as code. See docs/plans.md.")
+    plan.add_argument("--workload", required=True)
+    plan.add_argument("--target", required=True, help="e.g. bf16-mixed+nvfp4")
+    plan.add_argument("--baseline", default="bf16-mixed")
+    plan.add_argument("--budget-min", type=float, default=10.0, help="minutes it may race (default: %(default)s)")
+    plan.add_argument("--size", default="small")
+    plan.add_argument("--device", default="auto")
+    plan.add_argument("--seeds", type=int, default=3)
+    plan.add_argument("--steps", type=int, default=80)
+    plan.add_argument("--out", default="", help="the plan file to write (default: plan-WORKLOAD-FORMAT.toml here)")
+    plan.set_defaults(handler=cmd_plan, uses_workloads=True)
+
     inspect_command(sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and "
                                                                     "backward"),
                     "trace_mode", ("size", "device"), "write the op table here", cmd_trace)
@@ -719,6 +738,21 @@ def cmd_advise(args: argparse.Namespace) -> int:
         print(f"report: {Path(args.html).resolve()}", file=sys.stderr)
     print(advice_text(advice))
     return advice.exit_code
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`plan`: progress on stderr; the report (views.plan) and the plan as code. Exit 0 found, 1 not, 2 bad input."""
+    from amp_core.diagnostics.plan_search import PlanSearchConfig, search
+    from amp_core.views.plan import plan_text
+
+    config = PlanSearchConfig(workload=args.workload, target=args.target, baseline=args.baseline, size=args.size,
+                              budget_s=args.budget_min * 60, device=args.device, seeds=args.seeds, steps=args.steps,
+                              plan_path=args.out)
+    report = search(config, open_store(args.store),
+                    progress=lambda message, fraction: print(f"[{fraction:4.0%}] {message}", file=sys.stderr,
+                                                             flush=True))
+    print(plan_text(report))
+    return report.exit_code
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:

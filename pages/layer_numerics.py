@@ -25,6 +25,7 @@ from pages.common import (
     store_guarded,
 )
 from pages.forecast_panel import fix_race_panel, headroom_panel
+from pages.plan_panel import plan_panel
 
 DEVICE = resolve_device("auto")
 SOURCES = ("A workload", "A live lane")
@@ -199,6 +200,7 @@ def show_block_formats() -> None:
     st.caption(block_views.LEGEND + ".")
     if report.skipped:
         st.caption("Not measured: " + "; ".join(f"{name}: {why}" for name, why in report.skipped.items()))
+    plan_panel(workload, size, DEVICE, "lnum")
 
 
 def launch_sampled_run() -> None:

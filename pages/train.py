@@ -196,7 +196,8 @@ def build_recipe() -> None:
     from amp_core.precision import availability, fsdp_refusal
 
     options = st.session_state.get("train_recipe_options", [])
-    recipe = "+".join([st.session_state["train_recipe_mode"], *options])
+    plan = st.session_state.get("train_recipe_plan", "").strip()  # +plan:FILE, a format per module (docs/plans.md)
+    recipe = "+".join([st.session_state["train_recipe_mode"], *options, *([f"plan:{plan}"] if plan else [])])
     ok, why = availability(recipe, facts.device)
     if ok:  # this page's runs train in its own process: FSDP2's options need a torchrun job (amp-lab run --fsdp)
         why = fsdp_refusal(recipe, fsdp=False)
@@ -230,6 +231,10 @@ if recipes_box.open:
                        help="\n\n".join(f"**+{name}**: {text}" for name, text in RECIPE_OPTION_HELP.items()))
         b3.button("Add lane", key="train_recipe_add", on_click=build_recipe,
                   help="Adds MODE+OPTION... to the lanes, or says why this device cannot run it.")
+        st.text_input("Precision plan (optional): a TOML file of module globs -> formats", key="train_recipe_plan",
+                      placeholder="plan-llama-nvfp4.toml", help="Adds +plan:FILE to the lane: the modules it names "
+                      "take its formats (fp32, bf16, fp16, fp8-…, mxfp8, nvfp4, fp8-blockwise), the rest the lane's "
+                      "recipe. `amp-lab plan` or Layer numerics' *Find a plan* writes one.")
         if st.session_state.get("train_recipe_error"):
             st.error(st.session_state["train_recipe_error"])
         st.markdown("\n".join(f"- `+{name}` {text}" for name, text in RECIPE_OPTION_HELP.items()))

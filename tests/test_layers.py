@@ -345,7 +345,7 @@ PAGE_ENGINE_SURFACE = {
     "amp_core.fixes", "amp_core.imports", "amp_core.precision", "amp_core.runs", "amp_core.workloads",
     "amp_core.workshop",
     "amp_core.diagnostics.advise", "amp_core.diagnostics.bisect", "amp_core.diagnostics.cost",
-    "amp_core.diagnostics.forecast_fix",
+    "amp_core.diagnostics.forecast_fix", "amp_core.diagnostics.plan_report", "amp_core.diagnostics.plan_search",
     "amp_core.diagnostics.maxbatch", "amp_core.diagnostics.replay", "amp_core.diagnostics.replay_modes",
     "amp_core.probes.block_numerics", "amp_core.probes.compiled_ops", "amp_core.probes.faults",
     "amp_core.probes.formats", "amp_core.probes.headroom", "amp_core.probes.numerics",

@@ -35,6 +35,7 @@ from amp_core import background
 from amp_core.config import ADVISE_BUDGET_S, FINAL_LOSS_WINDOW, RUN_DEFAULTS, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
+from amp_core.diagnostics.plan_search import plan_hint
 from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.precision import (
     BASELINE_MODE,
@@ -314,6 +315,8 @@ def decide(evidence: Evidence) -> Advice:
             continue
         raced_told = True
         if loss_verdict == "different" and c.loss_mean > b.loss_mean:
+            # A matmul format that trains worse everywhere may train like fp32 with a few layers promoted.
+            common["keep"] = common["keep"] or plan_hint(c.recipe, evidence.workload, evidence.size, BASELINE_MODE)
             verdicts[c.recipe] = CandidateVerdict(verdict="rejected", reason="trains worse than fp32 beyond seed noise",
                                                   figure=loss_figure, **common)
             continue

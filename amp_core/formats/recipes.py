@@ -123,8 +123,13 @@ class BlockScaledMatmuls:
         converted, _ = self.plan(module, device)
         if not converted:
             raise ValueError(self.refuses_model(module, device))
+        return self.convert(module, device, set(converted))
+
+    def convert(self, module: torch.nn.Module, device: str, converted: set[str]) -> torch.nn.Module:
+        """`module` with its Linear layers named in `converted` (whole blocks: see `plan`) in this format: torchao's
+        kernels where the device has them, else the emulated Linear. A precision plan converts its own layers so."""
         if self.native(device):
-            return self._native(module, set(converted))
+            return self._native(module, converted)
         for name in converted:
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module

@@ -87,7 +87,8 @@ class Precision:
         trace): oneDNN off for an FP8 recipe where ATen would send its float8 matmuls to oneDNN's reference kernel
         (switches.float8_matmuls_need_onednn_off: ~250x slower than ATen's emulation of the same products), else
         nothing."""
-        if self.device_type == "cpu" and self.float8 is not None and float8_matmuls_need_onednn_off():
+        float8 = self.float8 is not None or any(getattr(o, "runs_float8", False) for o in self.options)
+        if self.device_type == "cpu" and float8 and float8_matmuls_need_onednn_off():
             return onednn_off()
         return NO_CONTEXT
 
@@ -106,7 +107,8 @@ class Precision:
         module = module.to(device=self.device, dtype=self.param_dtype)
         # Before FP8 conversion: a kept Linear carries the keep hooks, which Float8Matmuls.plan leaves out.
         keep_in_fp32(module, self.keep_patterns)
-        for option in self.options:
+        # A precision plan (+plan:) converts its own layers first; the matmul option then takes the rest.
+        for option in sorted(self.options, key=lambda o: not getattr(o, "prepares_first", False)):
             module = option.prepare_module(module, self.device)
         return module
 
@@ -148,11 +150,18 @@ class Precision:
         kept = kept_module_names(module, self.keep_patterns) if self.keep_patterns else []
         if kept:
             report["kept_fp32"] = kept
+        planned: dict = {}
+        for option in self.options:  # a precision plan (+plan:): the layers it names take its formats instead
+            if hasattr(option, "report"):
+                report.update(option.report(module, self.device))
+                planned = report["plan"]
         if self.float8 is not None:
             converted, skipped = self.float8.plan(module, self.device, kept=kept)
-            report["fp8_layers"], report["fp8_skipped"] = converted, skipped
+            report["fp8_layers"] = [name for name in converted if name not in planned]
+            report["fp8_skipped"] = skipped
         if self.block_scaled is not None:
             converted, skipped = self.block_scaled.plan(module, self.device, kept=kept)
+            converted = [name for name in converted if name not in planned]
             report["block_format"] = self.block_scaled.format
             report["block_layers"], report["block_skipped"] = converted, skipped
         return report

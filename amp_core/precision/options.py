@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.formats.plan import PLAN_PREFIX, bind_precision, parse_plan_option
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.imports import heavy_import
 from amp_core.precision.compiler import cpp_compiler, triton_installed
-from amp_core.precision.keep import KEEP_PREFIX, is_kept
+from amp_core.precision.keep import KEEP_PREFIX, is_kept, keep_in_fp32
 from amp_core.precision.modes import MODE_SPECS, MODES, device_type, low_precision_dtype
 from amp_core.precision.switches import float8_matmuls_need_onednn_off
 
@@ -359,6 +360,8 @@ RECIPE_OPTIONS: dict[str, RecipeOption] = {option.name: option for option in (
     *BLOCK_SCALED_OPTIONS,
 )}
 """Every recipe option by name, in the order the UI lists them."""
+bind_precision({name: option for name, option in RECIPE_OPTIONS.items()
+                if isinstance(option, (Float8Matmuls, BlockScaledMatmuls))}, keep_in_fp32, is_kept)
 
 
 def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
@@ -371,6 +374,9 @@ def parse_recipe(recipe: str) -> tuple[str, tuple[RecipeOption, ...]]:
         raise ValueError(f"unknown mode {mode!r} in {recipe!r}; choose from {', '.join(MODES)}")
     options = []
     for name in names:
+        if name.startswith(PLAN_PREFIX):
+            options.append(parse_plan_option(name, recipe))
+            continue
         if name.startswith(KEEP_PREFIX):
             pattern = name[len(KEEP_PREFIX):].strip()
             if not pattern:

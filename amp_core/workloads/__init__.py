@@ -168,12 +168,12 @@ def check_launch(config: RunConfig) -> None:
 
 
 def _check_kept_modules(config: RunConfig) -> None:
-    """`+keep:PATTERN` names modules of the workload's model: a pattern that matches none is refused at launch, as is a
-    block-scaled recipe (`+mxfp8`, `+nvfp4`, ...) none of whose Linear layers converts."""
+    """`+keep:PATTERN` and `+plan:FILE` name modules of the workload's model: one that matches none is refused at
+    launch, as is a block-scaled recipe (`+mxfp8`, `+nvfp4`, ...) none of whose Linear layers converts."""
     from amp_core.precision import get_precision, kept_module_names
 
     recipes = [recipe for recipe in config.modes if get_precision(recipe, config.device).keep_patterns
-               or get_precision(recipe, config.device).block_scaled]
+               or get_precision(recipe, config.device).block_scaled or "+plan:" in recipe]
     if not recipes:
         return
     model, _ = WORKLOADS[config.workload].seeded_model_and_batch(config)
@@ -181,6 +181,9 @@ def _check_kept_modules(config: RunConfig) -> None:
         precision = get_precision(recipe, config.device)
         try:
             kept = kept_module_names(model, precision.keep_patterns)
+            for option in precision.options:  # +plan:FILE: an entry that matches no module is refused here
+                if hasattr(option, "assign"):
+                    kept += list(option.assign(model, precision.device).linear)
         except ValueError as error:
             raise ConfigError("modes", f"{recipe}: {error}") from None
         # A block-scaled recipe none of whose layers converts would race a plain bf16 lane under its name.
