@@ -111,3 +111,27 @@ def test_a_spec_is_json_with_gaps_for_non_finite_values():
     made = figure_spec(figure)
     assert made["data"][0]["y"] == [1.0, None, None] and made["data"][0]["customdata"][0] == [1.0, None]
     json.loads(json.dumps(made, allow_nan=False))
+
+
+def test_sessions_sent_the_same_figure_share_its_changes_and_keep_their_own_numbering():
+    room = LiveRoom(share_s=0.5, clock=lambda: 0.0)
+    frame = type("Frame", (), {"run_id": "r", "version": 0})()
+
+    def shared(tags, compute):
+        return room.get(frame, ("chart_changes", "loss", tags), compute)
+
+    early, ahead = ChartFeed(), ChartFeed()
+    ahead.update(spec(line(3)), tag=("v", 0))  # a session one redraw ahead of the other
+    for feed in (early, ahead):
+        feed.update(spec(line(5)), tag=("v", 1), shared=shared)
+    updates = [feed.update(spec(line(8)), tag=("v", 2), shared=shared) for feed in (early, ahead)]
+    # The changes from the figure of tick 1 to tick 2 are made once for both (and v0 -> v1 once for `ahead`).
+    assert room.cache.computed["chart_changes"] == 2 and room.cache.asked["chart_changes"] == 3
+    assert [update["extend"] for update in updates] == [[{"trace": 0, "keep": 5, "points": {
+        "x": [5, 6, 7], "y": [5.0, 6.0, 7.0]}}]] * 2
+    assert [(update["seq"], update["base"]) for update in updates] == [(2, 1), (3, 2)]
+    # A session that was sent another figure (its own choices, or an older tick) gets its own changes.
+    other = ChartFeed()
+    other.update(spec(line(6)), tag=("w", 1))
+    assert other.update(spec(line(8)), tag=("v", 2), shared=shared)["extend"][0]["keep"] == 6
+    assert room.cache.computed["chart_changes"] == 3
