@@ -41,6 +41,10 @@ def _served_folder() -> Path:
     return folder
 
 
+RESETS = 3
+"""Redraws that send a chart whole after the page was drawn or the chart asked (see ChartFeed.reset): a session's
+first three seconds, at most 3 × a figure's size once; a blank chart in a loaded room otherwise waited for its asks."""
+
 _component = components.declare_component("amp_live_chart", path=str(_served_folder()))
 
 
@@ -54,7 +58,7 @@ def live_chart(spec: dict, key: str, whole: bool = False, tag=None, shared=None)
     asked = (st.session_state.get(key) or {}).get("reset")  # the chart lost its place and asked for the whole figure
     if whole or (asked is not None and asked != handled.get(key)):
         handled[key] = asked
-        feed.reset()
+        feed.reset(times=RESETS)
     update = feed.update(spec, tag, shared)
     _component(update=update, key=key, default=None)
     return update

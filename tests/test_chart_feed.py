@@ -135,3 +135,11 @@ def test_sessions_sent_the_same_figure_share_its_changes_and_keep_their_own_numb
     other.update(spec(line(6)), tag=("w", 1))
     assert other.update(spec(line(8)), tag=("v", 2), shared=shared)["extend"][0]["keep"] == 6
     assert room.cache.computed["chart_changes"] == 3
+
+
+def test_a_chart_drawn_anew_is_sent_whole_for_the_redraws_asked_then_only_changes():
+    feed = ChartFeed()
+    feed.update(spec(line(3)))
+    feed.reset(times=3)  # a frame still loading may see only the last of several updates: none of these is partial
+    kinds = [feed.update(spec(line(n)))["kind"] for n in (4, 5, 6, 7)]
+    assert kinds == ["reset", "reset", "reset", "extend"]

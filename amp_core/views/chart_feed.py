@@ -134,10 +134,16 @@ class ChartFeed:
         self._sent: dict | None = None
         """The spec last sent (None: the next update is a reset)."""
         self._tag: Hashable = None
+        self._resets = 0
+        """Resets still to send before updates are changes again."""
 
-    def reset(self) -> None:
-        """The next update sends the whole figure (the chart was drawn anew, or lost its place)."""
+    def reset(self, times: int = 1) -> None:
+        """The next `times` updates send the whole figure (the chart was drawn anew, or lost its place). More than
+        one: Streamlit's frontend hands a component only the last of the updates that arrived while it was busy (a
+        frame still loading plotly.js, a loaded server), and a reset it never saw leaves the chart blank until it has
+        asked again."""
         self._sent = None
+        self._resets = max(times, 1)
 
     def update(self, spec: dict, tag: Hashable = None,
                shared: Callable[[Hashable, Callable[[], dict]], dict] | None = None) -> dict:
@@ -151,7 +157,8 @@ class ChartFeed:
         base, self.seq = self.seq, self.seq + 1
         sent, sent_tag = self._sent, self._tag
         self._sent, self._tag = spec, tag
-        if sent is None or len(spec["data"]) != len(sent["data"]):
+        if sent is None or self._resets > 0 or len(spec["data"]) != len(sent["data"]):
+            self._resets = max(self._resets - 1, 0)
             layout = dict(spec["layout"], template=spec["template"])
             return {"kind": "reset", "seq": self.seq, "figure": {"data": spec["data"], "layout": layout}}
         if shared is not None and tag is not None and sent_tag is not None:
