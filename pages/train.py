@@ -6,6 +6,8 @@ the runs follow as the server's warm-up (pages.common.WarmUp) gets there, in the
 
 from __future__ import annotations
 
+import contextlib
+
 import streamlit as st
 
 from amp_core import catalog
@@ -681,8 +683,11 @@ def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
     choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())), live)
 
     def made() -> tuple[dict, dict]:
-        figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
+        # A live chart draws from specs (plots.ChartSpec: no plotly Figure built, twice a second); a still one from
+        # Figures, drawn by st.plotly_chart.
+        with plots.specs_only() if live else contextlib.nullcontext():
+            figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                          bands=frame.bands, seeds=seeds, spikes=spike_rule)
         return figures, {name: figure_spec(figure) for name, figure in figures.items()} if live else {}
 
     figures, specs = room.get(frame, choices, made)

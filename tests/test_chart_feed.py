@@ -143,3 +143,25 @@ def test_a_chart_drawn_anew_is_sent_whole_for_the_redraws_asked_then_only_change
     feed.reset(times=3)  # a frame still loading may see only the last of several updates: none of these is partial
     kinds = [feed.update(spec(line(n)))["kind"] for n in (4, 5, 6, 7)]
     assert kinds == ["reset", "reset", "reset", "extend"]
+
+
+@pytest.mark.parametrize("modes", [("32-true",), ("32-true", "16-mixed")])
+def test_a_live_views_specs_built_without_figures_are_the_figures_specs(stepped_launches, fresh_store, modes,
+                                                                         monkeypatch):
+    """plots.specs_only(): the live view's specs without plotly Figures are what the Figures give, template and all."""
+    manager = RunManager(open_store(fresh_store))
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({6 * len(modes)}))
+    run = manager.launch(RunConfig(workload="mlp_regression", modes=modes, steps=100_000, batch_size=16))
+    try:
+        run.wait_until(stepped_launches.parked)
+        frame = LiveRoom(share_s=0.5, clock=lambda: 0.0).frame(manager, run.run_id)
+        figures = plots.train_figures(frame.series, bands=frame.bands, smoothing=0.5)
+        with plots.specs_only():
+            light = plots.train_figures(frame.series, bands=frame.bands, smoothing=0.5)
+    finally:
+        run.stop()
+        run.join()
+    assert set(light) == set(figures) and not any(isinstance(chart, plots.go.Figure) for chart in light.values())
+    for name, figure in figures.items():
+        assert figure_spec(light[name]) == figure_spec(figure), name
+    assert figure_spec(light["loss"])["template"]["layout"]  # plotly's default template, carried whole

@@ -69,7 +69,7 @@ default), and making it plain again for each figure at every tick was an eighth 
 
 def _plain_template(template: Any) -> dict:
     known = _templates[0] if _templates else None
-    if known is not None and known[0] == template:
+    if known is not None and (known[0] is template or known[0] == template):
         return known[1]
     plain = _plain(template) or {}
     _templates[:] = [(template, plain)]
