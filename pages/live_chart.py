@@ -41,9 +41,9 @@ def _served_folder() -> Path:
     return folder
 
 
+# Redraws that send a chart whole after the page was drawn or the chart asked (see ChartFeed.reset): a session's first
+# three seconds, at most 3 × a figure's size once; a blank chart in a loaded room otherwise waited for its asks.
 RESETS = 3
-"""Redraws that send a chart whole after the page was drawn or the chart asked (see ChartFeed.reset): a session's
-first three seconds, at most 3 × a figure's size once; a blank chart in a loaded room otherwise waited for its asks."""
 
 _component = components.declare_component("amp_live_chart", path=str(_served_folder()))
 
