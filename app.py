@@ -38,31 +38,46 @@ pages = [
 navigation = st.navigation(pages, position="hidden")
 # Only the Train page draws before torch is imported; every other page needs it for its first line anyway.
 light_first = navigation.title == "Train" and not warm.done.is_set()
-with st.sidebar:
-    # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
-    for page in pages:
-        st.page_link(page)
-    sharing_panel()  # a visitor of a shared server: watching (read-only); the presenter: how many visitors
-    st.divider()
-    device_slot = st.empty()
-if light_first and not warm.core.is_set():
-    device_slot.caption("Device · checking what this machine runs (PyTorch is loading)…")
-    st.session_state["device_slot"] = device_slot  # the Train page fills it once the facts are read
-else:
-    with device_slot.container():
-        device_panel(warm.device_facts())
-        plugin_panel(warm)
-        store_panel(get_manager())
-if not light_first:
-    store_banner(get_manager())  # (the Train page says it itself when it draws light first)
-loading_note()
-try:
+
+
+def sidebar() -> None:
+    with st.sidebar:
+        # Our own links: .streamlit/config.toml hides Streamlit's, which would list every file in pages/ at first.
+        for page in pages:
+            st.page_link(page)
+        sharing_panel()  # a visitor of a shared server: watching (read-only); the presenter: how many visitors
+        st.divider()
+        device_slot = st.empty()
+    if light_first and not warm.core.is_set():
+        device_slot.caption("Device · checking what this machine runs (PyTorch is loading)…")
+        st.session_state["device_slot"] = device_slot  # the Train page fills it once the facts are read
+    else:
+        with device_slot.container():
+            device_panel(warm.device_facts())
+            plugin_panel(warm)
+            store_panel(get_manager())
+    if not light_first:
+        store_banner(get_manager())  # (the Train page says it itself when it draws light first)
+
+
+def edge(what: str, draw) -> None:
+    """The page's edge: never a traceback on a page (st.rerun / st.stop are BaseExceptions and pass through)."""
+    try:
+        draw()
+    except Exception as exc:
+        from amp_core.records.store import StoreUnreachable
+
+        if isinstance(exc, StoreUnreachable):  # the store's server unreachable: the page redraws once it answers
+            wait_for_store(exc)
+        else:  # one line on the page, the stack in the server's log; the next draw runs the page again
+            page_failed(what, exc)
+
+
+def draw_page() -> None:
     with framed():  # the page's app_frame() knows it is drawn in this frame
         navigation.run()
-except Exception as exc:  # the page's edge: never a traceback on a page (st.rerun / st.stop are BaseExceptions)
-    from amp_core.records.store import StoreUnreachable
 
-    if isinstance(exc, StoreUnreachable):  # the store's server unreachable: the page redraws once it answers
-        wait_for_store(exc)
-    else:  # one line on the page, the stack in the server's log; the next draw runs the page again
-        page_failed(f"The {navigation.title} page", exc)
+
+edge("The sidebar", sidebar)  # the frame too: a failure there says one line, and the page below still draws
+loading_note()
+edge(f"The {navigation.title} page", draw_page)

@@ -11,7 +11,9 @@ Figures:
   afterwards from the run's own records, t_wall_s). Goal >= 0.8.
 - chart_lag_p95_s: from a step's record (its t_wall_s) to that step drawn in the Chromium session's loss chart (its
   first trace's last point, polled every POLL_S). Goal <= 1.5.
-- server_cpu_ms_per_viewer_s: the server process's CPU time per second watched minus unwatched, per viewer (ms/s).
+- server_cpu_ms_per_viewer_s: the server's CPU time beside its run's training thread (the busiest thread of the
+  first unwatched window), per second watched minus unwatched, per viewer (ms/s). The process as a whole is no
+  measure: its threads share one interpreter lock, so it stays near one core busy watched or not.
 Beside them, per window, the cores each process kept busy and what the viewers received.
 
     python3 -m bench.room_watch [--rounds 3] [--window 10] [--viewers 30] [--compare 5]
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from bench.st_client import Room, Viewer
 from bench.viewers import (
@@ -44,7 +47,7 @@ from bench.viewers import (
     reader,
 )
 from tests import streamlit_server
-from tests.test_browser import PAINTED
+from tests.test_browser import PAINTED, PLOTS
 
 SETTLE_S = 2.0
 """After every viewer's first page run, before a window starts: the room's openings are not the window's work."""
@@ -61,6 +64,9 @@ LAST_DRAWN = """() => {
     return null;
 }"""
 """The Train page's live loss chart (pages/live_chart.py, a same-origin frame): its first trace's name and last step."""
+EVERY_CHART_DRAWN = f"""() => ({PLOTS})().every(div => !(div.data || []).some(trace => (trace.x || []).length)
+    || div.querySelectorAll('.trace').length > 0)"""
+"""Every chart that holds points has drawn its traces (not caught between a redraw's clearing and its drawing)."""
 
 
 def open_room(url: str, viewers: int, on_compare: int) -> Room:
@@ -92,9 +98,29 @@ def follow_chart(page, seconds: float) -> list[tuple[float, str, int]]:
 def save_screenshot(page, path: Path) -> None:
     """The presenter's Train page, its run picker scrolled to the top, once every chart in view has painted."""
     page.get_by_text("Run", exact=True).first.evaluate(SCROLL_TO_TOP)  # the run picker at the top, below the header
+    page.wait_for_function(EVERY_CHART_DRAWN, timeout=OPEN_TIMEOUT_S * 1000)
     page.evaluate(PAINTED)
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
+
+
+def thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each thread of process `pid`, and of the whole process under key 0 (its
+    ended threads too: a session's script runs on a thread that ends with the run)."""
+    process = psutil.Process(pid)
+    times = process.cpu_times()
+    found = {thread.id: thread.user_time + thread.system_time for thread in process.threads()}
+    found[0] = times.user + times.system
+    return found
+
+
+def beside_run(before: dict[int, float], after: dict[int, float], run_thread: int, seconds: float) -> float:
+    """Cores the server process kept busy beside its run's training thread between two thread_seconds snapshots:
+    what its sessions cost. (The process as a whole stays near one core watched or not: its threads share one
+    interpreter lock, so what the sessions take the run loses, and only this split shows it.)"""
+    whole = after[0] - before[0]
+    run = after.get(run_thread, 0.0) - before.get(run_thread, 0.0)
+    return (whole - run) / seconds
 
 
 def lags(store: Path, run_id: str, seen: list[tuple[float, str, int]]) -> list[float]:
@@ -118,6 +144,7 @@ def main() -> None:
 
     quiet, watched, seen = [], [], []
     busy: dict[str, list] = {"unwatched": [], "watched": []}
+    sessions: dict[str, list] = {"unwatched": [], "watched": []}  # the server's cores beside its run's thread
     received = []  # per watched window: bytes per viewer per second, fragment runs per viewer per second
     with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
         store = Path(folder) / "runs.sqlite3"
@@ -130,12 +157,17 @@ def main() -> None:
             streamlit_server.wait_healthy(port, server)
             launch_in_server(browser, url)
             run_id = new_run(store, set())
+            run_thread = 0
             for round_ in range(args.rounds):
                 time.sleep(SETTLE_S)
-                before, t0 = cpu_seconds(roles), time.time()
+                before, threads, t0 = cpu_seconds(roles), thread_seconds(server.pid), time.time()
                 time.sleep(args.window)
                 quiet.append((t0, time.time()))
                 busy["unwatched"].append(cores_busy(before, cpu_seconds(roles), quiet[-1][1] - t0))
+                after = thread_seconds(server.pid)
+                if not run_thread:  # the run's training thread: the busiest of an unwatched window
+                    run_thread = max((tid for tid in after if tid), key=lambda tid: after[tid] - threads.get(tid, 0))
+                sessions["unwatched"].append(beside_run(threads, after, run_thread, quiet[-1][1] - t0))
 
                 room = open_room(url, args.viewers, args.compare)
                 context = browser.new_context(viewport=VIEWPORT)
@@ -144,11 +176,12 @@ def main() -> None:
                 page.wait_for_function(f"() => ({LAST_DRAWN})() !== null", timeout=OPEN_TIMEOUT_S * 1000)
                 time.sleep(SETTLE_S)
                 counts = [(v.bytes, v.fragment_runs) for v in room.viewers]
-                before, t0 = cpu_seconds(roles), time.time()
+                before, threads, t0 = cpu_seconds(roles), thread_seconds(server.pid), time.time()
                 seen += follow_chart(page, args.window)
                 watched.append((t0, time.time()))
                 seconds = watched[-1][1] - t0
                 busy["watched"].append(cores_busy(before, cpu_seconds(roles), seconds))
+                sessions["watched"].append(beside_run(threads, thread_seconds(server.pid), run_thread, seconds))
                 received.append((
                     statistics.mean((v.bytes - b) / seconds for v, (b, _) in zip(room.viewers, counts, strict=True)),
                     statistics.mean((v.fragment_runs - f) / seconds
@@ -171,9 +204,10 @@ def main() -> None:
     print("viewer_bytes_per_s=" + ",".join(f"{b:.0f}" for b, _ in received))
     print("viewer_fragment_runs_per_s=" + ",".join(f"{f:.2f}" for _, f in received))
     print(f"chart_moves_seen={len(seen)}")
-    unwatched_cpu = statistics.median(found.get("server_and_run", 0.0) for found in busy["unwatched"])
-    watched_cpu = statistics.median(found.get("server_and_run", 0.0) for found in busy["watched"])
-    print(f"server_cpu_ms_per_viewer_s={(watched_cpu - unwatched_cpu) * 1000 / (args.viewers + 1):.2f}")
+    for kind, cores in sessions.items():
+        print(f"{kind}_server_cores_beside_run=" + "/".join(f"{value:.3f}" for value in cores))
+    extra = statistics.median(sessions["watched"]) - statistics.median(sessions["unwatched"])
+    print(f"server_cpu_ms_per_viewer_s={extra * 1000 / (args.viewers + 1):.2f}")
     print(f"chart_lag_p95_s={float(np.percentile(lag, 95)) if lag else float('nan'):.2f}")
     print(f"watched_speed_ratio={statistics.median(b / a for a, b in zip(q, w, strict=True)):.3f}")
 

@@ -41,19 +41,24 @@ def _served_folder() -> Path:
     return folder
 
 
+# Redraws that send a chart whole after the page was drawn or the chart asked (see ChartFeed.reset): a session's first
+# three seconds, at most 3 × a figure's size once; a blank chart in a loaded room otherwise waited for its asks.
+RESETS = 3
+
 _component = components.declare_component("amp_live_chart", path=str(_served_folder()))
 
 
-def live_chart(spec: dict, key: str, whole: bool = False) -> dict:
+def live_chart(spec: dict, key: str, whole: bool = False, tag=None, shared=None) -> dict:
     """Draw `spec` (figure_spec's) in the live chart `key`, sending only what changed since this session's last draw
-    of it; `whole`: send the whole figure (the page was drawn anew). Returns the update sent."""
+    of it; `whole`: send the whole figure (the page was drawn anew). `tag` and `shared`: see ChartFeed.update (the
+    changes between two ticks' figures computed once for the sessions that drew alike). Returns the update sent."""
     feeds: dict[str, ChartFeed] = st.session_state.setdefault("live_chart_feeds", {})
     handled: dict[str, object] = st.session_state.setdefault("live_chart_resets", {})
     feed = feeds.setdefault(key, ChartFeed())
     asked = (st.session_state.get(key) or {}).get("reset")  # the chart lost its place and asked for the whole figure
     if whole or (asked is not None and asked != handled.get(key)):
         handled[key] = asked
-        feed.reset()
-    update = feed.update(spec)
+        feed.reset(times=RESETS)
+    update = feed.update(spec, tag, shared)
     _component(update=update, key=key, default=None)
     return update

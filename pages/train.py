@@ -6,6 +6,8 @@ the runs follow as the server's warm-up (pages.common.WarmUp) gets there, in the
 
 from __future__ import annotations
 
+import contextlib
+
 import streamlit as st
 
 from amp_core import catalog
@@ -268,6 +270,7 @@ if not warm.done.is_set():
         warm.done.wait()
 
 import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first paint did not wait for them)
+import pyarrow as pa  # noqa: E402
 
 from amp_core.diagnostics.cost import (  # noqa: E402
     MIN_TIMED_S,
@@ -544,19 +547,25 @@ def controls(info: RunInfo) -> None:
 
 
 def lane_rows(frame: LiveFrame) -> None:
-    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane): made
-    once per tick for every session."""
-    series = frame.series
-    table = room.get(frame, ("lanes_table",), lambda: lanes_table(frame.info, series))
-    if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
-        table = table.drop(columns=["speed", "memory"])
-    labels, widths, against = lane_headers(table, baseline_mode(series))
-    config_columns = {column: st.column_config.Column(labels.get(column, column), width=width,
-                                                      help=LANE_COLUMNS[column]) for column, width in widths.items()}
-    config_columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],
-                                                                 format="percent", min_value=0.0, max_value=1.0,
-                                                                 width=PROGRESS_PX)
-    st.dataframe(table, hide_index=True, key="train_lanes", column_config=config_columns)
+    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane). The
+    table, its headers and its Arrow form are made once per tick for every session: a session only sends them."""
+
+    def made() -> tuple[pa.Table, dict, str]:
+        table = lanes_table(frame.info, frame.series)
+        if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
+            table = table.drop(columns=["speed", "memory"])
+        labels, widths, against = lane_headers(table, baseline_mode(frame.series))
+        columns = {column: st.column_config.Column(labels.get(column, column), width=width, help=LANE_COLUMNS[column])
+                   for column, width in widths.items()}
+        columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],
+                                                              format="percent", min_value=0.0, max_value=1.0,
+                                                              width=PROGRESS_PX)
+        # Arrow once here: st.dataframe converts a pandas frame for every session at every redraw, an Arrow table
+        # it only serialises (streamlit copies the column settings before it changes them).
+        return pa.Table.from_pandas(table, preserve_index=False), columns, against
+
+    table, columns, against = room.get(frame, ("lanes_table",), made)
+    st.dataframe(table, hide_index=True, key="train_lanes", column_config=columns)
     if against:
         st.caption(against)
 
@@ -632,17 +641,31 @@ def replicates(series: list, seeds: dict[str, int]) -> None:
                "draw each mode as its mean across seeds inside the band from the lowest to the highest seed.")
 
 
+def chart_options() -> None:
+    """The charts' options, drawn with the page rather than in the live view: a widget in a fragment is sent again at
+    each of its redraws, for every session (a room of thirty at 1 s: seven elements each, every second, that never
+    change)."""
+    o1, o2, o3, _ = st.columns([2, 2, 2, 2])
+    o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
+             help="auto: log when the loss spans a wide range, else linear with a spike left off the axis "
+                  "(▲ on its edge).")
+    o2.slider("Loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
+    o3.toggle("Every step's time", key="train_raw_step_times",
+              help="The step-time chart draws each lane's median and p10-p90 band (one stall does not flatten it); "
+                   "this adds the measured step times themselves.")
+
+
+def controls_shown(info: RunInfo | None) -> tuple:
+    """What decides the controls drawn with the page: the live view redraws the page when it changes."""
+    return (None,) if info is None else (info.status, info.controllable)
+
+
 def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
     """The run's charts; `whole`: the page was drawn anew (a live chart is then sent whole)."""
     series = frame.series
-    o1, o2, o3, _ = st.columns([2, 2, 2, 2])
-    axis = o1.radio("Loss axis", plots.LOSS_AXES, horizontal=True, key="train_loss_axis",
-                    help="auto: log when the loss spans a wide range, else linear with a spike left off the axis "
-                         "(▲ on its edge).")
-    smoothing = o2.slider("Loss smoothing (EMA)", 0.0, 0.99, 0.0, 0.01, key="train_smoothing")
-    raw = o3.toggle("Every step's time", key="train_raw_step_times",
-                    help="The step-time chart draws each lane's median and p10-p90 band (one stall does not flatten "
-                         "it); this adds the measured step times themselves.")
+    state = st.session_state  # the options' widgets are drawn with the page (chart_options), read here
+    axis, smoothing = state.get("train_loss_axis", plots.LOSS_AXES[0]), state.get("train_smoothing", 0.0)
+    raw = state.get("train_raw_step_times", False)
     # Spikes by the band the Overflow debugger sets (its expander), else the default one.
     spike_rule = st.session_state.get("spike_rule", SpikeRule())
     # This session's choices are part of the key: sessions that chose alike (a room on the defaults) share figures,
@@ -651,8 +674,11 @@ def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
     choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())), live)
 
     def made() -> tuple[dict, dict]:
-        figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
+        # A live chart draws from specs (plots.ChartSpec: no plotly Figure built, twice a second); a still one from
+        # Figures, drawn by st.plotly_chart.
+        with plots.specs_only() if live else contextlib.nullcontext():
+            figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                          bands=frame.bands, seeds=seeds, spikes=spike_rule)
         return figures, {name: figure_spec(figure) for name, figure in figures.items()} if live else {}
 
     figures, specs = room.get(frame, choices, made)
@@ -660,7 +686,9 @@ def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
     def draw(column, name: str) -> None:
         if live:
             with column:
-                live_chart(specs[name], key=f"train_live_{name}", whole=whole)
+                # A spec is named by its frame and choices: sessions sent the same one get the same changes.
+                live_chart(specs[name], key=f"train_live_{name}", whole=whole, tag=(frame.version, choices),
+                           shared=lambda tags, compute: room.get(frame, ("chart_changes", name, tags), compute))
         else:
             column.plotly_chart(figures[name], key=f"train_chart_{name}")
 
@@ -701,10 +729,11 @@ def live_view() -> None:
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
         return
+    if controls_shown(info) != controls_shown(info_at_start):
+        st.rerun()  # paused, resumed or stopped elsewhere: the page's controls follow (drawn with the page)
     st.markdown(f"{STATUS_SYMBOLS.get(info.status, '')} Run status: **{info.status}** · `{run_id}`")
     if REFRESH_PROBLEM:
         st.warning(REFRESH_PROBLEM)
-    controls(info)
     what_ran(info)
     lane_problems(info)
     lane_rows(frame)
@@ -726,6 +755,10 @@ def live_view() -> None:
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 
 
+# Drawn with the page, not at every redraw of the live view (sent again for every session each time otherwise).
+if info_at_start is not None:
+    controls(info_at_start)
+chart_options()
 st.session_state["train_drawn_whole"] = True
 live_view()
 if info_at_start is not None:  # a run's configuration never changes: drawn once, not at every redraw of the view

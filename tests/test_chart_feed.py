@@ -111,3 +111,57 @@ def test_a_spec_is_json_with_gaps_for_non_finite_values():
     made = figure_spec(figure)
     assert made["data"][0]["y"] == [1.0, None, None] and made["data"][0]["customdata"][0] == [1.0, None]
     json.loads(json.dumps(made, allow_nan=False))
+
+
+def test_sessions_sent_the_same_figure_share_its_changes_and_keep_their_own_numbering():
+    room = LiveRoom(share_s=0.5, clock=lambda: 0.0)
+    frame = type("Frame", (), {"run_id": "r", "version": 0})()
+
+    def shared(tags, compute):
+        return room.get(frame, ("chart_changes", "loss", tags), compute)
+
+    early, ahead = ChartFeed(), ChartFeed()
+    ahead.update(spec(line(3)), tag=("v", 0))  # a session one redraw ahead of the other
+    for feed in (early, ahead):
+        feed.update(spec(line(5)), tag=("v", 1), shared=shared)
+    updates = [feed.update(spec(line(8)), tag=("v", 2), shared=shared) for feed in (early, ahead)]
+    # The changes from the figure of tick 1 to tick 2 are made once for both (and v0 -> v1 once for `ahead`).
+    assert room.cache.computed["chart_changes"] == 2 and room.cache.asked["chart_changes"] == 3
+    assert [update["extend"] for update in updates] == [[{"trace": 0, "keep": 5, "points": {
+        "x": [5, 6, 7], "y": [5.0, 6.0, 7.0]}}]] * 2
+    assert [(update["seq"], update["base"]) for update in updates] == [(2, 1), (3, 2)]
+    # A session that was sent another figure (its own choices, or an older tick) gets its own changes.
+    other = ChartFeed()
+    other.update(spec(line(6)), tag=("w", 1))
+    assert other.update(spec(line(8)), tag=("v", 2), shared=shared)["extend"][0]["keep"] == 6
+    assert room.cache.computed["chart_changes"] == 3
+
+
+def test_a_chart_drawn_anew_is_sent_whole_for_the_redraws_asked_then_only_changes():
+    feed = ChartFeed()
+    feed.update(spec(line(3)))
+    feed.reset(times=3)  # a frame still loading may see only the last of several updates: none of these is partial
+    kinds = [feed.update(spec(line(n)))["kind"] for n in (4, 5, 6, 7)]
+    assert kinds == ["reset", "reset", "reset", "extend"]
+
+
+@pytest.mark.parametrize("modes", [("32-true",), ("32-true", "16-mixed")])
+def test_a_live_views_specs_built_without_figures_are_the_figures_specs(stepped_launches, fresh_store, modes,
+                                                                         monkeypatch):
+    """plots.specs_only(): the live view's specs without plotly Figures are what the Figures give, template and all."""
+    manager = RunManager(open_store(fresh_store))
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({6 * len(modes)}))
+    run = manager.launch(RunConfig(workload="mlp_regression", modes=modes, steps=100_000, batch_size=16))
+    try:
+        run.wait_until(stepped_launches.parked)
+        frame = LiveRoom(share_s=0.5, clock=lambda: 0.0).frame(manager, run.run_id)
+        figures = plots.train_figures(frame.series, bands=frame.bands, smoothing=0.5)
+        with plots.specs_only():
+            light = plots.train_figures(frame.series, bands=frame.bands, smoothing=0.5)
+    finally:
+        run.stop()
+        run.join()
+    assert set(light) == set(figures) and not any(isinstance(chart, plots.go.Figure) for chart in light.values())
+    for name, figure in figures.items():
+        assert figure_spec(light[name]) == figure_spec(figure), name
+    assert figure_spec(light["loss"])["template"]["layout"]  # plotly's default template, carried whole

@@ -56,6 +56,8 @@ ENGINE = {
                     f"get_precision('32-true+adamw-8bit').build_optimizer({PARAMETER}, 'adamw', lr=1e-3, eps=1e-8)",
     "inductor codegen": "imports.heavy_import('torch._inductor.codegen.common')",
     "transformers": "from amp_core.workloads.hf_models import transformers_module\ntransformers_module()",
+    "Trainer callback": "import amp_core.integrations.transformers",
+    "Lightning callback": "import amp_core.integrations.lightning",
 }
 """The engine's own doors, as a room's pages and their threads use them."""
 

@@ -38,7 +38,16 @@ def direct_imports(path: Path) -> set[str]:
                 base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        names.update(gated_imports(node))
     return names
+
+
+def gated_imports(node: ast.AST) -> set[str]:
+    """The module a `heavy_import("name")` call imports (amp_core.imports' gate): an import like any other here."""
+    if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "heavy_import"
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return {node.args[0].value}
+    return set()
 
 
 def import_graph(with_packages: bool = False) -> dict[str, set[str]]:
@@ -305,6 +314,8 @@ def top_level_imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.update(name for part in ast.walk(node) for name in gated_imports(part))
     return names
 
 

@@ -95,3 +95,25 @@ def test_a_live_part_that_raises_says_one_line_and_the_rest_of_the_page_draws(pa
     at.button(key="again").click().run()
     assert not at.exception and not at.error
     assert [markdown.value for markdown in at.markdown] == ["drawn 2 times"]
+
+
+def test_a_sidebar_that_raises_says_one_line_and_the_page_still_draws(monkeypatch, page_log):
+    """The frame app.py draws around every page (links, sharing, device, store) has the same edge as the page."""
+    import pages.common
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the sharing panel broke on purpose")
+
+    monkeypatch.setattr(pages.common, "sharing_panel", broken)
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120).run()
+    assert not at.exception
+    assert [error.value for error in at.error if PAGE_FAILED in error.value] == [
+        f"The sidebar {PAGE_FAILED} (RuntimeError: the sharing panel broke on purpose). The server's log has the "
+        "details; reload the page to try again, and restart the server if it keeps failing."]
+    assert [title.value for title in at.title] == ["Train"] and at.button(key="train_launch")  # the page below
+    (record,) = [record for record in page_log if record.exc_info]
+    assert record.getMessage() == f"The sidebar {PAGE_FAILED}"
+
+    monkeypatch.undo()
+    at.run()
+    assert not at.exception and not [error.value for error in at.error if PAGE_FAILED in error.value]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import Counter
 
 from cli_process import start_cli_run, stored_steps
 from streamlit_server import serving
@@ -17,7 +18,26 @@ def test_stream_url():
     assert stream_url("https://lab.example/amp") == "wss://lab.example/amp/_stcore/stream"
 
 
+class Redraws:
+    """The elements a viewer received in its page's fragment runs (the live part redrawn on its timer; the cost
+    panel's, while its probe races)."""
+
+    def __init__(self):
+        self.elements: Counter = Counter()
+        self.runs = 0
+        self._in_fragment = False
+
+    def see(self, viewer: Viewer, msg) -> None:
+        kind = msg.WhichOneof("type")
+        if kind == "new_session":
+            self._in_fragment = bool(msg.metadata.run.fragment_ids)
+            self.runs += self._in_fragment
+        elif kind == "delta" and self._in_fragment and msg.delta.WhichOneof("type") == "new_element":
+            self.elements[msg.delta.new_element.WhichOneof("type")] += 1
+
+
 def test_viewers_open_pages_and_follow_a_live_run(fresh_store):
+    redraws = Redraws()
     cli = start_cli_run(fresh_store, "--workload", "mlp_regression", "--modes", "32-true", "--steps", "10000000")
     try:
         deadline = time.monotonic() + 60
@@ -25,11 +45,11 @@ def test_viewers_open_pages_and_follow_a_live_run(fresh_store):
             assert time.monotonic() < deadline, "the CLI run wrote no records"
             time.sleep(0.1)
         with serving(fresh_store) as url:
-            train, compare = Viewer(url), Viewer(url, "compare")
+            train, compare = Viewer(url, on_message=redraws.see), Viewer(url, "compare")
             room = Room([train, compare]).start()
             try:
                 # The Train page's live view, drawn, then redrawn on its own (the fragment's timer, run by the client).
-                assert room.wait(lambda: train.fragment_runs >= 2 or train.error, 90), train.kinds
+                assert room.wait(lambda: redraws.elements["component_instance"] >= 8 or train.error, 90), train.kinds
                 assert room.wait(lambda: compare.runs_finished >= 1 or compare.error, 60), compare.kinds
             finally:
                 room.stop()
@@ -42,3 +62,9 @@ def test_viewers_open_pages_and_follow_a_live_run(fresh_store):
     assert train.elements["component_instance"] >= 4 and train.kinds["auto_rerun"] >= 1  # its live charts
     assert "Compare runs" in compare.texts
     assert compare.elements["dataframe"] >= 1
+    # A redraw sends the live part only: the charts' options and the run's controls are drawn with the page, not sent
+    # again every second by every session of a room.
+    assert train.elements["radio"] >= 1 and train.elements["slider"] >= 1  # the options, in the page's first run
+    assert redraws.runs >= 1 and redraws.elements["component_instance"] >= 4
+    assert not {"radio", "slider", "checkbox", "button"} & set(redraws.elements), redraws.elements
+    assert sum(redraws.elements.values()) <= 10 * redraws.runs, redraws.elements

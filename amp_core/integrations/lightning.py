@@ -22,11 +22,14 @@ Replays (MonitorConfig.replay, e.g. `AmpLabCallback(replay=True)`): the step's b
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from amp_core.attach.guard import reason
 from amp_core.attach.monitor import Monitor
+from amp_core.imports import heavy_import
 from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
+
+# Through the import gate: Lightning imports torch's compiler stack, whose cycles two threads must not enter at once.
+Callback = heavy_import("lightning.pytorch.callbacks").Callback
 
 INTEGRATION = "Lightning"
 TRAINER = "Lightning"

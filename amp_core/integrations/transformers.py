@@ -29,10 +29,13 @@ import math
 import os
 
 import torch
-from transformers import TrainerCallback
 
 from amp_core.attach.monitor import Monitor
+from amp_core.imports import heavy_import
 from amp_core.integrations.shared import USAGE_ERRORS, OpDtypes, callback_failed, note_what_ran
+
+# Through the import gate: transformers imports torch's compiler stack, whose cycles two threads must not enter at once.
+TrainerCallback = heavy_import("transformers").TrainerCallback
 
 INTEGRATION = "Hugging Face Trainer"
 TRAINER = "Hugging Face Trainer"

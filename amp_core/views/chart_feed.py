@@ -15,6 +15,7 @@ each session's ChartFeed then does work in proportion to the new points.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, np.ndarray):
-        if value.dtype.kind == "f" and value.ndim == 1:  # the common case, fast
-            return [None if not math.isfinite(item) else item for item in value.tolist()]
+        if value.dtype.kind in "iub":  # integers and flags: nothing to replace
+            return value.tolist()
+        if value.dtype.kind == "f":  # the common case: one vectorised check, a pass over the items only for gaps
+            if np.isfinite(value).all():
+                return value.tolist()
+            if value.ndim == 1:
+                return [None if not math.isfinite(item) else item for item in value.tolist()]
         return _plain(value.tolist())
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
@@ -52,8 +58,22 @@ def figure_spec(figure: go.Figure) -> dict:
     else:
         whole = figure.to_plotly_json()
         data, layout = whole["data"], dict(whole["layout"])
-    template = layout.pop("template", None)
-    return {"data": _plain(list(data)), "layout": _plain(layout), "template": _plain(template) or {}}
+    template = _plain_template(layout.pop("template", None))
+    return {"data": _plain(list(data)), "layout": _plain(layout), "template": template}
+
+
+_templates: list[tuple[Any, dict]] = []
+"""The last template made JSON-ready, with its source: every figure carries a copy of the same one (plotly's
+default), and making it plain again for each figure at every tick was an eighth of a live view's tick."""
+
+
+def _plain_template(template: Any) -> dict:
+    known = _templates[0] if _templates else None
+    if known is not None and (known[0] is template or known[0] == template):
+        return known[1]
+    plain = _plain(template) or {}
+    _templates[:] = [(template, plain)]
+    return plain
 
 
 def _split(trace: dict) -> tuple[dict[str, list], dict]:
@@ -84,51 +104,68 @@ def _kept(old: dict[str, list], new: dict[str, list]) -> int | None:
     return kept
 
 
+def changes(old: dict, new: dict) -> dict:
+    """What turns the chart drawn from `old` into `new` (figure_spec's, with as many traces):
+    {'extend': [{'trace', 'keep', 'points'}], 'replace': [{'trace', 'data'}], 'layout'?: {...}}. A pure function of
+    the two specs: sessions that were sent the same spec share it (ChartFeed.update's `shared`)."""
+    extend, replace = [], []
+    for index, (old_trace, new_trace) in enumerate(zip(old["data"], new["data"], strict=True)):
+        (old_points, old_style), (points, style) = _split(old_trace), _split(new_trace)
+        kept = _kept(old_points, points) if style == old_style else None
+        if kept is None:
+            replace.append({"trace": index, "data": new_trace})
+            continue
+        n_old, n_new = len(next(iter(old_points.values()), [])), len(next(iter(points.values()), []))
+        if kept < n_old or n_new > kept:
+            extend.append({"trace": index, "keep": kept, "points": {key: values[kept:]
+                                                                     for key, values in points.items()}})
+    found = {"extend": extend, "replace": replace}
+    if new["layout"] != old["layout"]:
+        found["layout"] = new["layout"]
+    return found
+
+
 class ChartFeed:
     """What one session's live chart was sent, and the next update. `seq` numbers the updates: an update applies to
     the chart drawn at `base` (the component asks for a reset when it holds something else)."""
 
     def __init__(self) -> None:
         self.seq = 0
-        self._points: list[dict[str, list]] | None = None
-        self._styles: list[dict] = []
-        self._layout: dict | None = None
+        self._sent: dict | None = None
+        """The spec last sent (None: the next update is a reset)."""
+        self._tag: Hashable = None
+        self._resets = 0
+        """Resets still to send before updates are changes again."""
 
-    def reset(self) -> None:
-        """The next update sends the whole figure (the chart was drawn anew, or lost its place)."""
-        self._points = None
+    def reset(self, times: int = 1) -> None:
+        """The next `times` updates send the whole figure (the chart was drawn anew, or lost its place). More than
+        one: Streamlit's frontend hands a component only the last of the updates that arrived while it was busy (a
+        frame still loading plotly.js, a loaded server), and a reset it never saw leaves the chart blank until it has
+        asked again."""
+        self._sent = None
+        self._resets = max(times, 1)
 
-    def update(self, spec: dict) -> dict:
+    def update(self, spec: dict, tag: Hashable = None,
+               shared: Callable[[Hashable, Callable[[], dict]], dict] | None = None) -> dict:
         """The update that turns what was sent into `spec` (figure_spec's):
         {'kind': 'reset', 'seq', 'figure': {data, layout}} or
         {'kind': 'extend', 'seq', 'base', 'extend': [{'trace', 'keep', 'points'}], 'replace': [{'trace', 'data'}],
-        'layout'?: {...}}."""
+        'layout'?: {...}}.
+        `tag` names `spec` (one tick's figure for one set of choices); with `shared(key, compute)`, the changes
+        from the spec tagged before to this one are computed once for every session that holds the same (a room
+        on the defaults), `key` being the pair of tags."""
         base, self.seq = self.seq, self.seq + 1
-        split = [_split(trace) for trace in spec["data"]]
-        if self._points is None or len(split) != len(self._points):
-            self._remember(split, spec["layout"])
+        sent, sent_tag = self._sent, self._tag
+        self._sent, self._tag = spec, tag
+        if sent is None or self._resets > 0 or len(spec["data"]) != len(sent["data"]):
+            self._resets = max(self._resets - 1, 0)
             layout = dict(spec["layout"], template=spec["template"])
             return {"kind": "reset", "seq": self.seq, "figure": {"data": spec["data"], "layout": layout}}
-        extend, replace = [], []
-        for index, ((points, style), old) in enumerate(zip(split, self._points, strict=True)):
-            kept = _kept(old, points) if style == self._styles[index] else None
-            if kept is None:
-                replace.append({"trace": index, "data": spec["data"][index]})
-                continue
-            n_old, n_new = len(next(iter(old.values()), [])), len(next(iter(points.values()), []))
-            if kept < n_old or n_new > kept:
-                extend.append({"trace": index, "keep": kept, "points": {key: values[kept:]
-                                                                         for key, values in points.items()}})
-        update = {"kind": "extend", "seq": self.seq, "base": base, "extend": extend, "replace": replace}
-        if spec["layout"] != self._layout:
-            update["layout"] = spec["layout"]
-        self._remember(split, spec["layout"])
-        return update
-
-    def _remember(self, split: list[tuple[dict, dict]], layout: dict) -> None:
-        self._points = [points for points, _ in split]
-        self._styles = [style for _, style in split]
-        self._layout = layout
+        if shared is not None and tag is not None and sent_tag is not None:
+            found = shared((sent_tag, tag), lambda: changes(sent, spec))
+        else:
+            found = changes(sent, spec)
+        return {"kind": "extend", "seq": self.seq, "base": base, **found}
 
 
 def new_points(update: dict) -> int:
