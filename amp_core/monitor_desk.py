@@ -12,6 +12,7 @@ import math
 import time
 from typing import Any
 
+from amp_core.probes.block_watch import BlockWatch
 from amp_core.probes.headroom import FORECAST_EVENT, Forecaster
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatch
 from amp_core.probes.nonfinite import sentinel_for
@@ -39,6 +40,11 @@ class MonitorDesk:
         self.layers = LayerWatch(monitor.inner_model, config.layers_every, config.probe_share(),
                                  scale_of=lambda: scale_tensor(monitor.scaler))
         self.layers.between_steps(-1, 0)
+        self.blocks = BlockWatch(monitor.inner_model, config.block_formats, self.layers) \
+            if config.block_formats else None
+        """Block-scaled numerics on the layer watch's steps (MonitorConfig.block_formats)."""
+        if self.blocks is not None:
+            self.blocks.follow(-1)
         self.forecaster = Forecaster()
         """The race's forecaster, fed each layer sample as it is recorded: the same `forecast` events."""
         self.requests = Desk(store, monitor.run_id)  # a page's requests, rank 0 only
@@ -110,6 +116,9 @@ class MonitorDesk:
         error = layers.hook_error()
         try:
             layers.between_steps(step, step + 1, self.monitor.loop_s)
+            if self.blocks is not None:
+                self.blocks.follow(step)
+                error = error or self.blocks.take_error()
         except Exception as exc:
             error = exc
         if error is not None and not guard.failed(LAYER_WATCH, error, step):
@@ -145,7 +154,7 @@ class MonitorDesk:
         monitor = self.monitor
         note, guard, layers = monitor.note, monitor.guard, self.layers
         try:
-            for kind, message, step, data in layers.read():
+            for kind, message, step, data in [*layers.read(), *(self.blocks.read() if self.blocks else ())]:
                 note(kind, message, at_step=step, **data)
                 if kind == LAYER_AMAX_EVENT:
                     told = self.forecaster.observe(0, step, data, monitor.mode or "")
@@ -203,6 +212,8 @@ class MonitorDesk:
 
     def close(self) -> None:
         self.layers.close()
+        if self.blocks is not None:
+            self.blocks.close()
         if self.sentinel is not None:
             self.sentinel.close()
         if self.trace is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from amp_core.block_sampling import BlockNumericsHook
 from amp_core.compiled import compile_hooks
 from amp_core.config import RunConfig
 from amp_core.layer_amax import LayerAmaxHook
@@ -16,7 +17,8 @@ def with_engine_hooks(hooks, config: RunConfig, snapshots: SnapshotRing):
     as the first before hook, the layer amax as the first after hook, and the compiled lanes' (compile time kept out
     of steps)."""
     before = [SnapshotHook(snapshots)] if snapshots.every > 0 else []
-    amax = [LayerAmaxHook(config.amax_every)] if config.amax_every > 0 else []
+    # A block-scaled lane's operand numerics are sampled on the same steps as its layers' amax.
+    amax = [LayerAmaxHook(config.amax_every), BlockNumericsHook(config.amax_every)] if config.amax_every > 0 else []
     hooks = replace(hooks, before_lane_step=[*before, *hooks.before_lane_step],
                     after_lane_step=[*amax, *hooks.after_lane_step],
                     lane_end=[*(hook.lane_end for hook in amax), *hooks.lane_end])

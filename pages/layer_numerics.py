@@ -306,6 +306,29 @@ def requested_layers(run_id: str, live: bool) -> None:
                  column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
 
+def show_block_over_steps(events, lane: int, mode: str, run_id: str) -> None:
+    """A lane's block-scaled numerics at its sampled steps (a block-scaled lane's, or an attached run's
+    `block_formats`): the latest verdicts, the SNR heatmap over steps, the latest sample's table."""
+    samples = block_views.block_samples(events)
+    samples = samples[samples["lane"] == lane]
+    if samples.empty:
+        return
+    step, verdicts = block_views.latest_verdicts(events, lane)
+    st.markdown(f"**Block-scaled GEMM operands over steps** (latest sample: step {step})")
+    for verdict in verdicts:
+        st.caption(verdict)
+    formats = list(dict.fromkeys(samples["format"]))
+    row = st.columns([2, 3])
+    chosen = row[0].radio("Format", formats, horizontal=True, key=f"lnum_block_format_{run_id}")
+    operand = row[1].radio("Operand", (block_views.LOWEST, "input", "weight", "grad_output"), horizontal=True,
+                           key=f"lnum_block_operand_{run_id}")
+    st.plotly_chart(block_views.snr_over_steps(samples, lane, mode, chosen, operand), key="lnum_block_over_steps")
+    st.dataframe(block_views.latest_table(samples[samples["format"] == chosen], lane), hide_index=True,
+                 key="lnum_block_latest", column_config={label: PERCENT for label in
+                                                         list(block_views.COLUMNS.values())[4:]})
+    st.caption(block_views.LEGEND + ".")
+
+
 def amax_view(run_id: str) -> None:
     manager = get_manager()
     info = manager.run_info(run_id)
@@ -336,6 +359,7 @@ def amax_view(run_id: str) -> None:
     st.plotly_chart(numerics_views.amax_heatmap(samples, lane, lanes.get(lane, "?"), which), key="lnum_heatmap")
     first_nonfinite_list(events, "lnum_first_nonfinite")
     show_cast_shares(events, lane, which)
+    show_block_over_steps(events, lane, lanes.get(lane, "?"), run_id)
 
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app

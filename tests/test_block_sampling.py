@@ -1,0 +1,125 @@
+"""Block-scaled numerics over sampled steps, on real CPU training: a race's block-scaled lanes (RunConfig.amax_every)
+and an attached loop (MonitorConfig.block_formats) record each Linear's GEMM operands in the format at the sampled
+steps as `block_numerics` events; a planted outlier channel's layer is named under NVFP4 and not under MXFP8; the
+samples change nothing the run measures; the views draw the SNR over steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from block_workloads import PLANTED_LAYER, PlantedChannels, PlantedChannelWorkload
+
+from amp_core.config import ConfigError, RunConfig
+from amp_core.monitor import Monitor
+from amp_core.probes.block_watch import BLOCK_NUMERICS_EVENT, ROW_FIELDS
+from amp_core.records.opening import open_store
+from amp_core.runner import Run
+from amp_core.views.block_numerics import LOWEST, block_samples, latest_table, latest_verdicts, snr_over_steps
+from amp_core.workloads import WORKLOADS
+
+LANES = ("bf16-mixed", "bf16-mixed+nvfp4", "bf16-mixed+mxfp8")
+
+
+@pytest.fixture()
+def planted(monkeypatch):
+    workload = PlantedChannelWorkload()
+    monkeypatch.setitem(WORKLOADS, workload.name, workload)
+    return workload
+
+
+def race(store, **extra) -> Run:
+    config = RunConfig(workload="planted_channel", modes=LANES, steps=7, batch_size=32, device="cpu",
+                       gradstats_every=0, intra_op_threads=1, **extra)
+    run = Run(config, open_store(store)).start()
+    run.join(120)
+    assert not run.alive
+    return run
+
+
+def test_a_race_samples_its_block_scaled_lanes_and_names_the_planted_layer_under_nvfp4_only(planted, fresh_store):
+    plain = race(fresh_store)
+    sampled = race(fresh_store, amax_every=3)
+    # The samples run on a shadow copy after the timed step: every lane trains exactly as without them.
+    assert list(sampled.frame()["loss"]) == list(plain.frame()["loss"])
+    assert not [e for e in plain.events() if e.kind == BLOCK_NUMERICS_EVENT]
+    events = [e for e in sampled.events() if e.kind == BLOCK_NUMERICS_EVENT]
+    # Lane 0 (bf16-mixed) has no block-scaled GEMM: only lanes 1 and 2, at the sampled steps.
+    assert sorted((e.lane, e.step) for e in events) == [(lane, step) for lane in (1, 2) for step in (0, 3, 6)]
+    by_lane = {lane: [e for e in events if e.lane == lane] for lane in (1, 2)}
+    for event in by_lane[1]:
+        assert event.data["formats"] == ["nvfp4"] and event.data["fields"] == list(ROW_FIELDS)
+        assert {(row[0], row[1]) for row in event.data["rows"]} == {
+            (layer, operand) for layer in ("fc1", "fc2", "fc3") for operand in ("input", "weight", "grad_output")}
+        assert event.data["first_below"]["nvfp4"] == PLANTED_LAYER
+        assert "outlier channel" in event.data["verdicts"]["nvfp4"] and event.data["sample_ms"] > 0
+    assert all(event.data["first_below"]["mxfp8"] != PLANTED_LAYER for event in by_lane[2])
+    stored = open_store(fresh_store).events(sampled.run_id)
+    samples = block_samples(stored)
+    assert len(samples) == 2 * 3 * 9 and set(samples["format"]) == {"nvfp4", "mxfp8"}
+    nvfp4 = samples[(samples["format"] == "nvfp4") & (samples["operand"] == "input")]
+    fc2 = nvfp4[nvfp4["layer"] == PLANTED_LAYER]["snr_db"]
+    fc1 = nvfp4[nvfp4["layer"] == "fc1"]["snr_db"]
+    assert fc2.max() < 5 < 12 < fc1.min()
+    figure = snr_over_steps(samples, 1, "bf16-mixed+nvfp4", "nvfp4", LOWEST).to_dict()
+    heatmap = figure["data"][0]
+    assert list(heatmap["x"]) == [0, 3, 6] and list(heatmap["y"]) == ["fc1", "fc2", "fc3"]
+    assert max(heatmap["z"][1]) < 5 and min(heatmap["z"][0]) > 12  # the planted row is red at every step
+    assert "no block-scaled samples" in str(snr_over_steps(samples, 0, "bf16-mixed", "nvfp4").to_dict()["layout"])
+    step, verdicts = latest_verdicts(stored, 1)
+    assert step == 6 and verdicts[0].startswith("nvfp4: first layer below 10 dB: fc2 (input,")
+    assert list(latest_table(samples, 1)["layer"])[:3] == ["fc1", "fc1", "fc1"]
+
+
+def attached_loop(store, steps: int, **settings) -> list[float]:
+    """The user's own bf16 autocast loop on the planted model, watched by a Monitor when `settings` are given."""
+    torch.manual_seed(0)
+    model = PlantedChannels()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 64, generator=generator), torch.randn(32, 64, generator=generator)
+    losses = []
+    monitor = Monitor(model, optimizer, store=store, probe_budget=0, **settings) if settings else None
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if monitor is not None:
+            monitor.step(loss)
+    if monitor is not None:
+        monitor.close()
+        assert not any(layer._forward_hooks for layer in model.modules())
+        return losses, monitor.run_id
+    return losses, None
+
+
+def test_an_attached_loop_records_block_numerics_on_its_watched_steps_and_trains_as_unwatched(fresh_store):
+    store = open_store(fresh_store)
+    plain, _ = attached_loop(store, 5)
+    watched, run_id = attached_loop(store, 5, layers_every=2, block_formats=("nvfp4", "mxfp8"))
+    assert watched == plain  # hooks that only read: the user's step computes what it computed unwatched
+    events = store.events(run_id)
+    blocks = events[events["kind"] == BLOCK_NUMERICS_EVENT]
+    assert sorted(blocks["step"]) == [0, 2, 4]
+    for data in blocks["data"]:
+        assert data["formats"] == ["nvfp4", "mxfp8"] and data["why"] == "sampled"
+        assert data["first_below"]["nvfp4"] == PLANTED_LAYER and data["first_below"]["mxfp8"] != PLANTED_LAYER
+        assert len(data["rows"]) == 3 * 3 * 2 and data["sample_ms"] > 0
+    samples = block_samples(events)
+    assert set(samples["lane"]) == {0} and set(samples["step"]) == {0, 2, 4}
+    grads = samples[(samples["operand"] == "grad_output") & (samples["format"] == "mxfp8")]
+    assert len(grads) == 3 * 3 and all(math.isinf(v) or v > 20 for v in grads["snr_db"])
+    layer_amax = events[events["kind"] == "layer_amax"]
+    assert sorted(layer_amax["step"]) == [0, 2, 4]  # the layer watch it rides on, unchanged
+
+
+@pytest.mark.parametrize("formats", [("fp4",), ("nvfp4", "int8"), 3])
+def test_a_monitor_refuses_an_unknown_block_format_in_one_line(formats, fresh_store):
+    model = PlantedChannels()
+    with pytest.raises(ConfigError, match=r"^block_formats: must name block-scaled formats from mxfp8, "):
+        Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=open_store(fresh_store),
+                block_formats=formats)
