@@ -123,3 +123,39 @@ def test_a_monitor_refuses_an_unknown_block_format_in_one_line(formats, fresh_st
     with pytest.raises(ConfigError, match=r"^block_formats: must name block-scaled formats from mxfp8, "):
         Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=open_store(fresh_store),
                 block_formats=formats)
+
+
+def test_the_layer_numerics_page_draws_a_block_scaled_lanes_snr_over_steps(no_leaked_threads):
+    import json
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from pages.common import get_manager
+
+    run = get_manager().launch(RunConfig(workload="tiny_transformer", size="small", steps=4, amax_every=2,
+                                         modes=("bf16-mixed", "bf16-mixed+nvfp4"), device="cpu", gradstats_every=0))
+    run.join(120)
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
+    app = AppTest.from_file(page, default_timeout=120).run()
+    app.selectbox(key=f"lnum_amax_lane_{run.run_id}").set_value(1).run()
+    assert not app.exception and not app.error
+
+    def over_steps() -> dict:
+        [found] = [spec for spec in (json.loads(c.proto.spec) for c in app.get("plotly_chart"))
+                   if "SNR over steps" in spec["layout"]["title"]["text"]]
+        return found
+
+    heatmap = over_steps()["data"][0]
+    assert heatmap["x"] == [0, 2] and "blocks.0.qkv" in heatmap["y"]
+    assert "lowest operand" in over_steps()["layout"]["title"]["text"]
+    assert any(c.value.startswith("nvfp4: ") for c in app.caption)
+    assert any("latest sample: step 2" in m.value for m in app.markdown)
+    app.radio(key=f"lnum_block_operand_{run.run_id}").set_value("weight").run()
+    assert "· weight ·" in over_steps()["layout"]["title"]["text"]
+    table = [df.value for df in app.dataframe if "SNR dB" in df.value.columns][-1]  # below the one-step probe's
+    assert set(table["format"]) == {"nvfp4"} and len(table) == 3 * len(heatmap["y"])
+    # The bf16-mixed lane has no block-scaled GEMM: no such section.
+    app.selectbox(key=f"lnum_amax_lane_{run.run_id}").set_value(0).run()
+    assert not any("SNR over steps" in json.loads(c.proto.spec)["layout"]["title"]["text"]
+                   for c in app.get("plotly_chart"))
