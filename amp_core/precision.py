@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.formats.memory import block_scale_report
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.imports import compiler_ready, heavy_import
 from amp_core.switches import float8_matmuls_need_onednn_off, lane_step_switches, onednn_off, tf32_enabled
@@ -195,6 +196,7 @@ class Precision:
             converted, skipped = self.block_scaled.plan(module, self.device, kept=kept)
             report["block_format"] = self.block_scaled.format
             report["block_layers"], report["block_skipped"] = converted, skipped
+            report["block_scales"] = block_scale_report(self.block_scaled.gemm, module, converted)
         return report
 
     def fsdp_policy(self):

@@ -12,6 +12,9 @@ import torch
 from block_workloads import PLANTED_LAYER, PlantedChannels, PlantedChannelWorkload
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
+from amp_core.formats.memory import layer_scale_bytes
+from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.monitor import Monitor
 from amp_core.probes.block_watch import BLOCK_NUMERICS_EVENT, ROW_FIELDS
 from amp_core.records.opening import open_store
@@ -159,3 +162,75 @@ def test_the_layer_numerics_page_draws_a_block_scaled_lanes_snr_over_steps(no_le
     app.selectbox(key=f"lnum_amax_lane_{run.run_id}").set_value(0).run()
     assert not any("SNR over steps" in json.loads(c.proto.spec)["layout"]["title"]["text"]
                    for c in app.get("plotly_chart"))
+
+
+QUANTISED: list = []
+"""What the counting recipe's quantisations returned (test_scale_bytes_are_what_the_emulated_gemms_quantise)."""
+
+
+class CountedRecipe(GemmRecipe):
+    """A GemmRecipe that keeps what each of its quantisations returned: the emulated Linear's own calls, counted."""
+
+    __slots__ = ()
+
+    def quantize(self, tensor, operand, *, generator=None):
+        blocked = GemmRecipe.quantize(self, tensor, operand, generator=generator)
+        QUANTISED.append((operand, tuple(tensor.shape), blocked))
+        return blocked
+
+
+@pytest.mark.parametrize("option", list(BLOCK_SCALED_OPTIONS), ids=lambda o: o.name)
+def test_scale_bytes_are_what_the_emulated_gemms_quantise(option):
+    """One training step of a BlockScaledLinear: the bytes of the scales its quantisations returned equal the layout's
+    figure (a tiled weight is quantised twice by the emulation, its transpose too: the same tiles, counted once)."""
+    gemm = option.gemm
+    in_features, out_features, tokens = (256, 384, 256) if gemm.format == "fp8-blockwise" else (64, 96, 64)
+    layer = BlockScaledLinear(torch.nn.Linear(in_features, out_features),
+                              CountedRecipe(**{f: getattr(gemm, f) for f in GemmRecipe.__dataclass_fields__}), "fc")
+    QUANTISED.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(tokens, in_features, requires_grad=True))  # all three GEMMs
+    out.float().square().mean().backward()
+    held = 0
+    for _, _, blocked in QUANTISED:
+        held += blocked.stored_scales.numel() * blocked.stored_scales.element_size()
+        held += blocked.tensor_scale.numel() * 4 if blocked.tensor_scale is not None else 0
+    if gemm.weight_tiles:
+        weights = [b for operand, _, b in QUANTISED if operand == "weight"]
+        assert len(weights) == 2 and torch.equal(weights[0].stored_scales.float(),
+                                                 weights[1].stored_scales.float().t())
+        held -= weights[1].stored_scales.numel() * weights[1].stored_scales.element_size()
+        held -= 4 if weights[1].tensor_scale is not None else 0
+    figures = layer_scale_bytes(gemm, in_features, out_features)
+    assert held == figures["weight"] + tokens * figures["per_token"] + figures["tensor"]
+    assert (figures["tensor"] > 0) == (gemm.format == "nvfp4")
+
+
+def test_a_block_scaled_lanes_started_event_names_its_scales(planted, fresh_store):
+    run = race(fresh_store)
+    started = next(e for e in run.events() if e.kind == "started")
+    scales = started.data["recipes"]["bf16-mixed+nvfp4"]["block_scales"]
+    # Three 64x64 Linear layers: 16 tiles of 16x16 each (1 B), 2 x (64 + 64) / 16 B per token each, 5 fp32 tensor
+    # scales each (the weight, and the input and output gradient for two GEMMs).
+    assert scales == {"layout": "E4M3 (1 B) per 16 values + an fp32 tensor scale; weights per 16x16 tile",
+                      "weight_bytes": 3 * 16, "per_token_bytes": 3 * 16, "tensor_scale_bytes": 3 * 5 * 4}
+    assert "bf16-mixed+nvfp4: 3 Linear layers in nvfp4, skipped none, scales 48 B for the weights + 48 B per " \
+           "token + 60 B of tensor scales (E4M3" in started.message
+    mx = started.data["recipes"]["bf16-mixed+mxfp8"]["block_scales"]
+    assert mx["weight_bytes"] == 3 * 2 * 64 * 64 // 32 and mx["tensor_scale_bytes"] == 0
+    assert "block_scales" not in started.data["recipes"].get("bf16-mixed", {})
+
+
+def test_the_train_page_names_a_block_scaled_lanes_scales_under_its_memory(planted, fresh_store):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    run = race(fresh_store)
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "train.py")
+    app = AppTest.from_file(page, default_timeout=120).run()
+    assert not app.exception and app.selectbox(key="train_run_pick").value == run.run_id
+    [caption] = [c.value for c in app.caption if "block scales" in c.value]
+    assert caption.startswith("bf16-mixed+nvfp4 · block scales: 48 B for the weights + 48 B per token + 60 B of "
+                              "tensor scales (E4M3 (1 B) per 16 values")
+    assert " · bf16-mixed+mxfp8 · block scales: 768 B for the weights + 24 B per token (E8M0 (1 B) per 32" in caption
