@@ -122,6 +122,8 @@ class BlockScaledMatmuls:
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
         converted, _ = self.plan(module, device)
         if not converted:
+            if any(isinstance(layer, BlockScaledLinear) and layer.recipe == self.gemm for layer in module.modules()):
+                return module  # prepared already (a copy of a lane's model: a snapshot an op trace or replay takes)
             raise ValueError(self.refuses_model(module, device))
         if self.native(device):
             return self._native(module, set(converted))
