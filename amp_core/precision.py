@@ -1001,6 +1001,10 @@ def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
         why = option.refusal(mode, device)
         if why:
             return False, why
+    block = next((option for option in options if isinstance(option, BlockScaledMatmuls)), None)
+    compiled = next((option for option in options if isinstance(option, CompiledModel)), None)
+    if block is not None and compiled is not None and block.compile_refusal(compiled.name, device):
+        return False, block.compile_refusal(compiled.name, device)
     return True, "; ".join([reason, *(option.note(device) for option in options)])
 
 

@@ -110,3 +110,43 @@ def test_the_op_inspector_shows_a_block_scaled_lanes_stages(stepped_launches, no
         assert set(table["module"]) >= {"blocks.0.qkv", "head"}
     finally:
         run.stop()
+
+
+COMPILE_OPTIONS = ("compile", "compile-max-autotune")
+
+
+@pytest.mark.parametrize("compiled", COMPILE_OPTIONS)
+@pytest.mark.parametrize("block", ["mxfp8", "mxfp8-wgrad-hp", "nvfp4", "nvfp4-no-sr", "fp8-blockwise"])
+def test_compile_with_an_emulated_block_scaled_recipe_is_refused_in_one_line_naming_both(block, compiled):
+    from amp_core.config import ConfigError
+    from amp_core.precision import availability
+    from amp_core.workloads import check_launch
+
+    ok, why = availability(f"bf16-mixed+{block}+{compiled}", "cpu")
+    assert not ok and why.startswith(f"+{compiled} with +{block} is refused where ") and "\n" not in why
+    with pytest.raises(ConfigError, match=rf"^modes: bf16-mixed\+{block}\+{compiled} cannot run on this device: "
+                                          rf"\+{compiled} with \+{block} is refused where .* emulated"):
+        check_launch(RunConfig(workload="tiny_transformer", modes=("bf16-mixed", f"bf16-mixed+{block}+{compiled}")))
+    assert availability(f"bf16-mixed+{block}", "cpu")[0]  # eager, the same recipe races
+    assert availability(f"bf16-mixed+{compiled}", "cpu")[0]
+
+
+def test_the_cli_refuses_a_compiled_emulated_block_scaled_lane_in_one_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "amp_core", "run", "--workload", "tiny_transformer", "--modes",
+                           "bf16-mixed,bf16-mixed+nvfp4+compile", "--steps", "2"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()[-1:]
+    assert line.startswith("error: modes: bf16-mixed+nvfp4+compile cannot run on this device: +compile with +nvfp4 "
+                           "is refused where nvfp4 is emulated")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),
+                    reason="torchao's MXFP8 kernels need a Blackwell GPU (sm100)")
+def test_compile_composes_with_torchaos_mxfp8_kernels_on_a_gpu_that_has_them():
+    from amp_core.precision import availability
+
+    assert availability("bf16-mixed+mxfp8+compile", "cuda")[0]
