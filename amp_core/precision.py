@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from amp_core.formats.linear import plain_linears
 from amp_core.formats.memory import block_scale_report
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, BlockScaledMatmuls
 from amp_core.imports import compiler_ready, heavy_import
@@ -144,7 +145,8 @@ class Precision:
         """Move the module to the device and cast its parameters (true modes only change dtype); an FP8 recipe then
         swaps its eligible Linear layers for torchao's Float8Linear. `+keep:` modules compute in fp32 (a copy of a
         kept lane's model prepared for another recipe loses its keep hooks)."""
-        module = module.to(device=self.device, dtype=self.param_dtype)
+        # A copy of a block-scaled lane's model (a snapshot, a replay's fork) starts plain, as a fresh model would.
+        module = plain_linears(module).to(device=self.device, dtype=self.param_dtype)
         # Before FP8 conversion: a kept Linear carries the keep hooks, which Float8Matmuls.plan leaves out.
         keep_in_fp32(module, self.keep_patterns)
         for option in self.options:

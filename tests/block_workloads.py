@@ -46,3 +46,40 @@ class PlantedChannelWorkload(Workload):
 
     def loss(self, output, target):
         return nn.functional.mse_loss(output.float(), target)
+
+
+BLOCKED_LAYER = "mid"
+"""The layer whose every block of 16 inputs shares one with an outlier (PlantedBlocks)."""
+
+
+class PlantedBlocks(nn.Module):
+    """inp -> mid -> out, where mid sees an outlier x300 at the first feature of every 16 and its effect is taken off
+    its output by plain code (mid(h + o) - W o: mid(h) exactly in real arithmetic): NVFP4 flushes the 15 small inputs
+    beside each outlier to zero, so the signal never gets past `mid`; MXFP8 keeps them; kept out of the format, `mid`
+    trains as in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        outliers = torch.zeros(WIDTH)
+        outliers[::16] = OUTLIER
+        self.register_buffer("outliers", outliers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.mid(self.inp(x) + self.outliers) - nn.functional.linear(self.outliers, self.mid.weight)
+        return self.out(mid)
+
+
+class PlantedBlocksWorkload(PlantedChannelWorkload):
+    name = "planted_blocks"
+    title = "Linear layers, one whose every block shares an outlier (block-scaled bisect tests)"
+    description = "inp -> mid (an outlier x300 in every 16 of its inputs, taken off after it) -> out; a linear map."
+
+    def load_data(self, config) -> Data:
+        generator = torch.Generator().manual_seed(config.seed)
+        inputs = torch.randn(512, WIDTH, generator=generator)
+        targets = inputs @ torch.randn(WIDTH, WIDTH, generator=generator) / 8
+        return Data(inputs, targets, "512 synthetic samples, 64 features, a linear map")
+
+    def build_model(self, size: str, data: Data) -> nn.Module:
+        return PlantedBlocks()

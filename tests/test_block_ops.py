@@ -87,9 +87,15 @@ def test_a_plain_lanes_trace_names_no_block_stage_and_training_outside_a_trace_n
     layer(torch.randn(16, 32)).sum().backward()
     hook.remove()
     assert seen == [""] and stages._listeners == 0
-    # A copy of a prepared lane's model (what an op trace or a replay of a live lane takes) is prepared as it is.
+    # A copy of a prepared lane's model (what an op trace or a replay of a live lane takes) is converted anew; in
+    # 32-true (a replay's reference) it computes plain fp32 again, with the same Parameters.
+    weight = layer[0].weight
     again = get_precision("bf16-mixed+nvfp4", "cpu").prepare_module(layer)
-    assert again is layer and type(again[0]).__name__ == "BlockScaledLinear"
+    assert type(again[0]).__name__ == "BlockScaledLinear" and again[0].weight is weight
+    reference = get_precision("32-true", "cpu").prepare_module(again)
+    assert type(reference[0]) is nn.Linear and reference[0].weight is weight and not hasattr(reference[0], "recipe")
+    x = torch.randn(4, 32)
+    assert torch.equal(reference(x), nn.functional.linear(x, weight, reference[0].bias))
 
 
 def test_the_op_inspector_shows_a_block_scaled_lanes_stages(stepped_launches, no_leaked_threads):

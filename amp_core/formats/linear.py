@@ -198,3 +198,19 @@ class BlockScaledLinear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.recipe.format} (emulated)"
+
+
+_EMULATION_ATTRIBUTES = ("recipe", "signs", "_seed", "_draws")
+
+
+def plain_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (one the caller owns: a copy) with every BlockScaledLinear made a plain nn.Linear again, in place: the
+    same Parameters and hooks, its emulation's attributes dropped. A copy of a block-scaled lane's model then takes
+    any recipe as a fresh model would: a 32-true reference computes in fp32, a `+keep:` trial leaves its kept layers
+    out of the format."""
+    for layer in module.modules():
+        if isinstance(layer, BlockScaledLinear):
+            for name in _EMULATION_ATTRIBUTES:
+                layer.__dict__.pop(name, None)
+            layer.__class__ = torch.nn.Linear
+    return module

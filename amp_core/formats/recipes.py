@@ -132,10 +132,10 @@ class BlockScaledMatmuls:
         return f"+{self.name} converts none of {type(module).__name__}'s Linear layers ({reasons})"
 
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
-        converted, _ = self.plan(module, device)
+        converted, skipped = self.plan(module, device)
         if not converted:
-            if any(isinstance(layer, BlockScaledLinear) and layer.recipe == self.gemm for layer in module.modules()):
-                return module  # prepared already (a copy of a lane's model: a snapshot an op trace or replay takes)
+            if skipped and all(why.startswith("kept out") for why in skipped.values()):
+                return module  # every Linear kept out (a bisect's trial keeping every module): nothing to convert
             raise ValueError(self.refuses_model(module, device))
         if self.native(device):
             return self._native(module, set(converted))
