@@ -1,6 +1,6 @@
 """The race's block-scaled numerics over sampled steps as a run hook: on the steps a run samples its layers
 (RunConfig.amax_every), after a block-scaled lane's step (`+mxfp8`, `+nvfp4`, `+fp8-blockwise`...), each Linear's GEMM
-operands quantised in the lane's format on a shadow copy of the lane (probes.block_watch), a `block_numerics` event
+operands quantised in the lane's format on a shadow copy of the lane (probes.block_watch), a `block_sample` event
 per lane and sample. Lanes of other recipes have no block-scaled GEMM to measure and are passed by."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from amp_core.probes.block_watch import BLOCK_NUMERICS_EVENT, BlockSampler, sample_data
+from amp_core.probes.block_watch import BLOCK_SAMPLE_EVENT, BlockSampler, sample_data
 
 
 class BlockNumericsHook:
@@ -40,7 +40,7 @@ class BlockNumericsHook:
             run.sink.event("warning", f"block numerics sampling failed: {type(exc).__name__}: {exc}", lane.index,
                            step)
             return
-        run.sink.event(BLOCK_NUMERICS_EVENT, message, lane.index, step, **data,
+        run.sink.event(BLOCK_SAMPLE_EVENT, message, lane.index, step, **data,
                        sample_ms=(time.perf_counter() - start) * 1e3)
 
     def lane_end(self, run: Any, lane: Any) -> None:

@@ -138,7 +138,7 @@ class MonitorConfig(SamplingSettings):
     """Block-scaled formats (`mxfp8`, `nvfp4`, `fp8-blockwise`, or any block-scaled option's name) each Linear's GEMM
     operands are quantised in on the steps the layer watch watches, by hooks in the step (amp_core.probes.block_watch):
     per layer and operand the SNR, the share flushed to zero in its block and the blocks whose scale saturates or
-    underflows, a `block_numerics` event per watched step; its time counts in the layer watch's part of the budget."""
+    underflows, a `block_sample` event per watched step; its time counts in the layer watch's part of the budget."""
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""

@@ -1,6 +1,6 @@
 """Block-scaled numerics over sampled steps, on real CPU training: a race's block-scaled lanes (RunConfig.amax_every)
 and an attached loop (MonitorConfig.block_formats) record each Linear's GEMM operands in the format at the sampled
-steps as `block_numerics` events; a planted outlier channel's layer is named under NVFP4 and not under MXFP8; the
+steps as `block_sample` events; a planted outlier channel's layer is named under NVFP4 and not under MXFP8; the
 samples change nothing the run measures; the views draw the SNR over steps."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
 from amp_core.formats.memory import layer_scale_bytes
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.monitor import Monitor
-from amp_core.probes.block_watch import BLOCK_NUMERICS_EVENT, ROW_FIELDS
+from amp_core.probes.block_watch import BLOCK_SAMPLE_EVENT, ROW_FIELDS
 from amp_core.records.opening import open_store
 from amp_core.runner import Run
 from amp_core.views.block_numerics import LOWEST, block_samples, latest_table, latest_verdicts, snr_over_steps
@@ -46,8 +46,8 @@ def test_a_race_samples_its_block_scaled_lanes_and_names_the_planted_layer_under
     sampled = race(fresh_store, amax_every=3)
     # The samples run on a shadow copy after the timed step: every lane trains exactly as without them.
     assert list(sampled.frame()["loss"]) == list(plain.frame()["loss"])
-    assert not [e for e in plain.events() if e.kind == BLOCK_NUMERICS_EVENT]
-    events = [e for e in sampled.events() if e.kind == BLOCK_NUMERICS_EVENT]
+    assert not [e for e in plain.events() if e.kind == BLOCK_SAMPLE_EVENT]
+    events = [e for e in sampled.events() if e.kind == BLOCK_SAMPLE_EVENT]
     # Lane 0 (bf16-mixed) has no block-scaled GEMM: only lanes 1 and 2, at the sampled steps.
     assert sorted((e.lane, e.step) for e in events) == [(lane, step) for lane in (1, 2) for step in (0, 3, 6)]
     by_lane = {lane: [e for e in events if e.lane == lane] for lane in (1, 2)}
@@ -106,7 +106,7 @@ def test_an_attached_loop_records_block_numerics_on_its_watched_steps_and_trains
     watched, run_id = attached_loop(store, 5, layers_every=2, block_formats=("nvfp4", "mxfp8"))
     assert watched == plain  # hooks that only read: the user's step computes what it computed unwatched
     events = store.events(run_id)
-    blocks = events[events["kind"] == BLOCK_NUMERICS_EVENT]
+    blocks = events[events["kind"] == BLOCK_SAMPLE_EVENT]
     assert sorted(blocks["step"]) == [0, 2, 4]
     for data in blocks["data"]:
         assert data["formats"] == ["nvfp4", "mxfp8"] and data["why"] == "sampled"

@@ -1,5 +1,5 @@
 """Block-scaled numerics over sampled steps: each Linear's GEMM operands (input, weight, output gradient) quantised in
-a block-scaled format at the steps a run samples, as a `block_numerics` event per sample, for a race's block-scaled
+a block-scaled format at the steps a run samples, as a `block_sample` event per sample, for a race's block-scaled
 lane (on a shadow copy, `BlockSampler`) and for an attached job (hooks in the user's own step, `BlockWatch`).
 
 One recorder measures both: `OperandRecorder` hooks the Linear layers; as a layer's forward runs it quantises the
@@ -34,8 +34,9 @@ from amp_core.probes.block_numerics import (
 )
 from amp_core.torch_private import foreach_copy_
 
-BLOCK_NUMERICS_EVENT = "block_numerics"
-"""Event kind: one sampled step's block-scaled numerics of every Linear's GEMM operands (`sample_data`)."""
+BLOCK_SAMPLE_EVENT = "block_sample"
+"""Event kind: one sampled step's block-scaled numerics of every Linear's GEMM operands (`sample_data`; the workshop's
+one-probe `block_numerics` event is another kind)."""
 ROW_FIELDS = ("layer", "operand", "format", "snr_db", "flush_share", "saturated_share", "underflow_share")
 """One row of the event's `rows`: a layer's operand in one format; snr_db is the string "inf" where every value beside
 its block's largest quantised exactly (JSON has no inf)."""
@@ -163,7 +164,7 @@ def _snr(value: float) -> float | str:
 
 
 def sample_data(report: BlockNumericsReport, why: str = "sampled") -> tuple[str, dict[str, Any]]:
-    """(message, data) of a `block_numerics` event: a row per measured operand (ROW_FIELDS), the thresholds, per
+    """(message, data) of a `block_sample` event: a row per measured operand (ROW_FIELDS), the thresholds, per
     format the first layer below its threshold and the verdict line, what was not measured."""
     operands: tuple[OperandNumerics, ...] = report.operands
     rows = [[o.layer, o.operand, o.format, _snr(o.snr_db), o.flush_share, o.saturated_share, o.underflow_share]
@@ -247,7 +248,7 @@ class BlockWatch:
         events = []
         for step, why, recorder in self.pending:
             message, data = sample_data(recorder.report(), why)
-            events.append((BLOCK_NUMERICS_EVENT, message, step, {**data, "sample_ms": recorder.hook_s * 1e3}))
+            events.append((BLOCK_SAMPLE_EVENT, message, step, {**data, "sample_ms": recorder.hook_s * 1e3}))
         self.pending = []
         return events
 

@@ -1,5 +1,5 @@
 """Block-scaled numerics shaped for people: the per-layer table (terminal text and a page's frame), the verdict lines,
-a heatmap of each layer's operand SNR per format, and over a run's sampled steps (its `block_numerics` events) a
+a heatmap of each layer's operand SNR per format, and over a run's sampled steps (its `block_sample` events) a
 heatmap of each layer's SNR per step with the latest verdicts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.probes.block_numerics import BlockNumericsReport
-from amp_core.probes.block_watch import BLOCK_NUMERICS_EVENT, ROW_FIELDS
+from amp_core.probes.block_watch import BLOCK_SAMPLE_EVENT, ROW_FIELDS
 from amp_core.views.plots import chart_layout, empty_figure
 
 COLUMNS = {"layer": "layer", "operand": "operand", "format": "format", "snr_db": "SNR dB",
@@ -85,12 +85,12 @@ LOWEST = "lowest"
 
 
 def block_samples(events: pd.DataFrame) -> pd.DataFrame:
-    """A run's block_numerics events as one row per lane, step, layer, operand and format (order: the layer's place
+    """A run's block_sample events as one row per lane, step, layer, operand and format (order: the layer's place
     in the step's forward order); snr_db is inf where every value beside its block's largest quantised exactly."""
     if events.empty:
         return pd.DataFrame(columns=SAMPLE_COLUMNS)
     rows = []
-    for event in events[events["kind"] == BLOCK_NUMERICS_EVENT].itertuples():
+    for event in events[events["kind"] == BLOCK_SAMPLE_EVENT].itertuples():
         order: dict[str, int] = {}
         for row in event.data.get("rows", []):
             values = dict(zip(ROW_FIELDS, row, strict=True))
@@ -101,11 +101,11 @@ def block_samples(events: pd.DataFrame) -> pd.DataFrame:
 
 
 def latest_verdicts(events: pd.DataFrame, lane: int) -> tuple[int | None, list[str]]:
-    """(step, the verdict lines) of a lane's latest block_numerics sample: the first layer below the threshold in
+    """(step, the verdict lines) of a lane's latest block_sample event: the first layer below the threshold in
     each format, and why."""
     if events.empty:
         return None, []
-    picked = events[(events["kind"] == BLOCK_NUMERICS_EVENT) & (events["lane"] == lane)]
+    picked = events[(events["kind"] == BLOCK_SAMPLE_EVENT) & (events["lane"] == lane)]
     if picked.empty:
         return None, []
     latest = picked.sort_values("step").iloc[-1]
