@@ -161,6 +161,11 @@ def show_report(report: numerics.NumericsReport) -> None:
                        mime="text/csv", key="lnum_csv")
 
 
+BLOCK_COLUMNS = {"SNR dB": st.column_config.NumberColumn(format="%.1f"),
+                 **{label: PERCENT for label in list(block_views.COLUMNS.values())[4:]}}
+"""The block-scaled tables' columns: SNR to a tenth of a dB, the shares as percentages."""
+
+
 @st.cache_data(show_spinner="Quantising every Linear's GEMM operands in the block-scaled formats…", max_entries=16)
 def block_probed(workload: str, formats: tuple[str, ...], size: str, device: str,
                  batch_size: int) -> block_numerics.BlockNumericsReport:
@@ -194,7 +199,7 @@ def show_block_formats() -> None:
         shown(report.verdict(name))
     st.plotly_chart(block_views.snr_heatmap(report), key="lnum_block_heatmap")
     st.dataframe(block_views.display_frame(report), hide_index=True, key="lnum_block_table",
-                 column_config={label: PERCENT for label in list(block_views.COLUMNS.values())[4:]})
+                 column_config=BLOCK_COLUMNS)
     st.caption(block_views.LEGEND + ".")
     if report.skipped:
         st.caption("Not measured: " + "; ".join(f"{name}: {why}" for name, why in report.skipped.items()))
@@ -324,8 +329,7 @@ def show_block_over_steps(events, lane: int, mode: str, run_id: str) -> None:
                            key=f"lnum_block_operand_{run_id}")
     st.plotly_chart(block_views.snr_over_steps(samples, lane, mode, chosen, operand), key="lnum_block_over_steps")
     st.dataframe(block_views.latest_table(samples[samples["format"] == chosen], lane), hide_index=True,
-                 key="lnum_block_latest", column_config={label: PERCENT for label in
-                                                         list(block_views.COLUMNS.values())[4:]})
+                 key="lnum_block_latest", column_config=BLOCK_COLUMNS)
     st.caption(block_views.LEGEND + ".")
 
 
