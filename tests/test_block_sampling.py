@@ -75,18 +75,18 @@ def test_a_race_samples_its_block_scaled_lanes_and_names_the_planted_layer_under
     assert list(latest_table(samples, 1)["layer"])[:3] == ["fc1", "fc1", "fc1"]
 
 
-def attached_loop(store, steps: int, **settings) -> list[float]:
+def attached_loop(store, steps: int, device: str = "cpu", **settings) -> list[float]:
     """The user's own bf16 autocast loop on the planted model, watched by a Monitor when `settings` are given."""
     torch.manual_seed(0)
-    model = PlantedChannels()
+    model = PlantedChannels().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(32, 64, generator=generator), torch.randn(32, 64, generator=generator)
+    x, y = (torch.randn(32, 64, generator=generator).to(device) for _ in range(2))
     losses = []
     monitor = Monitor(model, optimizer, store=store, probe_budget=0, **settings) if settings else None
     for _ in range(steps):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
         optimizer.step()
@@ -100,10 +100,12 @@ def attached_loop(store, steps: int, **settings) -> list[float]:
     return losses, None
 
 
-def test_an_attached_loop_records_block_numerics_on_its_watched_steps_and_trains_as_unwatched(fresh_store):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_an_attached_loop_records_block_numerics_on_its_watched_steps_and_trains_as_unwatched(fresh_store, device):
     store = open_store(fresh_store)
-    plain, _ = attached_loop(store, 5)
-    watched, run_id = attached_loop(store, 5, layers_every=2, block_formats=("nvfp4", "mxfp8"))
+    plain, _ = attached_loop(store, 5, device)
+    watched, run_id = attached_loop(store, 5, device, layers_every=2, block_formats=("nvfp4", "mxfp8"))
     assert watched == plain  # hooks that only read: the user's step computes what it computed unwatched
     events = store.events(run_id)
     blocks = events[events["kind"] == BLOCK_SAMPLE_EVENT]

@@ -154,7 +154,8 @@ def operand_figures(tensor: torch.Tensor, gemm: GemmRecipe, operand: str, *,
         (original * beside).double().square().sum(), error.double().square().sum(),
         nonzero.sum().double(), (nonzero & (blocked.values == 0)).sum().double(),
         blocked.saturated.sum().double(), blocked.underflowed.sum().double(),
-        values.new_tensor(float(blocked.saturated.numel()), dtype=torch.float64),
+        # A fill kernel, not a copy from the host (new_tensor's would wait for the device's queue on CUDA).
+        torch.full((), float(blocked.saturated.numel()), dtype=torch.float64, device=values.device),
         top_value.double(), columns.median().double(), top_index.double()])
 
 
