@@ -219,7 +219,11 @@ def launch_sampled_run() -> None:
             names = list(WORKLOADS)
             workload = row[0].selectbox("Workload", names, index=names.index("tiny_transformer"),
                                         key="lnum_run_workload", format_func=lambda name: WORKLOADS[name].title)
-            modes = row[1].multiselect("Modes", runnable, default=[m for m in ("32-true", "16-mixed") if m in runnable],
+            # A block-scaled lane's samples also measure its GEMM operands in its format.
+            block_lanes = [f"bf16-mixed+{name}" for name in block_numerics.FORMAT_NAMES] if "bf16-mixed" in runnable \
+                else []
+            modes = row[1].multiselect("Modes", runnable + block_lanes,
+                                       default=[m for m in ("32-true", "16-mixed") if m in runnable],
                                        key="lnum_run_modes")
             steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=RUN_DEFAULTS.steps,
                                         key="lnum_run_steps", help=field_docs(RunConfig)["steps"])

@@ -236,3 +236,29 @@ def test_the_train_page_names_a_block_scaled_lanes_scales_under_its_memory(plant
     assert caption.startswith("bf16-mixed+nvfp4 · block scales: 48 B for the weights + 48 B per token + 60 B of "
                               "tensor scales (E4M3 (1 B) per 16 values")
     assert " · bf16-mixed+mxfp8 · block scales: 768 B for the weights + 24 B per token (E8M0 (1 B) per 32" in caption
+
+
+def test_the_layer_numerics_page_launches_a_sampled_block_scaled_race_and_refuses_one_that_converts_nothing(
+        no_leaked_threads):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from pages.common import get_manager
+
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
+    app = AppTest.from_file(page, default_timeout=120).run()
+    app.multiselect(key="lnum_run_modes").set_value(["bf16-mixed+fp8-blockwise"])
+    app.button(key="FormSubmitter:lnum_launch_form-Launch").click().run()
+    [error] = [e.value for e in app.error]
+    assert error.startswith("Cannot launch: modes: ") and "+fp8-blockwise converts none of CharLM's Linear" in error
+    assert not get_manager().runs()
+    app.multiselect(key="lnum_run_modes").set_value(["bf16-mixed+nvfp4"])
+    app.number_input(key="lnum_run_steps").set_value(4)
+    app.number_input(key="lnum_run_every").set_value(2)
+    app.button(key="FormSubmitter:lnum_launch_form-Launch").click().run()
+    assert not app.exception and not app.error
+    [run] = get_manager().runs()
+    run.join(120)
+    app.run()
+    assert any("Block-scaled GEMM operands over steps" in m.value for m in app.markdown)
