@@ -122,6 +122,27 @@ def test_an_attached_loop_records_block_numerics_on_its_watched_steps_and_trains
     assert sorted(layer_amax["step"]) == [0, 2, 4]  # the layer watch it rides on, unchanged
 
 
+def test_a_watched_steps_hooks_hold_no_activation_after_the_step():
+    """The recorder in a user's step keeps small figure vectors, never the layers' outputs (their activations)."""
+    import gc
+    import weakref
+
+    from amp_core.probes.block_watch import OperandRecorder
+
+    model = PlantedChannels()
+    recorder = OperandRecorder(model, ("nvfp4",))
+    with recorder:
+        out = model.fc1(torch.randn(32, 64))
+        out.sum().backward()
+    seen = weakref.ref(out)
+    del out
+    gc.collect()
+    assert seen() is None and not recorder.outputs
+    assert [(k.layer, k.operand) for k in recorder.kept] == [("fc1", "input"), ("fc1", "weight"),
+                                                              ("fc1", "grad_output")]
+    assert all(k.figures.numel() == 10 for k in recorder.kept)
+
+
 @pytest.mark.parametrize("formats", [("fp4",), ("nvfp4", "int8"), 3])
 def test_a_monitor_refuses_an_unknown_block_format_in_one_line(formats, fresh_store):
     model = PlantedChannels()

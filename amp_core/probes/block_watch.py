@@ -63,8 +63,11 @@ class OperandRecorder:
     kept: list[_Kept] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     """"layer (format)": why it was not measured (its dims are not whole blocks)."""
+    keep_outputs: bool = False
+    """Keep the measured layers' outputs (`outputs`): a shadow's backward asks for their gradients. Off in a user's
+    step, where holding them would keep its activations alive until the flush."""
     outputs: list[torch.Tensor] = field(default_factory=list)
-    """The measured layers' outputs that need a gradient (what a shadow's backward asks the gradient of)."""
+    """The measured layers' outputs that need a gradient (with `keep_outputs`)."""
     hook_s: float = 0.0
     """Host time of the hooks: probe time, never step time."""
     account: Any = None
@@ -122,7 +125,8 @@ class OperandRecorder:
                     self._measure(name, INPUT, args[0].detach().to(dtype).reshape(-1, layer.in_features))
                     self._measure(name, WEIGHT, layer.weight.detach().to(dtype))
                 if output.requires_grad:
-                    self.outputs.append(output)
+                    if self.keep_outputs:
+                        self.outputs.append(output)
                     output.register_hook(self._grad_hook(name, layer.out_features))
             except Exception as exc:
                 self.error = exc
@@ -195,7 +199,7 @@ class BlockSampler:
         precision = self.precision
         inputs, target = (precision.prepare_input(t) for t in batch)
         device = inputs.device
-        recorder = OperandRecorder(self.shadow, self.formats)
+        recorder = OperandRecorder(self.shadow, self.formats, keep_outputs=True)
         forked = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=forked), precision.step_context(), recorder:
             with precision.forward_context():
