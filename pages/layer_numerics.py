@@ -163,9 +163,10 @@ def show_report(report: numerics.NumericsReport) -> None:
                        mime="text/csv", key="lnum_csv")
 
 
+# The block-scaled tables' columns: SNR to a tenth of a dB, the shares as percentages (a comment: a bare docstring
+# here would be drawn by Streamlit's magic).
 BLOCK_COLUMNS = {"SNR dB": st.column_config.NumberColumn(format="%.1f"),
                  **{label: PERCENT for label in list(block_views.COLUMNS.values())[4:]}}
-"""The block-scaled tables' columns: SNR to a tenth of a dB, the shares as percentages."""
 
 
 @st.cache_data(show_spinner="Quantising every Linear's GEMM operands in the block-scaled formats…", max_entries=16)
