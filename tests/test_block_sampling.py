@@ -16,8 +16,11 @@ from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
 from amp_core.formats.memory import layer_scale_bytes
 from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
 from amp_core.monitor import Monitor
+from amp_core.probes.block_sampling import BlockSampleProbe, BlockWatchProbe
 from amp_core.probes.block_watch import BLOCK_SAMPLE_EVENT, ROW_FIELDS
-from amp_core.race.runner import Run
+from amp_core.probes.layer_amax import LayerAmaxProbe
+from amp_core.probes.layerwatch import LayerWatchProbe
+from amp_core.race.runner import Run, RunHooks
 from amp_core.records.opening import open_store
 from amp_core.views.block_numerics import LOWEST, block_samples, latest_table, latest_verdicts, snr_over_steps
 from amp_core.workloads import WORKLOADS
@@ -73,6 +76,31 @@ def test_a_race_samples_its_block_scaled_lanes_and_names_the_planted_layer_under
     step, verdicts = latest_verdicts(stored, 1)
     assert step == 6 and verdicts[0].startswith("nvfp4: first layer below 10 dB: fc2 (input,")
     assert list(latest_table(samples, 1)["layer"])[:3] == ["fc1", "fc1", "fc1"]
+
+
+def test_block_sampling_is_a_sampled_probe_carried_on_block_scaled_lanes_and_beside_the_layer_watch(planted,
+                                                                                                   fresh_store):
+    """The race's block sampling and the Monitor's block watch are sampled probes (probes.sampled) their step drivers
+    carry: a block-scaled lane carries one after its layer amax, a lane of another recipe none; a Monitor with
+    block_formats carries the block watch after the layer watch it rides on, one without it the layer watch alone."""
+    carried = {}
+
+    def seen(run, lane, step):
+        carried[lane.index] = [type(probe) for probe in lane.state.driver.sampled]
+
+    seen.every = 2
+    config = RunConfig(workload="planted_channel", modes=LANES, steps=3, batch_size=32, device="cpu",
+                       gradstats_every=0, intra_op_threads=1, amax_every=2)
+    run = Run(config, open_store(fresh_store), hooks=RunHooks(after_lane_step=[seen])).start()
+    run.join(120)
+    assert run.status == "finished", [e.message for e in run.events()]
+    assert carried == {0: [LayerAmaxProbe], 1: [LayerAmaxProbe, BlockSampleProbe],
+                       2: [LayerAmaxProbe, BlockSampleProbe]}
+    for formats, probes in (((), [LayerWatchProbe]), (("nvfp4",), [LayerWatchProbe, BlockWatchProbe])):
+        model = PlantedChannels()
+        with Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), store=open_store(fresh_store),
+                     layers_every=2, block_formats=formats) as monitor:
+            assert [type(probe) for probe in monitor._driver.sampled] == probes
 
 
 def attached_loop(store, steps: int, device: str = "cpu", **settings) -> list[float]:
