@@ -214,7 +214,8 @@ class RunConfig(SamplingSettings):
     amax_every: int = 0
     """Sample every module's output and output-gradient abs max every N steps (a `layer_amax` event per lane), after
     the lane's step, on a shadow copy of its model (one more copy of the weights per lane while the run lasts): the
-    cost stays out of step_ms and is reported in the event as sample_ms. 0 turns it off."""
+    cost stays out of step_ms and is reported in the event as sample_ms. A block-scaled lane (+mxfp8, +nvfp4...) also
+    gets its Linear layers' GEMM operands measured in its format then (a `block_sample` event). 0 turns it off."""
     intra_op_threads: int = 0
     """Intra-op (OpenMP) threads of the run's own thread; 0 = measured: one where that is faster for this model on a
     CPU, else the process's setting. Other threads, the user's included, keep their own."""

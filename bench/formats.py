@@ -9,7 +9,12 @@ CPU: goal <= 6x, so a workshop race stays interactive; on a GPU with the kernels
 (amp_core.diagnostics.seednoise's rule).
 
     python3 -m bench.formats [--size small] [--steps 300] [--seeds 3] [--blockwise-size medium]
+                             [--blockwise-steps 100] [--blockwise-seeds 2] [--blockwise-batch-size 8]
 Last line: emulation_cost_worst=<the largest ms/step ratio to bf16-mixed> (goal <= 6)
+
+The default fits about ten quiet minutes on two cores: the small race (7 lanes x 3 seeds x 300 steps) takes most of
+it; medium is 13x small's step, so +fp8-blockwise races there for fewer steps, seeds and samples (its ms/step ratio is
+what it is at any length; its loss gap is read after those steps).
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ LOSS_TAIL = 20
 EMULATION_GOAL = 6.0
 
 
-def race(size: str, recipes: tuple[str, ...], args: argparse.Namespace) -> dict[str, dict[str, float | str]]:
+def race(size: str, recipes: tuple[str, ...], args: argparse.Namespace, steps: int, seeds: int,
+         batch_size: int) -> dict[str, dict[str, float | str]]:
     """One race of bf16-mixed and `recipes` at `size`: per recipe its ms/step ratio and loss gap to bf16-mixed."""
-    config = RunConfig(workload="tiny_transformer", size=size, modes=(BASELINE, *recipes), steps=args.steps,
-                       batch_size=args.batch_size, lr=args.lr, optimizer="adamw", device=args.device,
-                       seeds=args.seeds, gradstats_every=0)
+    config = RunConfig(workload="tiny_transformer", size=size, modes=(BASELINE, *recipes), steps=steps,
+                       batch_size=batch_size, lr=args.lr, optimizer="adamw", device=args.device,
+                       seeds=seeds, gradstats_every=0)
     run = Run(config).start()
     run.join()
     if run.status != "finished":
@@ -51,7 +57,8 @@ def race(size: str, recipes: tuple[str, ...], args: argparse.Namespace) -> dict[
         verdict, threshold = difference_verdict(losses.mean(), losses.std(ddof=1) if len(losses) > 1 else np.nan,
                                                 len(losses), base.mean(),
                                                 base.std(ddof=1) if len(base) > 1 else np.nan, len(base))
-        figures[recipe] = {"ms_ratio": step_ms[recipe] / step_ms[BASELINE], "step_ms": step_ms[recipe],
+        figures[recipe] = {"race": f"{size}, {steps} steps x {seeds} seeds, batch {batch_size}",
+                           "ms_ratio": step_ms[recipe] / step_ms[BASELINE], "step_ms": step_ms[recipe],
                            "baseline_ms": step_ms[BASELINE], "loss": losses.mean(), "baseline_loss": base.mean(),
                            "gap": losses.mean() - base.mean(), "threshold": threshold, "verdict": verdict}
     return figures
@@ -65,23 +72,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--blockwise-steps", type=int, default=100)
+    parser.add_argument("--blockwise-seeds", type=int, default=2)
+    parser.add_argument("--blockwise-batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     recipes = tuple(f"{BASELINE}+{option.name}" for option in BLOCK_SCALED_OPTIONS)
     blockwise = tuple(r for r in recipes if r.endswith("fp8-blockwise"))
-    figures = race(args.size, tuple(r for r in recipes if r not in blockwise), args)
+    figures = race(args.size, tuple(r for r in recipes if r not in blockwise), args, args.steps, args.seeds,
+                   args.batch_size)
     if args.blockwise_size:
-        figures |= race(args.blockwise_size, blockwise, args)
-    print(f"tiny_transformer, {args.steps} steps x {args.seeds} seeds, batch {args.batch_size}, AdamW lr {args.lr:g}, "
-          f"{args.device}; torch {torch.__version__}")
-    print(f"{'recipe':<30}{'ms/step':>9}{'vs bf16':>9}{'final loss':>12}{'gap':>9}{'2 SE':>8}  verdict  (speed)")
+        figures |= race(args.blockwise_size, blockwise, args, args.blockwise_steps, args.blockwise_seeds,
+                        args.blockwise_batch_size)
+    print(f"tiny_transformer, AdamW lr {args.lr:g}, {args.device}; torch {torch.__version__}")
+    print(f"{'recipe':<30}{'ms/step':>9}{'vs bf16':>9}{'final loss':>12}{'gap':>9}{'2 SE':>8}  verdict  (speed; race)")
     for recipe, row in figures.items():
         option = get_precision(recipe, args.device).block_scaled
         speed = "native" if option.native(args.device) else "emulated"
         print(f"{recipe:<30}{row['step_ms']:>9.1f}{row['ms_ratio']:>8.2f}x{row['loss']:>12.4f}{row['gap']:>+9.4f}"
-              f"{row['threshold']:>8.4f}  {row['verdict']}  ({speed})")
+              f"{row['threshold']:>8.4f}  {row['verdict']}  ({speed}; {row['race']})")
     for recipe, row in figures.items():
         name = recipe.split("+", 1)[1].replace("-", "_")
         print(f"{name}_ms_ratio={row['ms_ratio']:.2f}")

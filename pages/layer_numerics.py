@@ -163,6 +163,12 @@ def show_report(report: numerics.NumericsReport) -> None:
                        mime="text/csv", key="lnum_csv")
 
 
+# The block-scaled tables' columns: SNR to a tenth of a dB, the shares as percentages (a comment: a bare docstring
+# here would be drawn by Streamlit's magic).
+BLOCK_COLUMNS = {"SNR dB": st.column_config.NumberColumn(format="%.1f"),
+                 **{label: PERCENT for label in list(block_views.COLUMNS.values())[4:]}}
+
+
 @st.cache_data(show_spinner="Quantising every Linear's GEMM operands in the block-scaled formats…", max_entries=16)
 def block_probed(workload: str, formats: tuple[str, ...], size: str, device: str,
                  batch_size: int) -> block_numerics.BlockNumericsReport:
@@ -196,7 +202,7 @@ def show_block_formats() -> None:
         shown(report.verdict(name))
     st.plotly_chart(block_views.snr_heatmap(report), key="lnum_block_heatmap")
     st.dataframe(block_views.display_frame(report), hide_index=True, key="lnum_block_table",
-                 column_config={label: PERCENT for label in list(block_views.COLUMNS.values())[4:]})
+                 column_config=BLOCK_COLUMNS)
     st.caption(block_views.LEGEND + ".")
     if report.skipped:
         st.caption("Not measured: " + "; ".join(f"{name}: {why}" for name, why in report.skipped.items()))
@@ -217,7 +223,11 @@ def launch_sampled_run() -> None:
             names = list(WORKLOADS)
             workload = row[0].selectbox("Workload", names, index=names.index("tiny_transformer"),
                                         key="lnum_run_workload", format_func=lambda name: WORKLOADS[name].title)
-            modes = row[1].multiselect("Modes", runnable, default=[m for m in ("32-true", "16-mixed") if m in runnable],
+            # A block-scaled lane's samples also measure its GEMM operands in its format.
+            block_lanes = [f"bf16-mixed+{name}" for name in block_numerics.FORMAT_NAMES] if "bf16-mixed" in runnable \
+                else []
+            modes = row[1].multiselect("Modes", runnable + block_lanes,
+                                       default=[m for m in ("32-true", "16-mixed") if m in runnable],
                                        key="lnum_run_modes")
             steps = row[2].number_input("Steps", min_value=1, max_value=1_000_000, value=RUN_DEFAULTS.steps,
                                         key="lnum_run_steps", help=field_docs(RunConfig)["steps"])
@@ -309,6 +319,28 @@ def requested_layers(run_id: str, live: bool) -> None:
                  column_config={c: PERCENT for c in numerics_views.CAST_EFFECTS})
 
 
+def show_block_over_steps(events, lane: int, mode: str, run_id: str) -> None:
+    """A lane's block-scaled numerics at its sampled steps (a block-scaled lane's, or an attached run's
+    `block_formats`): the latest verdicts, the SNR heatmap over steps, the latest sample's table."""
+    samples = block_views.block_samples(events)
+    samples = samples[samples["lane"] == lane]
+    if samples.empty:
+        return
+    step, verdicts = block_views.latest_verdicts(events, lane)
+    st.markdown(f"**Block-scaled GEMM operands over steps** (latest sample: step {step})")
+    for verdict in verdicts:
+        st.caption(verdict)
+    formats = list(dict.fromkeys(samples["format"]))
+    row = st.columns([2, 3])
+    chosen = row[0].radio("Format", formats, horizontal=True, key=f"lnum_block_format_{run_id}")
+    operand = row[1].radio("Operand", (block_views.LOWEST, "input", "weight", "grad_output"), horizontal=True,
+                           key=f"lnum_block_operand_{run_id}")
+    st.plotly_chart(block_views.snr_over_steps(samples, lane, mode, chosen, operand), key="lnum_block_over_steps")
+    st.dataframe(block_views.latest_table(samples[samples["format"] == chosen], lane), hide_index=True,
+                 key="lnum_block_latest", column_config=BLOCK_COLUMNS)
+    st.caption(block_views.LEGEND + ".")
+
+
 def amax_view(run_id: str) -> None:
     manager = get_manager()
     info = manager.run_info(run_id)
@@ -340,6 +372,7 @@ def amax_view(run_id: str) -> None:
     headroom_panel(events, manager.steps(run_id), lane, lanes.get(lane, "?"), which, "lnum")
     first_nonfinite_list(events, "lnum_first_nonfinite")
     show_cast_shares(events, lane, which)
+    show_block_over_steps(events, lane, lanes.get(lane, "?"), run_id)
 
 
 app_frame()  # first: a page opened by its URL on a fresh server is drawn inside the app

@@ -299,8 +299,20 @@ if traces:
                                  "low_precision_share": st.column_config.NumberColumn("bf16/fp16 FLOP share",
                                                                                       format="percent")})
 
-    st.subheader("Every op")
     frames = [trace.to_frame() for trace in traces]
+    staged = [(trace, trace_views.block_stage_table(frame)) for trace, frame in zip(traces, frames, strict=True)]
+    if any(not table.empty for _, table in staged):
+        st.subheader("Block-scaled GEMMs: what quantised what")
+        st.caption("An emulated block-scaled lane's Linear layers, stage by stage: each GEMM operand quantised and "
+                   "dequantised in its format and blocks (the ops below are that recipe's own code), then the GEMM "
+                   "of the quantised operands, in fp32 here (no tensor cores for the format on this device).")
+        for index, (trace, table) in enumerate(staged):
+            if not table.empty:
+                st.markdown(f"**{trace.label}**")
+                st.dataframe(table, hide_index=True, key=f"opi_block_{index}",
+                             column_config={"FLOPs": st.column_config.NumberColumn(format="localized")})
+
+    st.subheader("Every op")
     modules = list(dict.fromkeys(m for trace in traces for m in trace.modules))
     dtypes = sorted({d for frame in frames for col in ("in_dtypes", "out_dtypes") for cell in frame[col]
                      for d in cell.split(", ") if d})

@@ -285,6 +285,7 @@ from amp_core.diagnostics.cost import (  # noqa: E402
 from amp_core.precision import availability  # noqa: E402
 from amp_core.probes.spikes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
+from amp_core.views import block_scales as block_scale_views  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
 from amp_core.views import costs as cost_views  # noqa: E402
 from amp_core.views import forecast as forecast_views  # noqa: E402
@@ -620,6 +621,20 @@ def compiled_lanes(info: RunInfo) -> None:
     st.caption(compiled_views.COMPILE_NOTE)
 
 
+def block_scales(info: RunInfo) -> None:
+    """What a block-scaled lane's scales take, under the memory chart (read once from the run's started event)."""
+    if not block_scale_views.has_block_scaled(lane.mode for lane in info.lanes):
+        return
+    seen: dict[str, list[str]] = st.session_state.setdefault("train_block_scales", {})
+    if run_id not in seen:
+        lines = block_scale_views.scale_lines(manager.events(run_id))
+        if not lines:
+            return  # not started yet: asked again at the next redraw
+        seen[run_id] = lines
+    st.caption(" · ".join(seen[run_id]) + ". An emulated lane holds them only during each GEMM; torchao's kernels "
+               "keep them beside the elements.")
+
+
 def forecasts(info: RunInfo) -> None:
     """Each lane's latest forecast (amp_core.probes.headroom: a layer heading for its format's limit), read from the
     run's events only when it samples its layers."""
@@ -743,6 +758,7 @@ def live_view() -> None:
     if has_replicates(series, seeds):
         replicates(series, seeds)
     charts(frame, seeds, drawn_whole)
+    block_scales(info)
     if info.settings.device == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "

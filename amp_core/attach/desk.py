@@ -7,7 +7,8 @@ user's loop never sees it.
 
 The layer watch is a sampled probe (amp_core.probes.sampled), as a race lane's layer amax is: the Monitor's step
 driver carries it, calls it after each full step and has it read when a read is due; this desk only configures it
-(MonitorConfig.layers_every) and answers the page's requests with what it read."""
+(MonitorConfig.layers_every) and answers the page's requests with what it read. Its block-scaled watch
+(MonitorConfig.block_formats, probes.block_sampling.BlockWatchProbe) is another, carried beside it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 import time
 from typing import Any
 
+from amp_core.probes.block_sampling import BlockWatchProbe
 from amp_core.probes.layerwatch import FIRST_NONFINITE_EVENT, LayerWatchProbe
 from amp_core.probes.nonfinite import sentinel_for
 from amp_core.probes.sampled import NOT_SOON, ProbeTrack
@@ -39,7 +41,9 @@ class MonitorDesk:
         self.monitor = monitor
         self.driver = driver
         probe = LayerWatchProbe(config.layers_every, config.probe_share())
-        driver.carry([probe], monitor_probe_track(monitor))
+        # Block-scaled numerics (MonitorConfig.block_formats) ride on the layer watch's steps: carried after it.
+        blocks = [BlockWatchProbe(probe, config.block_formats)] if config.block_formats else []
+        driver.carry([probe, *blocks], monitor_probe_track(monitor))
         self.layers = probe.watch
         """The layer watch the probe made: its requests, answers and failures are this desk's to handle."""
         self.requests = Desk(store, monitor.run_id)  # a page's requests, rank 0 only

@@ -91,6 +91,18 @@ def _whole(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(name, f"must be a whole number >= {minimum}, got {value!r}")
 
 
+def _block_formats(config: MonitorConfig) -> None:
+    """MonitorConfig.block_formats as a tuple of block-scaled options' names; ConfigError naming the choices."""
+    from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS
+
+    names = [option.name for option in BLOCK_SCALED_OPTIONS]
+    value = (config.block_formats,) if isinstance(config.block_formats, str) else config.block_formats
+    if not isinstance(value, (tuple, list)) or any(name not in names for name in value):
+        raise ConfigError("block_formats", f"must name block-scaled formats from {', '.join(names)}; got "
+                                           f"{config.block_formats!r}")
+    object.__setattr__(config, "block_formats", tuple(dict.fromkeys(value)))
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class MonitorConfig(SamplingSettings):
     """How a Monitor records a loop; saved with the run, with what the Monitor saw of the loop (see Monitor). Its
@@ -122,6 +134,11 @@ class MonitorConfig(SamplingSettings):
     race's layer amax heatmap, with the shares a cast to fp16 / bf16 / fp8 overflows, makes subnormal or flushes to
     zero; 0 samples only after failed steps and on request. The hooks' host time is the step's probe time, not its
     step time; a watched step costs a few steps' time on a CPU, so on a small model the budget spaces them further."""
+    block_formats: tuple[str, ...] = ()
+    """Block-scaled formats (`mxfp8`, `nvfp4`, `fp8-blockwise`, or any block-scaled option's name) each Linear's GEMM
+    operands are quantised in on the steps the layer watch watches, by hooks in the step (amp_core.probes.block_watch):
+    per layer and operand the SNR, the share flushed to zero in its block and the blocks whose scale saturates or
+    underflows, a `block_sample` event per watched step; its time counts in the layer watch's part of the budget."""
     integration: str = ""
     """What drives the Monitor: empty for the user's own loop, else the trainer whose callback made it ("Hugging Face
     Trainer", "Lightning"): the Train page says where the run comes from."""
@@ -152,6 +169,7 @@ class MonitorConfig(SamplingSettings):
         _whole("total_steps", self.total_steps, 0)
         _whole("layers_every", self.layers_every, 0)
         _whole("replay_max", self.replay_max, 0)
+        _block_formats(self)
         if self.replay not in REPLAY_SETTINGS or (self.replay == 1 and self.replay is not True) \
                 or (self.replay == 0 and self.replay is not False):
             raise ConfigError("replay", f"must be 'auto', True or False, got {self.replay!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from amp_core.formats import stages
 from amp_core.formats.quantize import (
     FP8_BLOCKWISE_BLOCK,
     MXFP8_BLOCK,
@@ -86,14 +87,39 @@ def _pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(tensor, (0, 0, 0, extra)) if extra else tensor
 
 
+def layout(recipe: GemmRecipe, operand: str, along: str) -> str:
+    """How `operand` is blocked in a GEMM, in words: "1x32 blocks along in_features", "16x16 tiles"."""
+    if operand == WEIGHT and recipe.weight_tiles:
+        return f"{recipe.block}x{recipe.block} tiles"
+    return f"1x{recipe.block} blocks along {along}"
+
+
+def _quantized(recipe: GemmRecipe, tensor: torch.Tensor, operand: str, along: str,
+               generator: torch.Generator | None = None, extra: str = "") -> torch.Tensor:
+    """`tensor` quantised and dequantised as `recipe` quantises `operand`, the stage named for the op tracer."""
+    rounding = ", stochastic rounding" if operand == GRAD_OUTPUT and recipe.stochastic_gradients and \
+        recipe.format == "nvfp4" else ""
+    return stages.run(lambda: f"quantise+dequantise {operand} · {recipe.format} · {layout(recipe, operand, along)}"
+                              f"{extra}{rounding}",
+                      lambda: recipe.quantize(tensor, operand, generator=generator).values)
+
+
+def _gemm(recipe: GemmRecipe, which: str, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """`first @ second` (dequantised operands, an fp32 product), the stage named for the op tracer."""
+    return stages.run(lambda: f"GEMM {which} · {recipe.format} operands (emulated: fp32 product)",
+                      lambda: first @ second)
+
+
 def _wgrad_operand(recipe: GemmRecipe, tensor: torch.Tensor, operand: str, signs: torch.Tensor,
                    generator: torch.Generator | None) -> torch.Tensor:
     """A (tokens, features) operand of the grad-weight GEMM as it reads it: transposed so the tokens are the
     reduction dim, Hadamard-transformed where the recipe says, quantised."""
     transposed = _pad_rows(tensor, recipe.block).t().contiguous()
     if recipe.hadamard:
-        transposed = hadamard_transform(transposed, signs)
-    return recipe.quantize(transposed, operand, generator=generator).values
+        transposed = stages.run(lambda: f"random Hadamard transform {operand} · 16 along tokens",
+                                lambda: hadamard_transform(transposed, signs))
+    return _quantized(recipe, transposed, operand, "tokens", generator,
+                      " (Hadamard-transformed)" if recipe.hadamard else "")
 
 
 class _BlockScaledMatmul(torch.autograd.Function):
@@ -105,7 +131,8 @@ class _BlockScaledMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.signs, ctx.generator = recipe, signs, generator
         rows = x.reshape(-1, x.shape[-1])
-        product = recipe.quantize(rows, INPUT).values @ recipe.quantize(weight, WEIGHT).values.t()
+        product = _gemm(recipe, "forward (input x weight)", _quantized(recipe, rows, INPUT, "in_features"),
+                        _quantized(recipe, weight, WEIGHT, "in_features").t())
         return product.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -116,16 +143,19 @@ class _BlockScaledMatmul(torch.autograd.Function):
         grad_rows = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
-            dy = recipe.quantize(grad_rows, GRAD_OUTPUT, generator=generator).values
-            weight_t = recipe.quantize(weight.t().contiguous(), WEIGHT).values
-            grad_input = (dy @ weight_t.t()).to(x.dtype).reshape(x.shape)
+            dy = _quantized(recipe, grad_rows, GRAD_OUTPUT, "out_features", generator)
+            weight_t = _quantized(recipe, weight.t().contiguous(), WEIGHT, "out_features")
+            grad_input = _gemm(recipe, "grad-input (grad_output x weight)", dy, weight_t.t()).to(x.dtype)
+            grad_input = grad_input.reshape(x.shape)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad_hp:
-                grad_weight = grad_rows.t().to(torch.float32) @ rows.to(torch.float32)
+                grad_weight = stages.run(lambda: "GEMM grad-weight (grad_output x input) · high precision (not "
+                                                 "quantised)",
+                                         lambda: grad_rows.t().to(torch.float32) @ rows.to(torch.float32))
             else:
                 dy_t = _wgrad_operand(recipe, grad_rows, GRAD_OUTPUT, signs, generator)
                 x_t = _wgrad_operand(recipe, rows, INPUT, signs, generator)
-                grad_weight = dy_t @ x_t.t()
+                grad_weight = _gemm(recipe, "grad-weight (grad_output x input)", dy_t, x_t.t())
             grad_weight = grad_weight.to(weight.dtype)
         return grad_input, grad_weight, None, None, None
 
@@ -168,3 +198,19 @@ class BlockScaledLinear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.recipe.format} (emulated)"
+
+
+_EMULATION_ATTRIBUTES = ("recipe", "signs", "_seed", "_draws")
+
+
+def plain_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (one the caller owns: a copy) with every BlockScaledLinear made a plain nn.Linear again, in place: the
+    same Parameters and hooks, its emulation's attributes dropped. A copy of a block-scaled lane's model then takes
+    any recipe as a fresh model would: a 32-true reference computes in fp32, a `+keep:` trial leaves its kept layers
+    out of the format."""
+    for layer in module.modules():
+        if isinstance(layer, BlockScaledLinear):
+            for name in _EMULATION_ATTRIBUTES:
+                layer.__dict__.pop(name, None)
+            layer.__class__ = torch.nn.Linear
+    return module

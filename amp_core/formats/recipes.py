@@ -76,6 +76,18 @@ class BlockScaledMatmuls:
             return False
         return torch.cuda.get_device_capability(torch.device(device)) >= NATIVE_CAPABILITY[self.format]
 
+    def compile_refusal(self, compile_option: str, device: str) -> str:
+        """Why `+compile...` is refused beside this option on `device` (empty: torchao's kernels run here, and
+        torch.compile composes with them as torchao documents). Emulated, inductor would spend minutes compiling the
+        emulation's quantisers (NVFP4's stochastic-rounding draws breaking its graph) for a step time that says
+        nothing about the format."""
+        if self.native(device):
+            return ""
+        return (f"+{compile_option} with +{self.name} is refused where {self.format} is emulated (here, on "
+                f"{device}): inductor would compile the emulation, not the format's kernels, and its step time says "
+                f"nothing about {self.format}; race +{self.name} eager here (with torchao's kernels, on a GPU that has "
+                "them, the two compose)")
+
     def note(self, device: str) -> str:
         if self.native(device):
             return f"{self.help} torchao's {self.format} kernels."
@@ -120,8 +132,10 @@ class BlockScaledMatmuls:
         return f"+{self.name} converts none of {type(module).__name__}'s Linear layers ({reasons})"
 
     def prepare_module(self, module: torch.nn.Module, device: str) -> torch.nn.Module:
-        converted, _ = self.plan(module, device)
+        converted, skipped = self.plan(module, device)
         if not converted:
+            if skipped and all(why.startswith("kept out") for why in skipped.values()):
+                return module  # every Linear kept out (a bisect's trial keeping every module): nothing to convert
             raise ValueError(self.refuses_model(module, device))
         return self.convert(module, device, set(converted))
 

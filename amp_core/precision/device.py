@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.formats.recipes import BlockScaledMatmuls
 from amp_core.precision.modes import MODE_SPECS, MODES, device_type, resolve_device
-from amp_core.precision.options import RECIPE_OPTIONS, parse_recipe
+from amp_core.precision.options import RECIPE_OPTIONS, CompiledModel, parse_recipe
 
 CPU_NATIVE_ENV = "AMP_LAB_CPU_NATIVE"
 """Overrides which 16-bit formats this CPU computes natively (unset: torch's detection decides)."""
@@ -146,6 +147,10 @@ def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
         why = option.refusal(mode, device)
         if why:
             return False, why
+    block = next((option for option in options if isinstance(option, BlockScaledMatmuls)), None)
+    compiled = next((option for option in options if isinstance(option, CompiledModel)), None)
+    if block is not None and compiled is not None and block.compile_refusal(compiled.name, device):
+        return False, block.compile_refusal(compiled.name, device)
     return True, "; ".join([reason, *(option.note(device) for option in options)])
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.formats.linear import plain_linears
+from amp_core.formats.memory import block_scale_report
 from amp_core.formats.recipes import BlockScaledMatmuls
 from amp_core.imports import compiler_ready
 from amp_core.precision.device import availability
@@ -104,7 +106,8 @@ class Precision:
         """Move the module to the device and cast its parameters (true modes only change dtype); an FP8 recipe then
         swaps its eligible Linear layers for torchao's Float8Linear. `+keep:` modules compute in fp32 (a copy of a
         kept lane's model prepared for another recipe loses its keep hooks)."""
-        module = module.to(device=self.device, dtype=self.param_dtype)
+        # A copy of a block-scaled lane's model (a snapshot, a replay's fork) starts plain, as a fresh model would.
+        module = plain_linears(module).to(device=self.device, dtype=self.param_dtype)
         # Before FP8 conversion: a kept Linear carries the keep hooks, which Float8Matmuls.plan leaves out.
         keep_in_fp32(module, self.keep_patterns)
         # A precision plan (+plan:) converts its own layers first; the matmul option then takes the rest.
@@ -164,6 +167,7 @@ class Precision:
             converted = [name for name in converted if name not in planned]
             report["block_format"] = self.block_scaled.format
             report["block_layers"], report["block_skipped"] = converted, skipped
+            report["block_scales"] = block_scale_report(self.block_scaled.gemm, module, converted)
         return report
 
     def fsdp_policy(self):

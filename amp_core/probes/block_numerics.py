@@ -128,8 +128,50 @@ def gemm_recipe(format_name: str) -> GemmRecipe:
     return option.gemm
 
 
-def _snr_db(signal: torch.Tensor, noise: torch.Tensor) -> float:
-    power, error = float(signal.square().sum()), float(noise.square().sum())
+FIGURES = ("signal", "noise", "nonzero", "flushed", "saturated", "underflowed", "blocks", "top_column",
+           "median_column", "top_index")
+"""What `operand_figures` returns, in order: the power of the values beside each block's largest and of their
+quantisation error, the non-zero values and those that quantise to zero, the blocks whose scale saturated or
+underflowed and all blocks, the largest column |max|, the median column |max| and the largest column's index."""
+
+
+def operand_figures(tensor: torch.Tensor, gemm: GemmRecipe, operand: str, *,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """`tensor` (2-D, the GEMM's reduction dim last) quantised as `gemm` quantises `operand`, and what that did, as a
+    float64 vector of FIGURES on the tensor's device: no host sync, so a hook in a user's own step can keep it until
+    a flush (`operand_numerics` reads it)."""
+    values = tensor.detach().to(torch.float32)
+    blocked = gemm.quantize(values, operand, generator=generator)
+    tiles = operand == WEIGHT and gemm.weight_tiles
+    original = block_view(values, gemm.block, tiles).reshape(-1, gemm.block ** (2 if tiles else 1))
+    quantized = block_view(blocked.values, gemm.block, tiles).reshape(original.shape)
+    beside = torch.ones_like(original, dtype=torch.bool).scatter_(1, original.abs().argmax(1, keepdim=True), False)
+    error = (quantized - original) * beside
+    nonzero = values != 0
+    columns = values.abs().amax(0)
+    top_value, top_index = columns.max(0)
+    return torch.stack([
+        (original * beside).double().square().sum(), error.double().square().sum(),
+        nonzero.sum().double(), (nonzero & (blocked.values == 0)).sum().double(),
+        blocked.saturated.sum().double(), blocked.underflowed.sum().double(),
+        # A fill kernel, not a copy from the host (new_tensor's would wait for the device's queue on CUDA).
+        torch.full((), float(blocked.saturated.numel()), dtype=torch.float64, device=values.device),
+        top_value.double(), columns.median().double(), top_index.double()])
+
+
+def operand_numerics(figures: Sequence[float], gemm: GemmRecipe, operand: str, *, layer: str = "",
+                     format_name: str = "", shape: tuple[int, ...] = ()) -> OperandNumerics:
+    """What `operand_figures` measured (read on the host) as an OperandNumerics."""
+    got = dict(zip(FIGURES, figures, strict=True))
+    flushed = got["flushed"] / max(got["nonzero"], 1.0)
+    blocks = max(got["blocks"], 1.0)
+    return OperandNumerics(layer=layer, operand=operand, format=format_name or gemm.format, shape=shape,
+                           snr_db=_snr_db(got["signal"], got["noise"]), flush_share=flushed,
+                           saturated_share=got["saturated"] / blocks, underflow_share=got["underflowed"] / blocks,
+                           why=_why(got, flushed, gemm, operand))
+
+
+def _snr_db(power: float, error: float) -> float:
     if error == 0:
         return math.inf
     return 10 * math.log10(power / error) if power > 0 else -math.inf
@@ -138,32 +180,17 @@ def _snr_db(signal: torch.Tensor, noise: torch.Tensor) -> float:
 def measure_operand(tensor: torch.Tensor, gemm: GemmRecipe, operand: str, *, layer: str = "", format_name: str = "",
                     generator: torch.Generator | None = None) -> OperandNumerics:
     """`tensor` (2-D, the GEMM's reduction dim last) quantised as `gemm` quantises `operand`, and what that did."""
-    values = tensor.detach().to(torch.float32)
-    blocked = gemm.quantize(values, operand, generator=generator)
-    tiles = operand == WEIGHT and gemm.weight_tiles
-    original = block_view(values, gemm.block, tiles).reshape(-1, gemm.block ** (2 if tiles else 1))
-    quantized = block_view(blocked.values, gemm.block, tiles).reshape(original.shape)
-    beside = torch.ones_like(original, dtype=torch.bool).scatter_(1, original.abs().argmax(1, keepdim=True), False)
-    snr = _snr_db(original[beside], (quantized - original)[beside])
-    nonzero = values != 0
-    flushed = float((nonzero & (blocked.values == 0)).sum()) / max(int(nonzero.sum()), 1)
-    blocks = blocked.saturated.numel()
-    return OperandNumerics(layer=layer, operand=operand, format=format_name or gemm.format, shape=tuple(values.shape),
-                           snr_db=snr, flush_share=flushed,
-                           saturated_share=float(blocked.saturated.sum()) / blocks,
-                           underflow_share=float(blocked.underflowed.sum()) / blocks,
-                           why=_why(values, flushed, gemm, operand))
+    figures = operand_figures(tensor, gemm, operand, generator=generator).tolist()
+    return operand_numerics(figures, gemm, operand, layer=layer, format_name=format_name, shape=tuple(tensor.shape))
 
 
-def _why(values: torch.Tensor, flushed: float, gemm: GemmRecipe, operand: str) -> str:
+def _why(got: dict[str, float], flushed: float, gemm: GemmRecipe, operand: str) -> str:
     """An outlier channel (a column of the operand many times the median column's |max|), a wide dynamic range
     (values flushed beside their block's largest), or the format's resolution."""
-    columns = values.abs().amax(0)
-    median = float(columns.median())
-    top = int(columns.argmax())
-    if median > 0 and float(columns[top]) >= OUTLIER_FACTOR * median:
+    median, top = got["median_column"], got["top_column"]
+    if median > 0 and top >= OUTLIER_FACTOR * median:
         kind = "input feature" if operand == WEIGHT else "feature"
-        return (f"outlier channel: {kind} {top} reaches {float(columns[top]) / median:.0f}x the median feature's "
+        return (f"outlier channel: {kind} {int(got['top_index'])} reaches {top / median:.0f}x the median feature's "
                 f"|max|, and the values sharing its blocks of {gemm.block} take its scale")
     if flushed > 0.05:
         return f"wide dynamic range: {flushed:.0%} of the non-zero values flush to zero beside their block's largest"

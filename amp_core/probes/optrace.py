@@ -21,6 +21,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_core.config import INSPECT_DEFAULTS, RunConfig
+from amp_core.formats import stages
 from amp_core.precision import Precision, get_precision
 from amp_core.torch_private import ScopedModuleTracker, TorchDispatchMode
 from amp_core.workloads import WORKLOADS, check_launch
@@ -94,6 +95,9 @@ class OpRecord:
     """Bytes a cast wrote (0 for other ops)."""
     widened_from: int | None
     """When a low-precision result fed this op and it produced fp32: the index of the op that made that result."""
+    block: str = ""
+    """The stage of an emulated block-scaled GEMM it ran in (formats.stages: "quantise+dequantise input · nvfp4 ·
+    1x16 blocks along in_features", "GEMM forward ..."); "" elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +154,7 @@ class OpTrace:
             "in_dtypes": ", ".join(r.in_dtypes), "in_shapes": _shapes_text(r.in_shapes),
             "out_dtypes": ", ".join(r.out_dtypes), "out_shapes": _shapes_text(r.out_shapes),
             "compute_dtype": r.compute_dtype, "flops": r.flops, "is_cast": r.is_cast, "is_view": r.is_view,
-            "cast_bytes": r.cast_bytes, "widened_from": r.widened_from,
+            "cast_bytes": r.cast_bytes, "widened_from": r.widened_from, "block": r.block,
         } for r in self.records]
         frame = pd.DataFrame(rows, columns=_OP_COLUMNS)
         frame["widened_from"] = frame["widened_from"].astype("Int64")
@@ -214,7 +218,7 @@ class OpTrace:
 
 
 _OP_COLUMNS = ["index", "phase", "module", "op", "in_dtypes", "in_shapes", "out_dtypes", "out_shapes",
-               "compute_dtype", "flops", "is_cast", "is_view", "cast_bytes", "widened_from"]
+               "compute_dtype", "flops", "is_cast", "is_view", "cast_bytes", "widened_from", "block"]
 
 
 def _shapes_text(shapes: Iterable[tuple[int, ...]]) -> str:
@@ -294,6 +298,16 @@ class _OpRecorder(TorchDispatchMode):
         self._record(func, args, kwargs, out)
         return out
 
+    def __enter__(self):
+        stages.listeners(1)  # the block-scaled emulation names its stages while a recorder is on
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            stages.listeners(-1)
+
     def _record(self, func, args, kwargs, out) -> None:
         inputs = _tensors(args, [])
         _tensors(kwargs.values(), inputs)
@@ -326,7 +340,7 @@ class _OpRecorder(TorchDispatchMode):
             flops=int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0,
             is_cast=is_cast, is_view=is_view,
             cast_bytes=outputs[0].numel() * outputs[0].element_size() if is_cast else 0,
-            widened_from=widened_from,
+            widened_from=widened_from, block=stages.current(),
         ))
 
 

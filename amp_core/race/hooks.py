@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from amp_core.config import RunConfig
+from amp_core.probes.block_sampling import block_sample_probe
 from amp_core.probes.layer_amax import LayerAmaxProbe
 from amp_core.probes.sampled import ProbeTrack
 from amp_core.race.compiled import compile_hooks
@@ -15,11 +16,13 @@ from amp_core.race.snapshots import SnapshotHook, SnapshotRing
 
 def with_engine_hooks(hooks, config: RunConfig, snapshots: SnapshotRing):
     """`hooks` (a RunHooks) with what `config` asks of the engine in front: the replay snapshots (into `snapshots`)
-    as the first before hook, the layer amax as the first sampled probe of each lane, and the compiled lanes' (compile
-    time kept out of steps)."""
+    as the first before hook, the layer amax (and a block-scaled lane's block numerics) as the first sampled probes of
+    each lane, and the compiled lanes' (compile time kept out of steps)."""
     before = [SnapshotHook(snapshots)] if snapshots.every > 0 else []
     every = config.amax_every
-    amax = [lambda run, lane: LayerAmaxProbe(every)] if every > 0 else []
+    # A block-scaled lane's GEMM operands are sampled on the same steps as its layers' amax (probes.block_sampling).
+    amax = [lambda run, lane: LayerAmaxProbe(every), lambda run, lane: block_sample_probe(every, lane)] \
+        if every > 0 else []
     hooks = replace(hooks, before_lane_step=[*before, *hooks.before_lane_step], probes=[*amax, *hooks.probes])
     return compile_hooks(hooks, config)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from amp_core.config import RunConfig
+from amp_core.formats.memory import scale_text
 from amp_core.precision import Precision
 from amp_core.probes.faults import param_by_name
 from amp_core.race.step import LaneState
@@ -94,7 +95,8 @@ def started_event(config: RunConfig, lanes: list[Lane], bases: list[torch.nn.Mod
                       f"{', '.join(report['fp8_skipped']) or 'none'}"
                       for recipe, report in recipes.items() if "fp8_layers" in report)
     skipped += "".join(f"; {recipe}: {len(report['block_layers'])} Linear layers in {report['block_format']}, "
-                       f"skipped {', '.join(report['block_skipped']) or 'none'}"
+                       f"skipped {', '.join(report['block_skipped']) or 'none'}, scales "
+                       f"{scale_text(report['block_scales'])}"
                        for recipe, report in recipes.items() if "block_layers" in report)
     message = f"{what} on {device}; {threads}{skipped}" + "".join(f"; {clause}" for clause, _ in described)
     data = {"intra_op_threads": torch.get_num_threads(), "recipes": recipes}

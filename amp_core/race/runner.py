@@ -52,10 +52,10 @@ class RunHooks:
       A hook that acts only every N steps says so with an `every` attribute (an int > 0): the steps in between may
       then be plain ones, which no hook sees; a hook without it sees every step (the replay snapshots,
       snapshots.SnapshotHook, are the first before hook when RunConfig.snapshot_every is set);
-    - `probes(run, lane) -> SampledProbe`: each lane's per-step diagnostics (probes.sampled), one made per lane, which
-      its step driver carries (the layer amax, probes.layer_amax.LayerAmaxProbe, is the first when
-      RunConfig.amax_every is set); they join the steps' plain-or-full choice through their `full_at`, and their
-      figures are read at each flush;
+    - `probes(run, lane) -> SampledProbe | None`: each lane's per-step diagnostics (probes.sampled), one made per lane
+      (None: nothing for this lane), which its step driver carries (the layer amax, probes.layer_amax.LayerAmaxProbe,
+      is the first when RunConfig.amax_every is set); they join the steps' plain-or-full choice through their
+      `full_at`, and their figures are read at each flush;
     - `lane_end(run, lane)`: a lane's state is let go (it failed, diverged or the run ended);
     - `on_divergence(run, lane, why, step)`: a lane's loss went non-finite; default `Run.stop_lane` (torchrun: the
       ranks agree first);
@@ -304,7 +304,8 @@ class Run(RunReading):
             lane.plain_step = None if state is None else \
                 state.driver.plain_step(plain_work(state), state.precision.step_context)
             if lane.state is not None and hooks.probes:
-                lane.state.driver.carry([make(self, lane) for make in hooks.probes], lane_probe_track(self, lane))
+                probes = [probe for make in hooks.probes if (probe := make(self, lane)) is not None]
+                lane.state.driver.carry(probes, lane_probe_track(self, lane))
         reading = [lane.state.driver for lane in self.lanes if lane.state is not None and lane.state.driver.sampled]
         flush_at, workload = 0.0, WORKLOADS[config.workload]
         # Bound once: on a plain step each attribute looked up or Python call made is a few hundred ns to a

@@ -1,5 +1,6 @@
 """Block-scaled numerics shaped for people: the per-layer table (terminal text and a page's frame), the verdict lines,
-and a heatmap of each layer's operand SNR per format."""
+a heatmap of each layer's operand SNR per format, and over a run's sampled steps (its `block_sample` events) a
+heatmap of each layer's SNR per step with the latest verdicts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from amp_core.probes.block_numerics import BlockNumericsReport
+from amp_core.probes.block_watch import BLOCK_SAMPLE_EVENT, ROW_FIELDS
 from amp_core.views.plots import chart_layout, empty_figure
 
 COLUMNS = {"layer": "layer", "operand": "operand", "format": "format", "snr_db": "SNR dB",
@@ -73,3 +75,78 @@ def snr_heatmap(report: BlockNumericsReport) -> go.Figure:
                           yaxis={"autorange": "reversed", "automargin": True, "type": "category"},
                           xaxis={"title": {"text": "format · operand"}, "type": "category"})
     return go.Figure({"data": [heatmap], "layout": layout})
+
+
+# --- over sampled steps ---------------------------------------------------------------------------------------------
+
+SAMPLE_COLUMNS = ["lane", "step", "order", *ROW_FIELDS]
+LOWEST = "lowest"
+"""The operand choice that draws each layer's lowest SNR over its three operands."""
+
+
+def block_samples(events: pd.DataFrame) -> pd.DataFrame:
+    """A run's block_sample events as one row per lane, step, layer, operand and format (order: the layer's place
+    in the step's forward order); snr_db is inf where every value beside its block's largest quantised exactly."""
+    if events.empty:
+        return pd.DataFrame(columns=SAMPLE_COLUMNS)
+    rows = []
+    for event in events[events["kind"] == BLOCK_SAMPLE_EVENT].itertuples():
+        order: dict[str, int] = {}
+        for row in event.data.get("rows", []):
+            values = dict(zip(ROW_FIELDS, row, strict=True))
+            values["snr_db"] = math.inf if values["snr_db"] == "inf" else float(values["snr_db"])
+            rows.append({"lane": int(event.lane), "step": int(event.step),
+                         "order": order.setdefault(values["layer"], len(order)), **values})
+    return pd.DataFrame(rows, columns=SAMPLE_COLUMNS)
+
+
+def latest_verdicts(events: pd.DataFrame, lane: int) -> tuple[int | None, list[str]]:
+    """(step, the verdict lines) of a lane's latest block_sample event: the first layer below the threshold in
+    each format, and why."""
+    if events.empty:
+        return None, []
+    picked = events[(events["kind"] == BLOCK_SAMPLE_EVENT) & (events["lane"] == lane)]
+    if picked.empty:
+        return None, []
+    latest = picked.sort_values("step").iloc[-1]
+    return int(latest["step"]), list(latest["data"].get("verdicts", {}).values())
+
+
+def snr_over_steps(samples: pd.DataFrame, lane: int, mode: str, format_name: str,
+                   operand: str = LOWEST) -> go.Figure:
+    """Layers (forward order, top to bottom) x sampled steps: the quantisation SNR in dB of one operand (or each
+    layer's lowest over its operands) in `format_name`, red where it is low; a layer losing signal step after step
+    shows as a row reddening to the right."""
+    which = "lowest operand" if operand == LOWEST else operand
+    title = f"Quantisation SNR over steps · {format_name} · {which} · {mode}"
+    picked = samples[(samples["lane"] == lane) & (samples["format"] == format_name)]
+    if operand != LOWEST:
+        picked = picked[picked["operand"] == operand]
+    if picked.empty:
+        return empty_figure(title, "this lane has no block-scaled samples in this format yet")
+    layers = picked.sort_values(["step", "order"]).drop_duplicates("layer")["layer"].tolist()
+    grid = picked.pivot_table(index="layer", columns="step", values="snr_db", aggfunc="min").reindex(layers)
+    steps = [int(s) for s in grid.columns]
+    table = grid.to_numpy(dtype=float)
+    text = [[_cell(v, "snr_db") if not math.isnan(v) else "not sampled" for v in row] for row in table]
+    shown = [[None if math.isnan(v) else min(v, 60.0) for v in row] for row in table]
+    heatmap = {"type": "heatmap", "x": steps, "y": layers, "z": shown, "text": text, "colorscale": "RdYlGn",
+               "zmin": 0, "zmax": 40, "xgap": 1, "ygap": 1, "colorbar": {"title": {"text": "SNR dB"}},
+               "hovertemplate": "%{y} · step %{x}: %{text} dB<extra></extra>"}
+    if len(steps) <= 12 and len(layers) <= 24:
+        heatmap["texttemplate"] = "%{text}"
+    layout = chart_layout(f"{title}<br><sup>red: little signal left beside each block's largest value</sup>", "",
+                          height=max(280, 120 + 26 * len(layers)), hovermode="closest",
+                          margin={"l": 140, "r": 20, "t": 70, "b": 45},
+                          yaxis={"autorange": "reversed", "automargin": True, "type": "category"},
+                          xaxis={"title": {"text": "step"}, "type": "category" if len(steps) < 30 else "linear"})
+    return go.Figure({"data": [heatmap], "layout": layout})
+
+
+def latest_table(samples: pd.DataFrame, lane: int) -> pd.DataFrame:
+    """A lane's latest sample as the per-operand table (short headers), in forward order."""
+    picked = samples[samples["lane"] == lane]
+    if picked.empty:
+        return pd.DataFrame(columns=list(COLUMNS.values()))
+    latest = picked[picked["step"] == picked["step"].max()].sort_values("order", kind="stable")
+    return latest[list(COLUMNS)].rename(columns=COLUMNS).reset_index(drop=True)

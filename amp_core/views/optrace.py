@@ -125,3 +125,23 @@ def autocast_demo_table(rows: list[dict[str, str]]) -> pd.DataFrame:
     notes = table.pop("seed notes (CUDA)")
     table[NOTES_COLUMN] = notes.where(notes != "", "not in the notes (fp16 only)")
     return table
+
+
+BLOCK_STAGE_COLUMNS = ("phase", "module", "stage", "ops", "FLOPs")
+
+
+def block_stage_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """An emulated block-scaled lane's trace (`OpTrace.to_frame`) by stage, in the order they ran: each Linear's
+    quantise+dequantise of each operand (format, blocks or tiles, along which dim; Hadamard transform and stochastic
+    rounding where the recipe applies them) and its GEMMs, with the ops (views not counted) and FLOPs each took.
+    Empty when nothing ran block-scaled."""
+    staged = frame[frame["block"] != ""] if "block" in frame else frame.iloc[0:0]
+    if staged.empty:
+        return pd.DataFrame(columns=list(BLOCK_STAGE_COLUMNS))
+    # A stage's ops run one after another: a new row wherever the (phase, module, stage) changes.
+    key = staged["phase"] + "\0" + staged["module"] + "\0" + staged["block"]
+    runs = (key != key.shift()).cumsum()
+    grouped = staged.assign(run=runs, counted=~staged["is_view"]).groupby("run", sort=True)
+    return pd.DataFrame({"phase": grouped["phase"].first(), "module": grouped["module"].first(),
+                         "stage": grouped["block"].first(), "ops": grouped["counted"].sum().astype(int),
+                         "FLOPs": grouped["flops"].sum().astype(int)}).reset_index(drop=True)
