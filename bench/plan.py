@@ -1,4 +1,4 @@
-"""The plan search on held-in models with planted sensitive layers (bench.plan_workloads: outlier channels one NVFP4
+"""The plan search on held-in models with planted sensitive layers (tests.plan_workloads: outlier channels one NVFP4
 block cannot hold; a block whose tokens sit 1e5 apart, so NVFP4's e4m3 block scales underflow) and, with --real, on
 tiny_transformer and llama small: per case the planted layers found (recall, precision), the trials against the
 bound 3·k·log2(n) + 6, the wall time, the plan lane's loss against the baseline's seed noise, and the share of matmul
@@ -21,7 +21,7 @@ from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.records.opening import open_store
 from amp_core.views.plan import full_formats
 from amp_core.workloads import WORKLOADS
-from bench.plan_workloads import PlantedFormats, planted_linears
+from tests.plan_workloads import PlantedFormats, planted_linears
 
 PLANTED_STEPS = 40
 """Trials on the planted models: long enough for a planted layer's damage to stand out of the seed noise, short

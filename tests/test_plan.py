@@ -1,4 +1,4 @@
-"""Precision plans (`+plan:FILE`, `amp-lab plan`) on bench.plan_workloads.PlantedFormats: blocks whose Linear reads
+"""Precision plans (`+plan:FILE`, `amp-lab plan`) on tests.plan_workloads.PlantedFormats: blocks whose Linear reads
 an outlier channel one NVFP4 block cannot hold. A plan lane races like any lane and builds the formats it names; the
 search promotes exactly the planted layers (and proves each is needed); the printed code gives a plain loop's model
 the same formats as the lane; bad plans, formats and targets are refused with one line."""
@@ -21,7 +21,7 @@ from amp_core.records.opening import open_store
 from amp_core.views.plan import plan_text
 from amp_core.workloads import WORKLOADS, check_launch
 from bench.plan import PLANTED_STEPS
-from bench.plan_workloads import PlantedFormats, planted_linears
+from tests.plan_workloads import PlantedFormats, planted_linears
 
 MIXED = {"blocks.0.linear": "fp16", "blocks.1.linear": "mxfp8", "blocks.2": "fp32", "blocks.3.linear": "fp8-rowwise",
          "blocks.4.linear": "bf16"}

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.diagnostics.jobs import start_job
 from amp_core.diagnostics.replay import (
     _fork,
     _from_snapshot,
@@ -759,22 +760,9 @@ class BisectJob:
 def start_bisect(manager: Any, run_id: str, lane: int | str, *, step: int | None = None, window: str | None = None,
                  check: BisectConfig | None = None) -> BisectJob:
     """Run `bisect_run(..., record=True)` on a background thread (amp_core.background: stopped at exit)."""
-    from amp_core import background
-
-    job = BisectJob(run_id, lane)
-
-    def work() -> None:
-        try:
-            job.report = bisect_run(manager, run_id, lane, step=step, window=window, check=check, record=True)
-        except ConfigError as error:
-            job.error = f"{error.field}: {error.why}"
-        except Exception as error:  # shown on the page as words, never as a traceback
-            job.error = f"{type(error).__name__}: {error}"
-        finally:
-            job.done = True
-
-    background.start(work, f"amp-bisect-{run_id}-{lane}")
-    return job
+    return start_job(BisectJob(run_id, lane), "report",
+                     lambda: bisect_run(manager, run_id, lane, step=step, window=window, check=check, record=True),
+                     f"amp-bisect-{run_id}-{lane}")
 
 
 def fixed_race_config(config: dict, report: BisectReport, steps: int | None = None) -> RunConfig:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.diagnostics.jobs import start_job
 from amp_core.diagnostics.replay import (
     _fork,
     _from_snapshot,
@@ -305,19 +306,6 @@ class FixRaceJob:
 
 def start_fix_race(manager: Any, run_id: str, lane: int, *, told_at: int | None = None) -> FixRaceJob:
     """`race_fix(..., record=True)` on a background thread (amp_core.background: stopped at exit)."""
-    from amp_core import background
-
-    job = FixRaceJob(run_id, lane)
-
-    def work() -> None:
-        try:
-            job.race = race_fix(manager, run_id, lane, told_at=told_at, record=True)
-        except ConfigError as error:
-            job.error = f"{error.field}: {error.why}"
-        except Exception as error:  # shown on the page as words, never as a traceback
-            job.error = f"{type(error).__name__}: {error}"
-        finally:
-            job.done = True
-
-    background.start(work, f"amp-fix-race-{run_id}-{lane}")
-    return job
+    return start_job(FixRaceJob(run_id, lane), "race",
+                     lambda: race_fix(manager, run_id, lane, told_at=told_at, record=True),
+                     f"amp-fix-race-{run_id}-{lane}")
