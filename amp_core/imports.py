@@ -164,12 +164,21 @@ def _import_mended(name: str) -> types.ModuleType:
                 setattr(sys.modules[parent], child, sys.modules[orphan])
 
 
-_AST_LOCK = threading.Lock()
+_AST_LOCK = threading.RLock()
+_PARSE = ast.parse
+"""The standard library's own parse (`serialize_every_parse` puts a locked one in its place)."""
 
 
-def parse_python(source: str, **kwargs) -> ast.AST:
+def parse_python(source, *args, **kwargs) -> ast.AST:
     """`ast.parse`, one thread at a time: CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not
     per thread, so two sessions' threads parsing at once (a room opening the dashboard) can fail with "SystemError:
     AST constructor recursion depth mismatch". Every parse AMP Lab makes at run time goes through here."""
     with _AST_LOCK:
-        return ast.parse(source, **kwargs)
+        return _PARSE(source, *args, **kwargs)
+
+
+def serialize_every_parse() -> None:
+    """Make `ast.parse` itself `parse_python`, for every caller in this process: a server's other parsers (Streamlit's
+    page scripts, torch reading source) race AMP Lab's own and each other's the same way (CI: the Op inspector page
+    failed with the mismatch while a room opened every page). The dashboard's process calls it once, first."""
+    ast.parse = parse_python

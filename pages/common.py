@@ -22,6 +22,8 @@ from streamlit.logger import get_logger
 
 from amp_core import background, imports
 
+imports.serialize_every_parse()  # every session's page scripts and torch parse on threads of this one process
+
 if TYPE_CHECKING:
     import pandas as pd
 

@@ -177,3 +177,17 @@ def test_the_pages_probes_enter_torchs_compiler_stack_only_through_the_gate():
     result = run_fresh(PAGE_PROBES)
     assert result["dynamo"], "the probes never reached torch's compiler stack: the spy saw nothing to judge"
     assert result["outside"] == []
+
+
+def test_every_parse_in_the_dashboards_process_is_serialized_and_answers_as_ast_parse():
+    """The dashboard's process makes `ast.parse` itself the locked parse, for Streamlit's and torch's callers too; it
+    takes ast.parse's own arguments and gives its result."""
+    result = run_fresh("""
+        import ast, json
+        source = "x = 1\\n"
+        before = ast.dump(ast.parse(source, "<s>", "exec"))
+        import pages.common
+        print(json.dumps({"patched": ast.parse.__module__, "same": ast.dump(ast.parse(source, "<s>", "exec")) == before,
+                          "eval": type(ast.parse("1 + 2", mode="eval")).__name__}))
+        """)
+    assert result == {"patched": "amp_core.imports", "same": True, "eval": "Expression"}
