@@ -44,7 +44,6 @@ def loss_updates(received: list[dict]):
     return lambda ws: ws.on("framereceived", frame)
 
 
-
 def plain_extends(updates: list[dict]) -> list[dict]:
     """The updates that only append new points (no trace replaced, no reset)."""
     return [u for u in updates if u["kind"] == "extend" and u["extend"] and not u["replace"]]
