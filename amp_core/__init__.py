@@ -3,7 +3,7 @@
 This `__init__` is also the front ends' door to the small utilities at amp_core's top (who may control a shared
 dashboard, the app's threads, the import gate, the first paint's catalogue, the optional extras) and to the fix as
 code: `from amp_core import may_control` imports amp_core/access.py when first asked for (amp_core.surface), so
-importing any amp_core module still costs only config.py here.
+importing any amp_core module still costs only config.py (and the few lines of surface.py) here.
 """
 
 from amp_core.config import ConfigError, FaultSpec, RunConfig, ScalerConfig

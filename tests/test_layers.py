@@ -42,8 +42,23 @@ def direct_imports(path: Path) -> set[str]:
                 base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            lazy = surfaces().get(base, {})
+            names.update(f"{base}.{lazy[alias.name]}" for alias in node.names if alias.name in lazy)
         names.update(gated_imports(node))
     return names
+
+
+@functools.cache
+def surfaces() -> dict[str, dict[str, str]]:
+    """Each package whose `__init__` loads its public names on first use (amp_core.surface) -> public name -> the
+    module that defines it: `from amp_core import fix_code` imports amp_core.fixes, and the graph sees it."""
+    found = {}
+    for path in PACKAGE.rglob("__init__.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "lazy_surface":
+                found[module_name(path)] = {name: where.partition(".")[0]
+                                            for name, where in ast.literal_eval(node.args[1]).items()}
+    return found
 
 
 def gated_imports(node: ast.AST) -> set[str]:
@@ -86,6 +101,8 @@ def test_the_graph_sees_every_module_and_its_lazy_imports():
     graph = import_graph()
     assert {"amp_core.race.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
     assert "amp_core.precision" in graph["amp_core.workloads"], "a function-level import is part of the graph"
+    assert "amp_core.diagnostics.configs" in graph["amp_core.cli"], "a package's lazy name is its module's import"
+    assert surfaces()["amp_core"]["fix_code"] == "fixes"
 
 
 ROOMS = (
