@@ -374,7 +374,7 @@ def test_the_first_paint_imports_no_torch_pandas_or_numpy():
 
 
 PAGE_ENGINE_SURFACE = {
-    "amp_core",  # its own __init__: RunConfig, the utilities at its top (access, background, catalog, extras, imports)
+    "amp_core",  # its __init__: RunConfig, the utilities at its top (access, background, catalog, extras...), fix_code
     "amp_core.config", "amp_core.runs",  # the configuration tree and its defaults; a run as it is read
     "amp_core.precision", "amp_core.workloads", "amp_core.records",
     "amp_core.probes", "amp_core.race", "amp_core.diagnostics", "amp_core.workshop",
