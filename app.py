@@ -65,7 +65,7 @@ def edge(what: str, draw) -> None:
     try:
         draw()
     except Exception as exc:
-        from amp_core.records.store import StoreUnreachable
+        from amp_core.records import StoreUnreachable
 
         if isinstance(exc, StoreUnreachable):  # the store's server unreachable: the page redraws once it answers
             wait_for_store(exc)

@@ -4,18 +4,19 @@ numerics without it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from amp_core import access
 from amp_core.config import (
-    ADVISE_BUDGET_S,
     FAULT_GRAMMAR,
     INSPECT_DEFAULTS,
     RUN_DEFAULTS,
@@ -25,6 +26,7 @@ from amp_core.config import (
     ScalerConfig,
     field_docs,
 )
+from amp_core.diagnostics import AdviseConfig, BisectConfig, PlanSearchConfig
 from amp_core.precision import MODES, parse_modes
 from amp_core.records.opening import open_store
 from amp_core.records.store import LIVE_STATUSES, StoreError
@@ -65,6 +67,12 @@ def config_flag(parser: argparse.ArgumentParser, name: str, extra: str = "", *, 
     else:
         parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default: %(default)s)",
                             **kwargs)
+
+
+def config_default(cls: type, name: str) -> Any:
+    """The default of field `name` of the config dataclass `cls`: a flag that sets a tool's config field starts from
+    the field's own default (one source), in the flag's unit."""
+    return next(field for field in dataclasses.fields(cls) if field.name == name).default
 
 
 def inspect_command(parser: argparse.ArgumentParser, mode_field: str, run_fields: tuple[str, ...], csv_help: str,
@@ -180,11 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "largest batch, and recommend the fastest that trains like fp32 within seed "
                                         "noise. Every figure is a run in the store.")
     advise.add_argument("--workload", required=True)
-    advise.add_argument("--size", default=RUN_DEFAULTS.size)
-    advise.add_argument("--budget-min", type=float, default=ADVISE_BUDGET_S / 60,
+    advise.add_argument("--size", default=config_default(AdviseConfig, "size"))
+    advise.add_argument("--budget-min", type=float, default=config_default(AdviseConfig, "budget_s") / 60,
                         help="minutes it may measure (default: %(default)s)")
-    advise.add_argument("--device", default=RUN_DEFAULTS.device)
-    advise.add_argument("--candidates", default="",
+    advise.add_argument("--device", default=config_default(AdviseConfig, "device"))
+    advise.add_argument("--candidates", default=",".join(config_default(AdviseConfig, "candidates")),
                         help="only these recipes, comma-separated (32-true always; default: every one this device "
                              "runs)")
     advise.add_argument("--html", default=None, metavar="PATH", help="also write the advice as an HTML report")
@@ -200,13 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "GPUs) and the plan as code. See docs/plans.md.")
     plan.add_argument("--workload", required=True)
     plan.add_argument("--target", required=True, help="e.g. bf16-mixed+nvfp4")
-    plan.add_argument("--baseline", default="bf16-mixed")
-    plan.add_argument("--budget-min", type=float, default=10.0, help="minutes it may race (default: %(default)s)")
-    plan.add_argument("--size", default="small")
-    plan.add_argument("--device", default="auto")
-    plan.add_argument("--seeds", type=int, default=3)
-    plan.add_argument("--steps", type=int, default=80)
-    plan.add_argument("--out", default="", help="the plan file to write (default: plan-WORKLOAD-FORMAT.toml here)")
+    plan.add_argument("--baseline", default=config_default(PlanSearchConfig, "baseline"))
+    plan.add_argument("--budget-min", type=float, default=config_default(PlanSearchConfig, "budget_s") / 60,
+                      help="minutes it may race (default: %(default)s)")
+    for name in ("size", "device"):
+        plan.add_argument(f"--{name}", default=config_default(PlanSearchConfig, name))
+    for name in ("seeds", "steps"):
+        plan.add_argument(f"--{name}", type=int, default=config_default(PlanSearchConfig, name))
+    plan.add_argument("--out", default=config_default(PlanSearchConfig, "plan_path"),
+                      help="the plan file to write (default: plan-WORKLOAD-FORMAT.toml here)")
     plan.set_defaults(handler=cmd_plan, uses_workloads=True)
 
     inspect_command(sub.add_parser("trace", parents=[plugins], help="which dtype every op ran in, forward and "
@@ -247,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = bisect.add_mutually_exclusive_group()
     where.add_argument("--step", type=int, help="the failing step (default: the lane's first failure in its records)")
     where.add_argument("--window", help="A:B, steps A to B-1 whose loss is above the fp32 band (a slow divergence)")
-    bisect.add_argument("--budget", type=int, default=None, help="at most this many trials (default 40)")
+    bisect.add_argument("--budget", type=int, default=config_default(BisectConfig, "budget"),
+                        help="at most this many trials (default %(default)s)")
     bisect.set_defaults(handler=cmd_bisect, uses_workloads=True)
 
     workshop = sub.add_parser("workshop", help="guided scenarios: list them, or run one and check what it showed")
@@ -825,11 +836,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_bisect(args: argparse.Namespace) -> int:
     """`bisect RUN_ID --lane L [--step S | --window A:B] [--budget N]`: every trial, the set, the price race, the fix
     as code and, last, the price line; the report is recorded as a `bisected` event of the run."""
-    from amp_core.diagnostics.bisect import BisectConfig, bisect_run
+    from amp_core.diagnostics.bisect import bisect_run
     from amp_core.race.runner import RunManager
     from amp_core.views.bisect import bisect_text
 
-    check = BisectConfig() if args.budget is None else BisectConfig(budget=args.budget)
+    check = BisectConfig(budget=args.budget)
     report = bisect_run(RunManager(open_store(args.store)), args.run_id, args.lane, step=args.step,
                         window=args.window, check=check, record=True)
     print(bisect_text(report))

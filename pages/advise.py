@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from amp_core.config import ADVISE_BUDGET_S, ConfigError
-from amp_core.diagnostics.advise import AdviceJob, AdviseConfig
+from amp_core.diagnostics import AdviceJob, AdviseConfig
 from amp_core.precision import BASELINE_MODE, recipe_candidates, resolve_device
 from amp_core.views import advise as views
 from amp_core.workloads import WORKLOADS

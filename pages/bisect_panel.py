@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import streamlit as st
 
+from amp_core import fix_code
 from amp_core.config import ConfigError
-from amp_core.diagnostics.bisect import fixed_race_config, recorded_bisects, start_bisect
-from amp_core.fixes import fix_code
+from amp_core.diagnostics import fixed_race_config, recorded_bisects, start_bisect
 from amp_core.views.bisect import price_frame, trials_frame
 from pages.common import can_control, control_note, store_guarded
 

@@ -27,9 +27,9 @@ imports.serialize_every_parse()  # every session's page scripts and torch parse 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from amp_core.access import Sharing
-    from amp_core.diagnostics.cost import ProbeBoard
-    from amp_core.race.runner import RunManager
+    from amp_core import Sharing
+    from amp_core.diagnostics import ProbeBoard
+    from amp_core.race import RunManager
 
 # Marks in Streamlit's own icon font (Markdown only): an emoji needs an emoji font, which a plain Linux box may lack
 # (Debian's Chromium with no emoji font drew each as an empty box). Plain-text labels (a picker's options, a table's
@@ -201,9 +201,8 @@ def warm_up() -> WarmUp:
 @st.cache_resource(show_spinner=False)
 def get_manager() -> RunManager:
     """The one RunManager of this server (its store at $AMP_LAB_STORE or ~/.amp_lab/runs.sqlite3)."""
-    from amp_core.race.runner import RunManager
-    from amp_core.records.opening import open_store
-    from amp_core.records.store import StoreError
+    from amp_core.race import RunManager
+    from amp_core.records import StoreError, open_store
 
     try:
         return RunManager(open_store())
@@ -214,7 +213,7 @@ def get_manager() -> RunManager:
 @st.cache_resource(show_spinner=False)
 def probe_board() -> ProbeBoard:
     """The server's cost probes (raced off the page's thread, remembered for the server's life)."""
-    from amp_core.diagnostics.cost import ProbeBoard
+    from amp_core.diagnostics import ProbeBoard
 
     return ProbeBoard()
 
@@ -263,7 +262,7 @@ def store_guarded(draw):
 
     @functools.wraps(draw)
     def guarded(*args, **kwargs):
-        from amp_core.records.store import StoreUnreachable
+        from amp_core.records import StoreUnreachable
 
         try:
             return draw(*args, **kwargs)
@@ -339,7 +338,7 @@ VISITORS_REFRESH_S = 5.0
 
 def server_sharing() -> Sharing:
     """How this server is shared: $AMP_LAB_SHARE (set by `amp-lab ui --share`) and the address it listens on."""
-    from amp_core.access import sharing
+    from amp_core import sharing
 
     return sharing(os.environ, st.get_option("server.address"))
 
@@ -371,7 +370,7 @@ def can_control() -> bool:
     the server is not shared; when it is, only a direct connection from this machine (or everyone with
     --remote-control). Draw a control only where this is True, and control_note() in its place otherwise: a widget
     that is not drawn cannot be triggered."""
-    from amp_core.access import is_loopback, may_control, was_proxied
+    from amp_core import is_loopback, may_control, was_proxied
 
     share = server_sharing()
     if not share.shared or share.remote_control:
@@ -384,7 +383,7 @@ def can_control() -> bool:
 
 def control_note() -> None:
     """The one line a visitor sees where a control would be."""
-    from amp_core.access import PRESENTER_NOTE
+    from amp_core import PRESENTER_NOTE
 
     st.caption(f":material/visibility: {PRESENTER_NOTE}")
 
@@ -421,7 +420,7 @@ def sharing_panel() -> None:
         return
 
     def visitors() -> None:
-        from amp_core.access import visitor_count
+        from amp_core import visitor_count
 
         peers = connected_peers()
         if peers is None:
@@ -440,7 +439,7 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
     click does): `probe(run, lane_index)` on the click, kept in session state under `state_key`; returns the result
     of the last click, or None. A lane that ends meanwhile, or a probe that fails, gets a message, not a traceback."""
     from amp_core.config import ConfigError
-    from amp_core.race.compiled import is_compiled_recipe
+    from amp_core.race import is_compiled_recipe
 
     lanes = {f"run {run.run_id} · lane {lane.index} · {lane.mode} ({lane.status})": (run, lane.index)
              for run in get_manager().runs() if run.alive for lane in run.lanes if lane.status == "running"}

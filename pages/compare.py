@@ -5,7 +5,7 @@ from functools import partial
 import streamlit as st
 
 from amp_core.config import FINAL_LOSS_WINDOW
-from amp_core.records.store import StoreError
+from amp_core.records import StoreError
 from amp_core.views import compare, plots, report
 from amp_core.views import compiled as compiled_views
 from amp_core.views.summary import (

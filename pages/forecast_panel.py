@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from amp_core.diagnostics.forecast_fix import acted_forecast, forecast_fixes, recorded_fix_races, start_fix_race
-from amp_core.fixes import fix_code
-from amp_core.probes.headroom import FORMAT_LIMITS, LIMITS
+from amp_core import fix_code
+from amp_core.diagnostics import acted_forecast, forecast_fixes, recorded_fix_races, start_fix_race
+from amp_core.probes import FORMAT_LIMITS
+from amp_core.probes import HEADROOM_LIMITS as LIMITS
 from amp_core.views import forecast as forecast_views
 from amp_core.views import headroom as headroom_views
 from amp_core.views.tables import content_widths, fit_widths

@@ -5,8 +5,7 @@ import streamlit as st
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import compiled_ops, optrace
-from amp_core.race.compiled import eager_recipe, lane_compiles
-from amp_core.race.compiled import one_line as compiled_one_line
+from amp_core.race import compiled_one_line, eager_recipe, lane_compiles
 from amp_core.runs import is_live
 from amp_core.views import compiled as compiled_views
 from amp_core.views import optrace as trace_views
@@ -91,7 +90,7 @@ def lane_trace() -> list[optrace.OpTrace]:
 def attached_trace() -> list[optrace.OpTrace]:
     """An attached run (a Monitor or a trainer callback in another process): ask it to trace its next step; the trace
     once it has arrived, or []."""
-    from amp_core.probes.steptrace import from_answer
+    from amp_core.probes import trace_from_answer as from_answer
 
     manager = get_manager()
     run_id = run_picker(manager, "opi_attached_run")

@@ -3,11 +3,9 @@
 import streamlit as st
 
 from amp_core.config import FAULT_KINDS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
-from amp_core.diagnostics.replay import replay_run
-from amp_core.diagnostics.replay_modes import recorded_replays
+from amp_core.diagnostics import recorded_replays, replay_run
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes, uses_scaler
-from amp_core.probes import faults
-from amp_core.probes.spikes import SpikeRule
+from amp_core.probes import SpikeRule, faults
 from amp_core.runs import is_live
 from amp_core.views import debugger
 from amp_core.views import replay as replay_views

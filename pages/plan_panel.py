@@ -10,8 +10,8 @@ from pathlib import Path
 import streamlit as st
 
 from amp_core.config import ConfigError
-from amp_core.diagnostics.plan_report import LADDER, PlanSearchConfig
-from amp_core.diagnostics.plan_search import PlanJob
+from amp_core.diagnostics import PLAN_LADDER as LADDER
+from amp_core.diagnostics import PlanJob, PlanSearchConfig
 from amp_core.views.plan import plan_text
 from pages.common import can_control, control_note, get_manager
 

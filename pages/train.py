@@ -10,7 +10,7 @@ import contextlib
 
 import streamlit as st
 
-from amp_core import catalog
+from amp_core import catalog, missing_extras
 from amp_core.config import (
     FAULT_GRAMMAR,
     MAX_SEEDS,
@@ -22,7 +22,6 @@ from amp_core.config import (
     ScalerConfig,
     field_docs,
 )
-from amp_core.extras import missing_extras
 from pages.common import (
     app_frame,
     can_control,
@@ -272,7 +271,7 @@ if not warm.done.is_set():
 import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first paint did not wait for them)
 import pyarrow as pa  # noqa: E402
 
-from amp_core.diagnostics.cost import (  # noqa: E402
+from amp_core.diagnostics import (  # noqa: E402
     MIN_TIMED_S,
     SLOW_FACTOR,
     TIME_CAP_S,
@@ -283,7 +282,7 @@ from amp_core.diagnostics.cost import (  # noqa: E402
     relative_costs,
 )
 from amp_core.precision import availability  # noqa: E402
-from amp_core.probes.spikes import SpikeRule  # noqa: E402
+from amp_core.probes import SpikeRule  # noqa: E402
 from amp_core.runs import RunInfo, SourceKind, is_live  # noqa: E402
 from amp_core.views import block_scales as block_scale_views  # noqa: E402
 from amp_core.views import compiled as compiled_views  # noqa: E402
@@ -386,7 +385,7 @@ def draw_costs(outcomes: dict[str, ProbeResult | str]) -> None:
 # --- the largest batch each chosen lane allows (diagnostics.maxbatch, as `amp-lab maxbatch`) --------------------------
 def start_maxbatch(budget_mib: float) -> None:
     """Check the input at once (a message, not a traceback), then search off the page's thread."""
-    from amp_core.diagnostics.maxbatch import MaxBatchJob
+    from amp_core.diagnostics import MaxBatchJob
 
     st.session_state.pop("train_maxbatch", None)
     try:
@@ -421,7 +420,7 @@ def maxbatch_result(polling: bool) -> None:
         "samples / s": st.column_config.NumberColumn(format="%.0f")})
     config_text = f"{entries[job.config.workload].title}, {job.config.size}, {job.config.optimizer}"
     if modelled:
-        from amp_core.diagnostics.maxbatch import PROBE_BATCHES
+        from amp_core.diagnostics import MAXBATCH_PROBE_BATCHES as PROBE_BATCHES
 
         st.caption(f"**Modelled** ({config_text}): no batch was tried at that size. Each lane's fixed bytes "
                    "(parameters, gradients, optimizer state, after a real step) and bytes per sample (saved for "

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import streamlit as st
 
+from amp_core import missing_extras, needs_line
 from amp_core.config import ConfigError
-from amp_core.extras import missing_extras, needs_line
 from amp_core.views import plots
 from amp_core.views import workshop as views
 from amp_core.views.live import RecordFollower

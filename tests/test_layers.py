@@ -9,10 +9,14 @@ transitively through amp_core's own modules; a second check imports the engine f
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "amp_core"
@@ -38,8 +42,23 @@ def direct_imports(path: Path) -> set[str]:
                 base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            lazy = surfaces().get(base, {})
+            names.update(f"{base}.{lazy[alias.name]}" for alias in node.names if alias.name in lazy)
         names.update(gated_imports(node))
     return names
+
+
+@functools.cache
+def surfaces() -> dict[str, dict[str, str]]:
+    """Each package whose `__init__` loads its public names on first use (amp_core.surface) -> public name -> the
+    module that defines it: `from amp_core import fix_code` imports amp_core.fixes, and the graph sees it."""
+    found = {}
+    for path in PACKAGE.rglob("__init__.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "lazy_surface":
+                found[module_name(path)] = {name: where.partition(".")[0]
+                                            for name, where in ast.literal_eval(node.args[1]).items()}
+    return found
 
 
 def gated_imports(node: ast.AST) -> set[str]:
@@ -82,9 +101,12 @@ def test_the_graph_sees_every_module_and_its_lazy_imports():
     graph = import_graph()
     assert {"amp_core.race.runner", "amp_core.views.plots", "amp_core.records.store", "amp_core.cli"} <= set(graph)
     assert "amp_core.precision" in graph["amp_core.workloads"], "a function-level import is part of the graph"
+    assert "amp_core.diagnostics.configs" in graph["amp_core.cli"], "a package's lazy name is its module's import"
+    assert surfaces()["amp_core"]["fix_code"] == "fixes"
 
 
 ROOMS = (
+    "surface",  # a package's public names, loaded on first use: every package's __init__ may use it
     "imports", "torch_private", "background", "extras", "access", "catalog",  # utilities at amp_core's top
     "formats",  # block-scaled formats: quantisers, the emulated Linear, their recipe options
     "precision",  # modes, recipe options, keep, device capability, compiler, torchao optimizers, switches
@@ -352,42 +374,76 @@ def test_the_first_paint_imports_no_torch_pandas_or_numpy():
 
 
 PAGE_ENGINE_SURFACE = {
-    "amp_core.access", "amp_core.background", "amp_core.catalog", "amp_core.config", "amp_core.extras",
-    "amp_core.fixes", "amp_core.imports", "amp_core.precision", "amp_core.runs", "amp_core.workloads",
-    "amp_core.workshop",
-    "amp_core.diagnostics.advise", "amp_core.diagnostics.bisect", "amp_core.diagnostics.cost",
-    "amp_core.diagnostics.forecast_fix", "amp_core.diagnostics.plan_report", "amp_core.diagnostics.plan_search",
-    "amp_core.diagnostics.maxbatch", "amp_core.diagnostics.replay", "amp_core.diagnostics.replay_modes",
-    "amp_core.probes.block_numerics", "amp_core.probes.compiled_ops", "amp_core.probes.faults",
-    "amp_core.probes.formats", "amp_core.probes.headroom", "amp_core.probes.numerics",
-    "amp_core.probes.optrace", "amp_core.probes.spikes",
-    "amp_core.probes.steptrace",
-    "amp_core.race.compiled", "amp_core.race.runner",
-    "amp_core.records.opening", "amp_core.records.requests", "amp_core.records.store",
+    "amp_core",  # its __init__: RunConfig, the utilities at its top (access, background, catalog, extras...), fix_code
+    "amp_core.config", "amp_core.runs",  # the configuration tree and its defaults; a run as it is read
+    "amp_core.precision", "amp_core.workloads", "amp_core.records",
+    "amp_core.probes", "amp_core.race", "amp_core.diagnostics", "amp_core.workshop",
 }
-"""The engine modules a page (app.py, pages/*.py) may import besides amp_core.views: the engine's surface as the pages
-see it. A page that needs another asks a view, or the list grows here, where a reviewer sees it."""
+"""What a page (app.py, pages/*.py) may import from the engine besides amp_core.views: these modules and packages, and
+of each only the names in its `__all__` (a module without one: its public names). The packages load those names on
+first use (amp_core.surface), so a page's import costs what importing the defining module did. A page that needs
+another name asks a view, or the name joins its package's `__all__`, where a reviewer sees it."""
 
 
-def page_imports(path: Path) -> set[str]:
-    """The amp_core modules a page script imports (`from pkg import module` counted as the module)."""
-    names = set()
-    for name in direct_imports(path):
-        if not name.startswith("amp_core"):
-            continue
-        as_module = ROOT / (name.replace(".", "/") + ".py")
-        as_package = ROOT / name.replace(".", "/") / "__init__.py"
-        if as_module.exists() or as_package.exists():
-            names.add(name)
-    return {name for name in names if not any(other.startswith(name + ".") for other in names)}
+def engine_imports(source: str) -> set[tuple[str, str]]:
+    """(module, name) for each engine import in a page's source, amp_core.views aside: `from M import name` is
+    (M, name), `import M` is (M, "")."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update((alias.name, "") for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.update((node.module, alias.name) for alias in node.names)
+    return {(module, name) for module, name in found if is_under(module, "amp_core")
+            and not is_under(module, "amp_core.views") and (module, name) != ("amp_core", "views")}
+
+
+@functools.cache
+def surface_names() -> dict[str, list[str]]:
+    """Each surface module's public names (`__all__`, else its names without a leading underscore), read in a fresh
+    interpreter (importing a package runs only its `__init__`: its lazy names stay unloaded)."""
+    code = (f"import importlib, json\nnames = {{}}\nfor name in {sorted(PAGE_ENGINE_SURFACE)!r}:\n"
+            "    module = importlib.import_module(name)\n"
+            "    names[name] = list(getattr(module, '__all__', [n for n in vars(module) if not n.startswith('_')]))\n"
+            "print(json.dumps(names))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def off_the_surface(source: str) -> list[str]:
+    """The engine imports in `source` that the surface does not offer."""
+    public = surface_names()
+    beyond = []
+    for module, name in sorted(engine_imports(source)):
+        if module not in PAGE_ENGINE_SURFACE:
+            beyond.append(f"{module} is not on the engine's surface")
+        elif name and name not in public[module]:
+            beyond.append(f"{module}.{name} is not in {module}'s public names")
+    return beyond
 
 
 def test_pages_import_the_views_and_a_named_engine_surface_only():
     scripts = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
-    beyond = sorted(f"{path.name}: {name}" for path in scripts for name in page_imports(path)
-                    if not is_under(name, "amp_core.views") and name not in PAGE_ENGINE_SURFACE)
+    beyond = [f"{path.name}: {why}" for path in scripts for why in off_the_surface(path.read_text())]
     assert not beyond, "\n".join(beyond)
-    assert "amp_core.race.runner" in page_imports(ROOT / "pages" / "common.py"), "the check sees what pages import"
+    assert ("amp_core.race", "RunManager") in engine_imports((ROOT / "pages" / "common.py").read_text()), (
+        "the check sees what pages import")
+    assert len(PAGE_ENGINE_SURFACE) <= 10, "the surface is a short list: a page needs a name, not another module"
+
+
+@pytest.mark.parametrize(("line", "named"), [
+    ("from amp_core.diagnostics.bisect import start_bisect",
+     "amp_core.diagnostics.bisect is not on the engine's surface"),
+    ("import amp_core.race.runner", "amp_core.race.runner is not on the engine's surface"),
+    ("from amp_core.diagnostics import BisectJob", "amp_core.diagnostics.BisectJob is not in amp_core.diagnostics's "
+                                                   "public names"),
+    ("from amp_core.config import _positive", "amp_core.config._positive is not in amp_core.config's public names"),
+    ("from amp_core import access", "amp_core.access is not in amp_core's public names"),
+])
+def test_an_import_off_the_surface_is_named(line, named):
+    assert off_the_surface(f"def draw():\n    {line}\n") == [named]
+    assert off_the_surface("from amp_core.diagnostics import start_bisect\nfrom amp_core.views import plots\n") == []
 
 
 def test_pages_shape_no_tables():

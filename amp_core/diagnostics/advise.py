@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from amp_core import background
-from amp_core.config import ADVISE_BUDGET_S, FINAL_LOSS_WINDOW, RUN_DEFAULTS, ConfigError, RunConfig
+from amp_core.config import FINAL_LOSS_WINDOW, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
+from amp_core.diagnostics.configs import AdviseConfig
 from amp_core.diagnostics.plan_search import plan_hint
 from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.precision import (
@@ -51,8 +52,6 @@ from amp_core.workloads import WORKLOADS, check_launch
 
 ADVISED_EVENT = "advised"
 """The race run's event that links an advice to its evidence (its data: see `record_advice`)."""
-RACE_SEEDS = 3
-"""Seed replicates per recipe in the race: the spread across them is the seed noise every verdict is held against."""
 MIN_RACE_STEPS = 40
 """A race shorter than this gives no verdict: the final loss is the mean of the last LAST_K steps, after warm-up."""
 MAX_RACE_STEPS = 3000
@@ -552,33 +551,6 @@ def _first_nonfinite(events) -> dict[str, str]:
 
 
 # --- the orchestrator -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AdviseConfig:
-    """One advice: the workload to advise on and how long it may measure."""
-
-    workload: str
-    """A registered workload (built-in or plugin)."""
-    size: str = RUN_DEFAULTS.size
-    """The workload's size."""
-    budget_s: float = ADVISE_BUDGET_S
-    """Seconds it may spend measuring (cost probes, race, replays, largest batches); a phase that would overrun it
-    is cut short or left out, and the advice says so."""
-    device: str = RUN_DEFAULTS.device
-    """auto | cpu | cuda."""
-    batch_size: int = RUN_DEFAULTS.batch_size
-    """Samples per step of every run it makes."""
-    candidates: tuple[str, ...] = ()
-    """Only these recipes (32-true is always among them); empty: every recipe this device can run."""
-    seeds: int = RACE_SEEDS
-    """Seed replicates per recipe in the race (2 or more: the seed noise)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.budget_s, (int, float)) or not math.isfinite(self.budget_s) or self.budget_s <= 0:
-            raise ConfigError("budget", f"must be a number of minutes > 0, got {self.budget_s / 60!r}")
-        if not isinstance(self.seeds, int) or self.seeds < 2:
-            raise ConfigError("seeds", f"the race needs at least 2 seeds per recipe (seed noise), got {self.seeds!r}")
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BudgetPlan:
     """How an advice splits its budget, planned from the budget and the candidates before anything runs (each phase

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.diagnostics.configs import BisectConfig
 from amp_core.diagnostics.jobs import start_job
 from amp_core.diagnostics.replay import (
     _fork,
@@ -63,33 +64,6 @@ from amp_core.workloads import WORKLOADS, Data
 
 BISECTED_EVENT = "bisected"
 """Event kind: a bisect's report (`BisectReport.to_data`), recorded in the run it bisected."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BisectConfig:
-    """How a bisect searches and judges."""
-
-    budget: int = 40
-    """At most this many trials (the lane as it is, every module kept, and the search's own), not counting the fp32
-    reference and the price race; spent before the set is minimal, the best set found is returned and said to be
-    possibly not minimal."""
-    band_rel: float = 0.1
-    """A step's loss is above the fp32 reference's band when it exceeds the reference's loss by more than this share
-    of it (bf16 and fp16 noise stays well inside 10 % on the built-ins)."""
-    over_band_steps: int = 3
-    """This many steps in a row above the band fail a trial (fewer when the window is shorter); also how a slow
-    divergence is found in the records when no step is named."""
-    price_steps: int = 8
-    """Steps of the price race (original lane, fixed lane, 32-true) from the same state."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 3:
-            raise ConfigError("budget", f"must be a whole number >= 3 (the lane, every module kept, one search trial), "
-                                        f"got {self.budget!r}")
-        if not self.band_rel > 0:
-            raise ConfigError("band_rel", f"must be > 0, got {self.band_rel!r}")
-        if self.over_band_steps < 1 or self.price_steps < 1:
-            raise ConfigError("over_band_steps", "over_band_steps and price_steps must be >= 1")
 
 
 # --- the marker: what to try next, given the last outcome -----------------------------------------------------------

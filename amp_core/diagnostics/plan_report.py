@@ -31,7 +31,8 @@ class PlanSearchConfig:
     baseline: str = "bf16-mixed"
     """The recipe the plan must train like, within seed noise."""
     size: str = "small"
-    budget_s: float = 300.0
+    budget_s: float = 600.0
+    """Seconds it may race (the CLI's `--budget-min` and the page's budget start from this: 10 minutes)."""
     device: str = "auto"
     seeds: int = SEEDS
     steps: int = STEPS

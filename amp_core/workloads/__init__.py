@@ -136,8 +136,8 @@ def parameter_count(workload: str, size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["BUILT_IN", "PLUGINS_ENV", "WORKLOADS", "Data", "PluginProblem", "Workload", "load_plugins",
-           "param_names", "parameter_count", "plugin_modules"]
+__all__ = ["BUILT_IN", "PLUGINS_ENV", "PLUGIN_ORIGINS", "WORKLOADS", "Data", "PluginProblem", "Workload",
+           "load_plugins", "param_names", "parameter_count", "plugin_modules"]
 
 
 def check_launch(config: RunConfig) -> None:
