@@ -85,8 +85,8 @@ class PlantedFormats(Workload):
     name = "planted_formats"
     title = "Blocks with planted outlier channels (plan search)"
     description = ("6 residual blocks x + GELU(LN(linear(spread(x)))); a planted spread puts one feature of every 16 "
-                   "at x1000 (NVFP4 flushes its block neighbours); a skewed block's token groups are x1e8 apart (NVFP4's "
-                   "block scales underflow); the head (32->8) is not whole NVFP4 blocks.")
+                   "at x1000 (NVFP4 flushes its block neighbours); a skewed block's token groups are x1e8 apart "
+                   "(NVFP4's block scales underflow); the head (32->8) is not whole NVFP4 blocks.")
     sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (), "skewed": (3,)},
              "xl": {"planted": (1,), "skewed": (4,)}}
     features, width, depth, classes = 32, 32, 6, 8
