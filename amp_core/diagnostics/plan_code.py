@@ -10,6 +10,7 @@ from torch import nn
 from amp_core import precision  # importing it binds formats.plan's formats (plan.bind_precision)
 from amp_core.formats.plan import DTYPE_FORMATS, PlannedLinear, is_float8, matmul_option, set_module
 from amp_core.formats.recipes import NATIVE_CAPABILITY, BlockScaledMatmuls
+from amp_core.probes.module_formats import linear_formats
 
 
 def plan_code(formats: dict[str, str], *, title: str = "", autocast: str = "bf16") -> str:
@@ -99,25 +100,6 @@ def convert_layers(model: nn.Module, format_name: str, filter_fn, device: str = 
 
 
 def formats_of(model: nn.Module) -> dict[str, str]:
-    """The matmul format each Linear of a prepared `model` computes in, read from the layers themselves: fp32 (kept),
-    bf16 / fp16 (a plan's), mxfp8 / nvfp4 / fp8-blockwise (block-scaled), fp8 (torchao's Float8Linear), or bf16 (a
-    plain Linear: a bf16-mixed loop's autocast dtype)."""
-    from amp_core.formats.linear import BlockScaledLinear
-
-    kept = [name for name, layer in model.named_modules() if precision.is_kept(layer)]
-    out = {}
-    for name, layer in model.named_modules():
-        if not isinstance(layer, nn.Linear):
-            continue
-        if any(name == k or name.startswith(f"{k}.") or not k for k in kept):
-            out[name] = "fp32"
-        elif isinstance(layer, PlannedLinear):
-            out[name] = layer.format
-        elif isinstance(layer, BlockScaledLinear):
-            out[name] = layer.recipe.format
-        elif type(layer).__name__ == "Float8Linear":
-            out[name] = "fp8"
-        else:
-            out[name] = "bf16"
-    return out
-
+    """The matmul format each Linear of a prepared `model` computes in, read from the layers themselves, in a
+    bf16-mixed loop (a plain Linear: bf16): see probes.module_formats.linear_formats."""
+    return linear_formats(model, "bf16")

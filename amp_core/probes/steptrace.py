@@ -70,4 +70,4 @@ def from_answer(answer: dict[str, Any]) -> OpTrace:
             fields[name] = tuple(tuple(shape) for shape in fields[name])
         records.append(OpRecord(**fields))
     return OpTrace(label=answer["label"], mode=answer["mode"], device=answer["device"], records=records,
-                   modules=list(answer["modules"]))
+                   modules=list(answer["modules"]), formats=dict(answer.get("formats", {})))
