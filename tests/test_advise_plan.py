@@ -12,7 +12,7 @@ import pytest
 
 from amp_core.config import RunConfig
 from amp_core.diagnostics.advise import BudgetClock, decide, gather, record_advice
-from amp_core.diagnostics.advise_plan import plan_fixes
+from amp_core.diagnostics.advise_plan import plan_fixes, plan_targets
 from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.formats.plan import read_plan
 from amp_core.race.runner import RunManager
@@ -40,12 +40,14 @@ def advised(tmp_path_factory):
     run.join(300)
     assert run.status == "finished"
     say = lambda message, fraction: None  # noqa: E731
+    raced = gather(manager, run.run_id)  # the race alone, as the advisor reads it before its plan step
+    targets = plan_targets(raced, decide(raced))
+    assert targets == [TARGET]
     short: list[str] = []
-    too_short = plan_fixes(manager, run, BudgetClock(1), short, say, seeds=3, race_steps=PLANTED_STEPS, reserve_s=0,
-                           plan_dir=str(folder))
+    settings = {"seeds": 3, "race_steps": PLANTED_STEPS, "reserve_s": 0, "plan_dir": str(folder)}
+    too_short = plan_fixes(manager, run, targets, BudgetClock(1), short, say, **settings)
     notes: list[str] = []
-    plans = plan_fixes(manager, run, BudgetClock(600), notes, say, seeds=3, race_steps=PLANTED_STEPS, reserve_s=0,
-                       plan_dir=str(folder))
+    plans = plan_fixes(manager, run, targets, BudgetClock(600), notes, say, **settings)
     found = [(recipe, True, "") for recipe in modes]
     record_advice(manager, run.run_id, found=found, probe_runs=[], warmup=8, budget_s=600.0, spent_s=60.0, notes=[],
                   device="cpu", plans=plans)

@@ -37,7 +37,7 @@ from amp_core import background
 from amp_core.config import ADVISE_BUDGET_S, FINAL_LOSS_WINDOW, RUN_DEFAULTS, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
-from amp_core.diagnostics.advise_plan import plan_fixes, plan_line, plan_note
+from amp_core.diagnostics.advise_plan import plan_fixes, plan_line, plan_note, plan_targets
 from amp_core.diagnostics.plan_search import plan_hint
 from amp_core.diagnostics.seednoise import difference_verdict
 from amp_core.precision import (
@@ -821,8 +821,10 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
                        reserve_s=plan.reserve_s, min_steps=MIN_RACE_STEPS)
     check_stop()
     # ... and for one with a matmul format that failed or trained worse than 32-true, a per-layer plan and its race.
-    plans = plan_fixes(manager, run, clock, notes, say, seeds=config.seeds, race_steps=race_steps,
-                       reserve_s=plan.reserve_s, plan_dir=config.plan_dir, stop=stop, min_steps=MIN_RACE_STEPS)
+    raced = gather(manager, run.run_id)  # the race alone: its lanes are the candidates, judged by decide's rules
+    plans = plan_fixes(manager, run, plan_targets(raced, decide(raced)), clock, notes, say, seeds=config.seeds,
+                       race_steps=race_steps, reserve_s=plan.reserve_s, plan_dir=config.plan_dir, stop=stop,
+                       min_steps=MIN_RACE_STEPS)
     check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.

@@ -34,23 +34,23 @@ def plan_targets(evidence, advice) -> list[str]:
     return [v.recipe for v in sorted(out, key=lambda v: v.time_ratio if math.isfinite(v.time_ratio) else math.inf)]
 
 
-def plan_fixes(manager, run, clock, notes: list[str], say, *, seeds: int, race_steps: int, reserve_s: float,
-               plan_dir: str = "", stop: threading.Event | None = None, min_steps: int = 40) -> list[dict]:
-    """For each candidate of `run` (the advice's seeded race) a plan may save (`plan_targets`, PLANS_AT_MOST of them):
+def plan_fixes(manager, run, targets: list[str], clock, notes: list[str], say, *, seeds: int, race_steps: int,
+               reserve_s: float, plan_dir: str = "", stop: threading.Event | None = None,
+               min_steps: int = 40) -> list[dict]:
+    """For each candidate of `run` (the advice's seeded race) a plan may save (`targets`: `plan_targets` of the race's
+    evidence and decision; PLANS_AT_MOST of them):
     the plan search against 32-true with the race's own settings, then — when it found layers to promote and the
     budget allows — a seeded race of the plan lane beside 32-true. Returns the records the `advised` event keeps
     (one per candidate: the plan, the search's trials, the plan race's run, or why a step was skipped); `reserve_s` is
     kept for what comes after; plan files are written in `plan_dir` (default: here)."""
     from amp_core.config import ConfigError
-    from amp_core.diagnostics.advise import decide, gather
     from amp_core.diagnostics.plan_report import PlanSearchConfig
     from amp_core.diagnostics.plan_search import Stopped, lane_format, search
 
-    evidence = gather(manager, run.run_id)  # the race alone: its lanes are the candidates, judged by decide's rules
     frame = run.frame()
     base_ms = float(frame.loc[frame["mode"] == BASELINE_MODE, "step_ms"].median())
     plans = []
-    for recipe in plan_targets(evidence, decide(evidence))[:PLANS_AT_MOST]:
+    for recipe in targets[:PLANS_AT_MOST]:
         record: dict = {"recipe": recipe, "kind": "plan", "plan": {}, "why": ""}
         plans.append(record)
         ms = float(frame.loc[frame["mode"] == recipe, "step_ms"].median())
