@@ -246,3 +246,35 @@ def test_the_op_inspector_shows_each_modules_format_as_it_ran_on_a_plan_lane(pla
         assert per_module and "format" in per_module[0].columns
     finally:
         run.stop()
+
+
+def test_a_plan_lane_compiles_with_compilable_formats_and_one_naming_an_emulated_format_is_refused(planted, tmp_path):
+    """+compile beside a plan: bf16 / fp32 / FP8-tensorwise layers compile in one graph (an fp32 Linear is a with-block
+    torch.compile traces); an emulated block format, or a non-Linear module kept by the keep hooks, is refused at
+    launch in one line."""
+    from amp_core.precision.compiler import cpp_compiler
+    from amp_core.race.compiled import COMPILED_EVENT
+
+    emulated = write_plan(tmp_path / "emulated.toml", {"fc1": "nvfp4"})
+    with pytest.raises(ConfigError, match=r"\+compile with \+plan:.*'fc1' = 'nvfp4' is emulated here \(cpu\)"):
+        check_launch(RunConfig(workload="digits_mlp", modes=(f"bf16-mixed+compile+plan:{emulated}",), device="cpu"))
+    hooked = write_plan(tmp_path / "hooked.toml", {"blocks.2": "fp32"})
+    with pytest.raises(ConfigError, match=r"it keeps blocks.2 in fp32, which is not a Linear"):
+        check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+compile+plan:{hooked}",), device="cpu"))
+    check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+plan:{hooked}",), device="cpu"))  # eager: fine
+    if not cpp_compiler():
+        pytest.skip("inductor needs a C++ compiler on a CPU")
+
+    plan = write_plan(tmp_path / "compiles.toml", {"fc1": "fp8-tensorwise", "fc2": "fp32"})
+    recipe = f"bf16-mixed+compile+plan:{plan}"
+    manager = RunManager(open_store(str(tmp_path / "store.sqlite")))
+    run = manager.launch(RunConfig(workload="digits_mlp", modes=(recipe,), steps=4, batch_size=16, device="cpu",
+                                   snapshot_every=0, gradstats_every=0))
+    run.join(300)
+    assert [lane.status for lane in manager.run_info(run.run_id).lanes] == ["finished"]
+    events = manager.events(run.run_id)
+    [compiled] = events[events["kind"] == COMPILED_EVENT]["data"]
+    assert compiled["graphs"] == 1 and compiled["graph_breaks"] == 0
+    started = events[events["kind"] == "started"]["data"].iloc[-1]["recipes"][recipe]
+    assert started["plan"] == {"fc1": "fp8-tensorwise", "fc2": "fp32"}
+    assert manager.steps(run.run_id)["loss"].map(math.isfinite).all()
