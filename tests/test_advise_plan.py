@@ -100,3 +100,22 @@ def test_the_advisor_offers_a_plan_where_the_plain_target_fails_and_weighs_it_by
                                   "search): x0.33 of 32-true's ms/step over 3 seeds")
     assert f"{plan_recipe}: fixes {TARGET} (1 of 7 layers promoted to mxfp8); raced beside 32-true in run " \
         f"{record['race_run']}" in advice_text(advice)
+
+
+def test_the_advise_page_offers_find_a_plan_and_refuses_a_target_in_one_line(monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    workload = PlantedFormats()
+    monkeypatch.setitem(WORKLOADS, workload.name, workload)
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "advise.py")
+    app = AppTest.from_file(page, default_timeout=120).run()
+    app.selectbox(key="advise_workload").set_value(workload.name).run()
+    app.selectbox(key="advise_size").set_value("medium").run()
+    app.selectbox(key="advise_plan_target").set_value("bf16-mixed+fp8-blockwise").run()
+    app.button(key="advise_plan_go").click().run()
+    assert not app.exception
+    errors = [e.value for e in app.error]
+    assert len(errors) == 1 and errors[0].startswith("Cannot search: **target**") and "converts none" in errors[0]
+    assert "advise_job" not in app.session_state  # the plan panel started no advice
