@@ -1,8 +1,9 @@
 """The plan search on held-in models with planted sensitive layers (tests.plan_workloads: outlier channels one NVFP4
-block cannot hold; a block whose tokens sit 1e5 apart, so NVFP4's e4m3 block scales underflow) and, with --real, on
-tiny_transformer and llama small: per case the planted layers found (recall, precision), the trials against the
-bound 3·k·log2(n) + 6, the wall time, the plan lane's loss against the baseline's seed noise, and the share of matmul
-FLOPs kept in the target format (goal >= 0.8 on the real models).
+block cannot hold; a layer whose gradients underflow NVFP4's e4m3 block scales, token groups 1e8 apart, which MXFP8
+holds) and, with --real, on tiny_transformer and llama small: per case the planted layers found (recall, precision)
+and the format they went to (one rung up, MXFP8, or the case scores 0), the trials against the bound
+3·k·log2(n) + 6, the wall time, the plan lane's loss against the baseline's seed noise, and the share of matmul FLOPs
+kept in the target format (goal >= 0.8 on the real models).
 
     python3 -m bench.plan [--real] [--target bf16-mixed+nvfp4]
 
@@ -54,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     WORKLOADS[PlantedFormats.name] = PlantedFormats()
     worst = 1.0
+    within_bound = within_noise = True
     with tempfile.TemporaryDirectory() as folder:
         for size in PlantedFormats.sizes:
             report, wall = run_case(PlantedFormats.name, size, args.target, folder, 600, args.steps, PLANTED_BATCH)
@@ -81,6 +83,8 @@ def main() -> None:
             print(f"{tag}_promoted_to={'+'.join(rungs) or 'none'}")
             held = rungs == [LADDER[report.target_format][0]]
             worst = min(worst, recall * precision_ * held)
+            within_bound &= len(report.trials) <= bound
+            within_noise &= verdict == "within the spread"
         if args.real:
             for workload in ("tiny_transformer", "llama"):
                 report, wall = run_case(workload, "small", args.target, folder, 900)
@@ -89,6 +93,8 @@ def main() -> None:
                 print(f"{workload}_trials={len(report.trials)}")
                 print(f"{workload}_wall_s={wall:.1f}")
                 print(f"{workload}_target_flop_share={shares(report):.3f}")
+    print(f"planted_trials_within_bound={within_bound}")
+    print(f"planted_plans_within_seed_noise={within_noise}")
     print(f"planted_recall_x_precision_worst={worst:.2f}")
 
 
