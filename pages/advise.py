@@ -4,6 +4,9 @@ button; the page then shows the recommendation, every candidate with its verdict
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import streamlit as st
 
 from amp_core.config import ADVISE_BUDGET_S, ConfigError
@@ -12,6 +15,7 @@ from amp_core.precision import BASELINE_MODE, recipe_candidates, resolve_device
 from amp_core.views import advise as views
 from amp_core.workloads import WORKLOADS
 from pages.common import app_frame, can_control, control_note, get_manager, store_guarded
+from pages.plan_panel import plan_panel
 
 REFRESH_S = 1.0  # the progress redraw period while the advisor measures
 JOB_KEY = "advise_job"
@@ -34,7 +38,8 @@ def start() -> None:
     try:
         state[JOB_KEY] = AdviceJob(AdviseConfig(
             workload=state["advise_workload"], size=state["advise_size"], budget_s=float(state["advise_budget"]) * 60,
-            device=device, candidates=tuple(state["advise_candidates"])), manager.store)
+            device=device, candidates=tuple(state["advise_candidates"]),
+            plan_dir=str(Path(tempfile.gettempdir()) / "amp-lab-plans")), manager.store)
     except ConfigError as error:
         state["advise_error"] = f"**{error.field}** — {error.why}. Nothing was started."
     else:
@@ -60,6 +65,8 @@ with st.container(border=True):
         control_note()
 if "advise_error" in st.session_state:
     st.error(st.session_state["advise_error"])
+with st.expander("Find a plan for one recipe: a format per layer (the advice runs it for a failing matmul format)"):
+    plan_panel(workload, st.session_state["advise_size"], device, "advise")
 if job is None:
     st.info("Choose a workload and a budget, then press Advise.")
     st.stop()
@@ -87,8 +94,9 @@ def draw_result(job: AdviceJob) -> None:
     for line in (*views.unmeasured_lines(advice), *views.budget_lines(advice)):
         st.caption(line)
     keep = views.keep_lines(advice)
-    if keep:  # the layer bisect's answer for a candidate that failed in a few layers, and its price
-        st.markdown("**Layers to keep in fp32** (the layer bisect, from the failing step's snapshot)\n"
+    if keep:  # the bisect's and the plan search's answers for a candidate that failed, and their price
+        st.markdown("**Layers to keep in fp32 or promote** (the layer bisect, from the failing step's snapshot; the "
+                    "plan search, for a matmul format)\n"
                     + "\n".join(f"- {line}" for line in keep))
     with st.expander("The figure that decided each verdict"):
         st.markdown("\n".join(f"- {line}" for line in views.figure_lines(advice)))

@@ -26,7 +26,7 @@ DEVICE = resolve_device("auto")
 DEFAULT_WORKLOAD = RunConfig.__dataclass_fields__["workload"].default
 SOURCES = ("One mode", "Two modes side by side", "A live lane", "An attached run", "A compiled lane's own compile")
 # The per-module table's columns on the page (the per-dtype FLOP split stays in the trace).
-MODULE_COLUMNS = ("module", "forward_dtype", "backward_dtype", "ops", "casts", "cast_bytes", "flops",
+MODULE_COLUMNS = ("module", "format", "forward_dtype", "backward_dtype", "ops", "casts", "cast_bytes", "flops",
                   "low_precision_share")
 SEED_DEMO = """x = torch.rand([32, 32])
 y = torch.rand([32, 32])            # then: y = y.half() (or bfloat16)
@@ -283,6 +283,16 @@ if traces:
                "Three boxes are not modules: " + "; ".join(
                    f"**{name}** holds {what}" for name, (_, what) in trace_views.SPECIAL_MODULES.items())
                + ". Hover a box for its dtypes, ops, FLOPs and casts.")
+    formatted = [(index, trace) for index, trace in enumerate(traces) if trace_views.mixes_formats(trace)]
+    if formatted:
+        st.subheader("Each module's format, as it ran")
+        st.caption("Read from the traced model's own layers (a plan lane's formats, a block-scaled or FP8 option's "
+                   "layers, modules kept in fp32), beside the dtypes their ops computed in: an emulated block-scaled "
+                   "GEMM multiplies its dequantised operands in fp32.")
+        for column, (index, trace) in zip(st.columns(len(formatted)), formatted, strict=True):
+            column.markdown(f"**{trace.label}**")
+            column.dataframe(trace_views.format_table(trace), hide_index=True, key=f"opi_formats_{index}",
+                             column_config={"FLOPs": st.column_config.NumberColumn(format="localized")})
     if len(traces) == 2:
         st.subheader("Module by module")
         comparison = optrace.compare_modules(*traces).replace("", "—")  # "" = no op in that pass

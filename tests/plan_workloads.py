@@ -17,11 +17,15 @@ OUTLIER_EVERY = 16
 """One outlier feature per NVFP4 block."""
 
 
-SKEW = 1e5
-"""A skewed block's token gain: every other token reads x1e5 (its gradient /1e5). NVFP4's e4m3
-block scales span ~1/28000 of the tensor's scale: the small tokens' blocks (inputs of the one, gradients of the
-rest) underflow to zero. MXFP8's power-of-two scale per block of 32 spans 2^254 and holds both."""
-SKEW_EVERY = 2
+SKEW = 1e8
+"""A skewed block's token gain: every other group of SKEW_GROUP tokens reads its input x1e8, so its output gradient
+arrives /1e8 (and the other groups' inputs sit 1e8 below theirs). NVFP4's per-tensor scale sets the tensor's amax;
+an e4m3 block scale cannot go below 2^-9 of it, so a block 1e8 down holds nothing above e2m1's half-step: those
+tokens' gradients (and the other tokens' inputs) flush to zero, and the layer's grad-weight GEMM reads zero in every
+product. MXFP8's power-of-two scale per block spans 2^-127..2^127 and holds both."""
+SKEW_GROUP = 32
+"""Tokens per gain group: MXFP8's block along the grad-weight GEMM's tokens, so each of its blocks holds one gain
+(a block spanning 1e8 would flush in MXFP8 too: e4m3 elements span 2^17). A batch needs 2 groups: 64 rows."""
 
 
 class Spread(nn.Module):
@@ -54,7 +58,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spread = self.spread(x)
         if self.skew:  # (W (g x) - b) / g + b = W x + b exactly; the gradient reaching W's output is dy / g
-            gain = torch.where(torch.arange(x.shape[0], device=x.device) % SKEW_EVERY == 0, 1.0, SKEW)[:, None]
+            groups = torch.arange(x.shape[0], device=x.device) // SKEW_GROUP
+            gain = torch.where(groups % 2 == 0, 1.0, SKEW)[:, None]
             out = (self.linear(spread * gain) - self.linear.bias) / gain + self.linear.bias
         else:
             out = self.linear(spread)
@@ -74,14 +79,16 @@ class Stack(nn.Module):
 
 class PlantedFormats(Workload):
     """8-class classification of 32 features through 6 residual blocks; planted outlier channels at the size's
-    blocks (small: one, medium: two), large: one outlier block and one skewed block (tokens x1e5 apart)."""
+    blocks (small: one, medium: two); large: one skewed block (token groups x1e8 apart: NVFP4 flushes its
+    gradients, MXFP8 holds them); xl: one outlier block and one skewed block."""
 
     name = "planted_formats"
     title = "Blocks with planted outlier channels (plan search)"
     description = ("6 residual blocks x + GELU(LN(linear(spread(x)))); a planted spread puts one feature of every 16 "
-                   "at x1000 (NVFP4 flushes its block neighbours); a skewed block's tokens are x1e5 apart (NVFP4's "
-                   "block scales underflow); the head (32->8) is not whole NVFP4 blocks.")
-    sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (1,), "skewed": (4,)}}
+                   "at x1000 (NVFP4 flushes its block neighbours); a skewed block's token groups are x1e8 apart "
+                   "(NVFP4's block scales underflow); the head (32->8) is not whole NVFP4 blocks.")
+    sizes = {"small": {"planted": (2,)}, "medium": {"planted": (1, 4)}, "large": {"planted": (), "skewed": (3,)},
+             "xl": {"planted": (1,), "skewed": (4,)}}
     features, width, depth, classes = 32, 32, 6, 8
 
     def load_data(self, config) -> Data:

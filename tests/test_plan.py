@@ -209,3 +209,72 @@ def test_the_train_page_adds_a_plan_lane_or_says_why_not(tmp_path):
     at.button(key="train_recipe_add").click().run()
     assert f"bf16-mixed+nvfp4+plan:{plan}" in at.multiselect(key="train_modes").options
     assert not at.exception
+
+
+def test_the_op_inspector_shows_each_modules_format_as_it_ran_on_a_plan_lane(planted, tmp_path, stepped_launches,
+                                                                             no_leaked_threads):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from pages.common import get_manager
+
+    plan = write_plan(tmp_path / "plan.toml", {name: MIXED[name] for name in ("blocks.0.linear", "blocks.1.linear",
+                                                                                "blocks.2")})
+    recipe = f"bf16-mixed+nvfp4+plan:{plan}"
+    run = get_manager().launch(RunConfig(workload=planted.name, size="medium", modes=("bf16-mixed", recipe),
+                                         steps=100_000, batch_size=32, device="cpu", gradstats_every=0))
+    try:
+        run.wait_until(lambda r: all(lane.steps_done >= 1 for lane in r.lanes))
+        page = str(Path(__file__).resolve().parents[1] / "pages" / "op_inspector.py")
+        app = AppTest.from_file(page, default_timeout=120).run()
+        app.radio(key="opi_source").set_value("A live lane").run()
+        label = next(label for label in app.selectbox(key="opi_lane").options if "+plan:" in label)
+        app.selectbox(key="opi_lane").set_value(label).run()
+        app.button(key="opi_trace_lane").click().run()
+        assert not app.exception and not app.error
+        [table] = [df.value for df in app.dataframe if list(df.value.columns) == ["module", "format", "forward",
+                                                                                  "backward", "FLOPs"]]
+        formats = dict(zip(table["module"], table["format"], strict=True))
+        assert formats["blocks.0.linear"] == "fp16" and formats["blocks.1.linear"] == "mxfp8"
+        assert formats["blocks.2"] == "fp32 (kept)" and formats["blocks.2.linear"] == "fp32"
+        assert formats["blocks.3.linear"] == "nvfp4" and formats["inp"] == "nvfp4"  # unlisted: the lane's own
+        assert formats["head"] == "bf16"  # 32->8 is no whole NVFP4 block: left at the lane's autocast dtype
+        rows = table.set_index("module")
+        assert rows.loc["blocks.0.linear", "forward"] == "fp16" and rows.loc["blocks.2.linear", "forward"] == "fp32"
+        per_module = [df.value for df in app.dataframe if "low_precision_share" in df.value.columns]
+        assert per_module and "format" in per_module[0].columns
+    finally:
+        run.stop()
+
+
+def test_a_plan_lane_compiles_with_compilable_formats_and_one_naming_an_emulated_format_is_refused(planted, tmp_path):
+    """+compile beside a plan: bf16 / fp32 / FP8-tensorwise layers compile in one graph (an fp32 Linear is a with-block
+    torch.compile traces); an emulated block format, or a non-Linear module kept by the keep hooks, is refused at
+    launch in one line."""
+    from amp_core.precision.compiler import cpp_compiler
+    from amp_core.race.compiled import COMPILED_EVENT
+
+    emulated = write_plan(tmp_path / "emulated.toml", {"fc1": "nvfp4"})
+    with pytest.raises(ConfigError, match=r"\+compile with \+plan:.*'fc1' = 'nvfp4' is emulated here \(cpu\)"):
+        check_launch(RunConfig(workload="digits_mlp", modes=(f"bf16-mixed+compile+plan:{emulated}",), device="cpu"))
+    hooked = write_plan(tmp_path / "hooked.toml", {"blocks.2": "fp32"})
+    with pytest.raises(ConfigError, match=r"it keeps blocks.2 in fp32, which is not a Linear"):
+        check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+compile+plan:{hooked}",), device="cpu"))
+    check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+plan:{hooked}",), device="cpu"))  # eager: fine
+    if not cpp_compiler():
+        pytest.skip("inductor needs a C++ compiler on a CPU")
+
+    plan = write_plan(tmp_path / "compiles.toml", {"fc1": "fp8-tensorwise", "fc2": "fp32"})
+    recipe = f"bf16-mixed+compile+plan:{plan}"
+    manager = RunManager(open_store(str(tmp_path / "store.sqlite")))
+    run = manager.launch(RunConfig(workload="digits_mlp", modes=(recipe,), steps=4, batch_size=16, device="cpu",
+                                   snapshot_every=0, gradstats_every=0))
+    run.join(300)
+    assert [lane.status for lane in manager.run_info(run.run_id).lanes] == ["finished"]
+    events = manager.events(run.run_id)
+    [compiled] = events[events["kind"] == COMPILED_EVENT]["data"]
+    assert compiled["graphs"] == 1 and compiled["graph_breaks"] == 0
+    started = events[events["kind"] == "started"]["data"].iloc[-1]["recipes"][recipe]
+    assert started["plan"] == {"fc1": "fp8-tensorwise", "fc2": "fp32"}
+    assert manager.steps(run.run_id)["loss"].map(math.isfinite).all()

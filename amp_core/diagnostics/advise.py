@@ -6,7 +6,9 @@ ranks them (a real race through the runner, kept in the store); (3) a seeded rac
 32-true, replicates per recipe; (4) stability from that race's records: skipped steps after warm-up, non-finite
 losses, diverged lanes, the final loss against 32-true's beyond seed noise (views.summary's DIFFERENCE_RULE), and the
 first inf/NaN module of a lane that failed (a replay of its first failed step, recorded as the race's `replayed`
-event); (5) memory (each lane's own peak) and the largest batch (diagnostics.maxbatch).
+event), the layers to keep of one that fails in a few (advise_fix), and a per-layer plan for one with a matmul format
+that failed or trained worse (advise_plan), each raced beside 32-true as a candidate; (5) memory (each lane's own
+peak) and the largest batch (diagnostics.maxbatch).
 
 The budget is planned before anything runs (`plan_budget`): every runnable candidate is probed when the budget allows
 it (recipe options in chunks, each option on its fastest base mode first), every promising candidate races with seeds
@@ -35,6 +37,7 @@ from amp_core import background
 from amp_core.config import FINAL_LOSS_WINDOW, ConfigError, RunConfig
 from amp_core.diagnostics import cost
 from amp_core.diagnostics.advise_fix import keep_fixes, keep_line
+from amp_core.diagnostics.advise_plan import plan_fixes, plan_line, plan_note, plan_targets
 from amp_core.diagnostics.configs import AdviseConfig
 from amp_core.diagnostics.plan_search import plan_hint
 from amp_core.diagnostics.seednoise import difference_verdict
@@ -457,6 +460,7 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
     series = {lane.lane: lane for lane in reader.lane_series(race_run) if lane.rank == 0}
     firsts = _first_nonfinite(events)
     fixes = {fix["recipe"]: fix for fix in data.get("fixes", ()) if isinstance(fix, dict)}
+    plans = {plan["recipe"]: plan for plan in data.get("plans", ()) if isinstance(plan, dict)}
     out = []
     for entry in listed:
         recipe = entry["recipe"]
@@ -471,8 +475,12 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
             fields.update(max_batch=int(batches[recipe]["batch"]), max_batch_modelled=bool(batches[recipe]["modelled"]))
         if recipe in fixes:
             fields["keep"] = keep_line(fixes[recipe])
+        if recipe in plans:
+            fields["keep"] = "; ".join(filter(None, (fields.get("keep"), plan_line(plans[recipe]))))
         out.append(CandidateEvidence(**fields))
     out += [_fixed_candidate(reader, fix, warmup) for fix in fixes.values() if fix.get("race_run")]
+    out += [_fixed_candidate(reader, plan, warmup, note=plan_note(plan)) for plan in plans.values()
+            if plan.get("race_run")]
     device = str(data.get("device") or resolve_device(config.device))
     return Evidence(workload=config.workload, size=config.size, device=device,
                     device_name=str(data.get("device_name") or device), race_run=race_run, probe_runs=probe_runs,
@@ -484,11 +492,12 @@ def gather(reader: RunReader, race_run: str) -> Evidence:
                     budget_for_all_s=float(data.get("budget_for_all_s", math.nan)))
 
 
-def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvidence:
-    """A fixed recipe as a candidate: its lanes and the 32-true lanes beside them in the fix's own seeded race."""
+def _fixed_candidate(reader: RunReader, fix: dict, warmup: int, note: str = "") -> CandidateEvidence:
+    """A fixed recipe (a bisect's keep, or a plan: `note` says which) as a candidate: its lanes and the 32-true lanes
+    beside them in the fix's own seeded race."""
     recipe, run_id = fix["fixed_recipe"], fix["race_run"]
     info = reader.run_info(run_id)
-    note = f"{fix['recipe']} with {', '.join(fix['kept'])} kept in fp32, found by the layer bisect"
+    note = note or f"{fix['recipe']} with {', '.join(fix['kept'])} kept in fp32, found by the layer bisect"
     if info is None:
         return CandidateEvidence(recipe=recipe, runnable=True, note=note, fixes=fix["recipe"],
                                  keep=f"fixes {fix['recipe']}: its race run {run_id} is not in the store")
@@ -501,9 +510,11 @@ def _fixed_candidate(reader: RunReader, fix: dict, warmup: int) -> CandidateEvid
 
     yardstick = CandidateEvidence(recipe=BASELINE_MODE, runnable=True, note="raced beside the fix",
                                   **figures(BASELINE_MODE))
+    of = f"of {fix.get('candidates', '?')}"
+    what = (f"{len(fix['plan'])} {of} layers promoted to {fix.get('rung', '?')}" if fix.get("kind") == "plan" else
+            f"{len(fix['kept'])} {of} modules kept in fp32")
     return CandidateEvidence(recipe=recipe, runnable=True, note=note, fixes=fix["recipe"], yardstick=yardstick,
-                             keep=f"fixes {fix['recipe']} ({len(fix['kept'])} of {fix.get('candidates', '?')} "
-                                  f"modules kept in fp32); raced beside 32-true in run {run_id}",
+                             keep=f"fixes {fix['recipe']} ({what}); raced beside 32-true in run {run_id}",
                              **figures(recipe))
 
 
@@ -779,10 +790,16 @@ def advise(config: AdviseConfig, store, *, progress: Progress | None = None,
     fixes = keep_fixes(manager, run, broken, clock, notes, say, seeds=config.seeds, race_steps=race_steps,
                        reserve_s=plan.reserve_s, min_steps=MIN_RACE_STEPS)
     check_stop()
+    # ... and for one with a matmul format that failed or trained worse than 32-true, a per-layer plan and its race.
+    raced = gather(manager, run.run_id)  # the race alone: its lanes are the candidates, judged by decide's rules
+    plans = plan_fixes(manager, run, plan_targets(raced, decide(raced)), clock, notes, say, seeds=config.seeds,
+                       race_steps=race_steps, reserve_s=plan.reserve_s, plan_dir=config.plan_dir, stop=stop,
+                       min_steps=MIN_RACE_STEPS)
+    check_stop()
 
     # (5) memory (in the race's records) and the largest batch of the recommended, the runner-up and 32-true.
     recorded = dict(found=found, probe_runs=probe_runs, warmup=warmup, budget_s=config.budget_s, notes=notes,
-                    device=base.device, fixes=fixes, plan=plan.words(), unprobed_s=unprobed_s,
+                    device=base.device, fixes=fixes, plans=plans, plan=plan.words(), unprobed_s=unprobed_s,
                     budget_for_all_s=budget_for_all)
     record_advice(manager, run.run_id, spent_s=clock.spent(), **recorded)
     advice = decide(gather(manager, run.run_id))
@@ -873,13 +890,16 @@ def replay_failures(manager, run, warmup: int, clock: BudgetClock, notes: list[s
 def record_advice(manager, race_run: str, *, found: list[tuple[str, bool, str]], probe_runs: list[str], warmup: int,
                   budget_s: float, spent_s: float, notes: list[str], device: str,
                   max_batch: dict | None = None, fixes: list[dict] | None = None, plan: str = "", stopped: str = "",
-                  unprobed_s: float = math.nan, budget_for_all_s: float = math.nan) -> None:
+                  unprobed_s: float = math.nan, budget_for_all_s: float = math.nan,
+                  plans: list[dict] | None = None) -> None:
     """The `advised` event on the race run: the links and figures the advice needs beyond the runs' records (`fixes`:
-    advise_fix.keep_fixes's records: the layers to keep, their price, the fix race's run)."""
+    advise_fix.keep_fixes's records: the layers to keep, their price, the fix race's run; `plans`:
+    advise_plan.plan_fixes's: the plan, its search, the plan race's run)."""
     data = {"candidates": [{"recipe": recipe, "runnable": ok, "note": note} for recipe, ok, note in found],
             "probe_runs": list(probe_runs), "warmup_steps": warmup, "budget_s": budget_s, "spent_s": spent_s,
             "notes": list(notes), "device": device, "device_name": device_name(device),
-            "max_batch": max_batch or {}, "fixes": list(fixes or []), "plan": plan, "stopped": stopped,
+            "max_batch": max_batch or {}, "fixes": list(fixes or []), "plans": list(plans or []), "plan": plan,
+            "stopped": stopped,
             "unprobed_s": unprobed_s, "budget_for_all_s": budget_for_all_s}
     manager.record_event(race_run, ADVISED_EVENT, f"advice evidence: race {race_run}, cost probes "
                                                    f"{', '.join(probe_runs) or 'none'}", **data)

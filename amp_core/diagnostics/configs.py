@@ -35,6 +35,8 @@ class AdviseConfig:
     """Only these recipes (32-true is always among them); empty: every recipe this device can run."""
     seeds: int = RACE_SEEDS
     """Seed replicates per recipe in the race (2 or more: the seed noise)."""
+    plan_dir: str = ""
+    """Where the plan search writes a plan for a failing matmul-format candidate (empty: the current directory)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_s, (int, float)) or not math.isfinite(self.budget_s) or self.budget_s <= 0:

@@ -134,8 +134,10 @@ class Assignment:
 
 
 class PlannedLinear(nn.Linear):
-    """An nn.Linear a plan holds at bf16 or fp16: its matmul under autocast of that dtype, whatever the lane's (its
-    own class, so the lane's matmul option leaves it alone). It holds the original layer's Parameters."""
+    """An nn.Linear a plan holds at bf16 or fp16 (its matmul under autocast of that dtype, whatever the lane's) or at
+    fp32 (autocast off, its input upcast: what `+keep:` does to a module, as a with-block torch.compile traces, where
+    the keep hooks' split autocast switch does not); its own class, so the lane's matmul option leaves it alone. It
+    holds the original layer's Parameters."""
 
     def __init__(self, layer: nn.Linear, format_name: str) -> None:
         nn.Module.__init__(self)
@@ -145,6 +147,9 @@ class PlannedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
+        if self.format == "fp32":
+            with torch.autocast(device_type, enabled=False):
+                return super().forward(x.float())
         with torch.autocast(device_type, dtype=DTYPE_FORMATS[self.format]):
             return super().forward(x)
 
@@ -224,6 +229,24 @@ class PlanOption:
     def fsdp_refusal(self) -> str:
         return "plans under FSDP2 are not raced yet"
 
+    def compile_refusal(self, compile_option: str, device: str) -> str:
+        """Why `+compile...` is refused beside this plan on `device` (empty: every format it names compiles as it
+        runs here — bf16, fp16, fp32, torchao's float8, a block format with torchao's kernels). A block format it
+        names that is emulated here is refused as `+OPTION+compile` is (BlockScaledMatmuls.compile_refusal); a file
+        that cannot be read says so."""
+        try:
+            entries = self.entries
+        except ValueError as error:
+            return str(error)
+        for glob, format_name in entries:
+            option = matmul_option(format_name)
+            why = option.compile_refusal(compile_option, device) if isinstance(option, BlockScaledMatmuls) else ""
+            if why:
+                return (f"+{compile_option} with +{self.name} is refused: its {glob!r} = {format_name!r} is emulated "
+                        f"here ({device}), and inductor would compile the emulation, not the format's kernels; race "
+                        "the plan eager here, or name only bf16, fp16, fp32 and FP8 formats")
+        return ""
+
     def note(self, device: str) -> str:
         counts: dict[str, int] = {}
         try:
@@ -240,13 +263,14 @@ class PlanOption:
 
     def prepare_module(self, module: nn.Module, device: str) -> nn.Module:
         plan = self.assign(module, device)
-        if plan.fp32:
+        hooked = hooked_fp32(module, plan)
+        if hooked:
             already = [name for name, layer in module.named_modules() if PRECISION.is_kept(layer)]
-            PRECISION.keep_in_fp32(module, [*already, *plan.fp32])  # keep_in_fp32 replaces hooks: keep +keep:'s
+            PRECISION.keep_in_fp32(module, [*already, *hooked])  # keep_in_fp32 replaces hooks: keep +keep:'s
         blocks: dict[str, set[str]] = {}
         for name, format_name in plan.linear.items():
-            if name in plan.skipped or format_name == "fp32":
-                continue
+            if name in plan.skipped or (format_name == "fp32" and name not in plan.fp32):
+                continue  # inside a module kept by the hooks
             layer = module.get_submodule(name)
             if format_name in DTYPE_FORMATS:
                 set_module(module, name, PlannedLinear(layer, format_name))
@@ -257,6 +281,17 @@ class PlanOption:
         for format_name, names in blocks.items():
             module = matmul_option(format_name).convert(module, device, names)
         return module
+
+    def compile_model_refusal(self, model: nn.Module, device: str, compile_option: str) -> str:
+        """Why `+compile...` is refused beside this plan on `model` (empty: it compiles): a module it keeps in fp32
+        that is not a Linear is kept by the keep hooks, whose autocast switch (entered in one hook, left in another)
+        torch.compile cannot trace."""
+        hooked = hooked_fp32(model, self.assign(model, device))
+        if not hooked:
+            return ""
+        return (f"+{compile_option} with +{self.name} is refused: it keeps {', '.join(hooked)} in fp32, which is not "
+                "a Linear (kept by hooks whose autocast switch torch.compile cannot trace); name its Linear layers "
+                "fp32 instead, or race the plan eager")
 
     def report(self, module: nn.Module, device: str) -> dict:
         """The plan as the run's `started` event records it: file, each Linear's format, fp32 modules, skipped."""
@@ -294,6 +329,12 @@ def assign(model: nn.Module, entries: tuple[tuple[str, str], ...] | list[tuple[s
             if why:
                 skipped[name] = f"{linear[name]}: {why['']}"
     return Assignment(linear=linear, fp32=fp32, skipped=skipped)
+
+
+def hooked_fp32(model: nn.Module, plan: Assignment) -> list[str]:
+    """The outermost modules `plan` keeps in fp32 that are not a plain Linear: the keep hooks keep them (a Linear
+    planned fp32 is a PlannedLinear)."""
+    return [name for name in plan.fp32 if type(model.get_submodule(name)) is not nn.Linear]
 
 
 def parse_plan_option(name: str, recipe: str) -> PlanOption:

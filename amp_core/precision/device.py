@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_core.formats.plan import PlanOption
 from amp_core.formats.recipes import BlockScaledMatmuls
 from amp_core.precision.modes import MODE_SPECS, MODES, device_type, resolve_device
 from amp_core.precision.options import RECIPE_OPTIONS, CompiledModel, parse_recipe
@@ -151,6 +152,9 @@ def availability(recipe: str, device: str = "cpu") -> tuple[bool, str]:
     compiled = next((option for option in options if isinstance(option, CompiledModel)), None)
     if block is not None and compiled is not None and block.compile_refusal(compiled.name, device):
         return False, block.compile_refusal(compiled.name, device)
+    plan = next((option for option in options if isinstance(option, PlanOption)), None)
+    if plan is not None and compiled is not None and plan.compile_refusal(compiled.name, device):
+        return False, plan.compile_refusal(compiled.name, device)
     return True, "; ".join([reason, *(option.note(device) for option in options)])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from amp_core.config import INSPECT_DEFAULTS, RunConfig
 from amp_core.formats import stages
 from amp_core.precision import Precision, get_precision
+from amp_core.probes.module_formats import module_formats, plain_format
 from amp_core.torch_private import ScopedModuleTracker, TorchDispatchMode
 from amp_core.workloads import WORKLOADS, check_launch
 
@@ -146,6 +147,10 @@ class OpTrace:
     records: list[OpRecord]
     modules: list[str]
     """Every module path of the traced model, (root) first, then (loss) and (outside)."""
+    formats: dict[str, str] = field(default_factory=dict)
+    """Module path -> the format it computed its matmuls in, read from the traced model's layers
+    (probes.module_formats: a plan lane's mxfp8 / nvfp4 / bf16 / fp32 per Linear, kept modules); empty where
+    unknown."""
 
     def to_frame(self) -> pd.DataFrame:
         """The op table: one row per op, shapes and dtype lists as text."""
@@ -189,7 +194,7 @@ class OpTrace:
             flops = {d: sum(r.flops for r in records if r.compute_dtype == d) for d in COMPUTE_DTYPES}
             total = sum(r.flops for r in records)
             rows.append({
-                "module": module, "parent": module_parent(module),
+                "module": module, "parent": module_parent(module), "format": self.formats.get(module, ""),
                 "compute_dtype": _dominant_dtype(records),
                 "forward_dtype": _dominant_dtype([r for r in records if r.phase == FORWARD]),
                 "backward_dtype": _dominant_dtype([r for r in records if r.phase == BACKWARD]),
@@ -398,8 +403,9 @@ def trace_step(model: nn.Module, precision: Precision, loss: Callable[[torch.Ten
             tracker.enter_on_grad(loss_value, LOSS)
         recorder.phase = BACKWARD
         scaled.backward()
+    formats = {name or ROOT: fmt for name, fmt in module_formats(model, plain_format(precision.recipe)).items()}
     return OpTrace(label=label or precision.mode, mode=precision.mode, device=precision.device,
-                   records=recorder.records, modules=[*dict.fromkeys(names.values()), OUTSIDE])
+                   records=recorder.records, modules=[*dict.fromkeys(names.values()), OUTSIDE], formats=formats)
 
 
 def trace_workload(workload: str, mode: str, size: str = "small", device: str = "cpu", *, seed: int = 0,
@@ -442,9 +448,9 @@ def filter_ops(frame: pd.DataFrame, *, phases: Sequence[str] = (), modules: Sequ
 
 
 def compare_modules(first: OpTrace, second: OpTrace) -> pd.DataFrame:
-    """Two traces of the same model side by side, per module (in the first trace's order): dtypes, low-precision
-    FLOP share, casts. Column names carry the mode in brackets: "forward_dtype [bf16-mixed]"."""
-    columns = ["module", "forward_dtype", "backward_dtype", "low_precision_share", "casts"]
+    """Two traces of the same model side by side, per module (in the first trace's order): format, dtypes,
+    low-precision FLOP share, casts. Column names carry the mode in brackets: "forward_dtype [bf16-mixed]"."""
+    columns = ["module", "format", "forward_dtype", "backward_dtype", "low_precision_share", "casts"]
     left = first.module_frame()[columns]
     right = second.module_frame()[columns]
     names = (first.mode, second.mode) if first.mode != second.mode else (f"{first.mode} A", f"{second.mode} B")

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from amp_core.probes.module_formats import module_formats, plain_format
 from amp_core.probes.optrace import (
     BACKWARD,
     FORWARD,
@@ -40,6 +41,11 @@ class StepTrace:
     def __init__(self, model: nn.Module, label: str, mode: str, device: str):
         self.label, self.mode, self.device = label, mode, device
         self.names = {module: name or ROOT for name, module in model.named_modules()}
+        try:  # a plain Linear computes in the mode's dtype; a mode the Monitor could not name leaves it unknown
+            plain = plain_format(mode)
+        except (KeyError, ValueError):
+            plain = ""
+        self.formats = {name or ROOT: fmt for name, fmt in module_formats(model, plain).items() if fmt}
         self.tracker = _ScopedModuleTracker(self.names)
         self.recorder = _PhasedRecorder(self.tracker)
 
@@ -51,7 +57,7 @@ class StepTrace:
         self.recorder.__exit__(None, None, None)
         self.tracker.__exit__()
         return OpTrace(label=self.label, mode=self.mode, device=self.device, records=self.recorder.records,
-                       modules=[*dict.fromkeys(self.names.values()), OUTSIDE])
+                       modules=[*dict.fromkeys(self.names.values()), OUTSIDE], formats=self.formats)
 
 
 def to_answer(trace: OpTrace) -> dict[str, Any]:
@@ -70,4 +76,4 @@ def from_answer(answer: dict[str, Any]) -> OpTrace:
             fields[name] = tuple(tuple(shape) for shape in fields[name])
         records.append(OpRecord(**fields))
     return OpTrace(label=answer["label"], mode=answer["mode"], device=answer["device"], records=records,
-                   modules=list(answer["modules"]))
+                   modules=list(answer["modules"]), formats=dict(answer.get("formats", {})))

@@ -84,8 +84,9 @@ def _keep_cell(keep: str) -> str:
 
 
 def keep_lines(advice: Advice) -> list[str]:
-    """The layer bisect's answer for each candidate it looked at (`RECIPE: keep N modules in fp32: … — price …`,
-    or why there is none), and for each fixed recipe what it fixes."""
+    """The layer bisect's and the plan search's answer for each candidate they looked at (`RECIPE: keep N modules in
+    fp32: … — price …`, `RECIPE: a plan: N of M layers promoted to …`, or why there is none), and for each fixed
+    recipe or plan lane what it fixes."""
     return [f"{v.recipe}: {v.keep}" for v in advice.verdicts if v.keep]
 
 
@@ -160,7 +161,7 @@ def advice_report_html(reader: RunReader, advice: Advice) -> str:
              "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in savings(advice)) + "</ul>",
              "<h2>Every candidate</h2>" + report._table(advice_table(advice))
              + "".join(f"<p>{esc(line)}</p>" for line in (*unmeasured_lines(advice), *budget_lines(advice))),
-             *(["<h2>Layers to keep (the layer bisect)</h2><ul>"
+             *(["<h2>Layers to keep or promote (the layer bisect, the plan search)</h2><ul>"
                 + "".join(f"<li>{esc(line)}</li>" for line in keep_lines(advice)) + "</ul>"] if keep_lines(advice)
                else []),
              "<h2>What could not be told here</h2><ul>"

@@ -145,3 +145,24 @@ def block_stage_table(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"phase": grouped["phase"].first(), "module": grouped["module"].first(),
                          "stage": grouped["block"].first(), "ops": grouped["counted"].sum().astype(int),
                          "FLOPs": grouped["flops"].sum().astype(int)}).reset_index(drop=True)
+
+
+FORMAT_COLUMNS = ("module", "format", "forward", "backward", "FLOPs")
+
+
+def format_table(trace: OpTrace) -> pd.DataFrame:
+    """Each module a format reached (Linear layers, modules kept in fp32), as the traced model held it, beside the
+    dtypes its own ops computed in: an emulated block-scaled Linear's GEMMs compute in fp32 on dequantised operands,
+    so its format is the figure that says what it ran as."""
+    frame = trace.module_frame()
+    shown = frame[frame["format"] != ""]
+    return pd.DataFrame({"module": shown["module"], "format": shown["format"], "forward": shown["forward_dtype"],
+                         "backward": shown["backward_dtype"], "FLOPs": shown["flops"].astype(int)},
+                        columns=list(FORMAT_COLUMNS)).reset_index(drop=True)
+
+
+def mixes_formats(trace: OpTrace) -> bool:
+    """Whether a trace's modules ran in more than one format, or in a matmul format (a plan lane, a block-scaled or
+    FP8 lane, kept modules): then the page shows `format_table`."""
+    formats = set(trace.formats.values())
+    return len(formats) > 1 or bool(formats - {"fp32", "bf16", "fp16"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from amp_core.diagnostics.plan_code import plan_code
+from amp_core.diagnostics.plan_code import plan_code, trainer_usage
 from amp_core.diagnostics.plan_price import GPUS, flop_shares, modelled_gemm_ms
 from amp_core.diagnostics.plan_report import PlanReport
 from amp_core.diagnostics.seednoise import DIFFERENCE_RULE, difference_verdict
@@ -99,5 +99,8 @@ def plan_text(report: PlanReport) -> str:
     if report.found:
         lines += ["", plan_code(formats, title=f"Precision plan for {config.workload}: {config.target} with "
                                                  f"{len(report.plan)} layers promoted (amp-lab plan)")]
+        for trainer, where in (("hf", "a Hugging Face Trainer"), ("lightning", "Lightning")):
+            lines += [f"# ... or, instead of the plain loop's last line, in {where}:",
+                      *trainer_usage(trainer, title=f"plan for {config.workload}"), ""]
     lines.append(f"{'found' if report.found else 'not found'}: {report.why}")
     return "\n".join(lines)
