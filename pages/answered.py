@@ -14,8 +14,7 @@ import streamlit as st
 
 from amp_core.diagnostics.answers import Answer, AnswerBoard
 
-ANSWER_POLL_S = 0.5
-"""How often the note looks whether its answer is made (only while one is awaited)."""
+ANSWER_POLL_S = 0.5  # how often the note looks whether its answer is made (only while one is awaited)
 
 
 @st.cache_resource(show_spinner=False)
