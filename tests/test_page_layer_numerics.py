@@ -19,11 +19,10 @@ from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.workloads import WORKLOADS, Data, Workload
 from pages.answered import ANSWER_POLL_S, answer_board
 from pages.common import get_manager
+from tests.answered_pages import answered, awaiting_notes
 from tests.test_numerics import OVERFLOW
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
-ANSWER_KEYS = ("lnum_answer", "lnum_block_answer")
-"""Where the page holds its probes' answers (pages.answered.answer_for): the plain probe, then the block-scaled one."""
 
 
 def figures(app: AppTest) -> list[dict]:
@@ -36,24 +35,6 @@ def titled(app: AppTest, text: str) -> list[dict]:
 
 def tables(app: AppTest, column: str) -> list:
     return [df.value for df in app.dataframe if column in df.value.columns]
-
-
-def awaiting_notes(app: AppTest) -> list[str]:
-    """The notes the page draws while a probe of it is being made (pages.answered.awaiting)."""
-    return [caption.value for caption in app.caption if caption.value.startswith(":material/hourglass_top:")]
-
-
-def answered(app: AppTest) -> AppTest:
-    """The page drawn again until it shows no probe being made: the answers it holds waited for (their events), then
-    one run draws them (AppTest runs no fragment timer, so the note's own poll never reruns the page here)."""
-    for _ in range(len(ANSWER_KEYS) + 1):
-        if not awaiting_notes(app):
-            return app
-        for key in ANSWER_KEYS:
-            if key in app.session_state:
-                assert app.session_state[key].done.wait(120), f"{app.session_state[key].key}: no answer in 120 s"
-        app.run()
-    raise AssertionError(f"the page kept awaiting probes: {awaiting_notes(app)}")
 
 
 @pytest.fixture

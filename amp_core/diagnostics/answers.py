@@ -89,6 +89,14 @@ class AnswerBoard:
         with self._lock:
             return self._queue.index(answer) + (self._running is not None) if answer in self._queue else 0
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until every answer asked so far is made (for scripts and tests); False if `timeout_s` ran out."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout_s)
+        return not (worker is not None and worker.is_alive())
+
     def stop(self) -> None:
         """Abandon the queued answers (each done, with an error saying so, and forgotten); the one under way ends as
         it would (a probe is one forward and backward)."""
