@@ -1,5 +1,5 @@
-"""Answers a page asks for and never waits on: a probe (layer numerics, an op trace) computed on one worker thread,
-one at a time, and remembered per key for the server's life.
+"""Answers a page asks for and never waits on: a probe (layer numerics, an op trace, which recipes run here) computed
+on one worker thread, one at a time, and remembered per key for the server's life.
 
 Why: a page that computes its probe on its own script thread is not usable until the probe ends, and when a room opens
 the dashboard at once eight such scripts share two cores (and a fresh server's import gate). Off the script thread
@@ -21,7 +21,8 @@ from typing import Any
 from amp_core import background
 
 MAX_ANSWERS = 32
-"""Finished answers remembered (the oldest asked is forgotten first): each holds a report of a few hundred KiB."""
+"""Finished answers remembered (the oldest asked is forgotten first): as many as the Op inspector's trace cache held
+when each page cached its own (st.cache_data), for every page's probes together."""
 
 
 class Answer:
