@@ -13,7 +13,10 @@ amp_core.imports gated those imports. Each try:
 
     python3 -m bench.room [--sessions 8] [--tries 5] [--timeout 120]   (from the repository root)
 Per try: pages_with_exception, pages_unframed (drawn alone, without app.py's sidebar), slowest_s, lone_s,
-slowest_vs_lone. Last line: pages_with_exception=<sum over tries>.
+slowest_vs_lone; and the same two sessions timed from the moment their page opened its connection to the server
+(the browser has loaded Streamlit's code by then): served_vs_lone. On one small machine eight browser sessions load
+that code several times slower than one does, before the server runs any page, so slowest_vs_lone also measures the
+browser; served_vs_lone is the server's share. Last line: pages_with_exception=<sum over tries>.
 Targets: pages_with_exception=0 and pages_unframed=0 in every try; slowest_vs_lone <= 2.
 """
 
@@ -61,9 +64,15 @@ was drawn without app.py's frame (no sidebar: the page ran alone, narrow)."""
 class Visit:
     path: str
     usable_s: float
+    connected_s: float
+    """When the page opened its WebSocket to the server (its code loaded and run): the server's part starts here."""
     tracebacks: list[str]
     lines: list[str]
     unframed: bool
+
+    @property
+    def served_s(self) -> float:
+        return self.usable_s - self.connected_s
 
     @property
     def failed(self) -> bool:
@@ -75,13 +84,16 @@ async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, 
     context = await browser.new_context(viewport=VIEWPORT)
     try:
         page = await context.new_page()
+        connected: list[float] = []
+        page.on("websocket", lambda _: connected.append(time.perf_counter()))
         await start.wait()
         started = time.perf_counter()
         await page.goto(f"{url}/{path}")
         await page.wait_for_function(USABLE, arg=[title, PAGE_FAILED], timeout=timeout_s * 1e3, polling=50)
         usable_s = time.perf_counter() - started
         found = await page.evaluate(FAILURES, PAGE_FAILED)
-        return Visit(path, usable_s, found["tracebacks"], found["lines"], found["unframed"])
+        connected_s = (connected[0] - started) if connected else 0.0
+        return Visit(path, usable_s, connected_s, found["tracebacks"], found["lines"], found["unframed"])
     finally:
         await context.close()
 
@@ -120,7 +132,7 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
     from playwright.async_api import async_playwright
 
     pages = [PAGES[index % len(PAGES)] for index in range(sessions)]
-    failed_total, unframed_total, ratios = 0, 0, []
+    failed_total, unframed_total, ratios, served_ratios = 0, 0, [], []
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -136,15 +148,18 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
                 unframed = sum(one.unframed for one in first + again)
                 unframed_total += unframed
                 ratios.append(slowest.usable_s / lone.usable_s)
+                served_ratios.append(slowest.served_s / lone.served_s)
                 print(f"try={attempt} pages_with_exception={failed} room_failed={sum(o.failed for o in first)} "
                       f"reopened_failed={sum(o.failed for o in again)} pages_unframed={unframed} "
                       f"slowest_page=/{slowest.path} "
                       f"slowest_s={slowest.usable_s:.2f} lone_s={lone.usable_s:.2f} "
-                      f"slowest_vs_lone={ratios[-1]:.2f}", flush=True)
+                      f"slowest_vs_lone={ratios[-1]:.2f} slowest_served_s={slowest.served_s:.2f} "
+                      f"lone_served_s={lone.served_s:.2f} served_vs_lone={served_ratios[-1]:.2f}", flush=True)
         finally:
             await browser.close()
     print(f"sessions={sessions}")
     print(f"pages_unframed={unframed_total}")
+    print(f"served_vs_lone_median={statistics.median(served_ratios):.2f}")
     print(f"slowest_vs_lone_median={statistics.median(ratios):.2f}")
     print(f"pages_with_exception={failed_total}")
 

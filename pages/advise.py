@@ -14,6 +14,7 @@ from amp_core.diagnostics import AdviceJob, AdviseConfig
 from amp_core.precision import BASELINE_MODE, recipe_candidates, resolve_device
 from amp_core.views import advise as views
 from amp_core.workloads import WORKLOADS
+from pages.answered import answer_for, awaiting
 from pages.common import app_frame, can_control, control_note, get_manager, store_guarded
 from pages.plan_panel import plan_panel
 
@@ -57,8 +58,17 @@ with st.container(border=True):
     c3.number_input("Budget (minutes)", value=ADVISE_BUDGET_S / 60, min_value=0.0, step=0.5, key="advise_budget",
                     help="How long it may measure; a phase that would overrun it is cut short or left out, and the "
                          "advice says so.")
-    runnable = [recipe for recipe, ok, _ in recipe_candidates(device) if ok and recipe != BASELINE_MODE]
-    st.multiselect("Only these candidates (empty: every one this device runs)", runnable, key="advise_candidates")
+    # Which recipes run here is asked off the page's thread: +compile's answer imports torch's compiler stack, which a
+    # fresh server is still importing while a room opens its pages (the picker waits; Advise with none picked works).
+    candidates = answer_for("advise_recipes", ("recipe_candidates", device), lambda: recipe_candidates(device))
+    known = candidates.done.is_set() and candidates.error is None
+    runnable = [recipe for recipe, ok, _ in candidates.value if ok and recipe != BASELINE_MODE] if known else []
+    st.multiselect("Only these candidates (empty: every one this device runs)", runnable, key="advise_candidates",
+                   disabled=not known)
+    if not candidates.done.is_set():
+        awaiting(candidates, "Checking which recipes this device runs…")
+    elif candidates.error is not None:
+        raise candidates.error
     if can_control():
         st.button("Advise", type="primary", key="advise_go", disabled=busy, on_click=start)
     else:  # a visitor of a shared server: the advice measures on the presenter's machine

@@ -4,6 +4,7 @@ layer's ranges against fp16, and a run's per-layer abs max over steps."""
 import streamlit as st
 
 from amp_core.config import INSPECT_DEFAULTS, RUN_DEFAULTS, ConfigError, RunConfig, field_docs
+from amp_core.diagnostics import Answer
 from amp_core.precision import MODE_HELP, resolve_device, runnable_modes
 from amp_core.probes import block_numerics, numerics
 from amp_core.runs import RunInfo, SourceKind, StoredConfig, is_live
@@ -11,6 +12,7 @@ from amp_core.views import block_numerics as block_views
 from amp_core.views import numerics as numerics_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
+from pages.answered import answer_for, awaiting
 from pages.bisect_panel import bisect_panel
 from pages.common import (
     LIVE_MARK,
@@ -62,13 +64,24 @@ step and halves the scale).
 """
 
 
-@st.cache_data(show_spinner="Probing one forward + backward in the mode and in fp32…", max_entries=16)
-def probed(workload: str, mode: str, size: str, device: str, batch_size: int) -> numerics.NumericsReport:
-    return numerics.probe_workload(workload, mode, size=size, device=device, batch_size=batch_size)
+def probed(workload: str, mode: str, size: str, device: str, batch_size: int) -> Answer:
+    """The probe's answer (a NumericsReport), made off the page's thread and remembered for the server."""
+    return answer_for("lnum_answer", ("numerics", workload, mode, size, device, batch_size),
+                      lambda: numerics.probe_workload(workload, mode, size=size, device=device, batch_size=batch_size))
+
+
+def probe_failed(error: BaseException) -> None:
+    """A probe's failure in one line (what was asked of it, or what ran out); anything else goes to the page's edge."""
+    if isinstance(error, (ConfigError, ValueError)):
+        st.error(f"Cannot probe: {error}")
+    elif isinstance(error, RuntimeError):  # e.g. out of memory at a large size
+        st.error(f"The probe failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+    else:
+        raise error
 
 
 def workload_report() -> numerics.NumericsReport | None:
-    """Widgets for a workload probe; the report, or None after showing an error."""
+    """Widgets for a workload probe; the report, or None after a note (it is being made) or an error."""
     runnable = runnable_modes(DEVICE)
     names = list(WORKLOADS)
     first, second, third, fourth = st.columns([3, 2, 2, 2])
@@ -85,12 +98,13 @@ def workload_report() -> numerics.NumericsReport | None:
     preferred = next((m for m in (INSPECT_DEFAULTS.numerics_mode, "bf16-mixed") if m in runnable), runnable[-1])
     mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
                             help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
-    try:
-        return probed(workload, mode, size, DEVICE, int(batch_size))
-    except (ConfigError, ValueError) as error:
-        st.error(f"Cannot probe: {error}")
-    except RuntimeError as error:  # e.g. out of memory at a large size
-        st.error(f"The probe failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+    answer = probed(workload, mode, size, DEVICE, int(batch_size))
+    if not answer.done.is_set():
+        awaiting(answer, f"Probing one forward + backward in {mode} and in fp32, size {size}, batch {int(batch_size)}…")
+    elif answer.error is not None:
+        probe_failed(answer.error)
+    else:
+        return answer.value
     return None
 
 
@@ -169,10 +183,11 @@ BLOCK_COLUMNS = {"SNR dB": st.column_config.NumberColumn(format="%.1f"),
                  **{label: PERCENT for label in list(block_views.COLUMNS.values())[4:]}}
 
 
-@st.cache_data(show_spinner="Quantising every Linear's GEMM operands in the block-scaled formats…", max_entries=16)
-def block_probed(workload: str, formats: tuple[str, ...], size: str, device: str,
-                 batch_size: int) -> block_numerics.BlockNumericsReport:
-    return block_numerics.probe_workload_formats(workload, formats, size=size, device=device, batch_size=batch_size)
+def block_probed(workload: str, formats: tuple[str, ...], size: str, device: str, batch_size: int) -> Answer:
+    """The block-scaled probe's answer (a BlockNumericsReport), made off the page's thread as the plain probe's."""
+    return answer_for("lnum_block_answer", ("block_numerics", workload, formats, size, device, batch_size),
+                      lambda: block_numerics.probe_workload_formats(workload, formats, size=size, device=device,
+                                                                    batch_size=batch_size))
 
 
 def show_block_formats() -> None:
@@ -189,14 +204,14 @@ def show_block_formats() -> None:
     workload = st.session_state.get("lnum_workload", "tiny_transformer")
     size = st.session_state.get("lnum_size", next(iter(WORKLOADS[workload].sizes)))
     batch_size = int(st.session_state.get("lnum_batch", numerics.DEFAULT_NUMERICS_BATCH))
-    try:
-        report = block_probed(workload, tuple(formats), size, DEVICE, batch_size)
-    except (ConfigError, ValueError) as error:
-        st.error(f"Cannot probe: {error}")
+    answer = block_probed(workload, tuple(formats), size, DEVICE, batch_size)
+    if not answer.done.is_set():
+        awaiting(answer, "Quantising every Linear's GEMM operands in " + ", ".join(formats) + "…")
         return
-    except RuntimeError as error:  # e.g. out of memory at a large size
-        st.error(f"The probe failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
+    if answer.error is not None:
+        probe_failed(answer.error)
         return
+    report = answer.value
     for name in report.formats:
         shown = st.info if report.lowest(name) is None else st.warning if report.first_below(name) else st.success
         shown(report.verdict(name))

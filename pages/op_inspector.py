@@ -3,6 +3,7 @@
 import streamlit as st
 
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, InspectConfig, RunConfig, field_docs
+from amp_core.diagnostics import Answer
 from amp_core.precision import MODES, availability, resolve_device, runnable_modes
 from amp_core.probes import compiled_ops, optrace
 from amp_core.race import compiled_one_line, eager_recipe, lane_compiles
@@ -11,6 +12,7 @@ from amp_core.views import compiled as compiled_views
 from amp_core.views import optrace as trace_views
 from amp_core.views.tables import content_widths
 from amp_core.workloads import WORKLOADS
+from pages.answered import answer_for, awaiting
 from pages.common import (
     app_frame,
     attached_request,
@@ -36,9 +38,10 @@ with torch.autocast(device_type, dtype=...):
 print(a.dtype, b.dtype)"""
 
 
-@st.cache_data(show_spinner="Tracing one forward + backward…", max_entries=32)
-def traced(workload: str, mode: str, size: str, device: str, batch_size: int) -> optrace.OpTrace:
-    return optrace.trace_workload(workload, mode, size=size, device=device, batch_size=batch_size)
+def traced(state_key: str, workload: str, mode: str, size: str, batch_size: int) -> Answer:
+    """The trace's answer (an OpTrace), made off the page's thread and remembered for the server."""
+    return answer_for(state_key, ("optrace", workload, mode, size, DEVICE, batch_size),
+                      lambda: optrace.trace_workload(workload, mode, size=size, device=DEVICE, batch_size=batch_size))
 
 
 @st.cache_data(show_spinner=False)
@@ -47,7 +50,7 @@ def demo_rows(device: str) -> list[dict[str, str]]:
 
 
 def workload_traces() -> list[optrace.OpTrace]:
-    """Widgets for a workload trace in one or two modes; the traces, or [] after showing an error."""
+    """Widgets for a workload trace in one or two modes; the traces, or [] after a note (being traced) or an error."""
     runnable = runnable_modes(DEVICE)
     left, middle, right = st.columns(3)
     names = list(WORKLOADS)
@@ -70,14 +73,22 @@ def workload_traces() -> list[optrace.OpTrace]:
     refused = [f"{m} ({availability(m, DEVICE)[1]})" for m in MODES if m not in runnable]
     if refused:
         st.caption(f"Not offered on {DEVICE}: " + "; ".join(refused))
-    try:
-        return [traced(workload, mode, size, DEVICE, int(batch_size)) for mode in modes]
-    except (ConfigError, ValueError) as error:
-        st.error(f"Cannot trace: {error}")
-        return []
-    except RuntimeError as error:  # e.g. out of memory at a large size
-        st.error(f"The trace failed: {str(error).splitlines()[0]}. Try a smaller size or batch.")
-        return []
+    answers = [traced(f"opi_answer_{index}", workload, mode, size, int(batch_size))
+               for index, mode in enumerate(modes)]
+    waiting = [answer for answer in answers if not answer.done.is_set()]
+    failed = [answer.error for answer in answers if answer.done.is_set() and answer.error is not None]
+    if waiting:
+        awaiting(waiting[0], f"Tracing one forward + backward in {' and in '.join(modes)}, size {size}, batch "
+                             f"{int(batch_size)}…")
+    elif not failed:
+        return [answer.value for answer in answers]
+    elif isinstance(failed[0], (ConfigError, ValueError)):
+        st.error(f"Cannot trace: {failed[0]}")
+    elif isinstance(failed[0], RuntimeError):  # e.g. out of memory at a large size
+        st.error(f"The trace failed: {str(failed[0]).splitlines()[0]}. Try a smaller size or batch.")
+    else:
+        raise failed[0]
+    return []
 
 
 def lane_trace() -> list[optrace.OpTrace]:
@@ -234,12 +245,16 @@ def eager_lane_trace(run_id: str, lane: int, info, eager_mode: str) -> list[optr
                 st.error(f"Cannot trace this lane: {str(error).splitlines()[0]}")
         return [traces[(run_id, lane)]] if (run_id, lane) in traces else []
     config = info.settings
-    try:
-        trace = traced(config.workload, eager_mode, config.size, DEVICE,
-                       optrace.DEFAULT_TRACE_BATCH)
-    except (ConfigError, ValueError, KeyError, RuntimeError) as error:
-        st.caption(f"No eager trace to set beside it here: {str(error).splitlines()[0]}")
+    answer = traced("opi_compiled_eager_answer", config.workload, eager_mode, config.size, optrace.DEFAULT_TRACE_BATCH)
+    if not answer.done.is_set():
+        awaiting(answer, f"Tracing `{eager_mode}` on a fresh build of {config.workload}…")
         return []
+    if isinstance(answer.error, (ConfigError, ValueError, KeyError, RuntimeError)):
+        st.caption(f"No eager trace to set beside it here: {str(answer.error).splitlines()[0]}")
+        return []
+    if answer.error is not None:
+        raise answer.error
+    trace = answer.value
     st.caption(f"Below: the eager trace of `{eager_mode}` on a fresh build of {config.workload} (the lane has "
                "ended and freed its model).")
     return [trace]

@@ -187,7 +187,9 @@ def test_the_overflow_debugger_of_three_lanes_opened_by_its_url_fits(server, bro
     page.locator("[data-testid='stSidebar']").get_by_text("Overflow debugger").wait_for(timeout=60_000)
     assert "AMP Lab" in page.title(), page.title()  # the app's page config, not the file's name alone
     page.get_by_text("Gradient magnitudes against fp16 and bf16").wait_for(timeout=60_000)
-    overview = page.locator("[data-testid='stDataFrame'] table").first
+    # The lanes' overview, found by its header: each data grid adds its (hidden, accessible) table when it has drawn,
+    # not in page order, so the page's first table may be a later grid's (the review's or the fractions', 5 rows).
+    overview = page.locator("[data-testid='stDataFrame'] table", has=page.locator("th", has_text="scale now"))
     assert overview.get_attribute("aria-rowcount") == "4"  # the header and the three lanes
     eventually(assert_tables_fit, page)
     page.get_by_role("button", name="Replay", exact=True).click()
@@ -231,6 +233,8 @@ def test_my_pages_read_whole_at_1440(server, browser):
     page.close()
 
     page = open_page(browser, f"{server}/op_inspector")
+    page.get_by_text("Every op", exact=True).wait_for(timeout=90_000)  # the trace, made off the page's thread
+    page.wait_for_function(DRAWN, timeout=60_000)
     eventually(assert_tables_fit, page)
     screenshot(page, "op_inspector")
     page.close()
@@ -253,6 +257,8 @@ def test_my_pages_read_whole_at_1440(server, browser):
 
     page = open_page(browser, f"{server}/layer_numerics")
     page.locator(".js-plotly-plot").first.wait_for(timeout=90_000)
+    page.get_by_text("Find a plan: the cheapest format per layer").wait_for(timeout=90_000)  # after the block probe
+    page.wait_for_function(DRAWN, timeout=60_000)
     screenshot(page, "layer_numerics")
     eventually(assert_tables_fit, page)
     page.close()

@@ -129,10 +129,12 @@ def test_the_op_inspector_shows_a_stored_compiled_lanes_own_compile(race, race_s
 
     from streamlit.testing.v1 import AppTest
 
+    from tests.answered_pages import answered
+
     monkeypatch.setenv("AMP_LAB_STORE", str(race_store.path))
     app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "op_inspector.py"),
                             default_timeout=120).run()
-    app.radio(key="opi_source").set_value("A compiled lane's own compile").run()
+    answered(app.radio(key="opi_source").set_value("A compiled lane's own compile").run())  # the eager trace below
     assert app.selectbox(key="opi_compiled_run").value == race.run_id
     assert app.selectbox(key="opi_compiled_lane").value == 2 and not app.exception and not app.error
     metrics = {m.label: m.value for m in app.metric}

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 from torch import nn
 
 from amp_core.config import RunConfig
+from amp_core.probes import numerics
 from amp_core.probes.numerics import LAYER_AMAX_EVENT
 from amp_core.workloads import WORKLOADS, Data, Workload
+from pages.answered import ANSWER_POLL_S, answer_board
 from pages.common import get_manager
+from tests.answered_pages import answered, awaiting_notes
 from tests.test_numerics import OVERFLOW
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
@@ -34,7 +39,7 @@ def tables(app: AppTest, column: str) -> list:
 
 @pytest.fixture
 def app() -> AppTest:
-    return AppTest.from_file(PAGE, default_timeout=120).run()
+    return answered(AppTest.from_file(PAGE, default_timeout=120).run())
 
 
 def test_default_view_probes_tiny_transformer_in_16_mixed(app):
@@ -52,6 +57,40 @@ def test_default_view_probes_tiny_transformer_in_16_mixed(app):
     assert any("No runs yet" in i.value for i in app.info)
 
 
+def test_the_page_is_drawn_before_its_probe_ends_and_the_report_joins_it(fragment_timers):
+    """The probe runs off the page's script thread: while the server's answer board is busy with another probe (the
+    test's own, asked of the same board), the page draws its controls, its over-time section and a one-line note
+    that looks again every ANSWER_POLL_S; once the probe is answered the report joins the page, the same report the
+    probe makes when called directly; a new session finds it made and draws it at once."""
+    answer_board.clear()  # a fresh board: no earlier test's answer is remembered
+    release = threading.Event()
+    ahead = answer_board().ask("the test's probe", release.wait)
+    try:
+        app = AppTest.from_file(PAGE, default_timeout=120).run()
+        assert not app.exception and not app.error
+        assert app.selectbox(key="lnum_workload").value == "tiny_transformer"
+        assert app.selectbox(key="lnum_mode").value == "16-mixed"
+        assert any("No runs yet" in i.value for i in app.info)  # the sections below the probe are drawn
+        [note] = awaiting_notes(app)
+        assert "Probing one forward + backward in 16-mixed and in fp32" in note and "1 other probe first" in note
+        assert not figures(app) and not app.metric and not tables(app, "output_error")
+        assert fragment_timers["note"] == ANSWER_POLL_S
+    finally:
+        release.set()
+    assert ahead.done.wait(60) and ahead.value is True
+    answered(app)
+    assert not app.exception and not app.error
+    assert not awaiting_notes(app)
+    [errors] = tables(app, "output_error")
+    direct = numerics.probe_workload("tiny_transformer", "16-mixed", size="small", device="cpu",
+                                     batch_size=numerics.DEFAULT_NUMERICS_BATCH)
+    pd.testing.assert_frame_equal(errors, direct.error_frame().reset_index(drop=True), check_dtype=False)
+    assert titled(app, "Quantisation SNR of each GEMM operand")  # the block-scaled probe, answered after it
+    again = AppTest.from_file(PAGE, default_timeout=120).run()
+    assert not awaiting_notes(again)
+    assert titled(again, "Error of each module's output") and titled(again, "Quantisation SNR of each GEMM operand")
+
+
 def test_the_block_scaled_section_names_the_first_layer_below_its_threshold_with_a_heatmap(app):
     assert app.multiselect(key="lnum_formats").value == ["nvfp4", "mxfp8"]
     [heatmap] = titled(app, "Quantisation SNR of each GEMM operand")
@@ -60,7 +99,7 @@ def test_the_block_scaled_section_names_the_first_layer_below_its_threshold_with
     assert set(table["format"]) == {"nvfp4", "mxfp8"} and "blocks.0.qkv" in set(table["layer"])
     verdicts = [m.value for m in (*app.warning, *app.success) if m.value.startswith(("nvfp4:", "mxfp8:"))]
     assert len(verdicts) == 2 and any(v.startswith("mxfp8: every layer keeps") for v in verdicts)
-    app.multiselect(key="lnum_formats").set_value(["fp8-blockwise"]).run()
+    answered(app.multiselect(key="lnum_formats").set_value(["fp8-blockwise"]).run())
     assert not app.exception
     assert any(i.value.startswith("fp8-blockwise: no Linear layer measured") for i in app.info)
     assert any("misshaped" in c.value for c in app.caption)
@@ -69,7 +108,7 @@ def test_the_block_scaled_section_names_the_first_layer_below_its_threshold_with
 def test_the_first_non_finite_module_is_highlighted_with_why(app, monkeypatch):
     monkeypatch.setitem(WORKLOADS, OVERFLOW.name, OVERFLOW)
     app.run()  # the selectbox lists the workload registered at run time
-    app.selectbox(key="lnum_workload").set_value(OVERFLOW.name).run()
+    answered(app.selectbox(key="lnum_workload").set_value(OVERFLOW.name).run())
     assert not app.exception
     [error] = app.error
     assert "First non-finite: `planted` (forward)" in error.value and "65504" in error.value
@@ -77,7 +116,7 @@ def test_the_first_non_finite_module_is_highlighted_with_why(app, monkeypatch):
 
 
 def test_switching_the_tensor_shows_gradient_ranges(app):
-    app.selectbox(key="lnum_workload").set_value("digits_mlp")
+    answered(app.selectbox(key="lnum_workload").set_value("digits_mlp").run())  # the radio is drawn with a report
     app.radio(key="lnum_tensor").set_value("grad").run()
     assert not app.exception
     assert titled(app, "Range of each module's grad")
@@ -103,7 +142,7 @@ class Broken(Workload):
 def test_a_failing_probe_is_a_message_not_a_traceback(app, monkeypatch):
     monkeypatch.setitem(WORKLOADS, Broken.name, Broken())
     app.run()
-    app.selectbox(key="lnum_workload").set_value(Broken.name).run()
+    answered(app.selectbox(key="lnum_workload").set_value(Broken.name).run())
     assert not app.exception
     [error] = app.error
     assert error.value == "The probe failed: CUDA out of memory (planted). Try a smaller size or batch."

@@ -12,6 +12,7 @@ from amp_core.config import RunConfig
 from amp_core.views import optrace as trace_views
 from amp_core.views import tables
 from pages.common import get_manager
+from tests.answered_pages import answered
 
 PAGE = str(Path(__file__).resolve().parents[1] / "pages" / "op_inspector.py")
 
@@ -37,7 +38,7 @@ def low_precision(cells) -> bool:
 
 @pytest.fixture
 def app() -> AppTest:
-    return AppTest.from_file(PAGE, default_timeout=60).run()
+    return answered(AppTest.from_file(PAGE, default_timeout=60).run())
 
 
 def test_default_view_traces_one_mode_and_runs_the_seed_demo(app):
@@ -83,7 +84,7 @@ def test_filters_narrow_the_table(app):
 
 
 def test_two_modes_side_by_side(app):
-    app.radio(key="opi_source").set_value("Two modes side by side").run()
+    answered(app.radio(key="opi_source").set_value("Two modes side by side").run())
     assert not app.exception
     assert app.selectbox(key="opi_mode_a").value == "32-true"
     first, second = op_tables(app)
@@ -98,7 +99,7 @@ def test_two_modes_side_by_side(app):
 
 def test_other_workload_and_size_by_flops(app):
     app.selectbox(key="opi_workload").set_value("tiny_transformer")
-    app.number_input(key="opi_batch").set_value(2)
+    answered(app.number_input(key="opi_batch").set_value(2).run())  # the box size radio is drawn with the trace
     app.radio(key="opi_size_by").set_value("flops").run()
     assert not app.exception
     assert "blocks.0.qkv" in set(op_tables(app)[0]["module"])

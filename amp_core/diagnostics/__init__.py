@@ -12,7 +12,8 @@ Its public surface (`__all__`) is what the pages drive, each name loaded from it
 from amp_core.surface import lazy_surface
 
 __all__, __getattr__, __dir__ = lazy_surface(__name__, {
-    "AdviceJob": "advise.AdviceJob", "AdviseConfig": "configs.AdviseConfig", "BisectConfig": "configs.BisectConfig",
+    "AdviceJob": "advise.AdviceJob", "Answer": "answers.Answer", "AnswerBoard": "answers.AnswerBoard",
+    "AdviseConfig": "configs.AdviseConfig", "BisectConfig": "configs.BisectConfig",
     "fixed_race_config": "bisect.fixed_race_config", "recorded_bisects": "bisect.recorded_bisects",
     "start_bisect": "bisect.start_bisect",
     "MIN_TIMED_S": "cost.MIN_TIMED_S", "SLOW_FACTOR": "cost.SLOW_FACTOR", "TIME_CAP_S": "cost.TIME_CAP_S",
