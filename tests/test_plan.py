@@ -169,10 +169,12 @@ def test_the_layer_numerics_page_finds_a_plan_off_its_thread_and_stops(planted):
 
     from streamlit.testing.v1 import AppTest
 
+    from tests.answered_pages import answered
+
     page = str(Path(__file__).resolve().parents[1] / "pages" / "layer_numerics.py")
     app = AppTest.from_file(page, default_timeout=180).run()
     app.selectbox(key="lnum_workload").set_value(planted.name).run()
-    app.selectbox(key="lnum_size").set_value("medium").run()
+    answered(app.selectbox(key="lnum_size").set_value("medium").run())  # the panel sits below the probe's report
     app.selectbox(key="lnum_plan_target").set_value("bf16-mixed+fp8-blockwise").run()
     app.button(key="lnum_plan_go").click().run()
     assert any("Cannot search: **target**" in e.value and "converts none" in e.value for e in app.error)
