@@ -55,15 +55,18 @@ OPEN_TIMEOUT_S = 180.0
 POLL_S = 0.1
 LAST_DRAWN = """() => {
     for (const frame of document.querySelectorAll('iframe')) {
-        const chart = frame.contentDocument && frame.contentDocument.getElementById('chart');
-        const title = chart && chart.layout && chart.layout.title && chart.layout.title.text;
-        if (!title || !title.includes('Loss') || !chart.data || !chart.data.length) continue;
-        const xs = chart.data[0].x || [];
-        return xs.length ? [chart.data[0].name, xs[xs.length - 1]] : null;
+        const doc = frame.contentDocument;
+        for (const chart of doc ? doc.querySelectorAll('.js-plotly-plot') : []) {
+            const title = chart.layout && chart.layout.title && chart.layout.title.text;
+            if (!title || !title.includes('Loss') || !chart.data || !chart.data.length) continue;
+            const xs = chart.data[0].x || [];
+            return xs.length ? [chart.data[0].name, xs[xs.length - 1]] : null;
+        }
     }
     return null;
 }"""
-"""The Train page's live loss chart (pages/live_chart.py, a same-origin frame): its first trace's name and last step."""
+"""The Train page's live loss chart (on pages/live_chart.py's board, a same-origin frame): its first trace's name and
+last step."""
 EVERY_CHART_DRAWN = f"""() => ({PLOTS})().every(div => !(div.data || []).some(trace => (trace.x || []).length)
     || div.querySelectorAll('.trace').length > 0)"""
 """Every chart that holds points has drawn its traces (not caught between a redraw's clearing and its drawing)."""

@@ -168,6 +168,13 @@ class ChartFeed:
         return {"kind": "extend", "seq": self.seq, "base": base, **found}
 
 
+    def whole(self, spec: dict) -> dict:
+        """`spec` (the one last updated to) as a reset at this feed's seq: what a chart that holds nothing, or
+        something too old, draws before the next update applies to it."""
+        layout = dict(spec["layout"], template=spec["template"])
+        return {"kind": "reset", "seq": self.seq, "figure": {"data": spec["data"], "layout": layout}}
+
+
 def new_points(update: dict) -> int:
     """How many points an update carries (every trace's, counted along x): what a chart receives per redraw."""
     if update["kind"] == "reset":
