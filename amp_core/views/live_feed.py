@@ -25,12 +25,12 @@ import math
 import os
 import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+from amp_core import background
 from amp_core.runs import is_live
 from amp_core.views.chart_feed import ChartFeed
 from amp_core.views.shared import LiveFrame, LiveRoom
@@ -125,6 +125,7 @@ class _Watched:
         self.sessions: dict[str, Hashable] = {}
         """Each watching session's choices (a session watches one feed of a run at a time)."""
         self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
 
 
 class LiveFeeds:
@@ -148,7 +149,6 @@ class LiveFeeds:
         self.computed: Counter = Counter()
         self._runs: dict[str, _Watched] = {}
         self._lock = threading.Lock()
-        self._closed = threading.Event()
 
     def board(self, frame: LiveFrame, choices: Hashable, render: Callable[[LiveFrame], dict]) -> dict:
         """The board of `frame` for `choices`, rendered once for every session and publisher that asks."""
@@ -176,19 +176,19 @@ class LiveFeeds:
             if new:
                 publisher = watched.publishers[choices] = Publisher(self.root / name, self.keep)
             if watched.thread is None or not watched.thread.is_alive():
-                watched.thread = threading.Thread(target=self._tick, args=(run_id, watched),
-                                                  name=f"amp-lab-live-feed-{run_id}", daemon=True)
-                watched.thread.start()
+                watched.stop = stop = threading.Event()
+                watched.thread = background.start(lambda: self._tick(run_id, watched, stop),
+                                                  f"amp-lab-live-feed-{run_id}", stop=stop.set)
         if frame is None and new:
             frame = self.room.frame(reader, run_id, fresh=True)
         if frame is not None and frame.info is not None:
             publisher.publish(self.board(frame, choices, render), frame.version)
         return name, publisher.seq
 
-    def _tick(self, run_id: str, watched: _Watched) -> None:
+    def _tick(self, run_id: str, watched: _Watched, stop: threading.Event) -> None:
         """A run's publishers' thread: every tick, one reading of the run and one update per watched feed; ends when
-        the run is no longer live (its last update written) or nobody watches it."""
-        while not self._closed.wait(self.tick_s):
+        the run is no longer live (its last update written), nobody watches it, or it is asked to (`stop`)."""
+        while not stop.wait(self.tick_s):
             with self._lock:
                 for session in [s for s in watched.sessions if not self.alive(s)]:
                     del watched.sessions[session]
@@ -204,15 +204,21 @@ class LiveFeeds:
                 for choices, (render, publisher) in feeds.items():
                     publisher.publish(self.board(frame, choices, render), frame.version)
             except Exception:  # a store away for a moment: the next tick tries again (pages say what is wrong)
-                time.sleep(self.tick_s)
                 continue
             if not is_live(frame.info):
                 return
 
-    def close(self) -> None:
-        """Stop every publisher's thread (a server shutting down, a test's end)."""
-        self._closed.set()
+    def running(self, run_id: str) -> bool:
+        """Whether run `run_id`'s publishers are ticking."""
         with self._lock:
-            threads = [w.thread for w in self._runs.values() if w.thread is not None]
-        for thread in threads:
+            watched = self._runs.get(run_id)
+            return watched is not None and watched.thread is not None and watched.thread.is_alive()
+
+    def close(self) -> None:
+        """Stop every publisher's thread and wait for it (a test's end; a server's are stopped by amp_core.background
+        at its shutdown)."""
+        with self._lock:
+            held = [(w.stop, w.thread) for w in self._runs.values() if w.thread is not None]
+        for stop, thread in held:
+            stop.set()
             thread.join(STOP_WAIT_S)
