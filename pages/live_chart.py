@@ -48,8 +48,7 @@ def _served_folder() -> Path:
 
 
 SERVED = _served_folder()
-FEEDS_PATH = f"feed/{os.getpid()}-{secrets.token_hex(4)}"
-"""This process's feeds, relative to the component's folder (and to its URL)."""
+FEEDS_PATH = f"feed/{os.getpid()}-{secrets.token_hex(4)}"  # this process's feeds, under the component's folder and URL
 _component = components.declare_component("amp_live_chart", path=str(SERVED))
 _feeds: LiveFeeds | None = None
 _feeds_lock = threading.Lock()
@@ -92,6 +91,7 @@ def live_board(reader, frame: LiveFrame, choices: Hashable, render: Callable[[Li
     feeds = live_feeds()
     view = feeds.board(frame, choices, render)
     name, _ = feeds.watch(reader, frame.run_id, choices, render, _session_id(), frame=frame)
+    # The table rides along (a few rows): the board shows it before its first fetch, and it is what AppTest reads.
     _component(feed=f"{FEEDS_PATH}/{name}", period_ms=round(live_refresh_s()[0] * 1000), signal=view["signal"],
-               names=list(view["charts"]), key=key, default=None)
+               names=list(view["charts"]), table=view["table"], key=key, default=None)
     return view

@@ -318,14 +318,13 @@ from pages.live_chart import live_board  # noqa: E402
 # server about what one does, and no session's script reruns each second. Read here, after the first paint:
 # amp_core.views.shared imports pandas.
 REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
+# The live view's own redraw period for a run that shows parts the board does not carry (seed replicates, ranks,
+# compiled lanes, forecasts, block scales, a trainer's warnings): they follow the run this often; other runs' live
+# views rerun only when the board's signal changes.
 TIMED_PARTS_S = 5 * REFRESH_S
-"""The live view's own redraw period for a run that shows parts the board does not carry (seed replicates, ranks,
-compiled lanes, forecasts, block scales, a trainer's warnings): they follow the run this often; other runs' live views
-rerun only when the board's signal changes."""
+# The live board's charts in its order, two columns (left, right, left, ...): the places the still page gives them.
 BOARD_CHARTS = ("loss", "step_time", "scale", "memory", "lr", "ranks")
-"""The live board's charts in its order, two columns (left, right, left, ...): the places the still page gives them."""
-NUMBER_COLUMNS = frozenset({"steps", "loss now", "ms/step", "speed", "memory", "skipped", "scale"})
-"""The lanes table's columns the board aligns as numbers."""
+NUMBER_COLUMNS = frozenset({"steps", "loss now", "ms/step", "speed", "memory", "skipped", "scale"})  # right-aligned
 
 
 @st.cache_data(show_spinner=False)
@@ -576,12 +575,12 @@ def lane_rows(frame: LiveFrame) -> None:
 
 
 def board_table(frame: LiveFrame) -> dict:
-    """The lanes table for the live board, JSON-ready: {columns: [{label, help, kind}], rows, caption}."""
+    """The lanes table for the live board, JSON-ready: {columns: [{name, label, help, kind}], rows, caption}."""
     table, labels, _, against = lane_table(frame)
     kinds = {column: "progress" if column == "progress" else "number" if column in NUMBER_COLUMNS else "text"
              for column in table.columns}
-    columns = [{"label": labels.get(column, column), "help": LANE_COLUMNS[column], "kind": kinds[column]}
-               for column in table.columns]
+    columns = [{"name": column, "label": labels.get(column, column), "help": LANE_COLUMNS[column],
+                "kind": kinds[column]} for column in table.columns]
     rows = [[None if pd.isna(value) else value for value in row] for row in table.itertuples(index=False)]
     return {"columns": columns, "rows": rows, "caption": against}
 

@@ -68,8 +68,14 @@ def probe_table(at: AppTest) -> pd.DataFrame:
 
 
 def lanes_shown(at: AppTest) -> pd.DataFrame:
-    """The live view's lanes table (one row per lane, every headline figure)."""
-    (table,) = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
+    """The live view's lanes table (one row per lane, every headline figure): Streamlit's for a run that ended, the
+    one the live board was drawn with for a live run (pages/live_chart.py)."""
+    boards = [json.loads(element.proto.json_args)["table"] for element in at.get("component_instance")
+              if element.proto.component_name.endswith("amp_live_chart")]
+    tables = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
+    tables += [pd.DataFrame(board["rows"], columns=[column["name"] for column in board["columns"]])
+               for board in boards]
+    (table,) = tables
     return table
 
 
