@@ -189,12 +189,14 @@ class Viewer:
         if latest is None or latest["seq"] == self.board_seq:
             return
         if 0 <= self.board_seq < latest["seq"] <= self.board_seq + CATCH_UP:
-            for seq in range(self.board_seq + 1, latest["seq"]):
+            carried = [update for update in latest["updates"] if update["seq"] > self.board_seq]
+            for seq in range(self.board_seq + 1, carried[0]["seq"]):  # those missed before the ones carried
                 if await self._fetch(http, path, f"{seq}.json") is None:
                     break
                 self.feed_updates += 1
             else:
-                await self._applied(ws, latest)
+                for update in carried:
+                    await self._applied(ws, update)
                 return
         whole = await self._fetch(http, path, "whole.json")
         if whole is not None:

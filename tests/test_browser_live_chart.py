@@ -63,7 +63,7 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
     store = tmp_path / "runs.sqlite3"
     cli = start_cli_run(store, "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed", "--steps", "10000000")
     runs = ScriptRuns()
-    updates: list[dict] = []  # the feed's updates the browser fetched (latest.json and the ones in between)
+    updates: list[dict] = []  # the feed's updates the browser fetched (latest.json's and the ones in between)
     wholes: list[dict] = []  # the whole boards it fetched (its first)
     try:
         deadline = time.monotonic() + 60
@@ -78,8 +78,14 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
 
                 def fetched(response) -> None:
                     name = response.url.split("?")[0].rsplit("/", 1)[-1]
-                    if "/feed/" in response.url and response.ok:
-                        (wholes if name == "whole.json" else updates).append(response.json())
+                    if "/feed/" not in response.url or not response.ok:
+                        return
+                    body = response.json()
+                    if name == "whole.json":
+                        wholes.append(body)
+                        return
+                    known = {update["seq"] for update in updates}
+                    updates.extend(u for u in body.get("updates", [body]) if u["seq"] not in known)
 
                 page.on("response", fetched)
                 page.goto(url)

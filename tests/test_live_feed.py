@@ -86,7 +86,8 @@ def test_sessions_on_one_live_run_share_one_board_per_tick_and_its_files(live_ru
         assert feeds.computed == {"board": 1}  # two sessions, one board
         assert {name for name, _ in opened} == {feed_name(run.run_id, ("board", 0.0))}
         folder = tmp_path / opened[0][0]
-        first = read(folder, "latest.json")
+        first = read(folder, "0.json")
+        assert read(folder, "latest.json") == {"seq": 0, "updates": [first]}
         assert first["seq"] == 0 and first["charts"]["loss"]["kind"] == "reset"
         assert read(folder, "whole.json")["charts"]["loss"]["figure"]["data"][0]["x"] == [0, 1]
 
@@ -96,14 +97,14 @@ def test_sessions_on_one_live_run_share_one_board_per_tick_and_its_files(live_ru
         frame = room.frame(manager, run.run_id)
         watch_all(feeds, manager, run.run_id, {"a": 0.0, "b": 0.0}, frame)
         assert feeds.computed == {"board": 2}
-        update = read(folder, "latest.json")
+        update = read(folder, "1.json")
         assert (update["seq"], update["base"]) == (1, 0)
+        assert read(folder, "latest.json") == {"seq": 1, "updates": [first, update]}  # a period's ticks, one fetch
         loss = update["charts"]["loss"]
         assert loss["kind"] == "extend" and not loss["replace"]
         # Only the new points: steps 2-4 of each lane, after the 2 it drew.
         assert [(item["keep"], item["points"]["x"]) for item in loss["extend"]] == [(2, [2, 3, 4]), (2, [2, 3, 4])]
         assert update["table"]["rows"][0][2] == "5 / 100,000"
-        assert read(folder, "1.json") == update
         whole = read(folder, "whole.json")
         assert whole["seq"] == 1 and whole["charts"]["loss"]["figure"]["data"][0]["x"] == [0, 1, 2, 3, 4]
         assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*"))  # written whole, nothing left over
@@ -166,9 +167,10 @@ def test_a_feed_keeps_its_last_updates_writes_nothing_unchanged_and_never_goes_b
     older = {"charts": {"loss": spec(3)}, "table": None, "signal": ["running"]}
     assert not publisher.publish(older, version=1)  # a reading older than the one published
     assert publisher.written == last + 1 and read(tmp_path, "latest.json")["seq"] == last
+    assert [update["seq"] for update in read(tmp_path, "latest.json")["updates"]] == [last - 1, last]
     moved = {"charts": {"loss": spec(2 + last)}, "table": None, "signal": ["paused"]}
     assert publisher.publish(moved, version=last + 2)
-    update = read(tmp_path, "latest.json")
+    update = read(tmp_path, "latest.json")["updates"][-1]
     assert update["charts"] == {} and update["signal"] == ["paused"]  # a chart that did not change is left out
 
 

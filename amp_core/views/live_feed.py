@@ -11,8 +11,10 @@ the run's status, a lane's), not every second.
 
 A feed's folder holds, each written whole and atomically (a temporary file, then os.replace: a reader never sees
 half of one):
-- `latest.json`: the newest update, {seq, base, names, charts: {name: ChartFeed's update}, table, signal};
-- `<seq>.json`: the last KEEP_UPDATES updates (a browser that missed one catches up without a whole figure);
+- `<seq>.json`: each of the last KEEP_UPDATES updates, {seq, base, names, charts: {name: ChartFeed's update}, table,
+  signal} (a browser that missed some catches up without a whole figure);
+- `latest.json`: {seq, updates: [the last CARRY_UPDATES updates]}: a browser polling once a period while the publisher
+  ticks twice finds both in one fetch;
 - `whole.json`: everything at `seq`, each chart as a reset: what a browser that holds nothing (or too old) asks for.
 A tick whose reading changed nothing (a paused run) writes nothing.
 """
@@ -25,7 +27,7 @@ import math
 import os
 import tempfile
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ from amp_core.views.shared import LiveFrame, LiveRoom
 
 KEEP_UPDATES = 5
 """Updates kept beside latest.json: a browser up to this many behind catches up update by update."""
+CARRY_UPDATES = 2
+"""Updates latest.json carries: the ticks in one refresh period (a tick is half of one, see LiveFeeds' tick_s)."""
 STOP_WAIT_S = 10.0
 """How long `LiveFeeds.close` waits for a publisher's thread."""
 
@@ -67,9 +71,10 @@ def write_atomically(path: Path, data: bytes) -> None:
 class Publisher:
     """One feed's files: the board of one run seen with one set of choices, an update per tick that changed it."""
 
-    def __init__(self, folder: Path, keep: int = KEEP_UPDATES):
+    def __init__(self, folder: Path, keep: int = KEEP_UPDATES, carry: int = CARRY_UPDATES):
         self.folder = folder
         self.keep = keep
+        self._carried: deque[bytes] = deque(maxlen=carry)
         self.seq = -1
         """The last update written (-1: none yet)."""
         self.written = 0
@@ -109,7 +114,9 @@ class Publisher:
                            "charts": {name: self._feeds[name].whole(spec) for name, spec in specs.items()}})
             write_atomically(self.folder / f"{self.seq}.json", update)
             write_atomically(self.folder / "whole.json", whole)  # before latest: whole.json is never older
-            write_atomically(self.folder / "latest.json", update)
+            self._carried.append(update)
+            latest = b'{"seq":%d,"updates":[%s]}' % (self.seq, b",".join(self._carried))
+            write_atomically(self.folder / "latest.json", latest)
             (self.folder / f"{self.seq - self.keep}.json").unlink(missing_ok=True)
             self.written += 1
             return True
