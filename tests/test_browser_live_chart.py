@@ -4,6 +4,7 @@ the session's script does not rerun per tick (counted on the websocket as the br
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import time
@@ -15,6 +16,7 @@ from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 from bench.room_watch import LAST_DRAWN
 from tests import streamlit_server
 from tests.cli_process import start_cli_run, stored_steps
+from tests.test_browser import LOSS_POINTS
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -100,6 +102,13 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
                     .map(f => f.contentDocument && f.contentDocument.getElementById('table'))
                     .filter(t => t).map(t => t.innerText).join('\\n')""")
                 after = (runs.whole - whole_runs, runs.live_view - live_runs)
+                # The run ends (Ctrl-C where it runs): the board's signal changes, its value reruns the live view,
+                # and the page follows with no timer of its own.
+                cli.send_signal(signal.SIGINT)
+                cli.wait(60)
+                page.get_by_text(re.compile(r"Run status: (stopped|interrupted)")).wait_for(timeout=60_000)
+                page.wait_for_function(f"() => Object.keys(({LOSS_POINTS})()).length === 2", timeout=60_000)
+                ended = page.evaluate(LOSS_POINTS)
             finally:
                 browser.close()
     finally:
@@ -108,6 +117,7 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
     # Three moves of the chart, and the session's script did not run again: not a whole run, not a fragment's.
     assert steps == sorted(set(steps)), steps
     assert after == (0, 0), after
+    assert set(ended) == {"32-true", "bf16-mixed"}  # the ended run's charts, drawn by Streamlit
     assert "32-true" in table and "bf16-mixed" in table and "loss now" in table
     moved = [u["charts"]["loss"] for u in updates[seen:] if "loss" in u["charts"]]
     extends = [u for u in moved if u["kind"] == "extend" and u["extend"] and not u["replace"]]
