@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+import psutil
 import streamlit.components.v1 as components
 
 from amp_core.views.live_feed import LiveFeeds
@@ -61,12 +62,21 @@ def _session_alive(session: str) -> bool:
     return not runtime.exists() or runtime.get_instance().is_active_session(session)
 
 
+def _prune_ended_servers() -> None:
+    """Remove the feeds of servers that ended without removing their own (killed): a folder per process id."""
+    for folder in (SERVED / "feed").glob("*-*"):
+        pid = folder.name.split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def live_feeds() -> LiveFeeds:
     """The process's publishers, ticking at the live room's tick (half the refresh period: a record reaches a browser
-    polling every period within about a period and a half)."""
+    polling every period within about a period and a half). Its feeds are removed when the process ends."""
     global _feeds
     with _feeds_lock:
         if _feeds is None:
+            _prune_ended_servers()
             room = live_room()
             root = SERVED / FEEDS_PATH
             _feeds = LiveFeeds(root, room, room.cache.share_s, alive=_session_alive)
