@@ -184,24 +184,30 @@ class Viewer:
         finally:
             http.close()
 
+    async def _catch_up(self, ws, http: HttpClient, path: str, latest: dict) -> bool:
+        """From board_seq to latest, as the board does: the updates missed, then those latest.json carries."""
+        if self.board_seq < 0 or latest["seq"] - self.board_seq > CATCH_UP:
+            return False
+        carried = [update for update in latest["updates"] if update["seq"] > self.board_seq]
+        for seq in range(self.board_seq + 1, carried[0]["seq"]):
+            update = await self._fetch(http, path, f"{seq}.json")
+            if update is None:
+                return False
+            await self._applied(ws, update)
+        for update in carried:
+            await self._applied(ws, update)
+        return True
+
     async def _poll_once(self, ws, http: HttpClient, path: str) -> None:
         latest = await self._fetch(http, path, "latest.json")
-        if latest is None or latest["seq"] == self.board_seq:
+        if latest is None or latest["seq"] <= self.board_seq or await self._catch_up(ws, http, path, latest):
             return
-        if 0 <= self.board_seq < latest["seq"] <= self.board_seq + CATCH_UP:
-            carried = [update for update in latest["updates"] if update["seq"] > self.board_seq]
-            for seq in range(self.board_seq + 1, carried[0]["seq"]):  # those missed before the ones carried
-                if await self._fetch(http, path, f"{seq}.json") is None:
-                    break
-                self.feed_updates += 1
-            else:
-                for update in carried:
-                    await self._applied(ws, update)
-                return
         whole = await self._fetch(http, path, "whole.json")
         if whole is not None:
             self.feed_wholes += 1
             await self._applied(ws, whole)
+            if whole["seq"] < latest["seq"]:
+                await self._catch_up(ws, http, path, latest)
 
     async def _applied(self, ws, update: dict) -> None:
         self.feed_updates += 1
@@ -211,7 +217,7 @@ class Viewer:
         if board is None or text == json.dumps(board["args"]["signal"]) or text == self._asked_signal:
             return
         self._asked_signal = text  # the page must follow the run's new state: the component's value reruns it
-        state = WidgetState(id=board["id"], json_value=json.dumps({"signal": update["signal"]}))
+        state = WidgetState(id=board["id"], json_value=json.dumps({"signal": update["signal"], "at": time.time_ns()}))
         client = ClientState(page_name=self.page, page_script_hash=self.page_script_hash,
                              fragment_id=board["fragment"], widget_states=WidgetStates(widgets=[state]))
         await ws.send(BackMsg(rerun_script=client).SerializeToString())

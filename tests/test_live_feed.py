@@ -15,7 +15,7 @@ from amp_core.records.opening import open_store
 from amp_core.views import plots
 from amp_core.views.chart_feed import figure_spec
 from amp_core.views.live import lanes_table
-from amp_core.views.live_feed import KEEP_UPDATES, LiveFeeds, Publisher, feed_name
+from amp_core.views.live_feed import KEEP_UPDATES, WHOLE_EVERY, LiveFeeds, Publisher, feed_name
 from amp_core.views.shared import LiveRoom
 
 
@@ -105,8 +105,7 @@ def test_sessions_on_one_live_run_share_one_board_per_tick_and_its_files(live_ru
         # Only the new points: steps 2-4 of each lane, after the 2 it drew.
         assert [(item["keep"], item["points"]["x"]) for item in loss["extend"]] == [(2, [2, 3, 4]), (2, [2, 3, 4])]
         assert update["table"]["rows"][0][2] == "5 / 100,000"
-        whole = read(folder, "whole.json")
-        assert whole["seq"] == 1 and whole["charts"]["loss"]["figure"]["data"][0]["x"] == [0, 1, 2, 3, 4]
+        assert read(folder, "whole.json")["seq"] == 0  # written every WHOLE_EVERY updates: the board catches up
         assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*"))  # written whole, nothing left over
     finally:
         feeds.close()
@@ -139,7 +138,7 @@ def test_the_publisher_ticks_on_its_own_and_stops_when_nobody_watches(live_run, 
         while read(folder, "latest.json")["seq"] < 1:  # the thread's tick publishes what the run did since
             assert time.monotonic() < deadline, "the publisher did not tick"
             time.sleep(0.05)
-        assert read(folder, "whole.json")["table"]["rows"][0][2] == "5 / 100,000"
+        assert read(folder, "latest.json")["updates"][-1]["table"]["rows"][0][2] == "5 / 100,000"
         watching.clear()  # the session closed
         deadline = time.monotonic() + 30
         while feeds.running(run.run_id):
@@ -156,10 +155,17 @@ def spec(points: int) -> dict:
 
 
 def test_a_feed_keeps_its_last_updates_writes_nothing_unchanged_and_never_goes_back(tmp_path):
-    publisher = Publisher(tmp_path, keep=KEEP_UPDATES)
+    publisher = Publisher(tmp_path, keep=KEEP_UPDATES, whole_every=WHOLE_EVERY)
+    wholes = []
     for version, points in enumerate(range(2, 2 + KEEP_UPDATES + 3)):
         assert publisher.publish({"charts": {"loss": spec(points)}, "table": None, "signal": ["running"]}, version)
+        wholes.append(read(tmp_path, "whole.json"))
     last = KEEP_UPDATES + 2
+    # whole.json every WHOLE_EVERY updates, each chart as a reset at its seq: the updates kept since apply to it.
+    assert [whole["seq"] for whole in wholes] == [seq - seq % WHOLE_EVERY for seq in range(last + 1)]
+    whole = wholes[WHOLE_EVERY]["charts"]["loss"]
+    assert whole["kind"] == "reset" and len(whole["figure"]["data"][0]["x"]) == 2 + WHOLE_EVERY
+    assert read(tmp_path, f"{WHOLE_EVERY + 1}.json")["charts"]["loss"]["base"] == whole["seq"]
     assert sorted(int(path.stem) for path in tmp_path.glob("[0-9]*.json")) == list(range(last - KEEP_UPDATES + 1,
                                                                                          last + 1))
     same = {"charts": {"loss": spec(2 + last)}, "table": None, "signal": ["running"]}
@@ -174,6 +180,8 @@ def test_a_feed_keeps_its_last_updates_writes_nothing_unchanged_and_never_goes_b
     assert update["charts"] == {} and update["signal"] == ["paused"]  # a chart that did not change is left out
 
 
-def test_a_tick_must_have_a_length(tmp_path):
+def test_a_tick_must_have_a_length_and_a_feed_keep_what_follows_its_whole(tmp_path):
     with pytest.raises(ValueError, match="tick_s must be > 0"):
         LiveFeeds(tmp_path, LiveRoom(share_s=0.5), tick_s=0.0)
+    with pytest.raises(ValueError, match=r"keep \(2\) must be >= whole_every \(4\)"):
+        Publisher(tmp_path, keep=2, whole_every=4)

@@ -15,7 +15,8 @@ half of one):
   signal} (a browser that missed some catches up without a whole figure);
 - `latest.json`: {seq, updates: [the last CARRY_UPDATES updates]}: a browser polling once a period while the publisher
   ticks twice finds both in one fetch;
-- `whole.json`: everything at `seq`, each chart as a reset: what a browser that holds nothing (or too old) asks for.
+- `whole.json`: everything at one update (every WHOLE_EVERY), each chart as a reset: what a browser that holds nothing
+  (or is too far behind) fetches, then the updates since, kept beside it.
 A tick whose reading changed nothing (a paused run) writes nothing.
 """
 
@@ -37,8 +38,12 @@ from amp_core.runs import is_live
 from amp_core.views.chart_feed import ChartFeed
 from amp_core.views.shared import LiveFrame, LiveRoom
 
-KEEP_UPDATES = 5
-"""Updates kept beside latest.json: a browser up to this many behind catches up update by update."""
+WHOLE_EVERY = 4
+"""Updates between two whole.json: writing everything is most of a publication's cost (its JSON), and a browser needs
+it only when it opens or falls behind."""
+KEEP_UPDATES = WHOLE_EVERY + 2
+"""Updates kept beside latest.json: a browser up to this many behind (one that just drew whole.json) catches up update
+by update."""
 CARRY_UPDATES = 2
 """Updates latest.json carries: the ticks in one refresh period (a tick is half of one, see LiveFeeds' tick_s)."""
 STOP_WAIT_S = 10.0
@@ -71,9 +76,14 @@ def write_atomically(path: Path, data: bytes) -> None:
 class Publisher:
     """One feed's files: the board of one run seen with one set of choices, an update per tick that changed it."""
 
-    def __init__(self, folder: Path, keep: int = KEEP_UPDATES, carry: int = CARRY_UPDATES):
+    def __init__(self, folder: Path, keep: int = KEEP_UPDATES, carry: int = CARRY_UPDATES,
+                 whole_every: int = WHOLE_EVERY):
+        if keep < whole_every:
+            raise ValueError(f"keep ({keep}) must be >= whole_every ({whole_every}): a browser that drew whole.json "
+                             "catches up from the updates kept")
         self.folder = folder
         self.keep = keep
+        self.whole_every = whole_every
         self._carried: deque[bytes] = deque(maxlen=carry)
         self.seq = -1
         """The last update written (-1: none yet)."""
@@ -110,10 +120,11 @@ class Publisher:
             names = list(specs)
             update = _dump({"seq": self.seq, "base": self.seq - 1, "names": names, "charts": charts,
                             "table": view["table"], "signal": view["signal"]})
-            whole = _dump({"seq": self.seq, "names": names, "table": view["table"], "signal": view["signal"],
-                           "charts": {name: self._feeds[name].whole(spec) for name, spec in specs.items()}})
             write_atomically(self.folder / f"{self.seq}.json", update)
-            write_atomically(self.folder / "whole.json", whole)  # before latest: whole.json is never older
+            if self.seq % self.whole_every == 0:  # before latest.json: a board never finds whole.json ahead of it
+                whole = _dump({"seq": self.seq, "names": names, "table": view["table"], "signal": view["signal"],
+                               "charts": {name: self._feeds[name].whole(spec) for name, spec in specs.items()}})
+                write_atomically(self.folder / "whole.json", whole)
             self._carried.append(update)
             latest = b'{"seq":%d,"updates":[%s]}' % (self.seq, b",".join(self._carried))
             write_atomically(self.folder / "latest.json", latest)
