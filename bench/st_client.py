@@ -158,12 +158,12 @@ class Viewer:
         path = f"component/{instance.component_name}/{args['feed']}"
         same = self._board is not None and self._board["path"] == path
         self._board = {"path": path, "args": args, "id": instance.id, "fragment": msg.delta.fragment_id}
+        self._asked_signal = None  # the script drew the board with its signal: a later change is asked for anew
         if same and self._board_task is not None and not self._board_task.done():
             return
         if self._board_task is not None:
             self._board_task.cancel()
         self.board_seq = -1
-        self._asked_signal = None
         self._board_task = asyncio.ensure_future(self._poll_board(ws, HttpClient(self.base_url), path,
                                                                   args["period_ms"] / 1000))
 

@@ -127,3 +127,39 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
     for update in extends:
         sent = sum(len(item["points"]["x"]) for item in update["extend"])
         assert 0 < sent < whole / 4, (sent, whole)  # the new points (and the bucket still filling), not the figure
+
+
+def test_a_session_follows_pause_and_resume_pressed_in_another(tmp_path):
+    """Two browsers on a run of the server's: one pauses and resumes it; the other session's live view, which has no
+    timer, follows each change (its board's signal changed), controls and all."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_browser import enter_number, open_train_page
+
+    with streamlit_server.serving(tmp_path / "runs.sqlite3") as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            presenter, watcher = (browser.new_page(viewport={"width": 1440, "height": 900}) for _ in range(2))
+            launch = open_train_page(presenter, url)
+            enter_number(presenter, "Steps", 10_000_000)
+            launch.click()
+            presenter.get_by_text("Run status: running").wait_for(timeout=120_000)
+            watcher.goto(url)
+            watcher.get_by_text("Run status: running").wait_for(timeout=120_000)
+            watcher.wait_for_function(f"() => ({LAST_DRAWN})() !== null", timeout=60_000)
+            # The last two: the watcher resumes (its own rerun), then the presenter pauses: the watcher's board asks to
+            # follow "paused" again, a signal it asked with before.
+            pages = {"presenter": presenter, "watcher": watcher}
+            for who, button, status, offered in (("presenter", "Pause", "paused", "Resume"),
+                                                 ("presenter", "Resume", "running", "Pause"),
+                                                 ("presenter", "Pause", "paused", "Resume"),
+                                                 ("watcher", "Resume", "running", "Pause"),
+                                                 ("presenter", "Pause", "paused", "Resume")):
+                pages[who].get_by_test_id("stMainBlockContainer").get_by_role("button", name=button,
+                                                                              exact=True).click()
+                for page in sorted(pages.values(), key=lambda page: page is not pages[who]):  # the actor first
+                    page.get_by_text(f"Run status: {status}").wait_for(timeout=60_000)
+                    page.get_by_test_id("stMainBlockContainer").get_by_role("button", name=offered,
+                                                                            exact=True).wait_for(timeout=30_000)
+        finally:
+            browser.close()
