@@ -121,7 +121,9 @@ class Publisher:
             update = _dump({"seq": self.seq, "base": self.seq - 1, "names": names, "charts": charts,
                             "table": view["table"], "signal": view["signal"]})
             write_atomically(self.folder / f"{self.seq}.json", update)
-            if self.seq % self.whole_every == 0:  # before latest.json: a board never finds whole.json ahead of it
+            # Before latest.json: a board that read latest.json finds a whole.json at most whole_every - 1 updates
+            # behind it, and the updates since are kept.
+            if self.seq % self.whole_every == 0:
                 whole = _dump({"seq": self.seq, "names": names, "table": view["table"], "signal": view["signal"],
                                "charts": {name: self._feeds[name].whole(spec) for name, spec in specs.items()}})
                 write_atomically(self.folder / "whole.json", whole)
