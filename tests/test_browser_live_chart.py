@@ -24,6 +24,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 STATUS_LINE = "Run status: **"
 """The live view's status line (pages/train.py): drawn at each of its runs."""
 MOVES = 3
+BOARD_ENDS = """() => Object.fromEntries(Array.from(document.querySelectorAll('iframe'))
+    .flatMap(frame => frame.contentDocument ? Array.from(frame.contentDocument.querySelectorAll('.chart')) : [])
+    .map(div => [div.dataset.name, (div.data || []).map(trace => (trace.x || []).length)
+        .reduce((sum, points) => sum + points, 0) && div.querySelectorAll('.trace').length
+        ? Math.max(...div.data.map(trace => (trace.x || []).length ? trace.x[trace.x.length - 1] : -1)) : null]))"""
+"""Each chart of the live board by name: the last x it has drawn (its traces painted), null when it has drawn none."""
 """Times the loss chart's last step must move while the runs are counted."""
 
 pytestmark = [
@@ -63,7 +69,8 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
     from playwright.sync_api import sync_playwright
 
     store = tmp_path / "runs.sqlite3"
-    cli = start_cli_run(store, "--workload", "mlp_regression", "--modes", "32-true,bf16-mixed", "--steps", "10000000")
+    # 16-mixed: a lane with a GradScaler, so that every chart of the board has something to draw.
+    cli = start_cli_run(store, "--workload", "mlp_regression", "--modes", "32-true,16-mixed", "--steps", "10000000")
     runs = ScriptRuns()
     updates: list[dict] = []  # the feed's updates the browser fetched (latest.json's and the ones in between)
     wholes: list[dict] = []  # the whole boards it fetched (its first)
@@ -94,10 +101,12 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
                 page.wait_for_function(f"() => ({LAST_DRAWN})() !== null", timeout=120_000)
                 page.get_by_text("Run status: running").wait_for(timeout=30_000)
                 whole_runs, live_runs, seen = runs.whole, runs.live_view, len(updates)
+                ends = [page.evaluate(BOARD_ENDS)]
                 steps = [page.evaluate(LAST_DRAWN)[1]]
                 for _ in range(MOVES):  # the chart moves on its own: the board fetches the feed at the 1 s refresh
                     page.wait_for_function(f"() => ({LAST_DRAWN})()[1] > {steps[-1]}", timeout=30_000)
                     steps.append(page.evaluate(LAST_DRAWN)[1])
+                ends.append(page.evaluate(BOARD_ENDS))
                 table = page.evaluate("""() => Array.from(document.querySelectorAll('iframe'))
                     .map(f => f.contentDocument && f.contentDocument.getElementById('table'))
                     .filter(t => t).map(t => t.innerText).join('\\n')""")
@@ -107,7 +116,8 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
                 cli.send_signal(signal.SIGINT)
                 cli.wait(60)
                 page.get_by_text(re.compile(r"Run status: (stopped|interrupted)")).wait_for(timeout=60_000)
-                page.wait_for_function(f"() => Object.keys(({LOSS_POINTS})()).length === 2", timeout=60_000)
+                page.wait_for_function(f"() => ['32-true', '16-mixed'].every(mode => mode in ({LOSS_POINTS})())",
+                                       timeout=60_000)
                 ended = page.evaluate(LOSS_POINTS)
             finally:
                 browser.close()
@@ -117,8 +127,11 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
     # Three moves of the chart, and the session's script did not run again: not a whole run, not a fragment's.
     assert steps == sorted(set(steps)), steps
     assert after == (0, 0), after
-    assert set(ended) == {"32-true", "bf16-mixed"}  # the ended run's charts, drawn by Streamlit
-    assert "32-true" in table and "bf16-mixed" in table and "loss now" in table
+    # Every chart of the board drawn, and those over steps moved with the run (the memory chart is bars per lane).
+    assert set(ends[0]) == {"loss", "step_time", "scale", "memory"} and None not in ends[-1].values(), ends
+    assert all(ends[-1][name] > ends[0][name] for name in ("loss", "step_time", "scale")), ends
+    assert {"32-true", "16-mixed"} <= set(ended)  # the ended run's charts, drawn by Streamlit
+    assert "32-true" in table and "16-mixed" in table and "loss now" in table
     moved = [u["charts"]["loss"] for u in updates[seen:] if "loss" in u["charts"]]
     extends = [u for u in moved if u["kind"] == "extend" and u["extend"] and not u["replace"]]
     assert len(extends) >= 2, [u["kind"] for u in moved]
