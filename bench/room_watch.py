@@ -2,9 +2,9 @@
 
 A real server (`streamlit run app.py`) launches a long run of the Train page's defaults (a real click in Chromium),
 then alternates windows: unwatched (no session open) and watched (30 protocol viewers, bench/st_client.py: 25 on
-Train and 5 on Compare, each following the run on the pages' own timers, plus one Chromium session on Train, a
-person's view). A protocol viewer renders nothing, so the watched windows measure the server's work for a room, not
-thirty browsers sharing two cores.
+Train and 5 on Compare, each following the run as a browser does: Train's live board by fetching its feed's files,
+Compare on its page's timer), plus one Chromium session on Train, a person's view). A protocol viewer renders
+nothing, so the watched windows measure the server's work for a room, not thirty browsers sharing two cores.
 
 Figures:
 - watched_speed_ratio: the run's lane steps per second in watched windows ÷ unwatched (median over rounds; counted
