@@ -738,8 +738,16 @@ def live_part(frame: LiveFrame, seeds: dict[str, int]) -> None:
     published feed. This session's choices are its feed's name: sessions that chose alike (a room on the defaults)
     share one feed, its board rendered once per tick."""
     axis, smoothing, raw, spike_rule = choices = chart_choices()
-    view = live_board(manager, frame, ("board", *choices, tuple(sorted(seeds.items()))),
-                      lambda tick: board_view(tick, axis, smoothing, raw, spike_rule, seeds), key="train_live_board")
+    try:
+        view = live_board(manager, frame, ("board", *choices, tuple(sorted(seeds.items()))),
+                          lambda tick: board_view(tick, axis, smoothing, raw, spike_rule, seeds),
+                          key="train_live_board")
+    except OSError as error:  # its files could not be written (a full or read-only temp directory): drawn still
+        st.warning(f"The live board could not write its feed ({error.strerror or error}): the table and charts below "
+                   "show the run as it is now and move when the page is drawn again.")
+        lane_rows(frame)
+        charts(frame, seeds)
+        return
     notes = [spike_caption(spike_rule)]
     lr = view["signal"][-1]
     if lr is not None:

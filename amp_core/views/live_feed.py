@@ -188,13 +188,13 @@ class LiveFeeds:
         name = feed_name(run_id, choices)
         with self._lock:
             watched = self._runs.setdefault(run_id, _Watched(reader))
+            publisher = watched.publishers.get(choices)
+            new = publisher is None
+            if new:  # first: a folder that cannot be made (OSError) leaves nothing registered to tick
+                publisher = watched.publishers[choices] = Publisher(self.root / name, self.keep)
             watched.reader = reader
             watched.sessions[session] = choices
             watched.renders[choices] = render
-            publisher = watched.publishers.get(choices)
-            new = publisher is None
-            if new:
-                publisher = watched.publishers[choices] = Publisher(self.root / name, self.keep)
             if watched.thread is None or not watched.thread.is_alive():
                 watched.stop = stop = threading.Event()
                 watched.thread = background.start(lambda: self._tick(run_id, watched, stop),
