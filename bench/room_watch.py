@@ -2,9 +2,9 @@
 
 A real server (`streamlit run app.py`) launches a long run of the Train page's defaults (a real click in Chromium),
 then alternates windows: unwatched (no session open) and watched (30 protocol viewers, bench/st_client.py: 25 on
-Train and 5 on Compare, each following the run on the pages' own timers, plus one Chromium session on Train, a
-person's view). A protocol viewer renders nothing, so the watched windows measure the server's work for a room, not
-thirty browsers sharing two cores.
+Train and 5 on Compare, each following the run as a browser does: Train's live board by fetching its feed's files,
+Compare on its page's timer), plus one Chromium session on Train, a person's view). A protocol viewer renders
+nothing, so the watched windows measure the server's work for a room, not thirty browsers sharing two cores.
 
 Figures:
 - watched_speed_ratio: the run's lane steps per second in watched windows ÷ unwatched (median over rounds; counted
@@ -55,15 +55,18 @@ OPEN_TIMEOUT_S = 180.0
 POLL_S = 0.1
 LAST_DRAWN = """() => {
     for (const frame of document.querySelectorAll('iframe')) {
-        const chart = frame.contentDocument && frame.contentDocument.getElementById('chart');
-        const title = chart && chart.layout && chart.layout.title && chart.layout.title.text;
-        if (!title || !title.includes('Loss') || !chart.data || !chart.data.length) continue;
-        const xs = chart.data[0].x || [];
-        return xs.length ? [chart.data[0].name, xs[xs.length - 1]] : null;
+        const doc = frame.contentDocument;
+        for (const chart of doc ? doc.querySelectorAll('.js-plotly-plot') : []) {
+            const title = chart.layout && chart.layout.title && chart.layout.title.text;
+            if (!title || !title.includes('Loss') || !chart.data || !chart.data.length) continue;
+            const xs = chart.data[0].x || [];
+            return xs.length ? [chart.data[0].name, xs[xs.length - 1]] : null;
+        }
     }
     return null;
 }"""
-"""The Train page's live loss chart (pages/live_chart.py, a same-origin frame): its first trace's name and last step."""
+"""The Train page's live loss chart (on pages/live_chart.py's board, a same-origin frame): its first trace's name and
+last step."""
 EVERY_CHART_DRAWN = f"""() => ({PLOTS})().every(div => !(div.data || []).some(trace => (trace.x || []).length)
     || div.querySelectorAll('.trace').length > 0)"""
 """Every chart that holds points has drawn its traces (not caught between a redraw's clearing and its drawing)."""
@@ -145,7 +148,7 @@ def main() -> None:
     quiet, watched, seen = [], [], []
     busy: dict[str, list] = {"unwatched": [], "watched": []}
     sessions: dict[str, list] = {"unwatched": [], "watched": []}  # the server's cores beside its run's thread
-    received = []  # per watched window: bytes per viewer per second, fragment runs per viewer per second
+    received = []  # per watched window, per viewer per second: bytes, fragment runs, feed files fetched
     with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
         store = Path(folder) / "runs.sqlite3"
         port = streamlit_server.free_port()
@@ -175,17 +178,17 @@ def main() -> None:
                 page.goto(url)
                 page.wait_for_function(f"() => ({LAST_DRAWN})() !== null", timeout=OPEN_TIMEOUT_S * 1000)
                 time.sleep(SETTLE_S)
-                counts = [(v.bytes, v.fragment_runs) for v in room.viewers]
+                counts = [(v.bytes, v.fragment_runs, v.feed_fetches) for v in room.viewers]
                 before, threads, t0 = cpu_seconds(roles), thread_seconds(server.pid), time.time()
                 seen += follow_chart(page, args.window)
                 watched.append((t0, time.time()))
                 seconds = watched[-1][1] - t0
                 busy["watched"].append(cores_busy(before, cpu_seconds(roles), seconds))
                 sessions["watched"].append(beside_run(threads, thread_seconds(server.pid), run_thread, seconds))
-                received.append((
-                    statistics.mean((v.bytes - b) / seconds for v, (b, _) in zip(room.viewers, counts, strict=True)),
-                    statistics.mean((v.fragment_runs - f) / seconds
-                                    for v, (_, f) in zip(room.viewers, counts, strict=True))))
+                received.append(tuple(
+                    statistics.mean((now - then) / seconds for now, then in zip(
+                        [(v.bytes, v.fragment_runs, v.feed_fetches)[field] for v in room.viewers],
+                        [count[field] for count in counts], strict=True)) for field in range(3)))
                 if round_ == args.rounds - 1 and args.screenshot:
                     save_screenshot(page, args.screenshot)
                 context.close()
@@ -201,8 +204,9 @@ def main() -> None:
             f"{role}:" + "/".join(f"{found.get(role, 0.0):.2f}" for found in windows) for role in roles))
     print("unwatched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in q))
     print("watched_lane_steps_per_s=" + ",".join(f"{v:.0f}" for v in w))
-    print("viewer_bytes_per_s=" + ",".join(f"{b:.0f}" for b, _ in received))
-    print("viewer_fragment_runs_per_s=" + ",".join(f"{f:.2f}" for _, f in received))
+    print("viewer_bytes_per_s=" + ",".join(f"{b:.0f}" for b, _, _ in received))
+    print("viewer_fragment_runs_per_s=" + ",".join(f"{f:.2f}" for _, f, _ in received))
+    print("viewer_feed_fetches_per_s=" + ",".join(f"{f:.2f}" for _, _, f in received))
     print(f"chart_moves_seen={len(seen)}")
     for kind, cores in sessions.items():
         print(f"{kind}_server_cores_beside_run=" + "/".join(f"{value:.3f}" for value in cores))

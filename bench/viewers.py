@@ -4,12 +4,13 @@ A real server (`streamlit run app.py`, tests/streamlit_server.py) and Debian's C
 Two cases, each one long run measured in alternating windows, so machine noise hits both sides alike:
 - server: a run launched inside the server (the Train page's Launch button);
 - cli: `python3 -m amp_core run ...` in its own process, writing the store the server follows.
-Each round is an unwatched window (no browser session open) and a watched one (two sessions open: the Train page and
-the Compare page, both following the run, each redrawing on its own timer). A window's speed is the lane steps whose
-records end inside it, per second, counted afterwards from the run's own records (t_wall_s), so nothing reads the
-store while the run is measured. The ratio of a case is the median over rounds of watched ÷ unwatched. Beside it,
-per window, the cores each process kept busy (CPU seconds per second: the run's process, the server, Chromium), to
-tell whether a watched run lost its core to the server's page work or to the browser drawing on the same machine.
+Each round is an unwatched window (no browser session open) and a watched one (two sessions open: the Train page and the
+Compare page, both following the run: Train's live board fetching its feed, Compare redrawing on its timer). A window's
+speed is the lane steps whose records end inside it, per second, counted afterwards from the run's own records
+(t_wall_s), so nothing reads the store while the run is measured. The ratio of a case is the median over rounds of
+watched ÷ unwatched. Beside it, per window, the cores each process kept busy (CPU seconds per second: the run's process,
+the server, Chromium), to tell whether a watched run lost its core to the server's page work or to the browser drawing
+on the same machine.
 
     python3 -m bench.viewers [--rounds 3] [--window 10] [--screenshot artifacts/train_two_sessions.png]
 Last line: watched_speed_ratio_min=<the smaller of the two cases' ratios>. Target: >= 0.8.

@@ -6,8 +6,6 @@ the runs follow as the server's warm-up (pages.common.WarmUp) gets there, in the
 
 from __future__ import annotations
 
-import contextlib
-
 import streamlit as st
 
 from amp_core import catalog, missing_extras
@@ -269,7 +267,6 @@ if not warm.done.is_set():
         warm.done.wait()
 
 import pandas as pd  # noqa: E402  (imported by the warm-up by now: the first paint did not wait for them)
-import pyarrow as pa  # noqa: E402
 
 from amp_core.diagnostics import (  # noqa: E402
     MIN_TIMED_S,
@@ -312,13 +309,21 @@ from amp_core.views.summary import (  # noqa: E402
     replicate_table,
 )
 from amp_core.views.tables import markdown_table  # noqa: E402
-from pages.live_chart import live_chart  # noqa: E402
+from pages.live_chart import live_board  # noqa: E402
 
-# The live view's redraw period while a run goes (AMP_LAB_LIVE_REFRESH_S, default 1 s: charts that move every
-# second). What a viewer costs a run is kept small by sharing: a tick's reading of the run, its table and figures are
-# computed once for every session showing it (amp_core.views.shared), so a room costs the server about what one does.
-# Read here, after the first paint: amp_core.views.shared imports pandas.
+# The live board's period while a run goes (AMP_LAB_LIVE_REFRESH_S, default 1 s: charts that move every second). What
+# a viewer costs a run is kept small by sharing: a tick's reading of the run, its table and the charts' changes are
+# computed once and written to files every session's browser fetches (amp_core.views.live_feed), so a room costs the
+# server about what one does, and no session's script reruns each second. Read here, after the first paint:
+# amp_core.views.shared imports pandas.
 REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
+# The live view's own redraw period for a run that shows parts the board does not carry (seed replicates, ranks,
+# compiled lanes, forecasts, block scales, a trainer's warnings): they follow the run this often; other runs' live
+# views rerun only when the board's signal changes.
+TIMED_PARTS_S = 5 * REFRESH_S
+# The live board's charts in its order, two columns (left, right, left, ...): the places the still page gives them.
+BOARD_CHARTS = ("loss", "step_time", "scale", "memory", "lr", "ranks")
+NUMBER_COLUMNS = frozenset({"steps", "loss now", "ms/step", "speed", "memory", "skipped", "scale"})  # right-aligned
 
 
 @st.cache_data(show_spinner=False)
@@ -520,7 +525,6 @@ if run_id is None:
     st.stop()
 
 
-room = live_room()
 info_at_start = manager.run_info(run_id)
 live_at_start = is_live(info_at_start)
 
@@ -546,28 +550,55 @@ def controls(info: RunInfo) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
+def lane_table(frame: LiveFrame) -> tuple[pd.DataFrame, dict[str, str], dict[str, int], str]:
+    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane): (the
+    table, its headers, its text columns' widths, a caption naming the baseline where the headers do not)."""
+    table = lanes_table(frame.info, frame.series)
+    if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
+        table = table.drop(columns=["speed", "memory"])
+    labels, widths, against = lane_headers(table, baseline_mode(frame.series))
+    return table, labels, widths, against
+
+
 def lane_rows(frame: LiveFrame) -> None:
-    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane). The
-    table, its headers and its Arrow form are made once per tick for every session: a session only sends them."""
-
-    def made() -> tuple[pa.Table, dict, str]:
-        table = lanes_table(frame.info, frame.series)
-        if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
-            table = table.drop(columns=["speed", "memory"])
-        labels, widths, against = lane_headers(table, baseline_mode(frame.series))
-        columns = {column: st.column_config.Column(labels.get(column, column), width=width, help=LANE_COLUMNS[column])
-                   for column, width in widths.items()}
-        columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],
-                                                              format="percent", min_value=0.0, max_value=1.0,
-                                                              width=PROGRESS_PX)
-        # Arrow once here: st.dataframe converts a pandas frame for every session at every redraw, an Arrow table
-        # it only serialises (streamlit copies the column settings before it changes them).
-        return pa.Table.from_pandas(table, preserve_index=False), columns, against
-
-    table, columns, against = room.get(frame, ("lanes_table",), made)
+    """The lanes table of a run that has ended, drawn by Streamlit (a live one is on its board)."""
+    table, labels, widths, against = lane_table(frame)
+    columns = {column: st.column_config.Column(labels.get(column, column), width=width, help=LANE_COLUMNS[column])
+               for column, width in widths.items()}
+    columns["progress"] = st.column_config.ProgressColumn("progress", help=LANE_COLUMNS["progress"],
+                                                          format="percent", min_value=0.0, max_value=1.0,
+                                                          width=PROGRESS_PX)
     st.dataframe(table, hide_index=True, key="train_lanes", column_config=columns)
     if against:
         st.caption(against)
+
+
+def board_table(frame: LiveFrame) -> dict:
+    """The lanes table for the live board, JSON-ready: {columns: [{name, label, help, kind}], rows, caption}."""
+    table, labels, _, against = lane_table(frame)
+    kinds = {column: "progress" if column == "progress" else "number" if column in NUMBER_COLUMNS else "text"
+             for column in table.columns}
+    columns = [{"name": column, "label": labels.get(column, column), "help": LANE_COLUMNS[column],
+                "kind": kinds[column]} for column in table.columns]
+    rows = [[None if pd.isna(value) else value for value in row] for row in table.itertuples(index=False)]
+    return {"columns": columns, "rows": rows, "caption": against}
+
+
+def board_view(frame: LiveFrame, axis: str, smoothing: float, raw: bool, spike_rule: SpikeRule,
+          seeds: dict[str, int]) -> dict:
+    """A live run's board for one set of choices (LiveFeeds' render): its charts as specs (plots.ChartSpec: no plotly
+    Figure built each tick), its lanes table, and its signal: what the page around it draws (status, lanes' states,
+    which charts, a constant LR), so that the page reruns when, and only when, that changes."""
+    with plots.specs_only():
+        figures = plots.train_figures(frame.series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
+    lr = plots.constant_lr(frame.series)
+    names = [name for name in BOARD_CHARTS if name in figures and (name != "lr" or lr is None)]
+    info = frame.info
+    signal = [info.status, info.controllable, [lane.status for lane in info.lanes], [str(p) for p in info.problems],
+              names, None if lr is None else f"{lr:.3g}"]
+    return {"charts": {name: figure_spec(figures[name]) for name in names}, "table": board_table(frame),
+            "signal": signal}
 
 
 def what_ran(info: RunInfo) -> None:
@@ -674,71 +705,95 @@ def controls_shown(info: RunInfo | None) -> tuple:
     return (None,) if info is None else (info.status, info.controllable)
 
 
-def charts(frame: LiveFrame, seeds: dict[str, int], whole: bool) -> None:
-    """The run's charts; `whole`: the page was drawn anew (a live chart is then sent whole)."""
+def chart_choices() -> tuple[str, float, bool, SpikeRule]:
+    """This session's choices that shape the charts: the options drawn with the page (chart_options) and the spike
+    band the Overflow debugger sets (its expander; else the default one)."""
+    state = st.session_state
+    return (state.get("train_loss_axis", plots.LOSS_AXES[0]), state.get("train_smoothing", 0.0),
+            state.get("train_raw_step_times", False), state.get("spike_rule", SpikeRule()))
+
+
+def spike_caption(spike_rule: SpikeRule) -> str:
+    return (f"○ a loss spike: above {spike_rule.describe()}; set on the Overflow debugger, which lists them with a "
+            "Replay button.")
+
+
+def rank_rows(series: list) -> None:
+    """A torchrun job's ranks: each rank's figures (its step-time chart is with the others)."""
+    ranks = rank_table(series)
+    st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
+                 column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
+                                "median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
+                                "vs_fastest": st.column_config.NumberColumn("vs fastest rank", format="%.2f×"),
+                                "latest_loss": st.column_config.NumberColumn("latest loss", format="%.4g"),
+                                "final_loss": st.column_config.NumberColumn("final loss", format="%.4g")})
+    st.caption("Each rank measures itself. Loss and step time above: the median across ranks inside the band "
+               "from the smallest to the largest rank's value; under DDP the ranks wait for each other in every "
+               "step's gradient all-reduce, so a slow rank slows them all.")
+
+
+def live_part(frame: LiveFrame, seeds: dict[str, int]) -> None:
+    """A live run's lanes table and charts: its board (pages.live_chart), moved in the browser from the run's
+    published feed. This session's choices are its feed's name: sessions that chose alike (a room on the defaults)
+    share one feed, its board rendered once per tick."""
+    axis, smoothing, raw, spike_rule = choices = chart_choices()
+    try:
+        view = live_board(manager, frame, ("board", *choices, tuple(sorted(seeds.items()))),
+                          lambda tick: board_view(tick, axis, smoothing, raw, spike_rule, seeds),
+                          key="train_live_board")
+    except OSError as error:  # its files could not be written (a full or read-only temp directory): drawn still
+        st.warning(f"The live board could not write its feed ({error.strerror or error}): the table and charts below "
+                   "show the run as it is now and move when the page is drawn again.")
+        lane_rows(frame)
+        charts(frame, seeds)
+        return
+    notes = [spike_caption(spike_rule)]
+    lr = view["signal"][-1]
+    if lr is not None:
+        notes.append(f"Learning rate constant at **{lr}** in every lane (a chart appears when it moves).")
+    st.caption(" · ".join(notes))
+    if "ranks" in view["charts"]:
+        rank_rows(frame.series)
+
+
+def charts(frame: LiveFrame, seeds: dict[str, int]) -> None:
+    """The charts of a run that has ended, drawn by Streamlit."""
     series = frame.series
-    state = st.session_state  # the options' widgets are drawn with the page (chart_options), read here
-    axis, smoothing = state.get("train_loss_axis", plots.LOSS_AXES[0]), state.get("train_smoothing", 0.0)
-    raw = state.get("train_raw_step_times", False)
-    # Spikes by the band the Overflow debugger sets (its expander), else the default one.
-    spike_rule = st.session_state.get("spike_rule", SpikeRule())
-    # This session's choices are part of the key: sessions that chose alike (a room on the defaults) share figures,
-    # and while the run goes, their JSON-ready specs: each session's live charts then get only the points they lack.
-    live = is_live(frame.info)
-    choices = ("figures", axis, smoothing, raw, spike_rule, tuple(sorted(seeds.items())), live)
-
-    def made() -> tuple[dict, dict]:
-        # A live chart draws from specs (plots.ChartSpec: no plotly Figure built, twice a second); a still one from
-        # Figures, drawn by st.plotly_chart.
-        with plots.specs_only() if live else contextlib.nullcontext():
-            figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                          bands=frame.bands, seeds=seeds, spikes=spike_rule)
-        return figures, {name: figure_spec(figure) for name, figure in figures.items()} if live else {}
-
-    figures, specs = room.get(frame, choices, made)
-
-    def draw(column, name: str) -> None:
-        if live:
-            with column:
-                # A spec is named by its frame and choices: sessions sent the same one get the same changes.
-                live_chart(specs[name], key=f"train_live_{name}", whole=whole, tag=(frame.version, choices),
-                           shared=lambda tags, compute: room.get(frame, ("chart_changes", name, tags), compute))
-        else:
-            column.plotly_chart(figures[name], key=f"train_chart_{name}")
-
+    axis, smoothing, raw, spike_rule = chart_choices()
+    figures = plots.train_figures(series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
+                                  bands=frame.bands, seeds=seeds, spikes=spike_rule)
     left, right = st.columns(2)
-    draw(left, "loss")
-    left.caption(f"○ a loss spike: above {spike_rule.describe()}; set on the Overflow debugger, which lists them "
-                 "with a Replay button.")
-    draw(right, "step_time")
-    draw(left, "scale")
-    draw(right, "memory")
+    left.plotly_chart(figures["loss"], key="train_chart_loss")
+    left.caption(spike_caption(spike_rule))
+    right.plotly_chart(figures["step_time"], key="train_chart_step_time")
+    left.plotly_chart(figures["scale"], key="train_chart_scale")
+    right.plotly_chart(figures["memory"], key="train_chart_memory")
     lr = plots.constant_lr(series)
     if lr is None:
-        draw(left, "lr")
+        left.plotly_chart(figures["lr"], key="train_chart_lr")
     else:
         left.markdown(f"**Learning rate** constant at **{lr:.3g}** in every lane (a chart appears when it moves).")
     if "ranks" in figures:  # a torchrun job: each rank's step time
-        draw(right, "ranks")
-        ranks = rank_table(series)
-        st.dataframe(ranks.drop(columns=["run_id", "lane"]), hide_index=True, key="train_rank_table",
-                     column_config={"skipped_steps": st.column_config.NumberColumn("skipped"),
-                                    "median_ms": st.column_config.NumberColumn("median ms/step", format="%.3g"),
-                                    "vs_fastest": st.column_config.NumberColumn("vs fastest rank", format="%.2f×"),
-                                    "latest_loss": st.column_config.NumberColumn("latest loss", format="%.4g"),
-                                    "final_loss": st.column_config.NumberColumn("final loss", format="%.4g")})
-        st.caption("Each rank measures itself. Loss and step time above: the median across ranks inside the band "
-                   "from the smallest to the largest rank's value; under DDP the ranks wait for each other in every "
-                   "step's gradient all-reduce, so a slow rank slows them all.")
+        right.plotly_chart(figures["ranks"], key="train_chart_ranks")
+        rank_rows(series)
 
 
-@st.fragment(run_every=REFRESH_S if live_at_start else None)
+def timed_parts(info: RunInfo | None) -> bool:
+    """Whether a run shows parts its live board does not carry, read from the store as the run goes (TIMED_PARTS_S)."""
+    if info is None:
+        return False
+    settings, modes = info.settings, [lane.mode for lane in info.lanes]
+    return (settings.seeds > 1 or settings.world_size > 1 or bool(settings.amax_every or settings.layers_every)
+            or info.kind is SourceKind.INTEGRATION or compiled_views.has_compiled(modes)
+            or block_scale_views.has_block_scaled(modes))
+
+
+@st.fragment(run_every=TIMED_PARTS_S if live_at_start and timed_parts(info_at_start) else None)
 @store_guarded
 def live_view() -> None:
-    # This tick's reading of the run, shared by every session showing it; read anew when the page is drawn whole
-    # (opened, or its user acted: a Pause shows paused at once), shared on the timer's redraws.
-    drawn_whole = st.session_state.pop("train_drawn_whole", False)
-    frame = room.frame(manager, run_id, fresh=drawn_whole)
+    # The run as it is now: this part is drawn with the page, when the board's signal changed (its component's value
+    # reruns it) and, for a run with parts the board does not carry, every TIMED_PARTS_S; never once per tick.
+    frame = live_room().frame(manager, run_id, fresh=True)
     series, info = frame.series, frame.info
     if info is None:
         st.warning(f"Run {run_id} is no longer in the store.")
@@ -750,23 +805,28 @@ def live_view() -> None:
         st.warning(REFRESH_PROBLEM)
     what_ran(info)
     lane_problems(info)
-    lane_rows(frame)
+    seeds = lane_seeds(run_id, info.lanes)
+    live = is_live(info)
+    if live:
+        live_part(frame, seeds)
+    else:
+        lane_rows(frame)
     compiled_lanes(info)
     forecasts(info)
-    seeds = lane_seeds(run_id, info.lanes)
     if has_replicates(series, seeds):
         replicates(series, seeds)
-    charts(frame, seeds, drawn_whole)
+    if not live:
+        charts(frame, seeds)
     block_scales(info)
     if info.settings.device == "cuda":
         st.caption("On a GPU, a step's time is the device's: CUDA events around the step, read without a host sync. "
                    "Where the host's kernel launches are the bottleneck (a small model), lanes racing in one run queue "
                    "behind each other and that host time is hidden: compare such a lane with a run of it alone.")
-    if not is_live(info) and info.status in ("finished", "stopped") and info.kind is SourceKind.RACE:
+    if not live and info.status in ("finished", "stopped") and info.kind is SourceKind.RACE:
         # The run's own medians correct a remembered cost probe that disagrees with them (a run of the runner's;
         # a Monitor's run trained the user's own loop, which the probe does not measure).
         board.learn_from_run(RunConfig.from_dict(info.config), lane_medians(series), run_id)
-    if live_at_start and not is_live(info):
+    if live_at_start and not live:
         st.rerun()  # the run ended: one full rerun turns the timer off and the controls away
 
 
@@ -774,7 +834,6 @@ def live_view() -> None:
 if info_at_start is not None:
     controls(info_at_start)
 chart_options()
-st.session_state["train_drawn_whole"] = True
 live_view()
 if info_at_start is not None:  # a run's configuration never changes: drawn once, not at every redraw of the view
     with st.expander("Run configuration"):

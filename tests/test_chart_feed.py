@@ -95,13 +95,14 @@ def test_a_trace_that_does_not_grow_at_its_end_is_sent_whole(change):
     assert update["kind"] == "extend" and update["extend"] == [] and update["replace"] == [{"trace": 0, "data": new}]
 
 
-def test_traces_that_come_or_go_or_a_reset_send_the_whole_figure():
+def test_traces_that_come_or_go_send_the_whole_figure_and_whole_gives_it_at_the_feeds_seq():
     feed = ChartFeed()
     feed.update(spec(line(3)))
-    assert feed.update(spec(line(3), line(2)))["kind"] == "reset"
-    feed.reset()
     update = feed.update(spec(line(3), line(2)))
     assert update["kind"] == "reset" and update["figure"]["layout"]["template"] == {"layout": {"font": {}}}
+    assert feed.update(spec(line(4), line(2)))["base"] == update["seq"]
+    whole = feed.whole(spec(line(4), line(2)))  # what a board that holds nothing draws: the next update applies to it
+    assert whole["kind"] == "reset" and whole["seq"] == feed.seq and whole["figure"]["data"][0]["x"] == [0, 1, 2, 3]
 
 
 def test_a_spec_is_json_with_gaps_for_non_finite_values():
@@ -111,38 +112,6 @@ def test_a_spec_is_json_with_gaps_for_non_finite_values():
     made = figure_spec(figure)
     assert made["data"][0]["y"] == [1.0, None, None] and made["data"][0]["customdata"][0] == [1.0, None]
     json.loads(json.dumps(made, allow_nan=False))
-
-
-def test_sessions_sent_the_same_figure_share_its_changes_and_keep_their_own_numbering():
-    room = LiveRoom(share_s=0.5, clock=lambda: 0.0)
-    frame = type("Frame", (), {"run_id": "r", "version": 0})()
-
-    def shared(tags, compute):
-        return room.get(frame, ("chart_changes", "loss", tags), compute)
-
-    early, ahead = ChartFeed(), ChartFeed()
-    ahead.update(spec(line(3)), tag=("v", 0))  # a session one redraw ahead of the other
-    for feed in (early, ahead):
-        feed.update(spec(line(5)), tag=("v", 1), shared=shared)
-    updates = [feed.update(spec(line(8)), tag=("v", 2), shared=shared) for feed in (early, ahead)]
-    # The changes from the figure of tick 1 to tick 2 are made once for both (and v0 -> v1 once for `ahead`).
-    assert room.cache.computed["chart_changes"] == 2 and room.cache.asked["chart_changes"] == 3
-    assert [update["extend"] for update in updates] == [[{"trace": 0, "keep": 5, "points": {
-        "x": [5, 6, 7], "y": [5.0, 6.0, 7.0]}}]] * 2
-    assert [(update["seq"], update["base"]) for update in updates] == [(2, 1), (3, 2)]
-    # A session that was sent another figure (its own choices, or an older tick) gets its own changes.
-    other = ChartFeed()
-    other.update(spec(line(6)), tag=("w", 1))
-    assert other.update(spec(line(8)), tag=("v", 2), shared=shared)["extend"][0]["keep"] == 6
-    assert room.cache.computed["chart_changes"] == 3
-
-
-def test_a_chart_drawn_anew_is_sent_whole_for_the_redraws_asked_then_only_changes():
-    feed = ChartFeed()
-    feed.update(spec(line(3)))
-    feed.reset(times=3)  # a frame still loading may see only the last of several updates: none of these is partial
-    kinds = [feed.update(spec(line(n)))["kind"] for n in (4, 5, 6, 7)]
-    assert kinds == ["reset", "reset", "reset", "extend"]
 
 
 @pytest.mark.parametrize("modes", [("32-true",), ("32-true", "16-mixed")])

@@ -3,6 +3,7 @@ views' redraw period is a setting."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -143,8 +144,8 @@ def test_a_bad_refresh_setting_says_so_and_keeps_the_default(text):
 
 @pytest.mark.parametrize(("setting", "period", "warned"), [(None, 1.0, False), ("2.5", 2.5, False),
                                                            ("soon", 1.0, True)])
-def test_the_train_pages_live_view_redraws_at_the_setting(stepped_launches, monkeypatch, fragment_timers, setting,
-                                                          period, warned):
+def test_the_train_pages_live_board_fetches_at_the_setting(stepped_launches, monkeypatch, fragment_timers, setting,
+                                                           period, warned):
     from streamlit.testing.v1 import AppTest
 
     from pages.common import get_manager
@@ -163,7 +164,12 @@ def test_the_train_pages_live_view_redraws_at_the_setting(stepped_launches, monk
         at.session_state["train_run_pick"] = run.run_id
         at.run()
         assert not at.exception
-        assert timers["live_view"] == period
+        boards = [json.loads(element.proto.json_args) for element in at.get("component_instance")
+                  if element.proto.component_name.endswith("amp_live_chart")]
+        assert [board["period_ms"] for board in boards] == [round(period * 1000)]  # the browser fetches this often
+        assert boards[0]["names"][:2] == ["loss", "step_time"] and boards[0]["signal"][0] == "paused"
+        # The live view's script does not rerun on a timer: the board asks for a rerun when its signal changes.
+        assert timers["live_view"] is None
         assert any(w.value.startswith(f"{REFRESH_ENV}='soon'") for w in at.warning) is warned
     finally:
         run.stop()

@@ -68,8 +68,14 @@ def probe_table(at: AppTest) -> pd.DataFrame:
 
 
 def lanes_shown(at: AppTest) -> pd.DataFrame:
-    """The live view's lanes table (one row per lane, every headline figure)."""
-    (table,) = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
+    """The live view's lanes table (one row per lane, every headline figure): Streamlit's for a run that ended, the
+    one the live board was drawn with for a live run (pages/live_chart.py)."""
+    boards = [json.loads(element.proto.json_args)["table"] for element in at.get("component_instance")
+              if element.proto.component_name.endswith("amp_live_chart")]
+    tables = [frame.value for frame in at.dataframe if "progress" in frame.value.columns]
+    tables += [pd.DataFrame(board["rows"], columns=[column["name"] for column in board["columns"]])
+               for board in boards]
+    (table,) = tables
     return table
 
 
@@ -287,3 +293,29 @@ def test_a_planted_outlier_is_marked_as_a_spike_on_the_loss_chart(fresh_store):
         assert traces[f"{mode} spike"]["showlegend"] is False and traces[f"{mode} spike"]["legendgroup"] == mode
     assert "16-mixed skipped" in traces  # the 16-mixed lane also skipped it: both marks, at the same step
     assert any(caption.value.startswith("○ a loss spike: above median + 6·MAD") for caption in at.caption)
+
+
+def test_a_live_board_that_cannot_write_its_feed_says_so_and_draws_the_run_still(app, stepped_launches, monkeypatch,
+                                                                                  tmp_path):
+    import pages.live_chart as live_chart
+    from amp_core.views.live_feed import LiveFeeds
+    from amp_core.views.shared import LiveRoom
+
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("a file where the feeds' folder should be")
+    feeds = LiveFeeds(blocked / "feeds", LiveRoom(share_s=0.5), tick_s=3600.0)
+    monkeypatch.setattr(live_chart, "_feeds", feeds)
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4}))
+    run = manager().launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000,
+                                     batch_size=16))
+    try:
+        run.wait_until(stepped_launches.parked)
+        app.session_state["train_run_pick"] = run.run_id
+        app.run()
+        assert not app.exception
+        assert any(w.value.startswith("The live board could not write its feed") for w in app.warning)
+        assert lanes_shown(app)["steps"].tolist() == ["2 / 100,000"] * 2 and "train_chart_loss" in charts(app)
+    finally:
+        feeds.close()
+        run.stop()
+        run.join()

@@ -2,20 +2,19 @@
 
 A live figure grows at its end: each lane's trace gains the steps recorded since the last draw, and the summary's
 bucket still filling (the last point or two) changes in place; finished buckets never change. A ChartFeed remembers
-what one session's chart was sent and turns the next figure into the smallest update that draws it: per trace, how
+what one chart was sent and turns the next figure into the smallest update that draws it: per trace, how
 many points to keep and the points after them (Plotly's extendTraces when nothing is dropped); a trace whose style
 changed, or that no longer begins as it did (the summary went a level coarser), is sent whole; a figure whose traces
 came or went is a reset (the whole figure, Plotly.react). The layout is sent only when it changed (an axis range that
 followed the data), the template only in a reset.
 
-`figure_spec` makes the JSON-ready form of a figure once (shared by every session drawing it, see views.shared);
-each session's ChartFeed then does work in proportion to the new points.
+`figure_spec` makes the JSON-ready form of a figure once per tick; a live run's publisher (views.live_feed) keeps a
+ChartFeed per chart of each feed, shared by every browser that fetches it, its work in proportion to the new points.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -107,7 +106,7 @@ def _kept(old: dict[str, list], new: dict[str, list]) -> int | None:
 def changes(old: dict, new: dict) -> dict:
     """What turns the chart drawn from `old` into `new` (figure_spec's, with as many traces):
     {'extend': [{'trace', 'keep', 'points'}], 'replace': [{'trace', 'data'}], 'layout'?: {...}}. A pure function of
-    the two specs: sessions that were sent the same spec share it (ChartFeed.update's `shared`)."""
+    the two specs."""
     extend, replace = [], []
     for index, (old_trace, new_trace) in enumerate(zip(old["data"], new["data"], strict=True)):
         (old_points, old_style), (points, style) = _split(old_trace), _split(new_trace)
@@ -126,46 +125,30 @@ def changes(old: dict, new: dict) -> dict:
 
 
 class ChartFeed:
-    """What one session's live chart was sent, and the next update. `seq` numbers the updates: an update applies to
-    the chart drawn at `base` (the component asks for a reset when it holds something else)."""
+    """What one live chart was sent, and the next update. `seq` numbers the updates: an update applies to the chart
+    drawn at `base` (a board that holds something else fetches the whole board, views.live_feed)."""
 
     def __init__(self) -> None:
         self.seq = 0
         self._sent: dict | None = None
         """The spec last sent (None: the next update is a reset)."""
-        self._tag: Hashable = None
-        self._resets = 0
-        """Resets still to send before updates are changes again."""
 
-    def reset(self, times: int = 1) -> None:
-        """The next `times` updates send the whole figure (the chart was drawn anew, or lost its place). More than
-        one: Streamlit's frontend hands a component only the last of the updates that arrived while it was busy (a
-        frame still loading plotly.js, a loaded server), and a reset it never saw leaves the chart blank until it has
-        asked again."""
-        self._sent = None
-        self._resets = max(times, 1)
-
-    def update(self, spec: dict, tag: Hashable = None,
-               shared: Callable[[Hashable, Callable[[], dict]], dict] | None = None) -> dict:
+    def update(self, spec: dict) -> dict:
         """The update that turns what was sent into `spec` (figure_spec's):
         {'kind': 'reset', 'seq', 'figure': {data, layout}} or
         {'kind': 'extend', 'seq', 'base', 'extend': [{'trace', 'keep', 'points'}], 'replace': [{'trace', 'data'}],
-        'layout'?: {...}}.
-        `tag` names `spec` (one tick's figure for one set of choices); with `shared(key, compute)`, the changes
-        from the spec tagged before to this one are computed once for every session that holds the same (a room
-        on the defaults), `key` being the pair of tags."""
+        'layout'?: {...}}."""
         base, self.seq = self.seq, self.seq + 1
-        sent, sent_tag = self._sent, self._tag
-        self._sent, self._tag = spec, tag
-        if sent is None or self._resets > 0 or len(spec["data"]) != len(sent["data"]):
-            self._resets = max(self._resets - 1, 0)
-            layout = dict(spec["layout"], template=spec["template"])
-            return {"kind": "reset", "seq": self.seq, "figure": {"data": spec["data"], "layout": layout}}
-        if shared is not None and tag is not None and sent_tag is not None:
-            found = shared((sent_tag, tag), lambda: changes(sent, spec))
-        else:
-            found = changes(sent, spec)
-        return {"kind": "extend", "seq": self.seq, "base": base, **found}
+        sent, self._sent = self._sent, spec
+        if sent is None or len(spec["data"]) != len(sent["data"]):
+            return self.whole(spec)
+        return {"kind": "extend", "seq": self.seq, "base": base, **changes(sent, spec)}
+
+    def whole(self, spec: dict) -> dict:
+        """`spec` (the one last updated to) as a reset at this feed's seq: what a chart that holds nothing, or
+        something too old, draws before the next update applies to it."""
+        layout = dict(spec["layout"], template=spec["template"])
+        return {"kind": "reset", "seq": self.seq, "figure": {"data": spec["data"], "layout": layout}}
 
 
 def new_points(update: dict) -> int:
