@@ -24,7 +24,7 @@ def advise_before(app: AppTest) -> None:
     assert app.selectbox(key="advise_workload").value == "tiny_transformer"
     picker = app.multiselect(key="advise_candidates")
     assert picker.disabled and picker.options == [] and picker.value == []
-    assert [button.label for button in app.button][0] == "Advise"  # usable at once (below it: Find a plan)
+    assert next(button.label for button in app.button) == "Advise"  # usable at once (below it: Find a plan)
     assert any("press Advise" in info.value for info in app.info)
 
 
