@@ -28,7 +28,7 @@ from amp_core.workshop import (
     exit_code,
     headline,
 )
-from amp_core.workshop.speed import OVERRIDDEN, speed_ratio
+from amp_core.workshop.speed import BF16_WITHOUT_TILES, OVERRIDDEN, speed_ratio
 
 RECORDS = Path(__file__).resolve().parent / "data" / "speed_avx2_epyc.csv"
 SCENARIO = SCENARIOS["speed"]
@@ -218,7 +218,11 @@ def test_unset_the_cpu_decides(monkeypatch):
     assert ("fp16" in counted.detected) == bool(capabilities.get("avx512_fp16") or capabilities.get("amx_fp16"))
     for dtype in (torch.bfloat16, torch.float16):
         math = device_math(dtype, "cpu")
-        assert math.native == cpu_has_native(dtype) and not math.against_detection
+        assert not math.against_detection
+        if dtype == torch.bfloat16 and cpu_has_native(dtype) and not capabilities.get("amx_bf16"):
+            assert math.native is None and math.words == BF16_WITHOUT_TILES  # AVX-512 BF16 alone: not predicted
+            continue
+        assert math.native == cpu_has_native(dtype)
         assert ("no native" in math.words) != math.native
 
 
@@ -250,3 +254,18 @@ def test_an_override_against_one_detected_format_gets_a_clause_of_its_own(monkey
         "fp16 instructions here).")
     rose = {result.title: result for result in evaluate(SCENARIO, sizes_swapped())}[TREND]
     assert rose.verdict is FAILED and OVERRIDDEN in rose.explanation  # the figures are this CPU's, not the override's
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_bf16_is_predicted_only_where_the_cpu_has_amx_tiles(monkeypatch, tiles):
+    """AVX-512 BF16 alone (conversions and dot products) ran this scenario's large bf16-mixed lane slower than 32-true
+    on one Xeon and faster on another with AMX: without tiles the check says it cannot be told, never a failure."""
+    from amp_core.workshop import speed
+
+    detects(monkeypatch, "bf16", "fp16")
+    monkeypatch.delenv(CPU_NATIVE_ENV, raising=False)
+    monkeypatch.setattr(speed, "bf16_tiles", lambda: tiles)
+    assert device_math(torch.bfloat16, "cpu").native is (True if tiles else None)
+    assert device_math(torch.float16, "cpu").native is True  # AVX-512 FP16 computes in fp16 itself
+    line = SCENARIO.expected_here("cpu")
+    assert ("bf16-mixed cannot be told here (" + BF16_WITHOUT_TILES + ")" in line) != tiles, line

@@ -59,8 +59,23 @@ def device_math(dtype: torch.dtype, device: str) -> DeviceMath:
     except ValueError as error:
         return DeviceMath(None, str(error))
     native = counted.has(dtype)
+    if native and not counted.override and name == "bf16" and not bf16_tiles():
+        return DeviceMath(None, BF16_WITHOUT_TILES)
     return DeviceMath(native, counted.words(dtype),
                       against_detection=bool(counted.override) and native != (name in counted.detected))
+
+
+BF16_WITHOUT_TILES = ("this CPU's bf16 instructions are AVX-512 BF16's (conversions and dot products) without AMX "
+                      "tiles: whether its bf16 matmuls beat fp32 depends on their shapes and oneDNN's kernels, so it "
+                      "is not predicted")
+"""Why bf16's speed is not predicted on such a CPU: measured both ways on one (an AVX-512 BF16 Xeon without AMX ran
+this scenario's large bf16-mixed lane at 0.86-0.89x of 32-true, where an AMX Xeon ran it faster)."""
+
+
+def bf16_tiles() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (its bf16 matmuls then run well above fp32's rate)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +233,9 @@ def _why(device: str, modes: list[str]) -> str:
     dtypes = [_dtype(mode) for mode in modes]
     if not device.startswith("cuda"):
         try:
+            maths = [device_math(dtype, device) for dtype in dtypes]
+            if any(math_.native is None for math_ in maths):  # not predicted: say why, not what the CPU has
+                return "; ".join(dict.fromkeys(math_.words for math_ in maths))
             return cpu_math().words(*dtypes)
         except ValueError as error:
             return str(error)
