@@ -82,6 +82,10 @@ after its first update asks for the whole figure and draws a tick or two later; 
 PLOTS to find): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
 reads a grid through a locator inside it, which waits for it.)"""
 
+NO_PROBE_AWAITED = ("() => ![...document.querySelectorAll(\"[data-testid='stIconMaterial']\")]"
+                    ".some(icon => icon.textContent === 'hourglass_top')")
+"""No note of pages.answered's (its hourglass icon) is on the page: every probe the page asked for is drawn."""
+
 
 def open_train_page(page, url: str):
     """Go to the Train page at `url` and wait for its form to be drawn; returns its Launch button."""

@@ -11,7 +11,7 @@ from amp_core.config import RunConfig
 from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED, choose
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose
 from tests.test_browser_fp8 import VIEWPORT, shoot
 
 LANE = "bf16-mixed+nvfp4"
@@ -47,6 +47,11 @@ def test_an_nvfp4_lanes_operand_snr_over_steps(server):
             page.get_by_label("Lane", exact=True).wait_for(timeout=120_000)
             page.wait_for_function(SETTLED, timeout=90_000)
             choose(page, "Lane", f"lane 1 · {LANE}")
+            # The page's probes are made off its thread and drawn by a rerun when they are in (the block probe last,
+            # then Find a plan below it): the elements read below are the ones that rerun drew.
+            page.get_by_text("Find a plan: the cheapest format per layer").wait_for(timeout=120_000)
+            page.wait_for_function(NO_PROBE_AWAITED, timeout=120_000)
+            page.wait_for_function(SETTLED, timeout=90_000)
             heading = page.get_by_text("Block-scaled GEMM operands over steps")
             heading.wait_for(timeout=60_000)
             assert page.get_by_text("nvfp4: first layer below 10 dB").count() >= 1  # the one-step probe says one too

@@ -14,7 +14,7 @@ from amp_core.config import RunConfig
 from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, SETTLED, choose
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -65,6 +65,8 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             choose(page, "Lane", f"lane 1 · {FP8_LANE}")
             caption = page.get_by_text("An FP8 lane (torchao rowwise)")
             caption.wait_for(timeout=60_000)
+            page.wait_for_function(NO_PROBE_AWAITED, timeout=120_000)  # the probes, made off the page's thread, are in:
+            page.wait_for_function(SETTLED, timeout=90_000)  # no rerun that draws them comes between the clicks below
             radio = page.get_by_role("radiogroup", name="Cast to")
             assert radio.get_by_label("fp8 e4m3fn scaled", exact=True).is_checked()
             assert radio.get_by_label("fp8 e5m2", exact=True).count() == 1

@@ -62,8 +62,17 @@ def served_page(store: Path, path: str):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
+            said = []  # what the browser's console said: a page that never connects says why there
+            page.on("console", lambda message: said.append(f"{message.type}: {message.text}"))
             page.goto(f"{url}/{path}")
-            yield page
+            try:
+                yield page
+            except BaseException:
+                SHOTS.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SHOTS / f"failed_{path}.png"))
+                print(f"--- the page as it stood ---\n{page.inner_text('body')[:3000]}\n--- its console ---\n"
+                      + "\n".join(said[-50:]))
+                raise
         finally:
             browser.close()
 
