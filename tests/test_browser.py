@@ -87,6 +87,21 @@ NO_PROBE_AWAITED = ("() => ![...document.querySelectorAll(\"[data-testid='stIcon
 """No note of pages.answered's (its hourglass icon) is on the page: every probe the page asked for is drawn."""
 
 
+def scroll_to(page, locator, tries: int = 5) -> None:
+    """Scroll `locator` into view. A page may redraw it meanwhile (a probe made off the page's thread is drawn by a
+    rerun when it is in), detaching the element being scrolled to: then wait for the redraw, scroll to the new one."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    for attempt in range(tries):
+        try:
+            locator.scroll_into_view_if_needed(timeout=30_000)
+            return
+        except PlaywrightError as error:
+            if "not attached" not in str(error) or attempt == tries - 1:
+                raise
+            page.wait_for_function(SETTLED, timeout=60_000)
+
+
 def open_train_page(page, url: str):
     """Go to the Train page at `url` and wait for its form to be drawn; returns its Launch button."""
     page.goto(url)

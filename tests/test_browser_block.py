@@ -11,7 +11,7 @@ from amp_core.config import RunConfig
 from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose, scroll_to
 from tests.test_browser_fp8 import VIEWPORT, shoot
 
 LANE = "bf16-mixed+nvfp4"
@@ -56,7 +56,7 @@ def test_an_nvfp4_lanes_operand_snr_over_steps(server):
             heading.wait_for(timeout=60_000)
             assert page.get_by_text("nvfp4: first layer below 10 dB").count() >= 1  # the one-step probe says one too
             assert page.locator("[data-testid='stException']").count() == 0
-            heading.scroll_into_view_if_needed()
+            scroll_to(page, heading)
             page.mouse.wheel(0, 250)
             page.wait_for_function(DRAWN, timeout=60_000)  # the charts draw a moment after Streamlit settles
             chart = page.locator(".js-plotly-plot").filter(has_text="Quantisation SNR over steps")

@@ -14,7 +14,7 @@ from amp_core.config import RunConfig
 from amp_core.race.runner import Run
 from amp_core.records.opening import open_store
 from tests import streamlit_server
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, SETTLED, choose, scroll_to
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -71,7 +71,7 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             assert radio.get_by_label("fp8 e4m3fn scaled", exact=True).is_checked()
             assert radio.get_by_label("fp8 e5m2", exact=True).count() == 1
             assert page.locator("[data-testid='stException']").count() == 0
-            page.get_by_text("What a cast does to each module's outputs").scroll_into_view_if_needed()
+            scroll_to(page, page.get_by_text("What a cast does to each module's outputs"))
             page.wait_for_function(DRAWN, timeout=60_000)  # the charts draw a moment after Streamlit settles
             shoot(page, "fp8_layer_numerics")
             # The gradients: a plain cast to e4m3fn flushes the small ones to 0; torchao's scaled cast keeps them.
@@ -79,7 +79,7 @@ def test_an_fp8_lanes_layer_numerics_and_the_largest_batch_per_lane(server):
             page.get_by_text("What a cast does to each module's output gradients").wait_for(timeout=60_000)
             page.get_by_role("radiogroup", name="Cast to").get_by_text("fp8 e4m3fn", exact=True).click()
             page.wait_for_function(SETTLED, timeout=60_000)
-            page.get_by_text("What a cast does to each module's output gradients").scroll_into_view_if_needed()
+            scroll_to(page, page.get_by_text("What a cast does to each module's output gradients"))
             page.wait_for_function(DRAWN, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0
             shoot(page, "fp8_layer_numerics_grads")
