@@ -286,16 +286,13 @@ from amp_core.views import compiled as compiled_views  # noqa: E402
 from amp_core.views import costs as cost_views  # noqa: E402
 from amp_core.views import forecast as forecast_views  # noqa: E402
 from amp_core.views import plots  # noqa: E402
-from amp_core.views.chart_feed import figure_spec  # noqa: E402
+from amp_core.views.board import board_view, lane_table  # noqa: E402
 from amp_core.views.compare import format_replicates  # noqa: E402
 from amp_core.views.live import (  # noqa: E402
     LANE_COLUMNS,
     PROGRESS_PX,
-    baseline_mode,
     control_note,
-    lane_headers,
     lane_medians,
-    lanes_table,
     what_ran_warnings,
 )
 from amp_core.views.shared import LiveFrame, live_refresh_s, live_room  # noqa: E402
@@ -321,9 +318,6 @@ REFRESH_S, REFRESH_PROBLEM = live_refresh_s()
 # compiled lanes, forecasts, block scales, a trainer's warnings): they follow the run this often; other runs' live
 # views rerun only when the board's signal changes.
 TIMED_PARTS_S = 5 * REFRESH_S
-# The live board's charts in its order, two columns (left, right, left, ...): the places the still page gives them.
-BOARD_CHARTS = ("loss", "step_time", "scale", "memory", "lr", "ranks")
-NUMBER_COLUMNS = frozenset({"steps", "loss now", "ms/step", "speed", "memory", "skipped", "scale"})  # right-aligned
 
 
 @st.cache_data(show_spinner=False)
@@ -550,16 +544,6 @@ def controls(info: RunInfo) -> None:
     b2.button("Stop", key="train_stop", icon=":material/stop:", on_click=run.stop)
 
 
-def lane_table(frame: LiveFrame) -> tuple[pd.DataFrame, dict[str, str], dict[str, int], str]:
-    """Every headline figure of every lane, whole, in one narrow table (a column per figure, a row per lane): (the
-    table, its headers, its text columns' widths, a caption naming the baseline where the headers do not)."""
-    table = lanes_table(frame.info, frame.series)
-    if len(table) == 1:  # one lane (a Monitor's run): nothing to compare with
-        table = table.drop(columns=["speed", "memory"])
-    labels, widths, against = lane_headers(table, baseline_mode(frame.series))
-    return table, labels, widths, against
-
-
 def lane_rows(frame: LiveFrame) -> None:
     """The lanes table of a run that has ended, drawn by Streamlit (a live one is on its board)."""
     table, labels, widths, against = lane_table(frame)
@@ -571,34 +555,6 @@ def lane_rows(frame: LiveFrame) -> None:
     st.dataframe(table, hide_index=True, key="train_lanes", column_config=columns)
     if against:
         st.caption(against)
-
-
-def board_table(frame: LiveFrame) -> dict:
-    """The lanes table for the live board, JSON-ready: {columns: [{name, label, help, kind}], rows, caption}."""
-    table, labels, _, against = lane_table(frame)
-    kinds = {column: "progress" if column == "progress" else "number" if column in NUMBER_COLUMNS else "text"
-             for column in table.columns}
-    columns = [{"name": column, "label": labels.get(column, column), "help": LANE_COLUMNS[column],
-                "kind": kinds[column]} for column in table.columns]
-    rows = [[None if pd.isna(value) else value for value in row] for row in table.itertuples(index=False)]
-    return {"columns": columns, "rows": rows, "caption": against}
-
-
-def board_view(frame: LiveFrame, axis: str, smoothing: float, raw: bool, spike_rule: SpikeRule,
-          seeds: dict[str, int]) -> dict:
-    """A live run's board for one set of choices (LiveFeeds' render): its charts as specs (plots.ChartSpec: no plotly
-    Figure built each tick), its lanes table, and its signal: what the page around it draws (status, lanes' states,
-    which charts, a constant LR), so that the page reruns when, and only when, that changes."""
-    with plots.specs_only():
-        figures = plots.train_figures(frame.series, loss_axis=axis, smoothing=smoothing, raw_step_times=raw,
-                                      bands=frame.bands, seeds=seeds, spikes=spike_rule)
-    lr = plots.constant_lr(frame.series)
-    names = [name for name in BOARD_CHARTS if name in figures and (name != "lr" or lr is None)]
-    info = frame.info
-    signal = [info.status, info.controllable, [lane.status for lane in info.lanes], [str(p) for p in info.problems],
-              names, None if lr is None else f"{lr:.3g}"]
-    return {"charts": {name: figure_spec(figures[name]) for name in names}, "table": board_table(frame),
-            "signal": signal}
 
 
 def what_ran(info: RunInfo) -> None:

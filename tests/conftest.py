@@ -25,9 +25,12 @@ from pg_cluster import Cluster, missing  # noqa: E402
 from stepped_run import SteppedRun  # noqa: E402
 
 from amp_core import background  # noqa: E402
+from amp_core.config import RunConfig  # noqa: E402
 from amp_core.extras import missing_extras  # noqa: E402
 from amp_core.precision import CPU_NATIVE_ENV  # noqa: E402
 from amp_core.race import runner  # noqa: E402
+from amp_core.race.runner import RunManager  # noqa: E402
+from amp_core.records.opening import open_store  # noqa: E402
 from tests import streamlit_server  # noqa: E402
 
 # The suite runs on the device as it is: an override exported in the shell would change what the workshop expects
@@ -134,6 +137,19 @@ def stepped_launches(monkeypatch) -> type[SteppedRun]:
     """Runs a RunManager launches (the pages' too) are SteppedRuns: real runs a test can wait on instead of sleeping."""
     monkeypatch.setattr(runner, "Run", SteppedRun)
     return SteppedRun
+
+
+@pytest.fixture
+def live_run(stepped_launches, fresh_store, monkeypatch):
+    """A real run (mlp_regression, two lanes) training in a RunManager, paused after 4 lane steps, then 10, then 16."""
+    manager = RunManager(open_store(fresh_store))
+    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10, 16}))  # not the class's for good
+    run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000,
+                                   batch_size=16))
+    run.wait_until(stepped_launches.parked)
+    yield manager, run
+    run.stop()
+    run.join()
 
 
 @pytest.fixture

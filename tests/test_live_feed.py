@@ -9,24 +9,12 @@ import time
 
 import pytest
 
-from amp_core.config import RunConfig
-from amp_core.race.runner import RunManager
-from amp_core.records.opening import open_store
 from amp_core.views import plots
 from amp_core.views.chart_feed import figure_spec
 from amp_core.views.live import lanes_table
 from amp_core.views.live_feed import KEEP_UPDATES, WHOLE_EVERY, LiveFeeds, Publisher, feed_name
 from amp_core.views.shared import LiveRoom
-
-
-class Clock:
-    """A clock the test moves: a tick ends when the test says so, not when the machine is slow."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.live_clock import Clock
 
 
 def render(smoothing: float):
@@ -39,19 +27,6 @@ def render(smoothing: float):
                 "table": {"rows": table.astype(str).values.tolist()},
                 "signal": [frame.info.status, [lane.status for lane in frame.info.lanes]]}
     return made
-
-
-@pytest.fixture
-def live_run(stepped_launches, fresh_store, monkeypatch):
-    """A real run (mlp_regression, two lanes) training in a RunManager, paused after 4 lane steps, then 10, then 16."""
-    manager = RunManager(open_store(fresh_store))
-    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10, 16}))
-    run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000,
-                                   batch_size=16))
-    run.wait_until(stepped_launches.parked)
-    yield manager, run
-    run.stop()
-    run.join()
 
 
 def read(folder, name: str) -> dict:

@@ -9,34 +9,10 @@ import threading
 import pytest
 
 from amp_core.config import RunConfig
-from amp_core.race.runner import RunManager
-from amp_core.records.opening import open_store
 from amp_core.views import plots
 from amp_core.views.live import lanes_table
 from amp_core.views.shared import DEFAULT_REFRESH_S, REFRESH_ENV, LiveRoom, TickCache, live_refresh_s
-
-
-class Clock:
-    """A clock the test moves: a tick ends when the test says so, not when the machine is slow."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def live_run(stepped_launches, fresh_store, monkeypatch):
-    """A real run (mlp_regression, two lanes) training in a RunManager, paused after 4 lane steps."""
-    manager = RunManager(open_store(fresh_store))
-    monkeypatch.setattr(stepped_launches, "pause_after", frozenset({4, 10}))  # not the class's for good
-    run = manager.launch(RunConfig(workload="mlp_regression", modes=("32-true", "bf16-mixed"), steps=100_000,
-                                   batch_size=16))
-    run.wait_until(stepped_launches.parked)
-    yield manager, run
-    run.stop()
-    run.join()
+from tests.live_clock import Clock
 
 
 def session(room: LiveRoom, manager, run_id: str, smoothing: float, barrier: threading.Barrier, out: list) -> None:
