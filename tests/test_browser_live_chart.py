@@ -16,7 +16,7 @@ from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 from bench.room_watch import LAST_DRAWN
 from tests import streamlit_server
 from tests.cli_process import start_cli_run, stored_steps
-from tests.test_browser import LOSS_POINTS
+from tests.test_browser import LOSS_POINTS, SETTLED
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -37,6 +37,10 @@ pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
                        reason="Debian's chromium is not installed (apt-get install chromium); .ci/run installs it"),
 ]
+
+
+COST_RACING = "Racing the modes through the runner"
+"""The cost panel's caption while its probe races (pages/train.py)."""
 
 
 class ScriptRuns:
@@ -100,6 +104,10 @@ def test_the_live_board_moves_from_the_published_files_without_a_rerun_per_tick(
                 page.goto(url)
                 page.wait_for_function(f"() => ({LAST_DRAWN})() !== null", timeout=120_000)
                 page.get_by_text("Run status: running").wait_for(timeout=30_000)
+                # The cost panel races the modes once when the page opens, and its end draws the page once more (one
+                # whole run, by design; under load it came while the chart moved): the counts start after it.
+                page.wait_for_function(f"() => !document.body.innerText.includes({COST_RACING!r})", timeout=180_000)
+                page.wait_for_function(SETTLED, timeout=60_000)
                 whole_runs, live_runs, seen = runs.whole, runs.live_view, len(updates)
                 ends = [page.evaluate(BOARD_ENDS)]
                 steps = [page.evaluate(LAST_DRAWN)[1]]
