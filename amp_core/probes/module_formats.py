@@ -21,16 +21,23 @@ def plain_format(recipe: str) -> str:
     return DTYPE_NAMES.get(str(low_precision_dtype(recipe_mode(recipe))), "fp32")
 
 
+def _kept_names(model: nn.Module) -> set[str]:
+    """Every module computed in fp32 by a keep: each kept module and everything under it ("" is the root)."""
+    kept = [name for name, layer in model.named_modules() if is_kept(layer)]
+    return {name for name, _ in model.named_modules()
+            if any(name == k or name.startswith(f"{k}.") or not k for k in kept)}
+
+
 def linear_formats(model: nn.Module, plain: str = "bf16") -> dict[str, str]:
     """The matmul format of each nn.Linear of a prepared `model`: fp32 (kept), bf16 / fp16 (a plan's), mxfp8 / nvfp4 /
     fp8-blockwise (block-scaled), fp8 (torchao's Float8Linear), or `plain` (a Linear nothing converted: the loop's
     autocast dtype)."""
-    kept = [name for name, layer in model.named_modules() if is_kept(layer)]
+    kept = _kept_names(model)
     out = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, nn.Linear):
             continue
-        if any(name == k or name.startswith(f"{k}.") or not k for k in kept):
+        if name in kept:
             out[name] = "fp32"
         elif isinstance(layer, PlannedLinear):
             out[name] = layer.format
@@ -45,8 +52,7 @@ def linear_formats(model: nn.Module, plain: str = "bf16") -> dict[str, str]:
 
 def module_formats(model: nn.Module, plain: str = "bf16") -> dict[str, str]:
     """`linear_formats`, plus every other module kept in fp32 (KEPT), by `named_modules()` name ("" for the root)."""
-    kept = [name for name, layer in model.named_modules() if is_kept(layer)]
-    out = {name: KEPT for name, _ in model.named_modules() if any(name == k or name.startswith(f"{k}.") or not k
-                                                                  for k in kept)}
+    kept = _kept_names(model)
+    out = {name: KEPT for name, _ in model.named_modules() if name in kept}
     out.update(linear_formats(model, plain))
     return out
