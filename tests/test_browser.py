@@ -82,9 +82,9 @@ after its first update asks for the whole figure and draws a tick or two later; 
 PLOTS to find): a screenshot waits for this, not for a fixed time. (A data grid draws when Glide decides to: a test
 reads a grid through a locator inside it, which waits for it.)"""
 
-NO_PROBE_AWAITED = ("() => ![...document.querySelectorAll(\"[data-testid='stIconMaterial']\")]"
-                    ".some(icon => icon.textContent === 'hourglass_top')")
-"""No note of pages.answered's (its hourglass icon) is on the page: every probe the page asked for is drawn."""
+NO_PROBE_AWAITED = "() => document.querySelector(\"[aria-label='hourglass_top icon']\") === null"
+"""No note of pages.answered's is on the page (its :material/hourglass_top: icon, drawn as a span with that label):
+every probe the page asked for is drawn."""
 
 
 def scroll_to(page, locator, tries: int = 5) -> None:
