@@ -3,13 +3,16 @@ keeps a live part redrawing on the server's timer as a browser would (bench/st_c
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections import Counter
 
+import pytest
 from cli_process import start_cli_run, stored_steps
 from streamlit_server import serving
 
+from bench.room import protocol_room
 from bench.st_client import Room, Viewer, stream_url
 
 
@@ -67,3 +70,14 @@ def test_viewers_open_pages_and_follow_a_live_run(fresh_store):
     assert train.elements["radio"] >= 1 and train.elements["slider"] >= 1  # the options, in the page's first run
     # No redraw of the live part sent the board again: its script ran with the page only.
     assert redraws.elements["component_instance"] == 0, redraws.elements
+
+
+def test_the_protocol_room_times_each_page_to_its_first_run_with_its_title_drawn(fresh_store):
+    # bench.room's room of laptops: sessions opened at one instant over the protocol, each done when its page's first
+    # script run ended with the page's title among its texts, and no traceback or page-edge line on it.
+    with serving(fresh_store) as url:
+        visits = asyncio.run(protocol_room(url, [("formats", "Number formats"), ("compare", "Compare runs")], 120))
+        assert [(one.path, one.failed) for one in visits] == [("formats", False), ("compare", False)]
+        assert all(one.usable_s > 0 for one in visits)
+        with pytest.raises(TimeoutError):  # a title the page never draws is never usable
+            asyncio.run(protocol_room(url, [("formats", "A title no page has")], 5))
