@@ -16,7 +16,7 @@ import torch
 from amp_core.config import ConfigError, RunConfig
 from amp_core.formats import quantize as q
 from amp_core.formats.linear import GRAD_OUTPUT, INPUT, WEIGHT, BlockScaledLinear, GemmRecipe
-from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, carries_keep_hooks
+from amp_core.formats.recipes import BLOCK_SCALED_OPTIONS, kept_in_fp32
 from amp_core.precision import availability, get_precision, is_kept, parse_recipe
 from amp_core.race.runner import Run
 from amp_core.workloads import check_launch
@@ -270,8 +270,8 @@ def test_keep_leaves_a_module_out_of_the_nvfp4_conversion():
     assert "blocks.0.qkv" in report["block_layers"] and not any(n.startswith("blocks.1") for n in
                                                                 report["block_layers"])
     prepared = precision.prepare_module(model)
-    assert carries_keep_hooks(prepared.blocks[1]) and is_kept(prepared.blocks[1])
-    assert not carries_keep_hooks(prepared.blocks[0]) and not is_kept(prepared.blocks[0])
+    assert kept_in_fp32(prepared.blocks[1]) and is_kept(prepared.blocks[1])
+    assert not kept_in_fp32(prepared.blocks[0]) and not is_kept(prepared.blocks[0])
     assert isinstance(prepared.blocks[0].qkv, BlockScaledLinear)
     assert type(prepared.blocks[1].qkv) is torch.nn.Linear
     assert not math.isnan(prepared(torch.zeros(2, 32, dtype=torch.long)).float().sum().item())

@@ -327,3 +327,16 @@ def test_a_copy_of_a_compiled_lane_model_is_eager_with_the_same_weights():
     assert model._compiled_call_impl is not None
     twin = copy.deepcopy(model)
     assert twin._compiled_call_impl is None and torch.equal(twin.weight, model.weight)
+
+
+def test_a_kept_module_compiles_with_its_lane_in_one_graph():
+    # `+keep:` with `+compile`: the keep is a with-block dynamo traces (its hooks, switching autocast off in one and on
+    # in another, failed the compile); the kept lane compiles in one graph and trains as its eager twin does.
+    recipe = "bf16-mixed+keep:fc2"
+    run = finished(RunConfig(workload="digits_mlp", modes=(recipe, f"{recipe}+compile"), steps=6, batch_size=16,
+                             snapshot_every=0, gradstats_every=0))
+    assert [lane.status for lane in run.lanes] == ["finished"] * 2, [e.message for e in run.events()]
+    [compiled] = [e for e in run.events() if e.kind == COMPILED_EVENT]
+    assert compiled.lane == 1 and compiled.data["graphs"] == 1 and compiled.data["graph_breaks"] == 0
+    first = run.frame().query("step == 0").set_index("lane")["loss"]
+    assert abs(first[1] - first[0]) / abs(first[0]) < 1e-2

@@ -1,10 +1,14 @@
 """`MODE+keep:PATTERN`: kept modules compute in fp32 (op traces), stay plain Linear under FP8, keep fp32 weights in
-true modes, and a pattern that matches nothing is refused with the closest names."""
+true modes, compile in one graph, stay kept in a copy, and a pattern that matches nothing is refused with the closest
+names."""
+
+import copy
 
 import pytest
 import torch
 
 from amp_core.config import ConfigError, RunConfig
+from amp_core.fixes import keep_in_fp32
 from amp_core.precision import get_precision, is_kept, parse_recipe
 from amp_core.probes.optrace import trace_step
 from amp_core.workloads import WORKLOADS, check_launch
@@ -55,7 +59,7 @@ def test_true_modes_keep_the_kept_weights_in_fp32_and_hand_back_16_bit_outputs()
     assert dtypes["blocks.1.mlp.0.weight"] == torch.float32 and dtypes["blocks.1.qkv.weight"] == torch.bfloat16
     output = prepared(precision.prepare_input(batch[0]))
     assert output.dtype == torch.bfloat16
-    # a copy prepared for another recipe loses the hooks
+    # a copy prepared for another recipe loses its keeps
     again = get_precision("bf16-true").prepare_module(prepared)
     assert not any(is_kept(module) for module in again.modules())
 
@@ -74,3 +78,37 @@ def test_an_fp8_lanes_kept_module_stays_a_plain_linear():
         loss = WORKLOADS["tiny_transformer"].loss(prepared(batch[0]), batch[1])
     loss.backward()
     assert torch.isfinite(loss) and modules["blocks.0.qkv"].weight.grad is not None
+
+
+def test_a_kept_model_compiles_in_one_graph_and_a_copy_of_it_stays_kept():
+    # The user's own loop: keep_in_fp32, then torch.compile(fullgraph=True). The keep is one with-block dynamo traces
+    # (hooks that switched autocast off in one hook and on in another failed the compile); a deep copy of the model
+    # (a replay's fork, the Monitor's detached copy) keeps it, bound to the copy.
+    from amp_core.precision.compiler import cpp_compiler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(x)
+    assert keep_in_fp32(model, ["2"]) == ["2"] and is_kept(model[2]) and not is_kept(model[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = model(x)
+    assert plain.dtype == torch.bfloat16 and kept.dtype == torch.float32  # the kept head hands back fp32
+
+    twin = copy.deepcopy(model)
+    assert is_kept(twin[2]) and twin[2].forward.__self__ is twin[2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(twin(x), kept)
+    keep_in_fp32(twin, [])  # nothing kept: the forward the module had
+    assert not is_kept(twin[2]) and "forward" not in vars(twin[2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert twin(x).dtype == torch.bfloat16
+
+    if not cpp_compiler():
+        pytest.skip("inductor needs a C++ compiler on a CPU")
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break would raise
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, kept, atol=2e-2, rtol=2e-2)  # bf16 first layer: fused, rounded alike or near

@@ -252,18 +252,17 @@ def test_the_op_inspector_shows_each_modules_format_as_it_ran_on_a_plan_lane(pla
 
 def test_a_plan_lane_compiles_with_compilable_formats_and_one_naming_an_emulated_format_is_refused(planted, tmp_path):
     """+compile beside a plan: bf16 / fp32 / FP8-tensorwise layers compile in one graph (an fp32 Linear is a with-block
-    torch.compile traces); an emulated block format, or a non-Linear module kept by the keep hooks, is refused at
-    launch in one line."""
+    torch.compile traces, and so is a kept module that is not a Linear); an emulated block format is refused at launch
+    in one line."""
     from amp_core.precision.compiler import cpp_compiler
     from amp_core.race.compiled import COMPILED_EVENT
 
     emulated = write_plan(tmp_path / "emulated.toml", {"fc1": "nvfp4"})
     with pytest.raises(ConfigError, match=r"\+compile with \+plan:.*'fc1' = 'nvfp4' is emulated here \(cpu\)"):
         check_launch(RunConfig(workload="digits_mlp", modes=(f"bf16-mixed+compile+plan:{emulated}",), device="cpu"))
-    hooked = write_plan(tmp_path / "hooked.toml", {"blocks.2": "fp32"})
-    with pytest.raises(ConfigError, match=r"it keeps blocks.2 in fp32, which is not a Linear"):
-        check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+compile+plan:{hooked}",), device="cpu"))
-    check_launch(RunConfig(workload=planted.name, modes=(f"bf16-mixed+plan:{hooked}",), device="cpu"))  # eager: fine
+    kept = write_plan(tmp_path / "kept.toml", {"blocks.2": "fp32"})  # not a Linear: keep_in_fp32 keeps it
+    for recipe in (f"bf16-mixed+compile+plan:{kept}", f"bf16-mixed+plan:{kept}"):
+        check_launch(RunConfig(workload=planted.name, modes=(recipe,), device="cpu"))
     if not cpp_compiler():
         pytest.skip("inductor needs a C++ compiler on a CPU")
 

@@ -136,7 +136,7 @@ class Assignment:
 class PlannedLinear(nn.Linear):
     """An nn.Linear a plan holds at bf16 or fp16 (its matmul under autocast of that dtype, whatever the lane's) or at
     fp32 (autocast off, its input upcast: what `+keep:` does to a module, as a with-block torch.compile traces, where
-    the keep hooks' split autocast switch does not); its own class, so the lane's matmul option leaves it alone. It
+    a Linear planned fp32 needs no keep of its own); its own class, so the lane's matmul option leaves it alone. It
     holds the original layer's Parameters."""
 
     def __init__(self, layer: nn.Linear, format_name: str) -> None:
@@ -263,14 +263,14 @@ class PlanOption:
 
     def prepare_module(self, module: nn.Module, device: str) -> nn.Module:
         plan = self.assign(module, device)
-        hooked = hooked_fp32(module, plan)
-        if hooked:
+        whole = kept_whole(module, plan)
+        if whole:
             already = [name for name, layer in module.named_modules() if PRECISION.is_kept(layer)]
-            PRECISION.keep_in_fp32(module, [*already, *hooked])  # keep_in_fp32 replaces hooks: keep +keep:'s
+            PRECISION.keep_in_fp32(module, [*already, *whole])  # keep_in_fp32 replaces keeps: keep +keep:'s
         blocks: dict[str, set[str]] = {}
         for name, format_name in plan.linear.items():
             if name in plan.skipped or (format_name == "fp32" and name not in plan.fp32):
-                continue  # inside a module kept by the hooks
+                continue  # inside a module kept whole (keep_in_fp32)
             layer = module.get_submodule(name)
             if format_name in DTYPE_FORMATS:
                 set_module(module, name, PlannedLinear(layer, format_name))
@@ -281,17 +281,6 @@ class PlanOption:
         for format_name, names in blocks.items():
             module = matmul_option(format_name).convert(module, device, names)
         return module
-
-    def compile_model_refusal(self, model: nn.Module, device: str, compile_option: str) -> str:
-        """Why `+compile...` is refused beside this plan on `model` (empty: it compiles): a module it keeps in fp32
-        that is not a Linear is kept by the keep hooks, whose autocast switch (entered in one hook, left in another)
-        torch.compile cannot trace."""
-        hooked = hooked_fp32(model, self.assign(model, device))
-        if not hooked:
-            return ""
-        return (f"+{compile_option} with +{self.name} is refused: it keeps {', '.join(hooked)} in fp32, which is not "
-                "a Linear (kept by hooks whose autocast switch torch.compile cannot trace); name its Linear layers "
-                "fp32 instead, or race the plan eager")
 
     def report(self, module: nn.Module, device: str) -> dict:
         """The plan as the run's `started` event records it: file, each Linear's format, fp32 modules, skipped."""
@@ -331,8 +320,8 @@ def assign(model: nn.Module, entries: tuple[tuple[str, str], ...] | list[tuple[s
     return Assignment(linear=linear, fp32=fp32, skipped=skipped)
 
 
-def hooked_fp32(model: nn.Module, plan: Assignment) -> list[str]:
-    """The outermost modules `plan` keeps in fp32 that are not a plain Linear: the keep hooks keep them (a Linear
+def kept_whole(model: nn.Module, plan: Assignment) -> list[str]:
+    """The outermost modules `plan` keeps in fp32 that are not a plain Linear: keep_in_fp32 keeps them (a Linear
     planned fp32 is a PlannedLinear)."""
     return [name for name in plan.fp32 if type(model.get_submodule(name)) is not nn.Linear]
 

@@ -14,7 +14,6 @@ import torch
 
 from amp_core.formats.linear import BlockScaledLinear, GemmRecipe
 from amp_core.imports import heavy_import
-from amp_core.torch_private import forward_hooks
 
 NATIVE_CAPABILITY = {"mxfp8": (10, 0), "nvfp4": (10, 0), "fp8-blockwise": (9, 0)}
 """CUDA compute capability whose tensor cores (and torchao's kernels) run each format: MXFP8 and NVFP4 on Blackwell
@@ -22,10 +21,10 @@ NATIVE_CAPABILITY = {"mxfp8": (10, 0), "nvfp4": (10, 0), "fp8-blockwise": (9, 0)
 NATIVE_DIM_MULTIPLE = 128
 """torchao's NVFP4 and blockwise FP8 training kernels need every GEMM dim a multiple of 128."""
 
-def carries_keep_hooks(module: torch.nn.Module) -> bool:
-    """precision.is_kept: whether `module` carries the keep-in-fp32 hooks (`+keep:`), asked by the hooks' class name
+def kept_in_fp32(module: torch.nn.Module) -> bool:
+    """precision.is_kept: whether `module` is kept in fp32 (`+keep:`), asked by precision.keep.KEEP_ATTRIBUTE's name
     because precision imports this module (tests/test_block_formats.py checks both answers agree)."""
-    return any(type(hook).__name__ == "_KeepEnter" for hook in forward_hooks(module))
+    return "_amp_lab_keep" in vars(module)
 
 
 BLOCK_SCALED_HELP: dict[str, str] = {
@@ -96,10 +95,10 @@ class BlockScaledMatmuls:
 
     def plan(self, module: torch.nn.Module, device: str, kept: Iterable[str] = ()) -> tuple[list[str], dict[str, str]]:
         """(Linear layers converted, {layer: why not}) for `module`: a layer in a kept module (`kept`, or carrying
-        the keep hooks) stays out, as do layers whose dims are not whole blocks (on a GPU with the kernels: not
+        kept by `+keep:`) stays out, as do layers whose dims are not whole blocks (on a GPU with the kernels: not
         multiples of theirs)."""
         converted, skipped = [], {}
-        kept = {*kept, *(name for name, layer in module.named_modules() if carries_keep_hooks(layer))}
+        kept = {*kept, *(name for name, layer in module.named_modules() if kept_in_fp32(layer))}
         native = self.native(device)
         for name, layer in module.named_modules():
             if type(layer) is torch.nn.Linear:

@@ -1,20 +1,18 @@
-"""Keeping modules in fp32 (`+keep:PATTERN`, and `amp_core.fixes.keep_in_fp32` for the user's own loop): the
-forward hooks that turn autocast off around a kept module and cast its inputs and outputs, PyTorch's way."""
+"""Keeping modules in fp32 (`+keep:PATTERN`, and `amp_core.fixes.keep_in_fp32` for the user's own loop): a kept
+module's forward runs inside `autocast(enabled=False)` with its inputs upcast and its outputs cast back, PyTorch's
+way, as one with-block that torch.compile traces."""
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import fnmatch
-import threading
+import types
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from amp_core.precision.modes import is_mixed, low_precision_dtype, recipe_mode
-from amp_core.torch_private import forward_hooks, remove_forward_hooks
 
 KEEP_PREFIX = "keep:"
 """`MODE+keep:PATTERN`: modules whose name matches the glob PATTERN compute in fp32 (repeatable)."""
@@ -23,17 +21,6 @@ KEEP_PREFIX = "keep:"
 KEEP_HELP = ("keep:PATTERN: modules whose name (model.named_modules()) matches the glob compute in fp32: outside "
              "autocast with fp32 inputs and an fp32 output (mixed modes), fp32 weights and the output cast back to "
              "the model's dtype (true modes), left out of FP8 conversion.")
-
-
-class _KeepState(threading.local):
-    """Per thread (a replay steps beside the training thread): the autocast exits and output dtypes (None: left
-    fp32) of the kept modules whose forward is under way, innermost last."""
-
-    def __init__(self) -> None:
-        self.open: list[tuple[contextlib.AbstractContextManager, torch.dtype | None]] = []
-
-
-_KEEP_STATE = _KeepState()
 
 
 def _float_dtype(value: Any) -> torch.dtype | None:
@@ -63,37 +50,35 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class _KeepEnter:
-    """Forward pre-hook of a kept module: autocast off, floating inputs upcast to fp32."""
-
-    restore_dtype: torch.dtype | None
-    """The dtype its outputs are cast back to (the rest of a true-mode model's: its next layer's weights are 16-bit);
-    None: left fp32, as PyTorch's `autocast(enabled=False)` idiom leaves them (mixed modes: autocast casts them for
-    the next op on its list, and an fp32 result beyond the 16-bit range is not turned into inf at the boundary)."""
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        device_type = _device_of((args, kwargs)) or next((p.device.type for p in module.parameters()), "cpu")
-        off = torch.autocast(device_type=device_type, enabled=False)
-        off.__enter__()
-        _KEEP_STATE.open.append((off, self.restore_dtype))
-        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+KEEP_ATTRIBUTE = "_amp_lab_keep"
+"""A kept module's attribute: (its forward before it was kept, or None for its class's; the dtype its outputs are
+cast back to, or None). Its presence is what `is_kept` asks (formats.recipes asks it by this name)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _KeepExit:
-    """Forward hook of a kept module (always called, so autocast comes back on after an exception too): autocast back
-    on, outputs cast back only in a true 16-bit model (`_KeepEnter.restore_dtype`)."""
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        off, restore = _KEEP_STATE.open.pop()
-        off.__exit__(None, None, None)
-        return _cast_floats(output, restore) if restore is not None and output is not None else None
+def _kept_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a kept module (bound to it as its `forward`): autocast off and the floating inputs upcast to
+    fp32 around its own forward, in one with-block (torch.compile traces it into the graph; autocast comes back on
+    after an exception too); the outputs cast back only in a true 16-bit model."""
+    inner, restore = getattr(self, KEEP_ATTRIBUTE)
+    device_type = _device_of((args, kwargs)) or next((p.device.type for p in self.parameters()), "cpu")
+    with torch.autocast(device_type=device_type, enabled=False):
+        args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+        output = type(self).forward(self, *args, **kwargs) if inner is None else inner(*args, **kwargs)
+    return _cast_floats(output, restore) if restore is not None and output is not None else output
 
 
 def is_kept(module: torch.nn.Module) -> bool:
-    """Whether `module` carries the keep-in-fp32 hooks (`keep_in_fp32`)."""
-    return any(isinstance(hook, _KeepEnter) for hook in forward_hooks(module))
+    """Whether `module` is kept in fp32 (`keep_in_fp32`)."""
+    return KEEP_ATTRIBUTE in vars(module)
+
+
+def _unkeep(module: torch.nn.Module) -> None:
+    """`module`'s forward as it was before it was kept."""
+    inner, _ = vars(module).pop(KEEP_ATTRIBUTE)
+    if inner is None:
+        vars(module).pop("forward", None)
+    else:
+        module.forward = inner
 
 
 def kept_module_names(model: torch.nn.Module, patterns: Iterable[str]) -> list[str]:
@@ -146,7 +131,8 @@ def keep_in_fp32(model: torch.nn.Module, patterns: Iterable[str], *,
     ValueError for a pattern that matches nothing (with the closest names)."""
     names = kept_module_names(model, tuple(patterns))
     for module in model.modules():
-        remove_forward_hooks(module, (_KeepEnter, _KeepExit))
+        if is_kept(module):
+            _unkeep(module)
     restore = restore_dtype or keep_output_dtype(model)
     modules = dict(model.named_modules())
     for name in names:
@@ -154,6 +140,8 @@ def keep_in_fp32(model: torch.nn.Module, patterns: Iterable[str], *,
         if any(name.startswith(f"{other}.") for other in names):
             continue  # inside a kept module: fp32 already
         module.float()
-        module.register_forward_pre_hook(_KeepEnter(restore), with_kwargs=True)
-        module.register_forward_hook(_KeepExit(), with_kwargs=True, always_call=True)
+        # Its forward, not hooks: a with-block around it is one autocast switch torch.compile traces, and a copy of
+        # the model (copy.deepcopy) keeps it, bound to the copy.
+        setattr(module, KEEP_ATTRIBUTE, (vars(module).get("forward"), restore))
+        module.forward = types.MethodType(_kept_forward, module)
     return names

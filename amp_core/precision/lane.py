@@ -105,10 +105,10 @@ class Precision:
     def prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move the module to the device and cast its parameters (true modes only change dtype); an FP8 recipe then
         swaps its eligible Linear layers for torchao's Float8Linear. `+keep:` modules compute in fp32 (a copy of a
-        kept lane's model prepared for another recipe loses its keep hooks)."""
+        kept lane's model prepared for another recipe loses its keeps)."""
         # A copy of a block-scaled lane's model (a snapshot, a replay's fork) starts plain, as a fresh model would.
         module = plain_linears(module).to(device=self.device, dtype=self.param_dtype)
-        # Before FP8 conversion: a kept Linear carries the keep hooks, which Float8Matmuls.plan leaves out.
+        # Before FP8 conversion: a kept Linear is one Float8Matmuls.plan leaves out.
         keep_in_fp32(module, self.keep_patterns)
         # A precision plan (+plan:) converts its own layers first; the matmul option then takes the rest.
         for option in sorted(self.options, key=lambda o: not getattr(o, "prepares_first", False)):

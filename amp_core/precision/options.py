@@ -137,7 +137,7 @@ class Float8Matmuls(RecipeOption):
 
     def plan(self, module: torch.nn.Module, device: str, kept: Iterable[str] = ()) -> tuple[list[str], dict[str, str]]:
         """(Linear layers converted, {layer: why skipped}) for `module` on `device`; a layer inside a module kept in
-        fp32 (`kept`, or one carrying the keep hooks: `+keep:`) stays a plain nn.Linear."""
+        fp32 (`kept`, or one kept by `+keep:`) stays a plain nn.Linear."""
         converted, skipped = [], {}
         kept = {*kept, *(name for name, layer in module.named_modules() if is_kept(layer))}
         for name, layer in module.named_modules():

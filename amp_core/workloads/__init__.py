@@ -181,13 +181,9 @@ def _check_kept_modules(config: RunConfig) -> None:
         precision = get_precision(recipe, config.device)
         try:
             kept = kept_module_names(model, precision.keep_patterns)
-            compiled = next((o.name for o in precision.options if hasattr(o, "compile_mode")), "")
             for option in precision.options:  # +plan:FILE: an entry that matches no module is refused here
                 if hasattr(option, "assign"):
                     kept += list(option.assign(model, precision.device).linear)
-                    why = option.compile_model_refusal(model, precision.device, compiled) if compiled else ""
-                    if why:
-                        raise ValueError(why)
         except ValueError as error:
             raise ConfigError("modes", f"{recipe}: {error}") from None
         # A block-scaled recipe none of whose layers converts would race a plain bf16 lane under its name.
