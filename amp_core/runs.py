@@ -196,6 +196,18 @@ class RunReader:
         """The runs held in this process."""
         return []
 
+    def training_here(self) -> list[str]:
+        """The runs training on this machine now, sharing its cores with anything measured here: those this process
+        starts or trains, and those another process on this host writes (the CLI, a Monitor script) with their status
+        pending or running. A run paused, or written from another host (a shared PostgreSQL store), is not counted."""
+        held = self.runs()
+        here = [run.run_id for run in held if run.status in ("pending", "running")]
+        if self.store is None:
+            return here
+        self.store.check_liveness()
+        ours = {run.run_id for run in held}  # this process's runs: their status in memory is the newest
+        return here + [run_id for run_id in self.store.running_here() if run_id not in ours]
+
     def list_runs(self) -> pd.DataFrame:
         """Runs in the store and in memory, newest first: run_id, name, workload, modes, status, created_at."""
         columns = ["run_id", "name", "workload", "modes", "status", "created_at"]

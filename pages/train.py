@@ -453,8 +453,8 @@ if config is not None:
     probe_key = (config.workload, config.size, config.batch_size, device)
     asked = st.session_state.setdefault("train_probed", set())
     waits_for_user = config.size != "small" and probe_key not in asked
-    busy = any(run.alive for run in manager.runs())
     known = board.known(config)
+    busy = manager.training_here() if known is None and not waits_for_user else []
     watching = not can_control()  # a visitor sees what was measured, and starts no race
     racing = not watching and not waits_for_user and not busy and known is None
 
@@ -484,8 +484,8 @@ if config is not None:
                     st.rerun()
                 return
             if busy and known is None:
-                st.caption("Measured once no run is going: a run shares the cores, and would slow the race and be "
-                           "slowed by it.")
+                st.caption(f"Measured once no run is going: run `{busy[0]}` trains on this machine (here or in "
+                           "another process), shares its cores, and would slow the race and be slowed by it.")
                 return
             outcomes = known if known is not None else board.get(config)
             if outcomes is None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from cli_process import start_cli_run, stored_steps
 from failing_workload import OutOfMemoryAt
 from figure_json import points_by_trace, spec
 from streamlit.testing.v1 import AppTest
@@ -93,6 +96,31 @@ def test_fresh_store_renders_the_form_and_the_cost_probe(app):
     (timed,) = set(probe["steps timed"])  # every lane stepped in turn to the race's end, none cut short
     assert "capped" not in timed and int(timed.replace(",", "")) >= TIMED_STEPS, timed
     assert manager().list_runs().empty
+
+
+@pytest.mark.both_stores
+def test_the_cost_probe_waits_while_another_process_trains_on_this_machine(fresh_store):
+    # A CLI run on this machine shares its cores: the probe's race would measure both jobs. The panel names the run
+    # and races once it has ended.
+    cli = start_cli_run(fresh_store, "--workload", "mlp_regression", "--modes", "32-true", "--steps", "10000000")
+    try:
+        deadline = time.monotonic() + 60
+        while stored_steps(fresh_store) == 0:
+            assert cli.poll() is None and time.monotonic() < deadline, "the CLI run wrote no records"
+            time.sleep(0.1)
+        at = AppTest.from_file(PAGE, default_timeout=120).run()
+        assert not at.exception
+        (run_id,) = manager().list_runs()["run_id"]
+        waiting = [caption.value for caption in at.caption if "Measured once no run is going" in caption.value]
+        assert waiting and run_id in waiting[0], [caption.value for caption in at.caption]
+        assert not any("Racing the modes" in caption.value for caption in at.caption)
+    finally:
+        cli.send_signal(signal.SIGINT)
+        cli.wait(60)
+    at.run()  # the CLI run has ended (its status says so): the probe races now
+    assert any("Racing the modes through the runner" in caption.value for caption in at.caption)
+    after_the_probes(at)
+    assert probe_table(at)["mode"].tolist() == default_modes("cpu")
 
 
 @pytest.mark.parametrize("modes", [["32-true", "bf16-mixed"], ["bf16-mixed", "16-mixed", "bf16-true"]])

@@ -469,6 +469,15 @@ class RunStore:
         frame["modes"] = [json.loads(modes) for modes in frame["modes"]]
         return frame
 
+    def running_here(self) -> list[str]:
+        """The runs starting or training (status pending or running) whose writer is on this host (by name;
+        `check_liveness` first, so a writer that is gone is not counted), newest first."""
+        host = _process_identity()[0]
+        with self._read() as conn:
+            rows = conn.execute("SELECT run_id FROM runs WHERE status IN (?, ?) AND host = ? ORDER BY created_at DESC",
+                                ("pending", "running", host)).fetchall()
+        return [row[0] for row in rows]
+
     def run(self, run_id: str) -> dict[str, Any] | None:
         """A run's row with its config (dict) and lanes (list of dicts, meta a dict); None if unknown."""
         with self._read() as conn:
