@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from amp_core.workshop import SCENARIOS
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, PAINTED, SETTLED, server  # noqa: F401  (the fixture)
+from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, DRAWN, NO_PROBE_AWAITED, PAINTED, SETTLED, server  # noqa: F401  (the fixture)
 from tests.test_browser_pages import TABLE_OVERFLOW, TEXT_BOXES
 from tests.test_browser_workshop import ALL_HELD
 
@@ -75,6 +75,12 @@ def test_see_it_coming_then_every_page_that_shows_the_forecast(server):  # noqa:
             page.goto(f"{server}/layer_numerics")
             page.get_by_role("heading", name="Layer numerics").wait_for(timeout=90_000)
             page.get_by_text("Headroom of each layer's outputs to fp16's largest value").wait_for(timeout=120_000)
+            # The page's probes are drawn by a rerun when they are in (pages.answered): under load that rerun may come
+            # after the chart was first drawn, redrawing it. Measure the labels once nothing is awaited and both show.
+            page.wait_for_function(NO_PROBE_AWAITED, timeout=180_000)
+            page.wait_for_function(f"() => ({TEXT_BOXES})(['forecast: step', 'broke: step']).length >= 2",
+                                   timeout=60_000)
+            page.wait_for_function(SETTLED, timeout=60_000)
             page.wait_for_function(DRAWN, timeout=60_000)
             labels = page.evaluate(TEXT_BOXES, ["forecast: step", "broke: step"])
             assert {box["text"].split(":")[0] for box in labels} == {"forecast", "broke"}
