@@ -49,6 +49,18 @@ def demo_rows(device: str) -> list[dict[str, str]]:
     return optrace.autocast_demo(device)
 
 
+RECIPE_OPTIONS_HELP = ("Optional `+OPTION`s after the mode, as a lane's recipe is written: `+keep:GLOB` (modules "
+                      "computed in fp32), `+fp8-rowwise`, `+mxfp8`, `+plan:FILE` (a format per module), … Empty: the "
+                      "mode alone. A recipe that cannot run here is refused in one line, as at launch.")
+
+
+def recipe_of(mode: str, where, key: str) -> str:
+    """`mode` with the recipe options typed beside it (`+keep:fc2+fp8-rowwise`; the first `+` may be left out)."""
+    options = where.text_input("Recipe options", key=key, placeholder="+keep:fc2", help=RECIPE_OPTIONS_HELP)
+    options = options.strip().lstrip("+").strip()
+    return f"{mode}+{options}" if options else mode
+
+
 def workload_traces() -> list[optrace.OpTrace]:
     """Widgets for a workload trace in one or two modes; the traces, or [] after a note (being traced) or an error."""
     runnable = runnable_modes(DEVICE)
@@ -65,11 +77,14 @@ def workload_traces() -> list[optrace.OpTrace]:
         middle.caption(f"Size **{size}**, batch **{batch_size}**: larger traces are the presenter's to run.")
     preferred = INSPECT_DEFAULTS.trace_mode if INSPECT_DEFAULTS.trace_mode in runnable else runnable[-1]
     if st.session_state.opi_source == SOURCES[0]:
-        modes = [st.selectbox("Mode", runnable, index=runnable.index(preferred), key="opi_mode")]
+        mode_col, options_col = st.columns(2)
+        modes = [recipe_of(mode_col.selectbox("Mode", runnable, index=runnable.index(preferred), key="opi_mode"),
+                           options_col, "opi_options")]
     else:
         first, second = st.columns(2)
-        modes = [first.selectbox("Mode A", runnable, index=0, key="opi_mode_a"),
-                 second.selectbox("Mode B", runnable, index=runnable.index(preferred), key="opi_mode_b")]
+        modes = [recipe_of(first.selectbox("Mode A", runnable, index=0, key="opi_mode_a"), first, "opi_options_a"),
+                 recipe_of(second.selectbox("Mode B", runnable, index=runnable.index(preferred), key="opi_mode_b"),
+                           second, "opi_options_b")]
     refused = [f"{m} ({availability(m, DEVICE)[1]})" for m in MODES if m not in runnable]
     if refused:
         st.caption(f"Not offered on {DEVICE}: " + "; ".join(refused))
@@ -139,7 +154,8 @@ def compiled_section() -> None:
     if st.session_state.get("opi_source") != SOURCES[0]:
         return
     st.subheader("Compiled (`+compile`): what inductor made of this step")
-    mode = st.session_state.get("opi_mode", "bf16-mixed")
+    options = st.session_state.get("opi_options", "").strip().lstrip("+").strip()  # the recipe traced above
+    mode = "+".join([st.session_state.get("opi_mode", "bf16-mixed"), *([options] if options else [])])
     if not st.toggle(f"Compile {mode} with inductor and show what ran", key="opi_compiled"):
         st.caption("A compiled lane's layer numerics run on an eager copy with the same weights; its replay (Overflow "
                    "debugger) runs the step compiled and eagerly, side by side.")

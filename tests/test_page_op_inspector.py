@@ -126,3 +126,30 @@ def test_live_lane_is_traced_on_click(stepped_launches, no_leaked_threads):
         assert low_precision(table["outputs"])
     finally:
         run.stop()
+
+
+def test_recipe_options_trace_a_recipe_and_one_that_cannot_be_traced_is_refused_in_one_line(app):
+    # `+keep:fc2` beside the mode: fc2's matmul runs in fp32 while fc1's stays in the mode's 16-bit dtype.
+    answered(app.text_input(key="opi_options").set_value("+keep:fc2").run())
+    assert not app.exception and not app.error
+    [table] = op_tables(app)
+    matmuls = table[table["op"] == "addmm"].groupby("module").first()
+    assert matmuls.loc["fc2", "inputs"].startswith("fp32") and matmuls.loc["fc2", "outputs"].startswith("fp32")
+    assert low_precision([matmuls.loc["fc1", "inputs"]])
+    for options, said in (("keep:fc3", "matches no module"), ("+compile", "a trace runs the step eagerly")):
+        answered(app.text_input(key="opi_options").set_value(options).run())
+        assert not app.exception
+        [error] = [element.value for element in app.error]
+        assert error.startswith("Cannot trace:") and said in error and "\n" not in error, error
+        assert not op_tables(app)
+
+
+def test_the_compiled_section_compiles_the_recipe_traced_above(app):
+    # +keep:fc2 with inductor: the kept Linear's matmul is an fp32 op of the compiled forward graph, fc1's a bf16 one.
+    answered(app.text_input(key="opi_options").set_value("keep:fc2").run())
+    app.toggle(key="opi_compiled").set_value(True).run()
+    assert not app.exception and not app.error, [e.value for e in app.error]
+    assert app.toggle(key="opi_compiled").label == "Compile bf16-mixed+keep:fc2 with inductor and show what ran"
+    [ops] = frames(app, "is_cast")
+    forward = ops[(ops["phase"] == "forward") & ops["op"].isin(["aten.mm.default", "aten.addmm.default"])]
+    assert sorted(forward["dtype"]) == ["bf16", "fp32"], forward  # fc1's, then the kept fc2's

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_core.config import INSPECT_DEFAULTS, RunConfig
+from amp_core.config import INSPECT_DEFAULTS, ConfigError, RunConfig
 from amp_core.formats import stages
 from amp_core.precision import Precision, get_precision
 from amp_core.probes.module_formats import module_formats, plain_format
@@ -410,11 +410,16 @@ def trace_step(model: nn.Module, precision: Precision, loss: Callable[[torch.Ten
 
 def trace_workload(workload: str, mode: str, size: str = "small", device: str = "cpu", *, seed: int = 0,
                    batch_size: int = DEFAULT_TRACE_BATCH) -> OpTrace:
-    """Trace one step of a freshly built workload in one mode. ConfigError for a bad name, size or mode."""
+    """Trace one step of a freshly built workload in one mode or recipe (`bf16-mixed+keep:fc2`). ConfigError for a bad
+    name, size or recipe, and for a compiled recipe (a trace runs eagerly)."""
     config = RunConfig(workload=workload, modes=(mode,), size=size, device=device, seed=seed, batch_size=batch_size)
     check_launch(config)
     spec = WORKLOADS[workload]
     precision = get_precision(mode, config.device)
+    if any(hasattr(option, "compile_mode") for option in precision.options):
+        raise ConfigError("modes", f"{mode}: a trace runs the step eagerly, op by op, so it would not show what "
+                                   "compiling makes of it; a compiled lane's own compile is traced by the Op "
+                                   "inspector's \"A compiled lane's own compile\"")
     model, batch = spec.seeded_model_and_batch(config)
     return trace_step(model, precision, spec.loss, batch, copy_model=False, label=f"{workload} · {mode}")
 
