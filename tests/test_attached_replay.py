@@ -218,3 +218,28 @@ def test_an_attached_runs_replay_in_chromium(amplified_overflow, tmp_path):
         assert fit[0] <= fit[1] + 1, fit  # every column of the replay's table shows
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "attached_replay_verdict.png"))
+
+
+def test_a_replay_of_a_loop_that_keeps_a_module_in_fp32_keeps_it():
+    # The user applied the printed fix (amp_core.fixes.keep_in_fp32): every replay of their step, in their mode or
+    # another, computes the kept module in fp32 as their loop does; a copy prepared for a recipe would drop it.
+    import torch
+    from torch import nn
+
+    from amp_core.diagnostics.attached_replay import KeptState
+    from amp_core.fixes import keep_in_fp32
+    from amp_core.precision import get_precision, is_kept
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    keep_in_fp32(model, ["2"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = KeptState(model, optimizer, None)
+    state.keep()
+    assert state.kept_fp32 == ["2"]
+    for mode in ("bf16-mixed", "16-mixed"):
+        precision = get_precision(mode)
+        forked, _, _ = state.fork(precision, None)
+        assert is_kept(forked[2]) and not is_kept(forked[0])
+        with precision.forward_context():
+            assert forked(torch.randn(2, 8)).dtype == torch.float32, mode

@@ -48,7 +48,7 @@ from amp_core.diagnostics.replay_modes import (
     report_data,
 )
 from amp_core.imports import compiler_ready
-from amp_core.precision import Precision
+from amp_core.precision import Precision, is_kept, keep_in_fp32
 from amp_core.probes.numerics import prepare_batch, probe_step
 from amp_core.probes.spikes import SpikeRule, loss_band
 from amp_core.torch_private import foreach_copy_, scale_tensor, scaler_settings
@@ -120,6 +120,9 @@ class KeptState:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.groups = optimizer_groups(model, optimizer)
         self.template = detached_copy(model, without).to("cpu")
+        self.kept_fp32 = [name for name, module in self.template.named_modules() if is_kept(module)]
+        """The modules the user's loop keeps in fp32 (`amp_core.fixes.keep_in_fp32`): their model's, kept in every
+        replay of it."""
         self._cuda = any(t.is_cuda for t in model.parameters())
         targets = [*self.template.parameters(), *self.template.buffers()]
         if self._cuda:  # pinned: the device-to-host copies then need no wait
@@ -197,6 +200,8 @@ class KeptState:
         if self._cuda:
             torch.cuda.synchronize()  # the kept copies have landed (the replay's wait, after the step)
         model = precision.prepare_module(copy.deepcopy(self.template))
+        if self.kept_fp32:  # preparing for a recipe drops the keeps it does not name: the loop's own are put back
+            keep_in_fp32(model, [*self.kept_fp32, *precision.keep_patterns])
         params = list(model.parameters())
         groups = [{**hyper, "params": [params[index] for index in indices]}
                   for hyper, indices in zip(self.hyper, self.groups, strict=True)]
