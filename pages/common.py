@@ -465,6 +465,23 @@ def live_lane_probe(prefix: str, verb: str, what: str, probe, state_key: str):
     return st.session_state.get(state_key)
 
 
+RECIPE_OPTIONS_HELP = ("Optional `+OPTION`s after the mode, as a lane's recipe is written: `+keep:GLOB` (modules "
+                       "computed in fp32), `+fp8-rowwise`, `+mxfp8`, `+plan:FILE` (a format per module), … Empty: the "
+                       "mode alone. A recipe that cannot run here is refused in one line, as at launch.")
+
+
+def with_options(mode: str, options: str) -> str:
+    """`mode` followed by the recipe options typed for it (`+keep:fc2+fp8-rowwise`; the first `+` may be left out)."""
+    options = options.strip().lstrip("+").strip()
+    return f"{mode}+{options}" if options else mode
+
+
+def recipe_of(mode: str, where, key: str, placeholder: str = "+keep:fc2") -> str:
+    """`mode` with the recipe options typed in a box drawn in `where` (a column, or `st`)."""
+    return with_options(mode, where.text_input("Recipe options", key=key, placeholder=placeholder,
+                                               help=RECIPE_OPTIONS_HELP))
+
+
 def run_label(row: pd.Series, status: bool = True) -> str:
     """A run as pickers list it: its name first (`amp-lab list` shows the same), or its id when it has none; `status`
     False leaves its status out (for a page that shows it live elsewhere)."""

@@ -23,6 +23,7 @@ from pages.common import (
     first_nonfinite_list,
     get_manager,
     live_lane_probe,
+    recipe_of,
     run_picker,
     store_guarded,
 )
@@ -98,6 +99,7 @@ def workload_report() -> numerics.NumericsReport | None:
     preferred = next((m for m in (INSPECT_DEFAULTS.numerics_mode, "bf16-mixed") if m in runnable), runnable[-1])
     mode = fourth.selectbox("Mode", runnable, index=runnable.index(preferred), key="lnum_mode",
                             help="\n\n".join(f"**{m}**: {MODE_HELP[m]}" for m in runnable))
+    mode = recipe_of(mode, st.columns([3, 2, 4])[2], "lnum_options", placeholder="+keep:blocks.*.mlp")
     answer = probed(workload, mode, size, DEVICE, int(batch_size))
     if not answer.done.is_set():
         awaiting(answer, f"Probing one forward + backward in {mode} and in fp32, size {size}, batch {int(batch_size)}…")

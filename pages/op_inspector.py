@@ -20,8 +20,10 @@ from pages.common import (
     control_note,
     get_manager,
     live_lane_probe,
+    recipe_of,
     run_picker,
     store_guarded,
+    with_options,
 )
 
 DEVICE = resolve_device("auto")
@@ -47,18 +49,6 @@ def traced(state_key: str, workload: str, mode: str, size: str, batch_size: int)
 @st.cache_data(show_spinner=False)
 def demo_rows(device: str) -> list[dict[str, str]]:
     return optrace.autocast_demo(device)
-
-
-RECIPE_OPTIONS_HELP = ("Optional `+OPTION`s after the mode, as a lane's recipe is written: `+keep:GLOB` (modules "
-                      "computed in fp32), `+fp8-rowwise`, `+mxfp8`, `+plan:FILE` (a format per module), … Empty: the "
-                      "mode alone. A recipe that cannot run here is refused in one line, as at launch.")
-
-
-def recipe_of(mode: str, where, key: str) -> str:
-    """`mode` with the recipe options typed beside it (`+keep:fc2+fp8-rowwise`; the first `+` may be left out)."""
-    options = where.text_input("Recipe options", key=key, placeholder="+keep:fc2", help=RECIPE_OPTIONS_HELP)
-    options = options.strip().lstrip("+").strip()
-    return f"{mode}+{options}" if options else mode
 
 
 def workload_traces() -> list[optrace.OpTrace]:
@@ -154,8 +144,7 @@ def compiled_section() -> None:
     if st.session_state.get("opi_source") != SOURCES[0]:
         return
     st.subheader("Compiled (`+compile`): what inductor made of this step")
-    options = st.session_state.get("opi_options", "").strip().lstrip("+").strip()  # the recipe traced above
-    mode = "+".join([st.session_state.get("opi_mode", "bf16-mixed"), *([options] if options else [])])
+    mode = with_options(st.session_state.get("opi_mode", "bf16-mixed"), st.session_state.get("opi_options", ""))
     if not st.toggle(f"Compile {mode} with inductor and show what ran", key="opi_compiled"):
         st.caption("A compiled lane's layer numerics run on an eager copy with the same weights; its replay (Overflow "
                    "debugger) runs the step compiled and eagerly, side by side.")

@@ -256,3 +256,17 @@ def test_an_fp8_lanes_samples_measure_e4m3_and_e5m2_and_the_page_shows_them(no_l
     assert list(table.columns) == ["module", "overflow", "subnormal", "zero"]  # not "fp8 e5m2 scaled"'s too
     expected = fp8[-1]["shares"]["output"]["fp8 e5m2"]["zero"]
     assert table["zero"].fillna(-1).tolist() == [-1 if v is None else v for v in expected]
+
+
+def test_recipe_options_probe_a_recipe_and_a_compiled_one_is_refused_in_one_line(app):
+    # `+keep:blocks.*.mlp` beside 16-mixed: the kept MLPs' outputs are fp32 against the fp32 run, the rest fp16.
+    answered(app.text_input(key="lnum_options").set_value("+keep:blocks.*.mlp").run())
+    assert not app.exception and not app.error
+    [errors] = tables(app, "output_error")
+    dtypes = errors.set_index("module")["dtype"]
+    assert dtypes["blocks.0.mlp"] == dtypes["blocks.1.mlp"] == "fp32" and dtypes["blocks.0.qkv"] == "fp16"
+    answered(app.text_input(key="lnum_options").set_value("compile").run())
+    assert not app.exception
+    [error] = [element.value for element in app.error]
+    assert error.startswith("Cannot probe: mode: 16-mixed+compile: a probe runs the step eagerly"), error
+    assert not tables(app, "output_error")

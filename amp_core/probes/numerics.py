@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from amp_core.config import ConfigError, RunConfig
-from amp_core.precision import BASELINE_MODE, Precision, availability, get_precision
+from amp_core.precision import BASELINE_MODE, Precision, availability, compile_option, get_precision
 from amp_core.torch_private import foreach_copy_
 from amp_core.workloads import WORKLOADS, Workload, check_launch
 
@@ -703,9 +703,10 @@ def resolve_workload(workload: str | Workload) -> Workload:
 
 def probe_workload(workload: str | Workload, mode: str, size: str = "small", device: str = "cpu", *, seed: int = 0,
                    batch_size: int = DEFAULT_NUMERICS_BATCH) -> NumericsReport:
-    """Probe one batch of a freshly built workload (by name, or any Workload object) in one mode against fp32.
+    """Probe one batch of a freshly built workload (by name, or any Workload object) in one mode or recipe
+    (`16-mixed+keep:head`) against fp32.
 
-    ConfigError naming the field for a bad workload, mode, size, device or batch size.
+    ConfigError naming the field for a bad workload, mode (a compiled recipe too), size, device or batch size.
     """
     spec = resolve_workload(workload)
     try:
@@ -725,6 +726,10 @@ def probe_workload(workload: str | Workload, mode: str, size: str = "small", dev
     if spec.sizes and size not in spec.sizes:
         raise ConfigError("size", f"{config.workload} has sizes {', '.join(spec.sizes)}, not {size!r}")
     precision = get_precision(mode, device)
+    if compile_option(precision) is not None:
+        raise ConfigError("mode", f"{mode}: a probe runs the step eagerly, module by module, so it would not show "
+                                  "the compiled step; probe the recipe without its +compile (a compiled lane's layer "
+                                  "numerics run on an eager copy too)")
     model, batch = spec.seeded_model_and_batch(config)
     return probe_step(model, precision, spec.loss, batch, copy_model=False, label=f"{config.workload} · {mode}")
 

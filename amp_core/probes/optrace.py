@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_core.config import INSPECT_DEFAULTS, ConfigError, RunConfig
 from amp_core.formats import stages
-from amp_core.precision import Precision, get_precision
+from amp_core.precision import Precision, compile_option, get_precision
 from amp_core.probes.module_formats import module_formats, plain_format
 from amp_core.torch_private import ScopedModuleTracker, TorchDispatchMode
 from amp_core.workloads import WORKLOADS, check_launch
@@ -416,7 +416,7 @@ def trace_workload(workload: str, mode: str, size: str = "small", device: str = 
     check_launch(config)
     spec = WORKLOADS[workload]
     precision = get_precision(mode, config.device)
-    if any(hasattr(option, "compile_mode") for option in precision.options):
+    if compile_option(precision) is not None:
         raise ConfigError("modes", f"{mode}: a trace runs the step eagerly, op by op, so it would not show what "
                                    "compiling makes of it; a compiled lane's own compile is traced by the Op "
                                    "inspector's \"A compiled lane's own compile\"")
