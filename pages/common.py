@@ -477,7 +477,10 @@ def with_options(mode: str, options: str) -> str:
 
 
 def recipe_of(mode: str, where, key: str, placeholder: str = "+keep:fc2") -> str:
-    """`mode` with the recipe options typed in a box drawn in `where` (a column, or `st`)."""
+    """`mode` with the recipe options typed in a box drawn in `where` (a column, or `st`). The presenter's only: a
+    visitor's probe runs on the presenter's machine, and an option such as `+plan:FILE` reads a file there."""
+    if not can_control():
+        return mode
     return with_options(mode, where.text_input("Recipe options", key=key, placeholder=placeholder,
                                                help=RECIPE_OPTIONS_HELP))
 

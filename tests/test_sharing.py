@@ -149,6 +149,9 @@ def test_every_control_is_drawn_for_the_presenter_only(paused_run, monkeypatch, 
         at.switch_page(page).run()
         assert not at.exception, (page, [e.value for e in at.exception])
         found = labels(at)
+        if page in LIVE_LANE:  # a workload's probe takes recipe options, which may read a file (+plan:FILE) there
+            boxes = {box.label for box in at.text_input}
+            assert ("Recipe options" in boxes) is (role == "presenter"), (page, boxes)
         if page in LIVE_LANE:  # the probe of a live lane: behind the page's source picker
             key, button = LIVE_LANE[page]
             at.radio(key=key).set_value("A live lane").run()
