@@ -90,6 +90,10 @@ def test_the_recipe_builder_launches_a_race_and_the_memory_breakdown_names_each_
             page.wait_for_function(LOSS_POINTS_AT_LEAST, arg=[RACE, STEPS], timeout=60_000)
             page.wait_for_function(SETTLED, timeout=60_000)
             assert page.locator("[data-testid='stException']").count() == 0
+            # The cost probe races once the run has ended (a run shares the cores) and its end redraws the page: the
+            # memory chart is read once it is drawn again with every lane.
+            page.wait_for_function(f"() => Object.keys(({MEMORY_BARS})()).length >= {len(RACE)}", timeout=120_000)
+            page.wait_for_function(SETTLED, timeout=60_000)
             bars = page.evaluate(MEMORY_BARS)
             assert set(bars) == set(RACE) and all(count >= 4 for count in bars.values()), bars
             chart = next(div for div in page.locator(".js-plotly-plot").all()
