@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, CHROMIUM_ARGS, SETTLED
+from test_browser import CHROMIUM, CHROMIUM_ARGS, NO_PROBE_AWAITED, SETTLED
 from test_browser_pages import VIEWPORT, screenshot
 from test_monitor import said, start_script
 from test_requests import go_on
@@ -75,6 +75,11 @@ def test_requests_from_the_pages_are_answered_and_a_killed_process_is_named(tmp_
                 numerics = browser.new_page(viewport=VIEWPORT)
                 numerics.goto(f"http://127.0.0.1:{port}/layer_numerics")
                 layers = numerics.get_by_role("button", name="Layer numerics at the next step")
+                layers.wait_for(timeout=90_000)
+                # The page's own probe is drawn by a rerun when its answer is in (pages.answered): a click landing as
+                # that rerun replaces the page can be lost (seen once under suite load). Click once it has drawn.
+                numerics.wait_for_function(NO_PROBE_AWAITED, timeout=180_000)
+                numerics.wait_for_function(SETTLED, timeout=60_000)
                 layers.click(timeout=90_000)
                 numerics.get_by_text("waiting for the process to read it at its next flush").wait_for(timeout=60_000)
                 go_on(proc)  # taken by step 35
