@@ -26,7 +26,7 @@ from amp_core.config import RUN_DEFAULTS
 from amp_core.records import empty_steps_frame
 from amp_core.records.query import MAX_POINTS, LaneSeries, read_lane
 from amp_core.records.schema import GradStats
-from amp_core.records.store import LIVE_STATUSES, RunStore, StoredTrack
+from amp_core.records.store import LIVE_STATUSES, TRAINING_STATUSES, RunStore, StoredTrack
 
 
 class SourceKind(enum.StrEnum):
@@ -201,7 +201,7 @@ class RunReader:
         starts or trains, and those another process on this host writes (the CLI, a Monitor script) with their status
         pending or running. A run paused, or written from another host (a shared PostgreSQL store), is not counted."""
         held = self.runs()
-        here = [run.run_id for run in held if run.status in ("pending", "running")]
+        here = [run.run_id for run in held if run.status in TRAINING_STATUSES]
         if self.store is None:
             return here
         self.store.check_liveness()

@@ -54,6 +54,8 @@ SCHEMA_VERSION = 3
 """3: the requests table (a page asks a live process for a probe at its next step); a schema-2 file gains it when
 opened (nothing else changes, so the migration is that CREATE TABLE)."""
 LIVE_STATUSES = ("pending", "running", "paused")
+TRAINING_STATUSES = ("pending", "running")
+"""A run starting or training: its writer is using the cores (a paused one is live but idle)."""
 STALE_AFTER_S = 60.0
 """A run written from another host or pid namespace is interrupted once its writer has not flushed for this long."""
 LIVENESS_EVERY_S = 2.0
@@ -475,7 +477,7 @@ class RunStore:
         host = _process_identity()[0]
         with self._read() as conn:
             rows = conn.execute("SELECT run_id FROM runs WHERE status IN (?, ?) AND host = ? ORDER BY created_at DESC",
-                                ("pending", "running", host)).fetchall()
+                                (*TRAINING_STATUSES, host)).fetchall()
         return [row[0] for row in rows]
 
     def run(self, run_id: str) -> dict[str, Any] | None:
