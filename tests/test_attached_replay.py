@@ -228,7 +228,7 @@ def test_a_replay_of_a_loop_that_keeps_a_module_in_fp32_keeps_it():
 
     from amp_core.diagnostics.attached_replay import KeptState
     from amp_core.fixes import keep_in_fp32
-    from amp_core.precision import get_precision, is_kept
+    from amp_core.precision import float64_reference, get_precision, is_kept
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -243,3 +243,6 @@ def test_a_replay_of_a_loop_that_keeps_a_module_in_fp32_keeps_it():
         assert is_kept(forked[2]) and not is_kept(forked[0])
         with precision.forward_context():
             assert forked(torch.randn(2, 8)).dtype == torch.float32, mode
+    wide = float64_reference()  # the reference computes everything in float64, the kept module too
+    forked, _, _ = state.fork(wide, None)
+    assert not is_kept(forked[2]) and forked(torch.randn(2, 8, dtype=torch.float64)).dtype == torch.float64

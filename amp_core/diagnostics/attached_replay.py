@@ -200,7 +200,9 @@ class KeptState:
         if self._cuda:
             torch.cuda.synchronize()  # the kept copies have landed (the replay's wait, after the step)
         model = precision.prepare_module(copy.deepcopy(self.template))
-        if self.kept_fp32:  # preparing for a recipe drops the keeps it does not name: the loop's own are put back
+        # Preparing for a recipe drops the keeps it does not name: the loop's own are put back, but not in the float64
+        # reference (a keep computes in fp32, below what the reference computes in).
+        if self.kept_fp32 and precision.param_dtype != torch.float64:
             keep_in_fp32(model, [*self.kept_fp32, *precision.keep_patterns])
         params = list(model.parameters())
         groups = [{**hyper, "params": [params[index] for index in indices]}
