@@ -38,10 +38,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +96,7 @@ class Visit:
         return bool(self.tracebacks or self.lines)
 
 
-async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, timeout_s: float) -> Visit:
+async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, *, timeout_s: float) -> Visit:
     """One session: a fresh context opens `url/path` when `start` is set; seconds until usable, and what failed."""
     context = await browser.new_context(viewport=VIEWPORT)
     try:
@@ -113,16 +115,23 @@ async def visit(browser, url: str, path: str, title: str, start: asyncio.Event, 
         await context.close()
 
 
-async def room(browser, url: str, pages: list[tuple[str, str]], timeout_s: float) -> list[Visit]:
-    """Every page opened at the same moment, each in its own session."""
+async def together(visits: list[Callable[[asyncio.Event], Awaitable[Visit]]], ready_s: float) -> list[Visit]:
+    """Every visit started, then let go at the same moment (`ready_s` after: time for each to get ready)."""
     start = asyncio.Event()
-    visits = [asyncio.create_task(visit(browser, url, path, title, start, timeout_s)) for path, title in pages]
-    await asyncio.sleep(0.5)  # every context made: the goto calls then leave together
+    tasks = [asyncio.create_task(one(start)) for one in visits]
+    await asyncio.sleep(ready_s)
     start.set()
-    return list(await asyncio.gather(*visits))
+    return list(await asyncio.gather(*tasks))
 
 
-async def protocol_visit(url: str, path: str, title: str, start: asyncio.Event, timeout_s: float) -> Visit:
+async def room(browser, url: str, pages: list[tuple[str, str]], timeout_s: float) -> list[Visit]:
+    """Every page opened at the same moment, each in its own session (its context made first: the goto calls then
+    leave together)."""
+    return await together([functools.partial(visit, browser, url, path, title, timeout_s=timeout_s)
+                           for path, title in pages], ready_s=0.5)
+
+
+async def protocol_visit(url: str, path: str, title: str, start: asyncio.Event, *, timeout_s: float) -> Visit:
     """One protocol session: opened when `start` is set; seconds until its page's first script run has ended with the
     title (or a traceback, or the page edge's one line) drawn, and what failed."""
     done = asyncio.Event()
@@ -154,11 +163,8 @@ def failures(viewer: Viewer) -> list[str]:
 
 async def protocol_room(url: str, pages: list[tuple[str, str]], timeout_s: float) -> list[Visit]:
     """Every page opened at the same instant over Streamlit's protocol, each in its own session."""
-    start = asyncio.Event()
-    visits = [asyncio.create_task(protocol_visit(url, path, title, start, timeout_s)) for path, title in pages]
-    await asyncio.sleep(0)
-    start.set()
-    return list(await asyncio.gather(*visits))
+    return await together([functools.partial(protocol_visit, url, path, title, timeout_s=timeout_s)
+                           for path, title in pages], ready_s=0.0)
 
 
 @contextlib.asynccontextmanager
@@ -213,11 +219,11 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
                 (lone,), _ = await on_fresh_server(browser, [pages[first.index(slowest)]], timeout_s, reopen=False)
                 protocol, protocol_lone = await protocol_rooms(pages, timeout_s)
                 protocol_slowest = max(protocol, key=lambda one: one.usable_s)
-                served = [*protocol, protocol_lone]
+                by_protocol = [*protocol, protocol_lone]
                 report(f"try {attempt} room", first)
                 report(f"try {attempt} reopened", again)
-                report(f"try {attempt} protocol room", served)
-                failed = sum(one.failed for one in first + again + served)
+                report(f"try {attempt} protocol room", by_protocol)
+                failed = sum(one.failed for one in first + again + by_protocol)
                 failed_total += failed
                 unframed = sum(one.unframed for one in first + again)
                 unframed_total += unframed
@@ -226,7 +232,7 @@ async def main_async(sessions: int, tries: int, timeout_s: float) -> None:
                 room_ratios.append(protocol_slowest.usable_s / protocol_lone.usable_s)
                 print(f"try={attempt} pages_with_exception={failed} room_failed={sum(o.failed for o in first)} "
                       f"reopened_failed={sum(o.failed for o in again)} "
-                      f"protocol_failed={sum(o.failed for o in served)} pages_unframed={unframed} "
+                      f"protocol_failed={sum(o.failed for o in by_protocol)} pages_unframed={unframed} "
                       f"slowest_page=/{slowest.path} "
                       f"slowest_s={slowest.usable_s:.2f} lone_s={lone.usable_s:.2f} "
                       f"chromium_slowest_vs_lone={ratios[-1]:.2f} slowest_served_s={slowest.served_s:.2f} "
